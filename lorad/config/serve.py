@@ -1,0 +1,128 @@
+"""Settings of one lorad instance, fixed at start: the coordinator's and each worker's.
+
+Frozen dataclasses, validated at construction with errors that name the flag. Nothing mutates
+them after start; workers report measured facts (KV blocks) in their Ready message instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from lorad.config.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
+
+
+def _positive(flag: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `lorad serve` was told on the command line."""
+
+    model_dir: str
+    served_name: str
+    parallel: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    device: str = "auto"
+    dist_backend: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes per rank
+    num_threads: int = 1
+    runtime_dir: str | None = None
+    startup_timeout: float = 600.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.served_name or any(c.isspace() for c in self.served_name):
+            raise ConfigError(f"--name must be a non-empty name without spaces, "
+                              f"got {self.served_name!r}")
+        _positive("--parallel", self.parallel)
+        if not 0 < self.port < 65536 or isinstance(self.port, bool):
+            raise ConfigError(f"--port must be between 1 and 65535, got {self.port!r}")
+        _choice("--dtype", self.dtype, DTYPES)
+        _choice("--device", self.device, DEVICES)
+        _choice("--dist-backend", self.dist_backend, DIST_BACKENDS)
+        _positive("--max-model-len", self.max_model_len, allow_none=True)
+        _positive("--max-num-seqs", self.max_num_seqs)
+        _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
+        _positive("--block-size", self.block_size)
+        _positive("--kv-cache-blocks", self.kv_cache_blocks, allow_none=True)
+        _positive("--kv-cache-memory", self.kv_cache_memory, allow_none=True)
+        if self.kv_cache_blocks is not None and self.kv_cache_memory is not None:
+            raise ConfigError("--kv-cache-blocks and --kv-cache-memory are exclusive; give one")
+        _positive("--threads", self.num_threads)
+        if not math.isfinite(self.startup_timeout) or self.startup_timeout <= 0:
+            raise ConfigError(f"--startup-timeout must be a positive number of seconds, "
+                              f"got {self.startup_timeout!r}")
+        _choice("--log-level", self.log_level, ("debug", "info", "warning", "error"))
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every worker process is started with (written as JSON into the runtime dir)."""
+
+    model_dir: str
+    parallel: int
+    dtype: str
+    device: str
+    dist_backend: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    kv_cache_blocks: int | None
+    kv_cache_memory: int | None
+    num_threads: int
+    runtime_dir: str
+    instance_id: str
+    coordinator_pid: int
+    log_level: str = "info"
+
+    @property
+    def admit_endpoint(self) -> str:
+        return f"ipc://{self.runtime_dir}/admit.sock"
+
+    @property
+    def results_endpoint(self) -> str:
+        return f"ipc://{self.runtime_dir}/results.sock"
+
+    @property
+    def dist_init_method(self) -> str:
+        return f"file://{self.runtime_dir}/dist.store"
+
+    @property
+    def path(self) -> Path:
+        return Path(self.runtime_dir) / "worker.json"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerConfig":
+        raw = json.loads(text)
+        names = {f.name for f in fields(cls)}
+        unknown = set(raw) - names
+        if unknown:
+            raise ConfigError(f"worker config: unknown keys {sorted(unknown)}")
+        return cls(**raw)

@@ -1,0 +1,15 @@
+"""The wire between the coordinator and the workers: messages, codec, sockets.
+
+The only package both processes import besides `lorad.config`; imports neither of them.
+"""
+
+from lorad.protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
+from lorad.protocol.messages import (
+    PROTOCOL_VERSION, Admit, Cancel, Hello, Ready, SamplingParams, SeqOutput, Shutdown, StepFailed,
+    StepResult, WorkerFailed)
+
+__all__ = [
+    "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "Admit", "Cancel",
+    "Hello", "Ready", "SamplingParams", "SeqOutput", "Shutdown", "StepFailed", "StepResult",
+    "WorkerFailed",
+]

@@ -1,0 +1,116 @@
+"""Every message that crosses between the coordinator and the workers.
+
+Frozen dataclasses whose field order is the wire order. Coordinator -> workers (PUB/SUB): Hello
+(unsequenced handshake), then Admit / Cancel / Shutdown, each with a sequence number `seq`
+starting at 1 with no gaps. Workers -> coordinator (PUSH/PULL): Ready from every rank, then
+StepResult / StepFailed / WorkerFailed from the leader (WorkerFailed from any rank).
+The kind byte of each class is fixed here forever; a new field means a new PROTOCOL_VERSION.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROTOCOL_VERSION = 1
+
+
+# --- coordinator -> workers -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hello:
+    """Repeated until every rank answered Ready: proves each SUB socket is subscribed."""
+
+    KIND = 1
+    protocol_version: int
+    instance_id: str
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float  # 0 means greedy
+    top_p: float  # 1.0 disables
+    top_k: int  # 0 disables
+    seed: int  # seeds this request's own generator
+    max_tokens: int
+    stop_token_ids: list[int]  # end the sequence with finish_reason "stop" (EOS and friends)
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class Admit:
+    KIND = 2
+    seq: int
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    adapter_slot: int  # 0 = base model
+    adapter_key: str  # identity key of the adapter in that slot, "" for slot 0
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The client went away or a stop string matched: free the sequence at the agreed step."""
+
+    KIND = 3
+    seq: int
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    KIND = 4
+    seq: int
+
+
+# --- workers -> coordinator -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ready:
+    KIND = 16
+    rank: int
+    protocol_version: int
+    instance_id: str
+    num_kv_blocks: int
+    block_size: int
+    registry_digest: str
+
+
+@dataclass(frozen=True)
+class SeqOutput:
+    request_id: str
+    token_ids: list[int]  # new tokens this step (usually one)
+    finish_reason: str | None  # "stop", "length", "cancelled", or None while running
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    KIND = 17
+    step: int
+    outputs: list[SeqOutput]
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+
+
+@dataclass(frozen=True)
+class StepFailed:
+    """A step failed on every rank (e.g. live sets disagreed); these requests are gone."""
+
+    KIND = 18
+    step: int
+    request_ids: list[str]
+    message: str
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """A rank cannot go on; the coordinator ends every stream with an error and exits."""
+
+    KIND = 19
+    rank: int
+    message: str
+
+
+COORDINATOR_TO_WORKER = (Hello, Admit, Cancel, Shutdown)
+WORKER_TO_COORDINATOR = (Ready, StepResult, StepFailed, WorkerFailed)

@@ -1,0 +1,74 @@
+"""The flat token batch one model step runs: every sequence's new tokens, back to back.
+
+Built from the step plan on every rank identically; the model reads nothing else. Rows beyond the
+real tokens are padding (token 0, slot -1: nothing is written to the KV cache for them) so that a
+matmul never sees fewer than MIN_ROWS rows, which keeps a row's bits independent of how many
+neighbours it has on MKL (see shared/DESIGN.md, "Numerics").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MIN_ROWS = 8
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's slice of the batch."""
+
+    token_start: int  # index of its first new token in the flat batch
+    num_tokens: int  # new tokens this step (a prompt chunk, or 1 when decoding)
+    context_len: int  # tokens in the KV cache after this step: positions 0..context_len-1
+    block_table: list[int]  # KV block ids holding positions 0..context_len-1, in order
+    adapter_slot: int  # 0 = base model
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [num_rows] int64, num_rows >= MIN_ROWS (padding at the end)
+    positions: torch.Tensor  # [num_rows] int64
+    slot_mapping: torch.Tensor  # [num_rows] int64: KV slot (block * block_size + offset), -1 = pad
+    row_adapter_slots: torch.Tensor  # [num_rows] int64: each row's adapter slot (0 for padding)
+    seqs: list[SeqChunk]
+    sample_rows: torch.Tensor  # [num_sampled] int64: rows whose logits are returned, in order
+    num_tokens: int  # real (unpadded) rows
+
+    @classmethod
+    def build(cls, chunks: list[tuple[list[int], int, list[int], bool, int]], block_size: int,
+              device: torch.device | str = "cpu", min_rows: int = MIN_ROWS) -> "ForwardBatch":
+        """chunks: (new_token_ids, start_position, block_table, wants_sample, adapter_slot)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        row_adapters: list[int] = []
+        seqs: list[SeqChunk] = []
+        sample_rows: list[int] = []
+        for token_ids, start, block_table, wants_sample, adapter_slot in chunks:
+            n = len(token_ids)
+            assert n > 0, "a chunk has at least one token"
+            assert (start + n + block_size - 1) // block_size <= len(block_table), \
+                "block table too short for the chunk"
+            seqs.append(SeqChunk(len(ids), n, start + n, list(block_table), adapter_slot))
+            for i, token in enumerate(token_ids):
+                pos = start + i
+                ids.append(token)
+                positions.append(pos)
+                slots.append(block_table[pos // block_size] * block_size + pos % block_size)
+                row_adapters.append(adapter_slot)
+            if wants_sample:
+                sample_rows.append(len(ids) - 1)
+        num_tokens = len(ids)
+        pad = max(0, min_rows - num_tokens)
+        ids += [0] * pad
+        positions += [0] * pad
+        slots += [-1] * pad
+        row_adapters += [0] * pad
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(tensor(ids), tensor(positions), tensor(slots), tensor(row_adapters), seqs,
+                   tensor(sample_rows), num_tokens)
