@@ -1,0 +1,162 @@
+"""The `lorad` command line: flags grouped as a serving tool's help, parsed into a ServeConfig.
+
+A bad value is refused here, as one line naming the flag (exit 2), before anything loads.
+Checks that need the model folder (tokenizer present, --max-model-len within the model's limit)
+happen in the coordinator right after, still before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from lorad.config.errors import ConfigError
+from lorad.config.serve import DIST_BACKENDS, DTYPES, DEVICES, ServeConfig
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2,
+               "mb": 1000**2, "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4,
+               "tib": 1024**4, "tb": 1000**4}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its error as a single line: `lorad: error: argument --port: ...`."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = -1
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port between 1 and 65535, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """'512MiB', '2GiB', '1.5GB', '1073741824': binary units (K, M, G, KiB...) are powers of 1024,
+    KB/MB/GB are powers of 1000."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 512MiB or 2GiB, got {text!r}")
+    value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size above zero, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="lorad",
+        description="Serve one language model over an OpenAI-compatible HTTP API,\n"
+                    "tensor-parallel over N worker processes.",
+        epilog="example:\n  lorad --model /srv/models/SmolLM2-135M-Instruct --parallel 2 --port 8000",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_flags(parser.add_argument_group("model"))
+    _add_parallel_flags(parser.add_argument_group("parallelism and devices"))
+    _add_scheduler_flags(parser.add_argument_group("scheduler and KV cache"))
+    http = parser.add_argument_group("HTTP server")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="address to listen on; anything but loopback exposes the API, which "
+                           "has no authentication (default: %(default)s)")
+    http.add_argument("--port", type=port_number, default=8000,
+                      help="TCP port to listen on (default: %(default)s)")
+    proc = parser.add_argument_group("process")
+    proc.add_argument("--runtime-dir", metavar="DIR",
+                      help="parent of the private per-instance socket folder "
+                           "(default: $XDG_RUNTIME_DIR or the system temp folder)")
+    proc.add_argument("--startup-timeout", type=seconds, default=600.0, metavar="SECONDS",
+                      help="how long workers may take to load and report ready "
+                           "(default: %(default)g)")
+    proc.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                      default="info", help="log verbosity of the coordinator and the workers "
+                                           "(default: %(default)s)")
+    return parser
+
+
+def _add_model_flags(group) -> None:
+    group.add_argument("--model", required=True, metavar="DIR",
+                       help="Hugging Face model folder (config.json, *.safetensors, "
+                            "tokenizer.json)")
+    group.add_argument("--name", metavar="NAME",
+                       help="model id served at /v1/models and expected in requests "
+                            "(default: the model folder's name)")
+    group.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="dtype of weights and activations; auto lets the workers pick for "
+                            "the device (default: %(default)s)")
+    group.add_argument("--max-model-len", type=positive_int, metavar="N",
+                       help="longest context (prompt + completion) in tokens "
+                            "(default: the model's max_position_embeddings)")
+
+
+def _add_parallel_flags(group) -> None:
+    group.add_argument("--parallel", type=positive_int, default=1, metavar="N",
+                       help="tensor-parallel worker processes, one per GPU (default: %(default)s)")
+    group.add_argument("--device", choices=DEVICES, default="auto",
+                       help="where workers run; auto: cuda if available, else cpu "
+                            "(default: %(default)s)")
+    group.add_argument("--dist-backend", choices=DIST_BACKENDS, default="auto",
+                       help="collectives between workers; auto: nccl on cuda, gloo on cpu "
+                            "(default: %(default)s)")
+    group.add_argument("--threads", type=positive_int, default=1, metavar="N",
+                       help="CPU threads per worker (default: %(default)s)")
+
+
+def _add_scheduler_flags(group) -> None:
+    group.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
+                       help="most sequences running in one step (default: %(default)s)")
+    group.add_argument("--max-num-batched-tokens", type=positive_int, default=512, metavar="N",
+                       help="most tokens in one step; longer prompts are prefilled in chunks "
+                            "(default: %(default)s)")
+    group.add_argument("--block-size", type=positive_int, default=16, metavar="N",
+                       help="tokens per KV cache block (default: %(default)s)")
+    kv = group.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-blocks", type=positive_int, metavar="N",
+                    help="KV cache blocks per worker")
+    kv.add_argument("--kv-cache-memory", type=byte_size, metavar="SIZE",
+                    help="KV cache memory per worker, e.g. 512MiB or 2GiB "
+                         "(default: the workers size the cache themselves)")
+
+
+def parse_args(argv: list[str] | None = None) -> ServeConfig:
+    """Parse flags into a ServeConfig; on a bad value print one line and exit 2."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    name = args.name if args.name is not None else Path(args.model).resolve().name
+    try:
+        return ServeConfig(
+            model_dir=args.model, served_name=name, parallel=args.parallel, host=args.host,
+            port=args.port, dtype=args.dtype, device=args.device, dist_backend=args.dist_backend,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+            kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,
+            num_threads=args.threads, runtime_dir=args.runtime_dir,
+            startup_timeout=args.startup_timeout, log_level=args.log_level)
+    except ConfigError as exc:
+        parser.error(str(exc))

@@ -1,0 +1,226 @@
+"""The coordinator's end of the wire to the workers: handshake, numbered messages, result routing.
+
+Publishes Hello until every rank is Ready, then Admit/Cancel/Shutdown with gapless `seq`
+numbers; reads StepResult/StepFailed/WorkerFailed and routes each output to its request's queue.
+Every admitted request's queue receives exactly one terminal item: a finished SeqOutput or a
+RequestFailed. Does not start processes (supervisor.py) or speak HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from lorad.config import WorkerConfig
+from lorad.protocol import (
+    PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, Ready, SamplingParams, Shutdown,
+    StepFailed, StepResult, WorkerFailed, decode, encode)
+from lorad.protocol.sockets import bind_publisher, bind_puller
+
+log = logging.getLogger("lorad.engine")
+
+HELLO_INTERVAL_S = 0.05
+
+
+class StartupError(RuntimeError):
+    """The workers did not come up as one consistent engine; the message says why."""
+
+
+class EngineDead(RuntimeError):
+    """The engine failed earlier; nothing more can be admitted."""
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """Terminal item of a request that ended with an error instead of a finish reason."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the ranks agreed on at start."""
+
+    num_ranks: int
+    num_kv_blocks: int
+    block_size: int
+    registry_digest: str
+
+
+@dataclass
+class EngineLoad:
+    """The leader's latest report (from its last StepResult)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+
+
+class EngineClient:
+    def __init__(self, config: WorkerConfig) -> None:
+        self._config = config
+        # PUB is a plain socket: with no high-water mark it never blocks, so a synchronous
+        # send keeps `seq` order without awaiting between numbering and sending.
+        self._sync_ctx = zmq.Context()
+        self._ctx = zmq.asyncio.Context.shadow(self._sync_ctx.underlying)
+        self._pub = bind_publisher(self._sync_ctx, config.admit_endpoint)
+        self._pull = bind_puller(self._ctx, config.results_endpoint)
+        self._next_seq = 1
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+        self.failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.load = EngineLoad()
+        self.facts: EngineFacts | None = None
+
+    # --- start ---------------------------------------------------------------------------------
+
+    async def handshake(self, num_ranks: int, timeout_s: float) -> EngineFacts:
+        """Repeat Hello until every rank sent Ready; check that they all agree."""
+        hello = encode(Hello(PROTOCOL_VERSION, self._config.instance_id))
+        deadline = time.monotonic() + timeout_s
+        ready: dict[int, Ready] = {}
+        while len(ready) < num_ranks:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(num_ranks)) - set(ready))
+                raise StartupError(f"workers did not report ready within {timeout_s:g}s "
+                                   f"(ranks still loading: {missing})")
+            self._pub.send(hello)
+            if await self._pull.poll(HELLO_INTERVAL_S * 1000):
+                while await self._pull.poll(0):
+                    self._take_ready(await self._pull.recv(), num_ranks, ready)
+        self.facts = _agree(ready)
+        self.load.num_free_blocks = self.facts.num_kv_blocks
+        return self.facts
+
+    def _take_ready(self, frame: bytes, num_ranks: int, ready: dict[int, Ready]) -> None:
+        try:
+            msg = decode(frame, (Ready, WorkerFailed))
+        except ProtocolError as exc:
+            raise StartupError(f"a worker sent an invalid start-up message: {exc}") from None
+        if isinstance(msg, WorkerFailed):
+            raise StartupError(f"worker rank {msg.rank} failed to start: {msg.message}")
+        if msg.protocol_version != PROTOCOL_VERSION:
+            raise StartupError(f"worker rank {msg.rank} speaks protocol {msg.protocol_version}, "
+                               f"the coordinator speaks {PROTOCOL_VERSION}")
+        if msg.instance_id != self._config.instance_id or not 0 <= msg.rank < num_ranks:
+            raise StartupError(f"unexpected Ready from rank {msg.rank} of instance "
+                               f"{msg.instance_id!r}")
+        if msg.block_size != self._config.block_size:
+            raise StartupError(f"worker rank {msg.rank} uses block size {msg.block_size}, "
+                               f"expected {self._config.block_size}")
+        if msg.rank not in ready:
+            log.info("worker rank %d ready: %d KV blocks", msg.rank, msg.num_kv_blocks)
+        ready[msg.rank] = msg
+
+    def start(self) -> None:
+        self._reader = asyncio.create_task(self._read_results(), name="engine-results")
+        self._reader.add_done_callback(self._reader_done)
+
+    def _reader_done(self, task: asyncio.Task) -> None:
+        # A bug in routing must not leave every stream waiting forever: it becomes a failure.
+        if not task.cancelled() and task.exception() is not None:
+            log.error("reading worker results failed", exc_info=task.exception())
+            self.fail(f"the coordinator stopped reading results: {task.exception()!r}")
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def admit(self, request_id: str, prompt_ids: list[int],
+              sampling: SamplingParams) -> asyncio.Queue:
+        """Publish the admission; the returned queue yields SeqOutputs, then ends with a finished
+        SeqOutput or a RequestFailed."""
+        if self.failure.done():
+            raise EngineDead(self.failure.result())
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._publish(Admit(self._next_seq, request_id, prompt_ids, sampling, 0, ""))
+        return queue
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request early (client gone, stop string); its queue gets nothing more."""
+        if self._queues.pop(request_id, None) is not None and not self.failure.done():
+            self._publish(Cancel(self._next_seq, request_id))
+
+    def shutdown(self) -> None:
+        if not self.failure.done():
+            self._publish(Shutdown(self._next_seq))
+
+    def fail(self, message: str) -> None:
+        """The engine cannot go on: end every open request with an error, refuse new ones."""
+        if not self.failure.done():
+            self.failure.set_result(message)
+        self.abort_all(message)
+
+    def abort_all(self, message: str) -> None:
+        """End every open request with an error (the workers are told separately, if at all)."""
+        self._fail_requests(list(self._queues), message)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._pub.close(linger=0)
+        self._pull.close(linger=0)
+        self._sync_ctx.term()
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._queues)
+
+    def _publish(self, msg) -> None:
+        self._pub.send(encode(msg))
+        self._next_seq += 1
+
+    # --- results -------------------------------------------------------------------------------
+
+    async def _read_results(self) -> None:
+        accept = (Ready, StepResult, StepFailed, WorkerFailed)
+        while True:
+            frame = await self._pull.recv()
+            try:
+                msg = decode(frame, accept)
+            except ProtocolError as exc:
+                log.error("dropped an invalid message from a worker: %s", exc)
+                continue
+            if isinstance(msg, StepResult):
+                self._route(msg)
+            elif isinstance(msg, StepFailed):
+                log.error("step %d failed for %d requests: %s", msg.step, len(msg.request_ids),
+                          msg.message)
+                self._fail_requests(msg.request_ids, f"the engine failed this request: "
+                                                     f"{msg.message}")
+            elif isinstance(msg, WorkerFailed):
+                log.error("worker rank %d failed: %s", msg.rank, msg.message)
+                self.fail(f"worker rank {msg.rank} failed: {msg.message}")
+
+    def _route(self, result: StepResult) -> None:
+        self.load = EngineLoad(result.num_running, result.num_waiting, result.num_free_blocks)
+        for output in result.outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is None:
+                continue  # cancelled here already; the workers are catching up
+            queue.put_nowait(output)
+            if output.finish_reason is not None:
+                del self._queues[output.request_id]
+
+    def _fail_requests(self, request_ids: list[str], message: str) -> None:
+        for request_id in request_ids:
+            queue = self._queues.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(RequestFailed(message))
+
+
+def _agree(ready: dict[int, Ready]) -> EngineFacts:
+    for field in ("registry_digest", "num_kv_blocks"):
+        values = {rank: getattr(msg, field) for rank, msg in sorted(ready.items())}
+        if len(set(values.values())) > 1:
+            listed = ", ".join(f"rank {rank}: {value}" for rank, value in values.items())
+            raise StartupError(f"workers disagree on {field} ({listed}); refusing to serve")
+    first = ready[0]
+    return EngineFacts(len(ready), first.num_kv_blocks, first.block_size, first.registry_digest)
+
+
+__all__ = ["EngineClient", "EngineDead", "EngineFacts", "RequestFailed", "StartupError"]

@@ -1,0 +1,77 @@
+"""One admitted request, from Admit to its single terminal event, as a stream of text deltas.
+
+Admits the prompt, detokenizes each step's ids, ends on the engine's finish reason or a stop
+string (then sends Cancel), and sends Cancel if its consumer goes away early. Knows nothing of
+OpenAI's JSON shapes (responses.py) or of HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from lorad.daemon.detokenizer import IncrementalDetokenizer
+from lorad.daemon.engine_client import EngineClient, EngineDead, RequestFailed
+from lorad.daemon.tokenizer import ModelTokenizer
+from lorad.protocol import SamplingParams
+
+
+class GenerationError(RuntimeError):
+    """The request ended with an error (failed step, dead worker); the message is for the client."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str  # new text, possibly empty
+    finish_reason: str | None  # "stop" or "length" on the last delta, else None
+    num_prompt_tokens: int
+    num_completion_tokens: int  # generated so far
+
+
+async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: str,
+                   prompt_ids: list[int], sampling: SamplingParams,
+                   stop: tuple[str, ...]) -> AsyncIterator[Delta]:
+    """Yield deltas until one carries a finish reason; raise GenerationError on failure.
+
+    Close it (contextlib.aclosing) when abandoning it early: closing sends Cancel.
+    """
+    try:
+        queue = engine.admit(request_id, prompt_ids, sampling)
+    except EngineDead as exc:
+        raise GenerationError(f"the engine is down: {exc}") from None
+    detokenizer = IncrementalDetokenizer(tokenizer.decode, stop)
+    stop_ids = set(sampling.stop_token_ids)
+    num_generated = 0
+    finished = False
+    try:
+        while not finished:
+            event = await queue.get()
+            if isinstance(event, RequestFailed):
+                finished = True
+                raise GenerationError(event.message)
+            num_generated += len(event.token_ids)
+            ids = event.token_ids
+            if event.finish_reason == "stop" and ids and ids[-1] in stop_ids:
+                ids = ids[:-1]  # the stop token is counted but never shown
+            text = detokenizer.add(ids)
+            reason = _finish_reason(event.finish_reason, detokenizer.stopped)
+            if reason is not None:
+                finished = True
+                if detokenizer.stopped and event.finish_reason is None:
+                    engine.cancel(request_id)  # a stop string ended it; the workers don't know
+                text += detokenizer.finish()
+            yield Delta(text, reason, len(prompt_ids), num_generated)
+    finally:
+        if not finished:
+            engine.cancel(request_id)
+
+
+def _finish_reason(engine_reason: str | None, stop_string_matched: bool) -> str | None:
+    if stop_string_matched:
+        return "stop"
+    if engine_reason == "cancelled":
+        # Only our own Cancel ends a request this way, and after it we stop listening.
+        raise GenerationError("the engine cancelled this request")
+    if engine_reason not in (None, "stop", "length"):
+        raise GenerationError(f"the engine ended this request with {engine_reason!r}")
+    return engine_reason

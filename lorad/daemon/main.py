@@ -1,0 +1,53 @@
+"""`lorad`: parse flags, check the model folder, then run the coordinator on uvloop.
+
+Everything that can be refused without starting a worker (flags, config.json, tokenizer, chat
+template, --max-model-len) is refused here with one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvloop
+
+from lorad.config import ConfigError, ModelConfig, ServeConfig
+from lorad.config.cli import parse_args
+from lorad.daemon.routes import ServedModel
+from lorad.daemon.service import serve
+from lorad.daemon.supervisor import WORKER_COMMAND
+from lorad.daemon.tokenizer import ModelTokenizer
+
+
+def main(argv: list[str] | None = None,
+         worker_command: tuple[str, ...] = WORKER_COMMAND) -> int:
+    config = parse_args(argv)
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        model = load_served_model(config)
+        return uvloop.run(serve(config, model, worker_command))
+    except ConfigError as exc:  # a bad model folder, or no runtime directory could be made
+        print(f"lorad: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C before the event loop took over the signal
+        return 130
+
+
+def load_served_model(config: ServeConfig) -> ServedModel:
+    model = ModelConfig.from_dir(config.model_dir)
+    tokenizer = ModelTokenizer.from_dir(config.model_dir)
+    limit = model.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ConfigError(f"--max-model-len {config.max_model_len} exceeds the model's "
+                          f"max_position_embeddings ({limit})")
+    stop_ids = model.eos_token_ids
+    if tokenizer.eos_token_id is not None:
+        stop_ids = tuple(dict.fromkeys(stop_ids + (tokenizer.eos_token_id,)))
+    return ServedModel(name=config.served_name, tokenizer=tokenizer,
+                       max_model_len=config.max_model_len or limit,
+                       vocab_size=model.vocab_size, stop_token_ids=stop_ids)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

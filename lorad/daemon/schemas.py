@@ -1,0 +1,226 @@
+"""OpenAI request bodies, checked field by field into frozen dataclasses.
+
+Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (logprobs, tools,
+n > 1, ...) and contradictory ones are refused by name, never dropped silently. Checks that
+need the model (served id, context length, vocabulary) happen in routes.py after tokenizing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lorad.daemon.errors import bad_request
+
+MAX_STOP_STRINGS = 4
+CHAT_ROLES = ("system", "user", "assistant")
+_INT64 = 2**63
+# Known OpenAI fields lorad does not implement: refused unless they hold their "off" value.
+_UNSUPPORTED = {
+    "completions": ("echo", "logprobs", "suffix", "logit_bias", "presence_penalty",
+                    "frequency_penalty"),
+    "chat": ("logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty",
+             "tools", "functions", "audio"),
+}
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int | None  # None: the rest of the context
+    temperature: float
+    top_p: float
+    top_k: int  # 0 disables
+    seed: int | None  # None: a random seed per request
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompt: str | list[int]
+    options: SamplingOptions
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: list[dict]  # [{"role": ..., "content": str}], as the chat template sees them
+    options: SamplingOptions
+
+
+def parse_completion(body: object) -> CompletionRequest:
+    body = _object(body)
+    _refuse_unsupported(body, "completions")
+    if _int(body, "best_of", lo=1, default=1) != 1:
+        raise bad_request("best_of other than 1 is not supported", "best_of", "unsupported")
+    return CompletionRequest(model=_model(body), prompt=_prompt(body.get("prompt")),
+                             options=_options(body, "max_tokens"))
+
+
+def parse_chat(body: object) -> ChatRequest:
+    body = _object(body)
+    _refuse_unsupported(body, "chat")
+    if body.get("tool_choice") not in (None, "none"):
+        raise bad_request("tool_choice is not supported", "tool_choice", "unsupported")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad_request("response_format other than text is not supported", "response_format",
+                          "unsupported")
+    tokens = _max_tokens_field(body)
+    return ChatRequest(model=_model(body), messages=_messages(body.get("messages")),
+                       options=_options(body, tokens))
+
+
+def _object(body: object) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def _refuse_unsupported(body: dict, route: str) -> None:
+    for name in _UNSUPPORTED[route]:
+        if body.get(name) not in (None, False, 0, "", [], {}):
+            raise bad_request(f"{name} is not supported by lorad", name, "unsupported")
+    if _int(body, "n", lo=1, default=1) != 1:
+        raise bad_request("only n=1 is supported", "n", "unsupported")
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if model is None:
+        raise bad_request("you must provide a model parameter", "model", "missing_required")
+    if not isinstance(model, str):
+        raise bad_request("model must be a string", "model", "invalid_type")
+    return model
+
+
+def _max_tokens_field(body: dict) -> str:
+    """Chat accepts max_completion_tokens (current) and max_tokens (older); both must agree."""
+    new, old = body.get("max_completion_tokens"), body.get("max_tokens")
+    if new is not None and old is not None and new != old:
+        raise bad_request("max_tokens and max_completion_tokens disagree; send one",
+                          "max_completion_tokens")
+    return "max_completion_tokens" if new is not None else "max_tokens"
+
+
+def _options(body: dict, max_tokens_field: str) -> SamplingOptions:
+    stream = _bool(body, "stream", False)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise bad_request("stream_options must be an object", "stream_options", "invalid_type")
+    top_k = _int(body, "top_k", lo=-1, default=0)
+    return SamplingOptions(
+        max_tokens=_int(body, max_tokens_field, lo=1, default=None),
+        temperature=_number(body, "temperature", 1.0, lambda v: 0 <= v <= 2, "between 0 and 2"),
+        top_p=_number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "greater than 0 and at most 1"),
+        top_k=0 if top_k == -1 else top_k,
+        seed=_int(body, "seed", lo=-_INT64, hi=_INT64 - 1, default=None),
+        stop=_stop(body.get("stop")),
+        stream=stream,
+        include_usage=_bool(stream_options or {}, "include_usage", False, "stream_options."),
+        ignore_eos=_bool(body, "ignore_eos", False),
+    )
+
+
+def _bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{prefix}{name} must be a boolean", prefix + name, "invalid_type")
+    return value
+
+
+def _int(body: dict, name: str, lo: int, hi: int | None = None, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{name} must be an integer", name, "invalid_type")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
+        raise bad_request(f"{name} must be {bound}, got {value}", name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, ok, bounds: str) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"{name} must be a number", name, "invalid_type")
+    if not math.isfinite(value) or not ok(value):
+        raise bad_request(f"{name} must be {bounds}, got {value}", name)
+    return float(value)
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("stop must be a string or a list of strings", "stop", "invalid_type")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings", "stop")
+    if any(s == "" for s in stops):
+        raise bad_request("stop strings must not be empty", "stop")
+    return tuple(stops)
+
+
+def _prompt(value: object) -> str | list[int]:
+    # A one-element batch is accepted as the prompt it holds; real batches are not supported.
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    if value is None:
+        raise bad_request("you must provide a prompt", "prompt", "missing_required")
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        raise bad_request("only one prompt per request is supported", "prompt", "unsupported")
+    raise bad_request("prompt must be a string or a non-empty list of token ids", "prompt",
+                      "invalid_type")
+
+
+def _messages(value: object) -> list[dict]:
+    if value is None:
+        raise bad_request("you must provide messages", "messages", "missing_required")
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages must be a non-empty list", "messages",
+                          "invalid_type" if not isinstance(value, list) else "invalid_value")
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+
+
+def _message(message: object, where: str) -> dict:
+    if not isinstance(message, dict):
+        raise bad_request(f"{where} must be an object", where, "invalid_type")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                          f"{where}.role")
+    return {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+
+
+def _content(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of text parts", where,
+                          "invalid_type")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise bad_request(f"{where}[{i}]: only text parts are supported", f"{where}[{i}]",
+                              "unsupported")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}[{i}].text must be a string", f"{where}[{i}].text",
+                              "invalid_type")
+        texts.append(part["text"])
+    return "\n".join(texts)  # as vLLM joins text parts for text-only models

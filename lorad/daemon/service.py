@@ -1,0 +1,182 @@
+"""The coordinator's lifetime: start workers, agree, serve HTTP, then stop on a signal or a failure.
+
+A signal is an orderly stop (exit 0); a worker that exits or reports WorkerFailed ends every
+open stream with an error and stops the rest (exit 1). Whatever happens, the worker processes
+are stopped and the runtime directory is removed before returning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from lorad.config import ServeConfig, WorkerConfig
+from lorad.daemon.engine_client import EngineClient, EngineFacts, StartupError
+from lorad.daemon.routes import AppState, ServedModel, build_app
+from lorad.daemon.supervisor import WORKER_COMMAND, Supervisor
+from lorad.protocol.sockets import make_runtime_dir
+
+log = logging.getLogger("lorad")
+
+HTTP_DRAIN_S = 5.0  # how long handlers get to write their final events before connections close
+WORKER_EXIT_GRACE_S = 15.0  # after Shutdown, before SIGTERM
+
+
+async def serve(config: ServeConfig, model: ServedModel,
+                worker_command: tuple[str, ...] = WORKER_COMMAND) -> int:
+    """Run one lorad instance until a signal (returns 0) or a failure (returns 1)."""
+    dir_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", config.served_name)[:24] or "model"
+    runtime_dir, instance_id = make_runtime_dir(config.runtime_dir, dir_name)
+    try:
+        worker_config = _worker_config(config, model, runtime_dir, instance_id)
+        _write_private(worker_config.path, worker_config.to_json())
+        return await _run(config, model, worker_config, worker_command)
+    finally:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerConfig,
+               worker_command: tuple[str, ...]) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = EngineClient(worker_config)
+    supervisor = Supervisor(worker_config, worker_command)
+    runner: web.AppRunner | None = None
+    waits: list[asyncio.Task] = []
+    try:
+        try:
+            await supervisor.start()
+        except OSError as exc:
+            log.error("cannot start the workers: %s", exc)
+            return 1
+        exited = asyncio.create_task(supervisor.first_exit())
+        stopped = asyncio.create_task(stop.wait())
+        waits = [exited, stopped]
+        facts = await _handshake(engine, config, exited, stopped)
+        if not isinstance(facts, EngineFacts):
+            return facts
+        engine.start()
+        state = AppState(model, engine)
+        runner = await _start_http(state, config)
+        if runner is None:
+            return 1
+        log.info("serving %s at http://%s:%d (%d rank(s), %d KV blocks of %d tokens)",
+                 model.name, _url_host(config.host), config.port, facts.num_ranks,
+                 facts.num_kv_blocks, facts.block_size)
+        await asyncio.wait([exited, stopped, engine.failure], return_when=asyncio.FIRST_COMPLETED)
+        return await _stop(state, runner, supervisor, exited)
+    finally:
+        for task in waits:
+            task.cancel()
+        if runner is not None and runner.server is not None:
+            await runner.cleanup()
+        await supervisor.stop(grace_s=2.0)
+        engine.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def _handshake(engine: EngineClient, config: ServeConfig, exited: asyncio.Task,
+                     stopped: asyncio.Task) -> EngineFacts | int:
+    """The agreed engine facts, or the exit status if start-up failed or a signal came first."""
+    handshake = asyncio.create_task(engine.handshake(config.parallel, config.startup_timeout))
+    await asyncio.wait([handshake, exited, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if not handshake.done():
+        handshake.cancel()
+        if not exited.done():
+            log.info("stopped by a signal during start-up")
+            return 0
+        rank, code = exited.result()
+        log.error("start-up failed: worker rank %d exited with code %s before it was ready",
+                  rank, code)
+        return 1
+    try:
+        return handshake.result()
+    except StartupError as exc:
+        log.error("start-up failed: %s", exc)
+        return 1
+
+
+async def _stop(state: AppState, runner: web.AppRunner, supervisor: Supervisor,
+                exited: asyncio.Task) -> int:
+    """Wind down after the first of: a worker exited, the engine failed, a signal."""
+    failure = state.engine.failure
+    if exited.done() or failure.done():
+        if failure.done():
+            message = failure.result()
+        else:
+            rank, code = exited.result()
+            message = f"worker rank {rank} exited unexpectedly with code {code}"
+        log.error("%s; ending %d open request(s) and shutting down", message,
+                  state.engine.num_open_requests)
+        state.status = "failed"
+        state.engine.fail(message)
+        await runner.cleanup()
+        await supervisor.stop(grace_s=2.0)
+        return 1
+    log.info("signal received: shutting down")
+    state.status = "stopping"
+    state.engine.abort_all("the server is shutting down")
+    state.engine.shutdown()
+    await runner.cleanup()
+    await supervisor.stop(grace_s=WORKER_EXIT_GRACE_S)
+    return 0
+
+
+async def _start_http(state: AppState, config: ServeConfig) -> web.AppRunner | None:
+    # handler_cancellation: a client that hangs up cancels its handler, which cancels the
+    # sequence even while it is still waiting for its first token.
+    runner = web.AppRunner(build_app(state), handler_cancellation=True,
+                           shutdown_timeout=HTTP_DRAIN_S)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+        await runner.cleanup()
+        return None
+    if not _is_loopback(config.host):
+        log.warning("listening on %s: the API is reachable from other machines and has no "
+                    "authentication", config.host)
+    return runner
+
+
+def _worker_config(config: ServeConfig, model: ServedModel, runtime_dir: Path,
+                   instance_id: str) -> WorkerConfig:
+    return WorkerConfig(
+        model_dir=str(Path(config.model_dir).resolve()), parallel=config.parallel,
+        dtype=config.dtype, device=config.device, dist_backend=config.dist_backend,
+        max_model_len=model.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
+        kv_cache_blocks=config.kv_cache_blocks, kv_cache_memory=config.kv_cache_memory,
+        num_threads=config.num_threads, runtime_dir=str(runtime_dir), instance_id=instance_id,
+        coordinator_pid=os.getpid(), log_level=config.log_level)
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,58 @@
+"""Server-sent events: one generation's deltas as `data: {chunk}` events, then `data: [DONE]`.
+
+Headers go out with the first delta, so a request that fails before producing anything still
+gets a plain 5xx JSON error. After that, a failure is an `data: {"error": ...}` event before
+[DONE]. A client that hangs up raises out of the writes; the caller's aclosing() then cancels.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from lorad.daemon.errors import error_body, error_response
+from lorad.daemon.generation import Delta, GenerationError
+from lorad.daemon.responses import CompletionFormat
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _open(request: web.Request, fmt: CompletionFormat) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    for chunk in fmt.opening_chunks():
+        await response.write(_event(chunk))
+    return response
+
+
+async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
+                        fmt: CompletionFormat) -> web.StreamResponse:
+    response = None
+    last: Delta | None = None
+    try:
+        async for delta in deltas:
+            if response is None:
+                response = await _open(request, fmt)
+            last = delta
+            if delta.text or delta.finish_reason is not None:
+                await response.write(_event(fmt.chunk(delta.text, delta.finish_reason)))
+    except GenerationError as exc:
+        if response is None:
+            return error_response(500, str(exc), code="engine_error")
+        await response.write(_event(error_body(500, str(exc), code="engine_error")))
+    else:
+        if response is None:  # cannot happen: generate() always yields a final delta
+            response = await _open(request, fmt)
+        if fmt.include_usage and last is not None:
+            usage = fmt.usage_chunk(last.num_prompt_tokens, last.num_completion_tokens)
+            await response.write(_event(usage))
+    await response.write(DONE)
+    await response.write_eof()
+    return response

@@ -1,0 +1,73 @@
+"""Starts the worker processes, reports the first one that exits, and stops them all.
+
+Workers run in their own session so a terminal's Ctrl-C reaches only the coordinator, which then
+shuts them down in order. Knows nothing of what the workers say (engine_client.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from lorad.config import WorkerConfig
+
+log = logging.getLogger("lorad.supervisor")
+
+WORKER_COMMAND = (sys.executable, "-m", "lorad.workers")
+
+
+class Supervisor:
+    def __init__(self, config: WorkerConfig, command: tuple[str, ...] = WORKER_COMMAND) -> None:
+        self._config = config
+        self._command = command
+        self._procs: list[asyncio.subprocess.Process] = []
+        self._waiters: list[asyncio.Task] = []
+        self.stopping = False  # set before an orderly stop, so exits are not failures
+
+    async def start(self) -> None:
+        for rank in range(self._config.parallel):
+            proc = await asyncio.create_subprocess_exec(
+                *self._command, "--config", str(self._config.path), "--rank", str(rank),
+                stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+            log.info("started worker rank %d (pid %d)", rank, proc.pid)
+            self._procs.append(proc)
+            self._waiters.append(asyncio.create_task(proc.wait(), name=f"worker-{rank}-wait"))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    async def first_exit(self) -> tuple[int, int]:
+        """Wait until any worker exits; returns (rank, exit code; negative = killed by signal)."""
+        if not self._waiters:
+            await asyncio.Future()  # nothing started: never returns
+        done, _ = await asyncio.wait(self._waiters, return_when=asyncio.FIRST_COMPLETED)
+        rank = min(self._waiters.index(t) for t in done)
+        return rank, self._procs[rank].returncode
+
+    async def stop(self, grace_s: float) -> None:
+        """Give workers `grace_s` to exit by themselves, then SIGTERM, then SIGKILL."""
+        self.stopping = True
+        if not self._procs:
+            return
+        for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            running = [p for p in self._procs if p.returncode is None]
+            if not running:
+                break
+            if sig is not None:
+                log.warning("sending %s to %d worker(s)", sig.name, len(running))
+                for proc in running:
+                    _signal(proc, sig)
+            await asyncio.wait(self._waiters, timeout=wait_s)
+        for rank, proc in enumerate(self._procs):
+            if proc.returncode not in (0, None):
+                log.info("worker rank %d exited with code %s", rank, proc.returncode)
+
+
+def _signal(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,83 @@
+"""`python -m lorad.workers --config RUNDIR/worker.json --rank R`: one worker process.
+
+Sets up logging, threads and the parent-death signal, connects the sockets, starts the engine and
+runs the loop; any exception becomes a WorkerFailed message and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import zmq
+
+from lorad.config import WorkerConfig
+from lorad.protocol import WorkerFailed, encode
+from lorad.protocol.sockets import connect_pusher, connect_subscriber
+
+log = logging.getLogger("lorad.worker")
+
+PR_SET_PDEATHSIG = 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lorad.workers")
+    parser.add_argument("--config", required=True, help="the worker.json the coordinator wrote")
+    parser.add_argument("--rank", required=True, type=int)
+    args = parser.parse_args(argv)
+    cfg = WorkerConfig.from_json(Path(args.config).read_text(encoding="utf-8"))
+    logging.basicConfig(
+        stream=sys.stderr, level=cfg.log_level.upper(),
+        format=f"%(asctime)s lorad.worker[rank {args.rank}] %(levelname)s %(message)s")
+    # One thread and padded batches keep a row's bits independent of its neighbours on MKL
+    # (shared/DESIGN.md, "Numerics"); interop threads would only add nondeterministic scheduling.
+    torch.set_num_threads(cfg.num_threads)
+    torch.set_num_interop_threads(1)
+    _die_with_parent()
+    ctx = zmq.Context()
+    push = connect_pusher(ctx, cfg.results_endpoint)
+    sub = connect_subscriber(ctx, cfg.admit_endpoint)
+    try:
+        code = _serve(cfg, args.rank, sub, push)
+    except Exception as exc:  # a failure is data: tell the coordinator, then exit non-zero
+        log.exception("worker failed")
+        push.send(encode(WorkerFailed(args.rank, f"{type(exc).__name__}: {exc}")))
+        code = 1
+    sub.close(linger=0)
+    push.close(linger=1000)  # let a final StepResult or WorkerFailed reach the coordinator
+    ctx.term()
+    log.info("exiting with code %d", code)
+    return code
+
+
+def _serve(cfg: WorkerConfig, rank: int, sub: zmq.Socket, push: zmq.Socket) -> int:
+    # Imported here so that an import error (a broken model file) is reported as WorkerFailed.
+    from lorad.workers.engine import Engine
+    from lorad.workers.loop import WorkerLoop
+
+    engine = Engine.start(cfg, rank)
+    return WorkerLoop(cfg, rank, engine, sub, push).run()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the coordinator dies, even mid-collective."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError as exc:
+        log.warning("prctl(PR_SET_PDEATHSIG) unavailable: %s", exc)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a process group whose peers already left can block in it.
+    os._exit(code)

@@ -1,0 +1,162 @@
+"""Step agreement: what keeps every rank's live set identical (shared/DESIGN.md, "Step agreement").
+
+The inbox buffers coordinator messages by `seq`; each step the ranks all-gather (watermark,
+live-set digest) as one int64 tensor on the gloo cpu group and apply messages up to the minimum
+watermark. At start they all-gather the registry digest. Tensor collectives only, never object
+collectives (they pickle); at world size 1 no torch.distributed call is made at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from lorad.config.model import ModelConfig
+from lorad.workers.sequence import Sequence
+
+WORKERS_DIR = Path(__file__).resolve().parent
+
+
+class CpuGroup(Protocol):
+    """The part of `TensorParallel` agreement needs."""
+
+    rank: int
+    world_size: int
+    cpu_group: object  # gloo ProcessGroup; None at world size 1
+
+
+class Inbox:
+    """Coordinator messages (Admit/Cancel/Shutdown) by seq, released in order up to a watermark."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, object] = {}
+        self.watermark = 0  # highest seq such that 1..seq have all been received
+        self._taken = 0  # highest seq handed out by take_upto
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def put(self, msg) -> bool:
+        """Buffer a message; False for a repeat or a seq already applied (it is ignored)."""
+        if msg.seq <= self._taken or msg.seq in self._pending:
+            return False
+        self._pending[msg.seq] = msg
+        while self.watermark + 1 in self._pending:
+            self.watermark += 1
+        return True
+
+    def take_upto(self, seq: int) -> list:
+        """Remove and return the messages numbered `_taken+1 .. seq`, in order."""
+        if seq > self.watermark:
+            raise RuntimeError(f"cannot apply up to {seq}: only {self.watermark} received")
+        taken = [self._pending.pop(n) for n in range(self._taken + 1, seq + 1)]
+        self._taken = max(self._taken, seq)
+        return taken
+
+
+# --- digests ----------------------------------------------------------------------------------
+
+def to_int64(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def live_digest(live: Iterable[Sequence]) -> int:
+    """sha256 of the live set in arrival order: ids, adapter slot and key, token positions."""
+    h = hashlib.sha256()
+    for seq in live:
+        h.update(json.dumps([seq.request_id, seq.arrival, seq.adapter_slot, seq.adapter_key,
+                             seq.status.value, seq.num_tokens, seq.num_computed,
+                             seq.block_table]).encode())
+    return to_int64(h.digest())
+
+
+@dataclass(frozen=True)
+class RegistryDigest:
+    """What every rank must agree on before it serves, one sha256 per part."""
+
+    model: bytes  # the base model's config
+    engine: bytes  # the lorad/workers source files
+    adapters: bytes  # each adapter's slot, name, identity key and strength, in order
+
+    PARTS = ("base model config", "engine source (lorad/workers)", "adapter registry")
+
+    @classmethod
+    def compute(cls, model_config: ModelConfig, adapters: tuple = ()) -> "RegistryDigest":
+        model = json.dumps(dataclasses.asdict(model_config), sort_keys=True).encode()
+        return cls(hashlib.sha256(model).digest(), engine_digest(),
+                   hashlib.sha256(json.dumps(list(adapters)).encode()).digest())
+
+    def hex(self) -> str:
+        return hashlib.sha256(self.model + self.engine + self.adapters).hexdigest()
+
+    def as_int64s(self) -> list[int]:
+        return [to_int64(self.model), to_int64(self.engine), to_int64(self.adapters)]
+
+
+def engine_digest(root: Path = WORKERS_DIR) -> bytes:
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.digest()
+
+
+# --- collectives ------------------------------------------------------------------------------
+
+def all_gather_int64(tp: CpuGroup, values: list[int]) -> list[list[int]]:
+    """Every rank's `values` (same length on all ranks), indexed by rank."""
+    if tp.world_size == 1:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64)  # [len(values)]
+    gathered = [torch.empty_like(mine) for _ in range(tp.world_size)]
+    dist.all_gather(gathered, mine, group=tp.cpu_group)
+    return [t.tolist() for t in gathered]
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    watermark: int  # apply messages up to here (the minimum over ranks)
+    digests_agree: bool
+    digests: list[int]  # each rank's live-set digest, by rank
+
+
+def agree_step(tp: CpuGroup, watermark: int, digest: int) -> StepAgreement:
+    rows = all_gather_int64(tp, [watermark, digest])
+    digests = [row[1] for row in rows]
+    return StepAgreement(min(row[0] for row in rows), len(set(digests)) == 1, digests)
+
+
+def check_registry(tp: CpuGroup, registry: RegistryDigest) -> str | None:
+    """None when every rank has the same registry, else a message naming what differs where."""
+    rows = all_gather_int64(tp, registry.as_int64s())
+    problems = []
+    for part, name in enumerate(RegistryDigest.PARTS):
+        ranks = [r for r, row in enumerate(rows) if row[part] != rows[0][part]]
+        if ranks:
+            problems.append(f"{name} differs from rank 0 on rank(s) {ranks}")
+    return "registry mismatch: " + "; ".join(problems) if problems else None
+
+
+def agree_min(tp: CpuGroup, value: int) -> int:
+    return min(row[0] for row in all_gather_int64(tp, [value]))
+
+
+def broadcast_ids(tp: CpuGroup, ids: list[int] | None, count: int) -> list[int]:
+    """The leader's sampled ids on every rank; followers pass None and the count from the plan."""
+    if tp.world_size == 1 or count == 0:
+        return list(ids or [])
+    if tp.rank == 0:
+        if len(ids) != count:
+            raise RuntimeError(f"the leader sampled {len(ids)} ids for {count} sequences")
+        tensor = torch.tensor(ids, dtype=torch.int64)  # [count]
+    else:
+        tensor = torch.empty(count, dtype=torch.int64)
+    dist.broadcast(tensor, src=0, group=tp.cpu_group)
+    return tensor.tolist()

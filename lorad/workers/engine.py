@@ -1,0 +1,109 @@
+"""This rank's model and KV pool: choosing device, dtype and backend, loading, sizing, one forward.
+
+Start-up runs the same collectives in the same order on every rank (registry check, then the KV
+pool minimum). Knows nothing of sockets, sequences or sampling; the loop hands it a step plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from lorad.config import ModelConfig, WorkerConfig
+from lorad.workers.agreement import RegistryDigest, agree_min, check_registry
+from lorad.workers.batch import MIN_ROWS, ForwardBatch
+from lorad.workers.models.llama import LlamaForCausalLM
+from lorad.workers.parallel import TensorParallel, init_tensor_parallel
+from lorad.workers.planner import StepPlan
+
+log = logging.getLogger("lorad.worker")
+
+CPU_KV_CAP_BYTES = 1 << 30  # default pool cap per rank on the CPU
+CUDA_KV_FRACTION = 0.9  # default pool cap on CUDA: this share of the free memory after loading
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str, rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but CUDA is not available")
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # bf16/fp16 matmuls on the CPU are slow and far from the reference
+    return DTYPES.get(config.torch_dtype, torch.float32)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return name
+
+
+@dataclass
+class Engine:
+    tp: TensorParallel
+    model_config: ModelConfig
+    model: LlamaForCausalLM
+    registry: RegistryDigest
+    num_kv_blocks: int
+    block_size: int
+
+    @classmethod
+    def start(cls, cfg: WorkerConfig, rank: int) -> "Engine":
+        device = resolve_device(cfg.device, rank)
+        model_config = ModelConfig.from_dir(cfg.model_dir)
+        dtype = resolve_dtype(cfg.dtype, model_config, device)
+        backend = resolve_backend(cfg.dist_backend, device)
+        log.info("device %s, dtype %s, backend %s, world size %d", device, dtype, backend,
+                 cfg.parallel)
+        tp = init_tensor_parallel(rank, cfg.parallel, cfg.dist_init_method, backend, device)
+        registry = RegistryDigest.compute(model_config)
+        problem = check_registry(tp, registry)
+        if problem is not None:
+            raise RuntimeError(problem)
+        model = LlamaForCausalLM(model_config, tp, dtype, device)
+        model.load_weights(cfg.model_dir)
+        own = _own_kv_blocks(cfg, model_config, tp, dtype)
+        num_blocks = agree_min(tp, own)  # every rank must address the same block ids
+        needed = -(-cfg.max_model_len // cfg.block_size)
+        if num_blocks < needed:
+            raise RuntimeError(f"the KV pool has {num_blocks} blocks of {cfg.block_size} tokens; "
+                               f"one sequence of max_model_len {cfg.max_model_len} needs {needed}")
+        model.allocate_kv_cache(num_blocks, cfg.block_size)
+        log.info("weights loaded; KV pool of %d blocks of %d tokens (this rank could hold %d)",
+                 num_blocks, cfg.block_size, own)
+        return cls(tp, model_config, model, registry, num_blocks, cfg.block_size)
+
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """-> [num_sampled, vocab] fp32 logits of the plan's sampling chunks, in plan order."""
+        batch = ForwardBatch.build(plan.batch_chunks(), self.block_size, self.tp.device,
+                                   min_rows=MIN_ROWS)
+        return self.model.forward(batch)
+
+
+def _own_kv_blocks(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParallel,
+                   dtype: torch.dtype) -> int:
+    """How many blocks this rank would hold on its own (the ranks then take the minimum)."""
+    per_block = LlamaForCausalLM.kv_cache_bytes_per_block(model_config, tp.rank, tp.world_size,
+                                                          cfg.block_size, dtype)
+    if cfg.kv_cache_blocks is not None:
+        return cfg.kv_cache_blocks
+    if cfg.kv_cache_memory is not None:
+        return cfg.kv_cache_memory // per_block
+    wanted = -(-cfg.max_num_seqs * cfg.max_model_len // cfg.block_size)
+    if tp.device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(tp.device)
+        cap = int(free_bytes * CUDA_KV_FRACTION)
+    else:
+        cap = CPU_KV_CAP_BYTES
+    return min(wanted, cap // per_block)

@@ -1,0 +1,71 @@
+"""Read a Hugging Face safetensors checkpoint into a model, each rank only its shard.
+
+Every parameter carries a `weight_loader(param, name, tensor_slice)` that knows which rows or
+columns its rank holds; this file only maps checkpoint names to parameters and checks that each
+is loaded exactly once. Pickled checkpoints (`*.bin`, `*.pt`) are refused: they can run code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+from torch import nn
+
+from lorad.config import ConfigError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Buffers some older exports write next to the weights; lorad recomputes them.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from its index when it is sharded."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{index}: cannot read the weight map: {exc}") from None
+        names = sorted(set(weight_map.values()))
+        missing = [name for name in names if not (model_dir / name).is_file()]
+        if missing:
+            raise ConfigError(f"{index}: names files that are not there: {', '.join(missing)}")
+        return [model_dir / name for name in names]
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+        raise ConfigError(f"--model {model_dir}: only safetensors checkpoints are loaded; "
+                          "pickled .bin/.pt weights are refused")
+    raise ConfigError(f"--model {model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, skip: tuple[str, ...] = ()) -> None:
+    """Fill every parameter of `model` from the checkpoint, through its weight_loader."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in skip or name.endswith(IGNORED_SUFFIXES):
+                    continue
+                param = params.get(name)
+                if param is None:
+                    raise ConfigError(f"{path}: tensor {name} is not part of the model lorad "
+                                      "builds from config.json")
+                if name in loaded:
+                    raise ConfigError(f"{path}: tensor {name} appears in more than one file")
+                # get_slice reads only the rows/columns the weight_loader indexes.
+                try:
+                    param.weight_loader(param, name, f.get_slice(name))
+                except ValueError as exc:
+                    raise ConfigError(f"{path}: {exc}") from None
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ConfigError(f"--model {model_dir}: the checkpoint lacks {len(missing)} tensors "
+                          f"the model needs: {shown}")

@@ -1,0 +1,191 @@
+"""The worker's step loop, the same on every rank: 1. receive, 2. agree, 3. plan, 4. run,
+5. sample, 6. apply and publish.
+
+The one place a worker touches its sockets after start-up. Followers never sample and never
+publish step results; the leader (rank 0) does both. Start-up (model, KV pool) is engine.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from lorad.config import WorkerConfig
+from lorad.protocol import (
+    PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, Ready, Shutdown, StepFailed, StepResult,
+    decode, encode)
+from lorad.protocol.messages import SeqOutput
+from lorad.workers.agreement import Inbox, StepAgreement, agree_step, broadcast_ids, live_digest
+from lorad.workers.block_manager import BlockManager
+from lorad.workers.engine import Engine
+from lorad.workers.planner import Planner, PlannerLimits, StepPlan
+from lorad.workers.sampler import Sampler
+from lorad.workers.sequence import Sequence
+
+log = logging.getLogger("lorad.worker")
+
+IDLE_POLL_MS = 20  # nothing live, nothing buffered: wait this long so idle ranks do not spin
+HANDSHAKE_POLL_MS = 100
+ACCEPTED = (Hello, Admit, Cancel, Shutdown)
+
+
+class WorkerLoop:
+    def __init__(self, cfg: WorkerConfig, rank: int, engine: Engine, sub: zmq.Socket,
+                 push: zmq.Socket) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.engine = engine
+        self.sub = sub
+        self.push = push
+        self.is_leader = rank == 0
+        limits = PlannerLimits(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        self.planner = Planner(limits, BlockManager(engine.num_kv_blocks, cfg.block_size))
+        self.sampler = Sampler() if self.is_leader else None
+        self.inbox = Inbox()
+        self._parent_pid = os.getppid()
+        self._ready_sent = False
+
+    def run(self) -> int:
+        """Serve until the agreed Shutdown (0) or until the coordinator is gone (1)."""
+        while not self._ready_sent:
+            if not self.coordinator_alive():
+                return 1
+            self._receive(HANDSHAKE_POLL_MS)
+        log.info("ready; serving")
+        while self.coordinator_alive():
+            # 1. receive
+            idle = not self.planner.running and not self.planner.waiting and not len(self.inbox)
+            self._receive(IDLE_POLL_MS if idle else 0)
+            # 2. agree on the live set and on which messages to apply
+            agreed = agree_step(self.engine.tp, self.inbox.watermark,
+                                live_digest(self.planner.live()))
+            if not agreed.digests_agree:
+                self._fail_step(agreed)
+                continue
+            if self._apply_messages(agreed.watermark):
+                return 0
+            # 3. plan
+            plan = self.planner.plan()
+            # 4. run
+            logits = self.engine.forward(plan) if plan.chunks else None  # [num_sampled, vocab]
+            # 5. sample on the leader, ids to every rank
+            sampled = self._sample(plan, logits)
+            # 6. apply and publish
+            events = self.planner.apply(plan, sampled)
+            self._publish(plan, events)
+        log.error("the coordinator (pid %d) is gone; exiting", self.cfg.coordinator_pid)
+        return 1
+
+    def coordinator_alive(self) -> bool:
+        if os.getppid() != self._parent_pid:
+            return False  # re-parented: the process that started us has exited
+        try:
+            os.kill(self.cfg.coordinator_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    # --- 1. receive ---------------------------------------------------------------------------
+
+    def _receive(self, timeout_ms: int) -> None:
+        """Drain the SUB socket into the inbox; answer Hello with Ready once."""
+        if timeout_ms and not self.sub.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.sub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frame, ACCEPTED)
+            except ProtocolError as exc:
+                log.warning("dropped a frame of %d bytes: %s", len(frame), exc)
+                continue
+            if isinstance(msg, Hello):
+                self._answer_hello(msg)
+            elif not self.inbox.put(msg):
+                log.warning("dropped a repeated message seq %d", msg.seq)
+
+    def _answer_hello(self, hello: Hello) -> None:
+        if self._ready_sent:
+            return  # the coordinator repeats Hello until every rank is ready
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise RuntimeError(f"the coordinator speaks protocol {hello.protocol_version}, "
+                               f"this worker speaks {PROTOCOL_VERSION}")
+        if hello.instance_id != self.cfg.instance_id:
+            raise RuntimeError(f"Hello from instance {hello.instance_id!r}, "
+                               f"expected {self.cfg.instance_id!r}")
+        self.push.send(encode(Ready(self.rank, PROTOCOL_VERSION, self.cfg.instance_id,
+                                    self.engine.num_kv_blocks, self.cfg.block_size,
+                                    self.engine.registry.hex())))
+        self._ready_sent = True
+
+    # --- 2. agree -----------------------------------------------------------------------------
+
+    def _fail_step(self, agreed: StepAgreement) -> None:
+        # Before any model collective, so no rank can hang in one; the next step starts clean.
+        request_ids = self.planner.drop_all()
+        message = f"live sets differ across ranks (digests by rank: {agreed.digests})"
+        log.error("step %d failed, dropping %d requests: %s", self.planner.step,
+                  len(request_ids), message)
+        if self.is_leader:
+            for request_id in request_ids:
+                self.sampler.remove(request_id)
+            self.push.send(encode(StepFailed(self.planner.step, request_ids, message)))
+
+    def _apply_messages(self, watermark: int) -> bool:
+        """Apply every message up to the agreed watermark; True at Shutdown."""
+        for msg in self.inbox.take_upto(watermark):
+            if isinstance(msg, Shutdown):
+                log.info("shutdown at seq %d with %d live requests", msg.seq,
+                         len(self.planner.live()))
+                return True
+            if isinstance(msg, Cancel):
+                self.planner.cancel(msg.request_id)
+            else:
+                self._admit(msg)
+        return False
+
+    def _admit(self, msg: Admit) -> None:
+        seq = Sequence(msg.request_id, list(msg.prompt_ids), msg.sampling, msg.adapter_slot,
+                       msg.adapter_key, arrival=msg.seq)
+        if msg.adapter_slot != 0 or msg.adapter_key:
+            refusal = f"adapter slot {msg.adapter_slot} is not loaded on this worker"
+        else:
+            refusal = self.planner.admit(seq)
+        if refusal is not None:
+            log.error("refused request %r: %s", msg.request_id, refusal)
+            if self.is_leader:
+                self.push.send(encode(StepFailed(self.planner.step, [msg.request_id], refusal)))
+        elif self.is_leader:
+            self.sampler.add(msg.request_id, msg.sampling.seed)
+
+    # --- 5. sample ----------------------------------------------------------------------------
+
+    def _sample(self, plan: StepPlan, logits) -> list[int]:
+        request_ids = plan.sampled_request_ids
+        if not request_ids:
+            return []
+        sampled = None
+        if self.is_leader:
+            params = [self.planner.sequence(r).sampling for r in request_ids]
+            sampled = self.sampler.sample(logits, request_ids, params)
+        return broadcast_ids(self.engine.tp, sampled, len(request_ids))
+
+    # --- 6. publish ---------------------------------------------------------------------------
+
+    def _publish(self, plan: StepPlan, events: list[SeqOutput]) -> None:
+        if plan.preempted:
+            log.info("step %d preempted %s", plan.step, plan.preempted)
+        if not self.is_leader or not (events or plan.chunks):
+            return
+        for event in events:
+            if event.finish_reason is not None:
+                self.sampler.remove(event.request_id)
+        self.push.send(encode(StepResult(
+            plan.step, events, len(self.planner.running), len(self.planner.waiting),
+            self.planner.blocks.num_free_blocks)))

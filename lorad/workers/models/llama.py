@@ -1,0 +1,163 @@
+"""The Llama family, tensor-parallel: composes the parallel layers; owns no collective itself.
+
+Heads are split in contiguous groups of whole KV heads (each rank takes the query heads of its KV
+heads), the MLP's intermediate size and the vocabulary in balanced contiguous ranges, so any
+world size up to the number of KV heads works. Module and parameter names mirror the Hugging Face
+checkpoint's, so the loader maps tensor names to parameters one to one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lorad.config import ConfigError, ModelConfig
+from lorad.workers.attention import AttentionContext, paged_attention
+from lorad.workers.batch import ForwardBatch
+from lorad.workers.embedding import ParallelLMHead, VocabParallelEmbedding
+from lorad.workers.kv_cache import PagedKVCache, kv_bytes_per_block
+from lorad.workers.layers import RMSNorm, silu_and_mul
+from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear
+from lorad.workers.loader import load_weights
+from lorad.workers.parallel import TensorParallel, balanced_split
+from lorad.workers.rotary import RotaryEmbedding, apply_rotary
+
+
+def kv_head_range(config: ModelConfig, tp_rank: int, world_size: int) -> tuple[int, int]:
+    """This rank's contiguous range of KV heads."""
+    if world_size > config.num_key_value_heads:
+        raise ConfigError(
+            f"--parallel {world_size} is more than the model's {config.num_key_value_heads} "
+            f"key-value heads; use --parallel {config.num_key_value_heads} or fewer")
+    return balanced_split(config.num_key_value_heads, world_size)[tp_rank]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        d = config.head_dim
+        g = config.queries_per_kv
+        kv_start, kv_end = kv_head_range(config, tp.rank, tp.world_size)
+        self.num_kv_heads = kv_end - kv_start
+        self.num_q_heads = self.num_kv_heads * g
+        self.head_dim = d
+        self.scale = d ** -0.5
+        hidden = config.hidden_size
+        q_range = (kv_start * g * d, kv_end * g * d)
+        kv_range = (kv_start * d, kv_end * d)
+        # q, k and v stay separate modules: each gets its own LoRA factors later.
+        self.q_proj = ColumnParallelLinear(hidden, config.num_attention_heads * d, q_range,
+                                           dtype, device)
+        self.k_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * d, kv_range,
+                                           dtype, device)
+        self.v_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * d, kv_range,
+                                           dtype, device)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, hidden, q_range, tp,
+                                        dtype, device)
+        self.kv_cache: PagedKVCache | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        # x: [num_rows, hidden]; cos, sin: [num_rows, 1, head_dim]
+        num_rows = x.shape[0]
+        q = self.q_proj(x).view(num_rows, self.num_q_heads, self.head_dim)
+        k = self.k_proj(x).view(num_rows, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_rows, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        assert self.kv_cache is not None, "allocate_kv_cache() before forward()"
+        attn = paged_attention(q, k, v, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
+        return self.o_proj(attn)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        inter_range = balanced_split(inter, tp.world_size)[tp.rank]
+        self.gate_proj = ColumnParallelLinear(hidden, inter, inter_range, dtype, device)
+        self.up_proj = ColumnParallelLinear(hidden, inter, inter_range, dtype, device)
+        self.down_proj = RowParallelLinear(inter, hidden, inter_range, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_rows, hidden] -> [num_rows, hidden]
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(config, tp, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
+                                                device)
+        self.mlp = LlamaMLP(config, tp, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        # The residual adds stay in the model dtype, as in transformers.
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
+                                                   dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, dtype, device)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                          config.max_position_embeddings, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        kv_head_range(config, tp.rank, tp.world_size)  # refuse a bad world size before allocating
+        self.config = config
+        self.tp = tp
+        self.dtype = dtype
+        self.device = device
+        self.model = LlamaModel(config, tp, dtype, device)
+        self.lm_head = ParallelLMHead(self.model.embed_tokens, config.tie_word_embeddings, dtype,
+                                      device)
+        self.block_size: int | None = None
+
+    def load_weights(self, model_dir: str) -> None:
+        # A tied checkpoint may still carry lm_head.weight: the embedding's copy is the one used.
+        skip = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+        load_weights(self, model_dir, skip=skip)
+
+    @staticmethod
+    def kv_cache_bytes_per_block(config: ModelConfig, tp_rank: int, world_size: int,
+                                 block_size: int, dtype: torch.dtype) -> int:
+        kv_start, kv_end = kv_head_range(config, tp_rank, world_size)
+        return kv_bytes_per_block(config.num_hidden_layers, kv_end - kv_start, config.head_dim,
+                                  block_size, dtype)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            attn.kv_cache = PagedKVCache(num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
+                                         self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> [num_sampled, vocab_size] float32 logits of batch.sample_rows, the same on every
+        rank."""
+        assert self.block_size is not None, "allocate_kv_cache() before forward()"
+        ctx = AttentionContext.build(batch, self.block_size)
+        cos, sin = self.model.rotary_emb(batch.positions)  # [num_rows, 1, head_dim]
+        hidden = self.model.embed_tokens(batch.input_ids)  # [num_rows, hidden]
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, ctx)
+        hidden = self.model.norm(hidden[batch.sample_rows])  # [num_sampled, hidden]
+        return self.lm_head(hidden)

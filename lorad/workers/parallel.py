@@ -1,0 +1,96 @@
+"""Tensor-parallel setup of one worker rank: the process groups and the two model collectives.
+
+Layers call `all_reduce` (row-parallel outputs, the vocab-parallel embedding) and
+`all_gather_last_dim` (vocab-parallel logits) themselves. Control traffic (step agreement, sampled
+ids) uses `cpu_group`; this file does not implement it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def balanced_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges covering 0..n; sizes differ by at most 1, earlier parts
+    get the extra."""
+    assert n >= 0 and parts > 0, (n, parts)
+    base, extra = divmod(n, parts)
+    ranges = []
+    start = 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+class TensorParallel:
+    """This rank's place in the tensor-parallel group and the collectives the model uses."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, group=None,
+                 cpu_group=None, backend: str = "gloo") -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.group = group  # model collectives: NCCL on CUDA, gloo on CPU; None at world 1
+        self.cpu_group = cpu_group  # gloo, for control; None at world 1
+        self.backend = backend
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's `x`, the same bits on every rank. May reuse `x`'s storage."""
+        if self.world_size == 1:
+            return x
+        if self.backend == "gloo" and self.world_size > 2:
+            # A ring all-reduce adds in an order per element that depends on the tensor's size,
+            # so a row's bits would depend on the batch. Gathering and adding in rank order is
+            # the same arithmetic for every size (shared/DESIGN.md, "Numerics").
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            return total
+        # Two ranks: a + b == b + a, so every rank has the same bits whatever the algorithm.
+        x = x.contiguous()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Concatenate each rank's `x` (last dim sizes[rank]) along the last dim."""
+        assert x.shape[-1] == sizes[self.rank], (x.shape, sizes, self.rank)
+        if self.world_size == 1:
+            return x
+        width = max(sizes)
+        # all_gather needs one shape on every rank; the vocab split can be uneven by one.
+        padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
+
+
+def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
+                         device: torch.device, timeout_s: float = 600) -> TensorParallel:
+    """Join the group through a FileStore (`file://<path>`: no ports). World 1 needs no
+    torch.distributed at all."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    if world_size == 1:
+        return TensorParallel(0, 1, device, backend=backend)
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout)
+    # A separate gloo group for control, so step agreement and the sampled-id broadcast never
+    # queue behind (or interleave with) the model's collectives on the same communicator.
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    return TensorParallel(rank, world_size, device, group=dist.group.WORLD,
+                          cpu_group=cpu_group, backend=backend)

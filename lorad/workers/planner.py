@@ -1,0 +1,258 @@
+"""The step planner: which tokens of which live sequences run in the next model step.
+
+Pure and deterministic (no sockets, no torch, no clocks), so every rank that holds the same live
+set and applies the same messages plans the same step. `plan()` schedules (allocating KV blocks
+lazily and preempting newest-first when they run out); `apply(plan, sampled)` advances the
+sequences with the sampled ids and returns the events the leader publishes. Prefix caching and
+grammar state are not handled here.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from lorad.protocol.messages import SeqOutput
+from lorad.workers.block_manager import BlockManager
+from lorad.workers.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class PlannerLimits:
+    max_num_seqs: int  # live sequences holding KV blocks at once
+    max_num_batched_tokens: int  # tokens (decode + prefill chunks) in one step
+    max_model_len: int  # prompt + output never exceeds this
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: str
+    token_ids: list[int]  # new tokens at positions start..start+len-1
+    start: int
+    block_table: list[int]  # covers every position up to start+len-1
+    sample: bool  # the chunk reaches the sequence's last token: sample its next one
+    adapter_slot: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    chunks: list[ScheduledChunk]  # decodes first, then prefill chunks, each group oldest first
+    preempted: list[str]  # request ids sent back to waiting by this plan
+
+    @property
+    def sampled_request_ids(self) -> list[str]:
+        return [c.request_id for c in self.chunks if c.sample]
+
+    def batch_chunks(self) -> list[tuple[list[int], int, list[int], bool, int]]:
+        """The plan in the form `ForwardBatch.build` takes."""
+        return [(c.token_ids, c.start, c.block_table, c.sample, c.adapter_slot)
+                for c in self.chunks]
+
+
+class Planner:
+    def __init__(self, limits: PlannerLimits, blocks: BlockManager) -> None:
+        if blocks.num_blocks < blocks.blocks_for(limits.max_model_len):
+            raise ValueError(f"a KV pool of {blocks.num_blocks} blocks of {blocks.block_size} "
+                             f"cannot hold one sequence of max_model_len {limits.max_model_len}")
+        self.limits = limits
+        self.blocks = blocks
+        self.step = 0
+        self.waiting: list[Sequence] = []  # by arrival; holds no blocks
+        self.running: list[Sequence] = []  # by arrival
+        self._by_id: dict[str, Sequence] = {}
+        self._events: list[SeqOutput] = []  # terminal events decided between steps
+
+    # --- the live set -------------------------------------------------------------------------
+
+    def live(self) -> list[Sequence]:
+        """Every live sequence, oldest first (the canonical order of the live-set digest)."""
+        return sorted(self.running + self.waiting, key=lambda s: s.arrival)
+
+    def sequence(self, request_id: str) -> Sequence:
+        return self._by_id[request_id]
+
+    def admit(self, seq: Sequence) -> str | None:
+        """Queue a new sequence; returns why it was refused, or None."""
+        if seq.request_id in self._by_id:
+            return f"request id {seq.request_id!r} is already live"
+        if not seq.prompt_ids:
+            return f"request {seq.request_id!r} has an empty prompt"
+        if seq.num_tokens >= self.limits.max_model_len or seq.sampling.max_tokens <= 0:
+            self._events.append(SeqOutput(seq.request_id, [], "length", seq.num_prompt_tokens))
+            return None
+        self._by_id[seq.request_id] = seq
+        _insert_by_arrival(self.waiting, seq)
+        return None
+
+    def cancel(self, request_id: str) -> bool:
+        """End a live sequence with "cancelled"; False when it is not live (already ended)."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "cancelled")
+        self._events.append(SeqOutput(request_id, [], "cancelled", seq.num_prompt_tokens))
+        return True
+
+    def drop_all(self) -> list[str]:
+        """Fail a step: forget every live sequence; returns their ids, oldest first.
+
+        The failed step uses up a step number, so StepFailed and StepResult never share one."""
+        self.step += 1
+        ids = [s.request_id for s in self.live()]
+        for request_id in ids:
+            self._finish(self._by_id[request_id], "error")
+        self._events = []
+        return ids
+
+    # --- plan ---------------------------------------------------------------------------------
+
+    def plan(self) -> StepPlan:
+        self.step += 1
+        budget = self.limits.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted: list[str] = []
+        for seq in list(self.running):  # 1. every decode gets its next token
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or not seq.is_decoding:
+                continue
+            if self._reserve(seq, 1, scheduled, preempted):
+                scheduled.append((seq, 1))
+                budget -= 1
+            else:
+                self._preempt(seq, preempted)
+        for seq in list(self.running):  # 2. partially prefilled prompts continue
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or any(s is seq for s, _ in scheduled):
+                continue
+            num = self._reserve_chunk(seq, min(seq.num_pending, budget), scheduled, preempted)
+            if num:
+                scheduled.append((seq, num))
+                budget -= num
+        budget = self._start_waiting(budget, scheduled, preempted)  # 3. new and preempted ones
+        return StepPlan(self.step, [self._chunk(seq, num) for seq, num in scheduled], preempted)
+
+    def _start_waiting(self, budget: int, scheduled: list, preempted: list[str]) -> int:
+        # A sequence starts only when the free pool holds its whole prompt (plus any tokens it
+        # recomputes), counting what this pass already promised: starting it on a partial chunk
+        # would only get it preempted again by the first decode that needs a block.
+        num_promised = 0
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            num_blocks = self.blocks.blocks_for(seq.num_tokens)
+            if (seq.request_id in preempted
+                    or num_blocks > self.blocks.num_free_blocks - num_promised):
+                break  # first come, first served: nobody overtakes the head of the queue
+            num = min(seq.num_pending, budget)
+            self.waiting.pop(0)
+            seq.status = SeqStatus.RUNNING
+            _insert_by_arrival(self.running, seq)
+            self._allocate_for(seq, num)
+            num_promised += num_blocks - len(seq.block_table)
+            scheduled.append((seq, num))
+            budget -= num
+        return budget
+
+    def _reserve(self, seq: Sequence, num: int, scheduled: list, preempted: list[str]) -> bool:
+        """Blocks for `num` more tokens, preempting newer unscheduled sequences if needed."""
+        need = self.blocks.blocks_for(seq.num_computed + num) - len(seq.block_table)
+        while not self.blocks.can_allocate(need):
+            victim = self._newest_victim(seq, scheduled)
+            if victim is None:
+                return False
+            self._preempt(victim, preempted)
+        self._allocate_for(seq, num)
+        return True
+
+    def _reserve_chunk(self, seq: Sequence, num: int, scheduled: list,
+                       preempted: list[str]) -> int:
+        if self._reserve(seq, num, scheduled, preempted):
+            return num
+        num = min(num, self._free_capacity(seq))  # what fits; it keeps its blocks and waits
+        if num > 0:
+            self._allocate_for(seq, num)
+        return max(num, 0)
+
+    def _newest_victim(self, seq: Sequence, scheduled: list) -> Sequence | None:
+        for victim in reversed(self.running):
+            if victim.arrival <= seq.arrival:
+                return None  # never preempt an older sequence for a newer one
+            if not any(s is victim for s, _ in scheduled):
+                return victim
+        return None
+
+    def _free_capacity(self, seq: Sequence) -> int:
+        """Tokens `seq` can add using its own blocks plus every free one."""
+        num_blocks = len(seq.block_table) + self.blocks.num_free_blocks
+        return num_blocks * self.blocks.block_size - seq.num_computed
+
+    def _allocate_for(self, seq: Sequence, num: int) -> None:
+        need = self.blocks.blocks_for(seq.num_computed + num) - len(seq.block_table)
+        if need > 0:
+            seq.block_table.extend(self.blocks.allocate(need))
+
+    def _preempt(self, seq: Sequence, preempted: list[str]) -> None:
+        # Recompute, not swap: the prompt and every generated token run again from position 0.
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        _insert_by_arrival(self.waiting, seq)
+        preempted.append(seq.request_id)
+
+    def _chunk(self, seq: Sequence, num: int) -> ScheduledChunk:
+        start = seq.num_computed
+        return ScheduledChunk(seq.request_id, seq.token_slice(start, start + num), start,
+                              list(seq.block_table), start + num == seq.num_tokens,
+                              seq.adapter_slot)
+
+    # --- apply --------------------------------------------------------------------------------
+
+    def apply(self, plan: StepPlan, sampled: list[int]) -> list[SeqOutput]:
+        """Advance by one planned step; `sampled` holds one id per sampling chunk, in order."""
+        if plan.step != self.step:
+            raise RuntimeError(f"applying step {plan.step} but the last plan was {self.step}")
+        if len(sampled) != len(plan.sampled_request_ids):
+            raise RuntimeError(f"{len(sampled)} sampled ids for "
+                               f"{len(plan.sampled_request_ids)} sampling sequences")
+        events, self._events = self._events, []
+        tokens = iter(sampled)
+        for chunk in plan.chunks:
+            seq = self._by_id[chunk.request_id]
+            seq.num_computed += len(chunk.token_ids)
+            if not chunk.sample:
+                continue
+            token = next(tokens)
+            seq.output_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+            events.append(SeqOutput(seq.request_id, [token], reason, seq.num_prompt_tokens))
+        return events
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.sampling
+        if not params.ignore_eos and token in params.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.limits.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.blocks.free(seq.block_table)
+        else:
+            self.waiting.remove(seq)
+        seq.block_table = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self._by_id[seq.request_id]
+
+
+def _insert_by_arrival(queue: list[Sequence], seq: Sequence) -> None:
+    keys = [s.arrival for s in queue]
+    queue.insert(bisect.bisect_right(keys, seq.arrival), seq)

@@ -1,0 +1,70 @@
+"""Next-token sampling on the leader: greedy, or temperature/top-k/top-p with a per-request seed.
+
+Each request owns a CPU torch.Generator seeded at admission and draws exactly one uniform number
+per sampled token, row by row, so its tokens never depend on which requests share the batch.
+Warping follows transformers' order (temperature, then top-k, then top-p keeping at least one
+token), in fp32. Grammar masks are not applied here yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lorad.protocol.messages import SamplingParams
+
+_SEED_MASK = (1 << 64) - 1  # torch seeds are unsigned 64-bit; any int from the wire maps into it
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def add(self, request_id: str, seed: int) -> None:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed & _SEED_MASK)
+        self._generators[request_id] = gen
+
+    def remove(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str],
+               params: list[SamplingParams]) -> list[int]:
+        """logits: [num_sampled, vocab]; one id per row, in row order."""
+        logits = logits.float()
+        chosen: list[torch.Tensor] = []
+        for row, request_id, p in zip(logits, request_ids, params):  # row: [vocab]
+            if p.temperature == 0:
+                chosen.append(torch.argmax(row))
+                continue
+            probs = torch.softmax(warp(row, p.temperature, p.top_k, p.top_p), dim=-1)
+            u = torch.rand((), generator=self._generators[request_id], dtype=torch.float32)
+            chosen.append(draw(probs, u.to(probs.device)))
+        if not chosen:
+            return []
+        return torch.stack(chosen).tolist()
+
+
+def warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """row: [vocab] fp32 logits -> [vocab] logits with the removed tokens at -inf."""
+    row = row / temperature
+    if 0 < top_k < row.shape[-1]:
+        kth = torch.topk(row, top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))  # ties with the k-th stay, as in HF
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=False)  # [vocab], ascending
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[-1] = False  # keep at least the most likely token
+        row = row.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    return row
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs [vocab] fp32, u a scalar in [0, 1) -> the chosen index (scalar).
+
+    The first index whose cumulative mass exceeds u * total always has non-zero probability, so
+    a removed token can never be drawn.
+    """
+    cdf = probs.cumsum(dim=-1)  # [vocab]
+    index = torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True)  # [1]
+    return index.clamp_(max=probs.shape[-1] - 1).reshape(())

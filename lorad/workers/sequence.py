@@ -1,0 +1,59 @@
+"""One live request inside a worker: its tokens, how much of them the KV cache holds, its blocks.
+
+Plain data that the step planner mutates; it knows nothing of tensors, sockets or sampling state
+(the leader's per-request generator lives in the sampler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from lorad.protocol.messages import SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"  # holds no KV blocks; prefills (or recomputes) from position 0
+    RUNNING = "running"  # holds the blocks for positions 0..num_computed-1 (and maybe more)
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    adapter_slot: int  # 0 = base model
+    adapter_key: str  # identity key of the adapter in that slot, "" for slot 0
+    arrival: int  # the Admit's seq number: orders admission and preemption on every rank
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache (positions 0..num_computed-1)
+    block_table: list[int] = field(default_factory=list)  # KV block ids, in position order
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before the next sample (1 while decoding)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is SeqStatus.RUNNING and self.num_pending == 1
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Token ids at positions start..stop-1 of prompt + output."""
+        num_prompt = len(self.prompt_ids)
+        if stop <= num_prompt:
+            return self.prompt_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt:stop - num_prompt]
+        return self.prompt_ids[start:] + self.output_ids[:stop - num_prompt]

@@ -1,0 +1,123 @@
+"""The coordinator's failure handling against a scripted worker that misbehaves on purpose:
+ranks that disagree, a worker that never gets ready or exits at start, a failed step, and a
+WorkerFailed mid-stream. Every case must end each request once, exit with the right status and
+leave no runtime folder or process behind.
+
+The real `lorad` entry point runs with its worker command swapped for FAKE_WORKER (the one
+argument `main()` takes besides argv); everything else is the real daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+FAKE_WORKER = '''
+import sys, time
+import zmq
+from lorad.config import WorkerConfig
+from lorad.protocol import (PROTOCOL_VERSION, Admit, Cancel, Hello, Ready, SeqOutput, Shutdown,
+                            StepFailed, StepResult, WorkerFailed, decode, encode)
+from lorad.protocol.sockets import connect_pusher, connect_subscriber
+
+mode, config_path, rank = sys.argv[1], sys.argv[3], int(sys.argv[5])
+if mode == "exit-at-start":
+    sys.exit(3)
+cfg = WorkerConfig.from_json(open(config_path).read())
+ctx = zmq.Context()
+sub = connect_subscriber(ctx, cfg.admit_endpoint)
+push = connect_pusher(ctx, cfg.results_endpoint)
+accept = (Hello, Admit, Cancel, Shutdown)
+while not isinstance(decode(sub.recv(), accept), Hello):
+    pass
+if mode == "never-ready":
+    while True:
+        sub.recv()
+digest = f"digest-of-rank-{rank}" if mode == "digest" else "same"
+push.send(encode(Ready(rank, PROTOCOL_VERSION, cfg.instance_id, 32, cfg.block_size, digest)))
+step = 0
+while True:
+    msg = decode(sub.recv(), accept)
+    if isinstance(msg, Shutdown):
+        sys.exit(0)
+    if rank != 0 or not isinstance(msg, Admit):
+        continue
+    step += 1
+    if mode == "step-failed":
+        push.send(encode(StepFailed(step, [msg.request_id], "live sets disagree")))
+    elif mode == "worker-failed":
+        out = SeqOutput(msg.request_id, [65], None, len(msg.prompt_ids))
+        push.send(encode(StepResult(step, [out], 1, 0, 31)))
+        time.sleep(0.3)
+        push.send(encode(WorkerFailed(0, "injected failure")))
+        time.sleep(60)
+'''
+
+
+@pytest.fixture
+def fake_entry(tmp_path):
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+
+    def entry(mode: str) -> list[str]:
+        command = (sys.executable, str(script), mode)
+        code = ("import sys; from lorad.daemon.main import main; "
+                f"sys.exit(main(sys.argv[1:], worker_command={command!r}))")
+        return [sys.executable, "-c", code]
+
+    return entry
+
+
+def _post(url: str, body: dict) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@pytest.mark.parametrize("mode,flags,message", [
+    ("digest", ["--parallel", "2"], "workers disagree on registry_digest"),
+    ("never-ready", ["--startup-timeout", "2"], "did not report ready within 2s"),
+    ("exit-at-start", ["--parallel", "2"], "exited with code 3 before it was ready"),
+])
+def test_startup_failures_exit_nonzero(start_lorad, fake_entry, mode, flags, message):
+    daemon = start_lorad(*flags, entry=fake_entry(mode), wait=False)
+    assert daemon.proc.wait(60) == 1, daemon.log()
+    assert message in daemon.log()
+    daemon.assert_cleaned_up([])
+
+
+def test_failed_step_is_a_500_and_serving_goes_on(start_lorad, fake_entry):
+    daemon = start_lorad(entry=fake_entry("step-failed"))
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+    for stream in (False, True):  # no token was sent yet, so a stream is a plain 500 too
+        status, raw = _post(daemon.url + "/v1/completions", {**body, "stream": stream})
+        error = json.loads(raw)["error"]
+        assert status == 500 and "live sets disagree" in error["message"]
+        assert error["type"] == "server_error"
+    assert daemon.health()["status"] == "ok"
+    pids = daemon.worker_pids()
+    assert daemon.stop() == 0
+    daemon.assert_cleaned_up(pids)
+
+
+def test_worker_failed_ends_open_streams_and_exits_nonzero(start_lorad, fake_entry):
+    daemon = start_lorad("--parallel", "2", entry=fake_entry("worker-failed"))
+    pids = daemon.worker_pids()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+            "stream": True}
+    status, raw = _post(daemon.url + "/v1/chat/completions", body)
+    events = [e.strip().removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.strip()]
+    assert status == 200 and events[-1] == b"[DONE]"
+    assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+    error = json.loads(events[-2])["error"]
+    assert "worker rank 0 failed: injected failure" in error["message"]
+    assert sum(b'"error"' in e for e in events) == 1  # exactly one terminal event
+    assert daemon.proc.wait(30) == 1
+    daemon.assert_cleaned_up(pids)

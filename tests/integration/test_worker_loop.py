@@ -1,0 +1,296 @@
+"""Real worker processes (`python -m lorad.workers`) at world 1 and 2, with the test playing the
+coordinator over real zmq sockets: greedy tokens against transformers, cancel, garbage, shutdown.
+The failed-step path (digests that differ) runs the loop in a thread with a fake engine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import zmq
+
+from lorad.config import WorkerConfig
+from lorad.protocol import (
+    PROTOCOL_VERSION, Admit, Cancel, Hello, Ready, SamplingParams, Shutdown, StepFailed,
+    StepResult, WorkerFailed, decode, encode)
+from lorad.protocol.sockets import (
+    bind_publisher, bind_puller, connect_pusher, connect_subscriber, make_runtime_dir)
+from lorad.workers import loop as loop_module
+from lorad.workers.agreement import RegistryDigest, StepAgreement
+from tests.tiny_models import make_tiny_llama
+
+REPO = Path(__file__).resolve().parents[2]
+EOS = 2
+NUM_KV_BLOCKS = 20  # fewer than the requests below need at once: forces preemption
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 64
+PROMPT_LENS = (3, 9, 17, 30)  # 30 > the 16-token budget: a chunked prefill
+MAX_TOKENS = (20, 14, 20, 16)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 384, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts) -> list[list[int]]:
+    from transformers import LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    outs = []
+    for prompt, max_tokens in zip(prompts, MAX_TOKENS):
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=EOS,
+                             pad_token_id=EOS)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+def greedy(max_tokens: int, ignore_eos: bool = False) -> SamplingParams:
+    return SamplingParams(0.0, 1.0, 0, 0, max_tokens, [EOS], ignore_eos)
+
+
+class FakeCoordinator:
+    """PUB/PULL bound in a private runtime dir, worker processes started as the daemon does."""
+
+    def __init__(self, checkpoint: Path, parallel: int, coordinator_pid: int | None = None):
+        self._parent = tempfile.mkdtemp(prefix="lw", dir="/tmp")  # ipc paths must stay short
+        runtime, instance = make_runtime_dir(self._parent, "t")
+        self.cfg = WorkerConfig(
+            model_dir=str(checkpoint), parallel=parallel, dtype="auto", device="cpu",
+            dist_backend="auto", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+            max_num_batched_tokens=16, block_size=BLOCK_SIZE, kv_cache_blocks=NUM_KV_BLOCKS,
+            kv_cache_memory=None, num_threads=1, runtime_dir=str(runtime), instance_id=instance,
+            coordinator_pid=coordinator_pid or os.getpid())
+        self.cfg.path.write_text(self.cfg.to_json())
+        self.ctx = zmq.Context()
+        self.pub = bind_publisher(self.ctx, self.cfg.admit_endpoint)
+        self.pull = bind_puller(self.ctx, self.cfg.results_endpoint)
+        self.seq = 0
+        self.logs = [open(runtime / f"rank{r}.log", "w+") for r in range(parallel)]
+        self.procs = [subprocess.Popen(
+            [sys.executable, "-m", "lorad.workers", "--config", str(self.cfg.path),
+             "--rank", str(r)], cwd=REPO, stdin=subprocess.DEVNULL, stdout=self.logs[r],
+            stderr=subprocess.STDOUT) for r in range(parallel)]
+
+    def handshake(self, timeout_s: float = 120) -> list[Ready]:
+        ready: dict[int, Ready] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(ready) < len(self.procs):
+            assert time.monotonic() < deadline, f"no Ready in time:\n{self.worker_logs()}"
+            self.pub.send(encode(Hello(PROTOCOL_VERSION, self.cfg.instance_id)))
+            if self.pull.poll(100):
+                msg = decode(self.pull.recv(), (Ready, WorkerFailed))
+                assert isinstance(msg, Ready), f"{msg}\n{self.worker_logs()}"
+                ready[msg.rank] = msg
+        self.pub.send(encode(Hello(PROTOCOL_VERSION, self.cfg.instance_id)))  # a late repeat
+        return [ready[r] for r in range(len(self.procs))]
+
+    def send(self, make) -> None:
+        self.seq += 1
+        self.pub.send(encode(make(self.seq)))
+
+    def results(self, timeout_s: float = 60):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.pull.poll(max(1, int((deadline - time.monotonic()) * 1000))), \
+                f"no result in time:\n{self.worker_logs()}"
+            msg = decode(self.pull.recv(), (StepResult, StepFailed, WorkerFailed))
+            assert isinstance(msg, StepResult), f"{msg}\n{self.worker_logs()}"
+            yield msg
+
+    def worker_logs(self) -> str:
+        out = []
+        for r, f in enumerate(self.logs):
+            f.flush()
+            f.seek(0)
+            out.append(f"--- rank {r} ---\n{f.read()[-4000:]}")
+        return "\n".join(out)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for f in self.logs:
+            f.close()
+        self.pub.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self._parent, ignore_errors=True)
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_worker_loop_serves_like_transformers(checkpoint, prompts, reference, parallel):
+    coord = FakeCoordinator(checkpoint, parallel)
+    try:
+        ready = coord.handshake()
+        assert {(r.num_kv_blocks, r.block_size, r.instance_id) for r in ready} == \
+            {(NUM_KV_BLOCKS, BLOCK_SIZE, coord.cfg.instance_id)}
+        assert len({r.registry_digest for r in ready}) == 1
+
+        for garbage in (b"", b"\x02", b"\x02not msgpack", b"\xff\x00\x01",
+                        encode(Ready(0, 1, "x", 1, 1, "d")), encode(Shutdown(0))):
+            coord.pub.send(garbage)
+        for i, (prompt, max_tokens) in enumerate(zip(prompts, MAX_TOKENS)):
+            coord.send(lambda seq: Admit(seq, f"r{i}", prompt, greedy(max_tokens), 0, ""))
+
+        tokens, finished, result = _collect(coord, [f"r{i}" for i in range(len(prompts))])
+        assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
+        for i, ref in enumerate(reference):
+            assert finished[f"r{i}"] == ("stop" if ref[-1] == EOS else "length")
+        assert result.num_free_blocks == NUM_KV_BLOCKS
+        assert "preempted" in coord.worker_logs()  # the small pool really forced recompute
+        assert "dropped a frame" in coord.worker_logs()
+
+        _cancel_frees_blocks(coord, prompts[3])
+        _sampling_ignores_neighbours(coord, prompts)
+        coord.send(Shutdown)
+        for proc in coord.procs:
+            assert proc.wait(timeout=30) == 0, coord.worker_logs()
+    finally:
+        coord.close()
+
+
+def _collect(coord: FakeCoordinator, request_ids: list[str]):
+    """Read step results until every request finished: (tokens, finish reasons, last result)."""
+    tokens: dict[str, list[int]] = {r: [] for r in request_ids}
+    finished: dict[str, str] = {}
+    for result in coord.results():
+        for out in result.outputs:
+            assert out.request_id not in finished
+            tokens[out.request_id] += out.token_ids
+            if out.finish_reason:
+                finished[out.request_id] = out.finish_reason
+        if len(finished) == len(request_ids):
+            return tokens, finished, result
+
+
+def _sampling_ignores_neighbours(coord: FakeCoordinator, prompts: list[list[int]]) -> None:
+    # Padding to 8 rows and one thread keep a row's logits bit-identical whatever shares the
+    # batch, and each request draws from its own generator: the same seed gives the same tokens.
+    params = SamplingParams(0.9, 0.95, 50, 11, 12, [EOS], True)
+    coord.send(lambda seq: Admit(seq, "solo", prompts[1], params, 0, ""))
+    solo, _, _ = _collect(coord, ["solo"])
+    coord.send(lambda seq: Admit(seq, "n0", prompts[0], greedy(5), 0, ""))
+    coord.send(lambda seq: Admit(seq, "crowd", prompts[1], params, 0, ""))
+    coord.send(lambda seq: Admit(seq, "n2", prompts[2], SamplingParams(1.0, 1.0, 0, 3, 9, [],
+                                                                       True), 0, ""))
+    crowd, _, _ = _collect(coord, ["n0", "crowd", "n2"])
+    assert crowd["crowd"] == solo["solo"] and len(solo["solo"]) == 12
+
+
+def _cancel_frees_blocks(coord: FakeCoordinator, prompt: list[int]) -> None:
+    coord.send(lambda seq: Admit(seq, "long", prompt, greedy(30, ignore_eos=True), 0, ""))
+    results = coord.results()
+    for result in results:
+        if any(o.request_id == "long" and o.token_ids for o in result.outputs):
+            break
+    assert result.num_free_blocks < NUM_KV_BLOCKS
+    coord.send(lambda seq: Cancel(seq, "long"))
+    for result in results:
+        (out,) = [o for o in result.outputs if o.request_id == "long"] or [None]
+        if out is not None and out.finish_reason:
+            break
+    assert (out.finish_reason, out.token_ids, out.num_prompt_tokens) == \
+        ("cancelled", [], len(prompt))
+    assert (result.num_running, result.num_waiting, result.num_free_blocks) == \
+        (0, 0, NUM_KV_BLOCKS)
+
+
+def test_worker_exits_when_the_coordinator_is_gone(checkpoint):
+    stand_in = subprocess.Popen(["sleep", "60"])  # plays the coordinator's pid
+    coord = FakeCoordinator(checkpoint, 1, coordinator_pid=stand_in.pid)
+    try:
+        coord.handshake()
+        stand_in.kill()
+        stand_in.wait()
+        start = time.monotonic()
+        assert coord.procs[0].wait(timeout=10) != 0
+        assert time.monotonic() - start < 3, coord.worker_logs()
+    finally:
+        stand_in.kill()
+        coord.close()
+
+
+class FakeEngine:
+    """The engine's surface the loop uses, at world size 1: always predicts token 5."""
+
+    def __init__(self) -> None:
+        self.tp = SimpleNamespace(rank=0, world_size=1, cpu_group=None, device="cpu")
+        self.num_kv_blocks = 16
+        self.block_size = BLOCK_SIZE
+        self.registry = RegistryDigest(b"m" * 32, b"e" * 32, b"a" * 32)
+
+    def forward(self, plan):
+        logits = torch.zeros(len(plan.sampled_request_ids), 32)  # [num_sampled, vocab]
+        logits[:, 5] = 1.0
+        return logits
+
+
+def test_digest_mismatch_fails_the_step_and_the_loop_goes_on(tmp_path, monkeypatch):
+    sabotage = threading.Event()
+    real_agree = loop_module.agree_step
+
+    def agree(tp, watermark, digest):
+        agreed = real_agree(tp, watermark, digest)
+        if sabotage.is_set():
+            sabotage.clear()
+            return StepAgreement(agreed.watermark, False, [digest, digest + 1])
+        return agreed
+    monkeypatch.setattr(loop_module, "agree_step", agree)
+
+    cfg = WorkerConfig(
+        model_dir="unused", parallel=1, dtype="auto", device="cpu", dist_backend="auto",
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_num_batched_tokens=16,
+        block_size=BLOCK_SIZE, kv_cache_blocks=16, kv_cache_memory=None, num_threads=1,
+        runtime_dir=str(tmp_path), instance_id="fake", coordinator_pid=os.getpid())
+    ctx = zmq.Context()
+    pub, pull = bind_publisher(ctx, "inproc://admit"), bind_puller(ctx, "inproc://results")
+    sub, push = connect_subscriber(ctx, "inproc://admit"), connect_pusher(ctx, "inproc://results")
+    pull.setsockopt(zmq.RCVTIMEO, 10_000)  # a hung loop fails the test instead of blocking it
+    worker = loop_module.WorkerLoop(cfg, 0, FakeEngine(), sub, push)
+    exit_code = []
+    thread = threading.Thread(target=lambda: exit_code.append(worker.run()), daemon=True)
+    thread.start()
+    try:
+        pub.send(encode(Hello(PROTOCOL_VERSION, "fake")))
+        assert isinstance(decode(pull.recv(), (Ready,)), Ready)
+        pub.send(encode(Admit(1, "a", [7, 8, 9], greedy(100, ignore_eos=True), 0, "")))
+        first = decode(pull.recv(), (StepResult,))
+        assert first.outputs[0].token_ids == [5]
+        sabotage.set()
+        while True:
+            msg = decode(pull.recv(), (StepResult, StepFailed))
+            if isinstance(msg, StepFailed):
+                break
+        assert msg.request_ids == ["a"] and "differ" in msg.message
+        pub.send(encode(Cancel(2, "a")))  # already gone: nothing happens
+        pub.send(encode(Admit(3, "b", [1, 2], greedy(2), 0, "")))
+        outs = [o for _ in range(2) for o in decode(pull.recv(), (StepResult,)).outputs]
+        assert [(o.request_id, o.token_ids, o.finish_reason) for o in outs] == \
+            [("b", [5], None), ("b", [5], "length")]
+        assert worker.planner.blocks.num_free_blocks == 16
+        pub.send(encode(Shutdown(4)))
+        thread.join(timeout=10)
+        assert exit_code == [0]
+    finally:
+        for sock in (pub, pull, sub, push):
+            sock.close(linger=0)
+        ctx.term()

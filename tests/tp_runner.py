@@ -1,0 +1,73 @@
+"""One rank of a tensor-parallel test run: load models, run scripted batches, write the logits.
+
+    python tests/tp_runner.py --rank R --world N --init-file PATH --spec SPEC.json --out DIR
+                              [--backend gloo|nccl] [--device cpu|cuda]
+
+SPEC.json: {"models": [{"name", "dir", "dtype", "num_blocks", "block_size",
+"scenarios": {name: [step, ...]}}]}, a step being a list of chunks
+[token_ids, start_position, block_table, wants_sample, adapter_slot] (ForwardBatch.build's).
+Each rank writes DIR/<model>.rank<R>.safetensors with one tensor "<scenario>.<step>" per step:
+that step's [num_sampled, vocab_size] float32 logits. Tensors travel as safetensors, never pickle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lorad.config import ModelConfig  # noqa: E402
+from lorad.workers.batch import ForwardBatch  # noqa: E402
+from lorad.workers.models import MODEL_CLASSES  # noqa: E402
+from lorad.workers.parallel import init_tensor_parallel  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def run_model(entry: dict, tp, out_dir: Path) -> None:
+    config = ModelConfig.from_dir(entry["dir"])
+    model = MODEL_CLASSES[config.model_type](config, tp, DTYPES[entry["dtype"]], tp.device)
+    model.load_weights(entry["dir"])
+    model.allocate_kv_cache(entry["num_blocks"], entry["block_size"])
+    outputs = {}
+    for scenario, steps in entry["scenarios"].items():
+        for i, chunks in enumerate(steps):
+            batch = ForwardBatch.build([tuple(c) for c in chunks], entry["block_size"], tp.device)
+            outputs[f"{scenario}.{i}"] = model(batch).cpu().contiguous()
+    save_file(outputs, str(out_dir / f"{entry['name']}.rank{tp.rank}.safetensors"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--init-file", required=True)
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    args = parser.parse_args()
+    # One thread: with more, MKL may split a matmul differently by batch size, and the
+    # batch-invariance checks compare bits (shared/DESIGN.md, "Numerics").
+    torch.set_num_threads(1)
+    start = time.monotonic()
+    spec = json.loads(Path(args.spec).read_text())
+    device = torch.device("cuda", args.rank) if args.device == "cuda" else torch.device("cpu")
+    tp = init_tensor_parallel(args.rank, args.world, f"file://{args.init_file}", args.backend,
+                              device, timeout_s=120)
+    for entry in spec["models"]:
+        run_model(entry, tp, Path(args.out))
+    if args.world > 1:
+        torch.distributed.destroy_process_group()
+    print(f"rank {args.rank}/{args.world}: {time.monotonic() - start:.2f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Step agreement: the inbox watermark, digests, and the int64 collectives on two gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch.distributed as dist
+
+from lorad.protocol.messages import Admit, Cancel, SamplingParams, Shutdown
+from lorad.workers import agreement
+from lorad.workers.agreement import Inbox, RegistryDigest, live_digest
+from lorad.workers.sequence import Sequence
+
+PARAMS = SamplingParams(0.0, 1.0, 0, 0, 4, [], False)
+
+
+def test_inbox_releases_contiguous_messages_in_order():
+    inbox = Inbox()
+    assert inbox.put(Cancel(2, "b")) and inbox.watermark == 0
+    assert inbox.put(Admit(1, "a", [1], PARAMS, 0, "")) and inbox.watermark == 2
+    assert inbox.put(Shutdown(4)) and inbox.watermark == 2
+    assert not inbox.put(Cancel(2, "b"))  # a repeat
+    assert [m.seq for m in inbox.take_upto(1)] == [1]
+    assert not inbox.put(Admit(1, "a", [1], PARAMS, 0, ""))  # already applied
+    inbox.put(Cancel(3, "c"))
+    assert inbox.watermark == 4
+    assert [m.seq for m in inbox.take_upto(4)] == [2, 3, 4] and len(inbox) == 0
+
+
+def test_live_digest_sees_ids_adapters_and_positions():
+    def live(**changes):
+        seq = Sequence("r", [1, 2, 3], PARAMS, 1, "key", arrival=1)
+        for name, value in changes.items():
+            setattr(seq, name, value)
+        return live_digest([seq])
+    base = live()
+    assert base == live()
+    for change in ({"request_id": "s"}, {"adapter_slot": 2}, {"adapter_key": "k2"},
+                   {"num_computed": 1}, {"output_ids": [5]}):
+        assert live(**change) != base, change
+
+
+def test_registry_digest_changes_with_the_model_config():
+    from lorad.config.model import ModelConfig
+    raw = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64}
+    a = RegistryDigest.compute(ModelConfig.from_dict(raw))
+    b = RegistryDigest.compute(ModelConfig.from_dict({**raw, "rms_norm_eps": 1e-5}))
+    assert a.engine == b.engine and a.adapters == b.adapters and a.model != b.model
+    assert a.hex() != b.hex() and len(a.hex()) == 64
+
+
+def test_world_one_makes_no_distributed_calls(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.distributed used at world size 1")
+    monkeypatch.setattr(dist, "all_gather", refuse)
+    monkeypatch.setattr(dist, "broadcast", refuse)
+
+    class Solo:
+        rank, world_size, cpu_group = 0, 1, None
+    result = agreement.agree_step(Solo(), 7, 123)
+    assert (result.watermark, result.digests_agree) == (7, True)
+    assert agreement.agree_min(Solo(), 5) == 5
+    assert agreement.broadcast_ids(Solo(), [3, 4], 2) == [3, 4]
+    assert agreement.check_registry(Solo(), RegistryDigest(b"a" * 32, b"b" * 32, b"c" * 32)) is None
+
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from types import SimpleNamespace
+    import torch.distributed as dist
+    from lorad.workers import agreement
+    from lorad.workers.agreement import RegistryDigest
+
+    rank, store_path = int(sys.argv[1]), sys.argv[2]
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    tp = SimpleNamespace(rank=rank, world_size=2, cpu_group=dist.new_group(backend="gloo"))
+    same = agreement.agree_step(tp, [5, 3][rank], 42)
+    differ = agreement.agree_step(tp, 9, [42, 43][rank])
+    reg_same = agreement.check_registry(tp, RegistryDigest(b"m" * 32, b"e" * 32, b"a" * 32))
+    reg_differ = agreement.check_registry(
+        tp, RegistryDigest(b"m" * 32, [b"e", b"f"][rank] * 32, b"a" * 32))
+    ids = agreement.broadcast_ids(tp, [11, 12, 13] if rank == 0 else None, 3)
+    print(json.dumps({
+        "same": [same.watermark, same.digests_agree], "differ": [differ.digests_agree,
+        differ.digests], "reg_same": reg_same, "reg_differ": reg_differ, "ids": ids,
+        "min": agreement.agree_min(tp, [100, 80][rank])}))
+    dist.destroy_process_group()
+""")
+
+
+def test_two_gloo_ranks_agree(tmp_path):
+    store = tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(rank), str(store)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    outs = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    for out in outs:
+        assert out["same"] == [3, True]  # watermark is the minimum
+        assert out["differ"] == [False, [42, 43]]
+        assert out["reg_same"] is None
+        assert "engine source" in out["reg_differ"] and "rank(s) [1]" in out["reg_differ"]
+        assert "base model" not in out["reg_differ"]
+        assert out["ids"] == [11, 12, 13] and out["min"] == 80

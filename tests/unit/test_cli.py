@@ -1,0 +1,121 @@
+"""The `lorad` command line: defaults, sizes, and one-line errors (exit 2) that name the flag.
+
+Model-folder checks run through the real entry point in a subprocess, so nothing loads in-process
+and the exact stderr a user sees is asserted.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lorad.config.cli import build_parser, byte_size, parse_args
+from tests.tiny_models import write_tokenizer
+
+
+def test_defaults_and_name_from_folder(tmp_path):
+    config = parse_args(["--model", str(tmp_path / "SmolLM2-135M")])
+    assert config.served_name == "SmolLM2-135M"
+    assert (config.host, config.port, config.parallel) == ("127.0.0.1", 8000, 1)
+    assert config.max_model_len is None and config.kv_cache_memory is None
+
+
+def test_all_flags():
+    config = parse_args(["--model", "m", "--parallel", "4", "--host", "0.0.0.0", "--port", "9000",
+                         "--dtype", "bfloat16", "--device", "cuda", "--dist-backend", "nccl",
+                         "--max-model-len", "2048", "--max-num-seqs", "8",
+                         "--max-num-batched-tokens", "1024", "--block-size", "32",
+                         "--kv-cache-memory", "2GiB", "--threads", "2", "--name", "demo",
+                         "--runtime-dir", "/run/lorad", "--log-level", "debug"])
+    assert config.parallel == 4 and config.port == 9000 and config.dtype == "bfloat16"
+    assert config.kv_cache_memory == 2 * 1024**3 and config.served_name == "demo"
+    assert config.num_threads == 2 and config.runtime_dir == "/run/lorad"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("512MiB", 512 * 1024**2), ("2GiB", 2 * 1024**3), ("1.5GB", 1_500_000_000),
+    ("4096", 4096), ("64k", 64 * 1024), ("1 TiB", 1024**4)])
+def test_byte_sizes(text, expected):
+    assert byte_size(text) == expected
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--parallel", "0"], "--parallel"),
+    (["--parallel", "two"], "--parallel"),
+    (["--port", "70000"], "--port"),
+    (["--port", "-1"], "--port"),
+    (["--dtype", "int4"], "--dtype"),
+    (["--device", "tpu"], "--device"),
+    (["--dist-backend", "mpi"], "--dist-backend"),
+    (["--max-model-len", "0"], "--max-model-len"),
+    (["--max-num-seqs", "1.5"], "--max-num-seqs"),
+    (["--max-num-batched-tokens", ""], "--max-num-batched-tokens"),
+    (["--block-size", "-16"], "--block-size"),
+    (["--kv-cache-blocks", "0"], "--kv-cache-blocks"),
+    (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
+    (["--kv-cache-memory", "0MiB"], "--kv-cache-memory"),
+    (["--kv-cache-blocks", "8", "--kv-cache-memory", "1GiB"], "--kv-cache-memory"),
+    (["--threads", "0"], "--threads"),
+    (["--startup-timeout", "nan"], "--startup-timeout"),
+    (["--log-level", "loud"], "--log-level"),
+    (["--name", "two words"], "--name"),
+])
+def test_bad_values_are_one_line_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model", "m", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lorad: error: ")
+    assert flag in err
+
+
+def test_missing_model_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args([])
+    assert exc.value.code == 2
+    assert "--model" in capsys.readouterr().err
+
+
+def test_help_is_grouped():
+    text = build_parser().format_help()
+    for group in ("model:", "parallelism and devices:", "scheduler and KV cache:",
+                  "HTTP server:", "process:"):
+        assert group in text
+
+
+def _run_lorad(*args: str) -> subprocess.CompletedProcess:
+    code = "import sys; from lorad.daemon.main import main; sys.exit(main())"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parents[2])
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    """A config.json without a tokenizer."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        '{"model_type": "llama", "vocab_size": 400, "hidden_size": 64, "intermediate_size": 128,'
+        ' "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,'
+        ' "max_position_embeddings": 256, "eos_token_id": 2}')
+    return folder
+
+
+def test_model_folder_errors_before_any_worker(tmp_path, model_dir):
+    result = _run_lorad("--model", str(tmp_path / "missing"))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "--model" in result.stderr
+    result = _run_lorad("--model", str(model_dir))
+    assert result.returncode == 2 and "tokenizer.json" in result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_max_model_len_may_not_exceed_the_model(model_dir):
+    write_tokenizer(model_dir)
+    result = _run_lorad("--model", str(model_dir), "--max-model-len", "257")
+    assert result.returncode == 2
+    assert "--max-model-len" in result.stderr and "256" in result.stderr
+    assert result.stderr.count("\n") == 1

@@ -1,0 +1,80 @@
+"""The wire codec: every message round-trips to an equal dataclass, and every malformed frame is a
+ProtocolError (unknown or unexpected kind, wrong field types, bool for int, truncated, oversized)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from lorad.protocol import (
+    MAX_FRAME_BYTES, PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, Ready, SamplingParams,
+    SeqOutput, Shutdown, StepFailed, StepResult, WorkerFailed, decode, encode)
+from lorad.protocol.messages import COORDINATOR_TO_WORKER, WORKER_TO_COORDINATOR
+
+SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**62 + 5, max_tokens=16,
+                          stop_token_ids=[2, 0], ignore_eos=False)
+MESSAGES = [
+    Hello(PROTOCOL_VERSION, "tiny-123-abcd"),
+    Admit(1, "cmpl-1", [1, 2, 3, 399], SAMPLING, 0, ""),
+    Admit(2, "chatcmpl-é", list(range(5000)), SAMPLING, 3, "sha256:" + "ab" * 32),
+    Cancel(3, "cmpl-1"),
+    Shutdown(4),
+    Ready(0, PROTOCOL_VERSION, "tiny-123-abcd", 128, 16, "digest"),
+    StepResult(7, [SeqOutput("a", [5], None, 3), SeqOutput("b", [6, 2], "stop", 9)], 1, 0, 120),
+    StepResult(8, [], 0, 0, 128),
+    StepFailed(9, ["a", "b"], "live sets disagree"),
+    WorkerFailed(1, "CUDA error: out of memory"),
+]
+ALL_KINDS = COORDINATOR_TO_WORKER + WORKER_TO_COORDINATOR
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    assert decode(encode(msg), ALL_KINDS) == msg
+
+
+def test_int_is_accepted_for_float():
+    frame = bytes([Admit.KIND]) + msgpack.packb(
+        [1, "r", [1], [1, 1, 0, 0, 4, [], False], 0, ""])
+    assert decode(frame, (Admit,)).sampling.temperature == 1.0
+
+
+def test_kinds_are_distinct():
+    assert len({cls.KIND for cls in ALL_KINDS}) == len(ALL_KINDS)
+
+
+def _frame(kind: int, body) -> bytes:
+    return bytes([kind]) + msgpack.packb(body, use_bin_type=True)
+
+
+@pytest.mark.parametrize("frame,accept", [
+    (_frame(99, [1]), ALL_KINDS),  # unknown kind
+    (encode(Hello(1, "x")), WORKER_TO_COORDINATOR),  # a kind this receiver does not take
+    (encode(Cancel(1, "x"))[:1], ALL_KINDS),  # nothing after the kind byte
+    (b"", ALL_KINDS),
+    (encode(StepResult(1, [SeqOutput("a", [5], None, 3)], 1, 0, 9))[:-3], (StepResult,)),
+    (_frame(Cancel.KIND, [1]), (Cancel,)),  # too few fields
+    (_frame(Cancel.KIND, [1, "x", 3]), (Cancel,)),  # too many fields
+    (_frame(Cancel.KIND, {"seq": 1, "request_id": "x"}), (Cancel,)),  # a map, not an array
+    (_frame(Cancel.KIND, ["1", "x"]), (Cancel,)),  # str for int
+    (_frame(Cancel.KIND, [True, "x"]), (Cancel,)),  # bool for int
+    (_frame(Cancel.KIND, [1.0, "x"]), (Cancel,)),  # float for int
+    (_frame(Cancel.KIND, [1, b"x"]), (Cancel,)),  # bytes for str
+    (_frame(Shutdown.KIND, [None]), (Shutdown,)),  # None for a required int
+    (_frame(Admit.KIND, [1, "r", [1, "2"], [1.0, 1.0, 0, 0, 4, [], False], 0, ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], 0], 0, ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [True, 1.0, 0, 0, 4, [], False], 0, ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", 7, [1.0, 1.0, 0, 0, 4, [], False], 0, ""]), (Admit,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], 3, 3]], 1, 0, 9]), (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], None]], 1, 0, 9]), (StepResult,)),
+    (bytes([Cancel.KIND]) + b"\xc1\xc1", (Cancel,)),  # bytes msgpack never produces
+])
+def test_rejections(frame, accept):
+    with pytest.raises(ProtocolError):
+        decode(frame, accept)
+
+
+def test_oversized_frame_is_refused_before_parsing():
+    frame = bytes([Admit.KIND]) + b"\x00" * MAX_FRAME_BYTES
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(frame, (Admit,))

@@ -1,0 +1,156 @@
+"""OpenAI request validation: accepted shapes become the right dataclasses, and every refusal is a
+400 ApiError naming the offending field (never a crash on odd JSON)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorad.daemon.errors import ApiError
+from lorad.daemon.schemas import parse_chat, parse_completion
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+def test_completion_defaults():
+    req = parse_completion(COMPLETION)
+    assert req.model == "m" and req.prompt == "hi"
+    opts = req.options
+    assert opts.max_tokens is None and opts.seed is None and opts.stop == ()
+    assert (opts.temperature, opts.top_p, opts.top_k) == (1.0, 1.0, 0)
+    assert not opts.stream and not opts.include_usage and not opts.ignore_eos
+
+
+def test_completion_fields():
+    req = parse_completion({**COMPLETION, "prompt": [1, 2, 3], "max_tokens": 7, "temperature": 0,
+                            "top_p": 0.5, "top_k": -1, "seed": -5, "stop": "\n", "n": 1,
+                            "stream": True, "stream_options": {"include_usage": True},
+                            "ignore_eos": True, "user": "x", "some_future_field": {"a": 1}})
+    opts = req.options
+    assert req.prompt == [1, 2, 3]
+    assert (opts.max_tokens, opts.temperature, opts.top_p, opts.top_k) == (7, 0.0, 0.5, 0)
+    assert opts.seed == -5 and opts.stop == ("\n",) and opts.stream and opts.include_usage
+    assert opts.ignore_eos
+
+
+def test_one_element_prompt_batches_are_unwrapped():
+    assert parse_completion({**COMPLETION, "prompt": ["abc"]}).prompt == "abc"
+    assert parse_completion({**COMPLETION, "prompt": [[5, 6]]}).prompt == [5, 6]
+
+
+def test_chat_messages_and_text_parts():
+    req = parse_chat({"model": "m", "max_completion_tokens": 3, "messages": [
+        {"role": "system", "content": "be brief", "name": "ignored"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "ok"}]})
+    assert req.messages == [{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": "a\nb"},
+                            {"role": "assistant", "content": "ok"}]
+    assert req.options.max_tokens == 3
+
+
+def test_chat_max_tokens_spellings_must_agree():
+    assert parse_chat({**CHAT, "max_tokens": 4, "max_completion_tokens": 4}).options.max_tokens == 4
+    assert parse_chat({**CHAT, "max_tokens": 4}).options.max_tokens == 4
+    _refused(parse_chat, {**CHAT, "max_tokens": 4, "max_completion_tokens": 5},
+             "max_completion_tokens")
+
+
+def _refused(parse, body, param):
+    with pytest.raises(ApiError) as exc:
+        parse(body)
+    assert exc.value.status == 400, exc.value.message
+    assert exc.value.param == param, exc.value.message
+    assert exc.value.body()["error"]["type"] == "invalid_request_error"
+    return exc.value
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"model": 3}, "model"),
+    ({"model": None}, "model"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 2.0}, "max_tokens"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": False}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": "1"}, "seed"),
+    ({"stop": 5}, "stop"),
+    ({"stop": ["a", 1]}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": True}, "n"),
+    ({"best_of": 3}, "best_of"),
+    ({"echo": True}, "echo"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"suffix": "x"}, "suffix"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": []}, "stream_options"),
+    ({"ignore_eos": "true"}, "ignore_eos"),
+])
+def test_completion_refusals(patch, param):
+    _refused(parse_completion, {**COMPLETION, **patch}, param)
+
+
+@pytest.mark.parametrize("messages,param", [
+    (None, "messages"),
+    ([], "messages"),
+    ("hi", "messages"),
+    (["hi"], "messages[0]"),
+    ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    ([{"role": "developer", "content": "x"}], "messages[0].role"),
+    ([{"content": "x"}], "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "assistant", "content": None}], "messages[0].content"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+     "messages[0].content[0]"),
+    ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "messages[0].content[0].text"),
+    ([{"role": "user", "content": "ok"}, {"role": "bot", "content": "x"}], "messages[1].role"),
+])
+def test_chat_message_refusals(messages, param):
+    _refused(parse_chat, {"model": "m", "messages": messages}, param)
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"n": 3}, "n"),
+])
+def test_chat_unsupported_features_are_refused_not_ignored(patch, param):
+    _refused(parse_chat, {**CHAT, **patch}, param)
+
+
+def test_off_values_of_unsupported_features_are_accepted():
+    parse_chat({**CHAT, "logprobs": False, "tools": [], "tool_choice": "none",
+                "response_format": {"type": "text"}, "presence_penalty": 0,
+                "frequency_penalty": 0.0, "logit_bias": {}})
+    parse_completion({**COMPLETION, "echo": False, "logprobs": None, "best_of": 1, "suffix": ""})
+
+
+@pytest.mark.parametrize("body", [None, [], "text", 3])
+def test_body_must_be_an_object(body):
+    with pytest.raises(ApiError) as exc:
+        parse_chat(body)
+    assert exc.value.status == 400 and exc.value.code == "invalid_json"
