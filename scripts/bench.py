@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Load a running lorad (or any OpenAI-compatible server) with concurrent streaming requests.
+
+Prints one table: output tokens/s, requests/s, time to first token and inter-token latency
+(p50/p99), with the conditions (date, machine, workload). Every request sets ignore_eos, so each
+one generates exactly --max-tokens tokens. Does not start or configure the server: say how it was
+started with --note. Standard library + aiohttp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+CHAT_PROMPTS = (
+    "Explain how a bicycle stays upright while moving.",
+    "Write a short story about a lighthouse keeper and a storm.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Describe the water cycle to a ten-year-old.",
+    "Give me a recipe for a simple vegetable soup.",
+    "Why is the sky blue? Answer in detail.",
+    "Summarize the plot of a detective novel you make up.",
+    "List some good habits for writing maintainable code and explain each one.",
+)
+# Random prompt ids are drawn from here: ordinary tokens in any BPE vocabulary of 1k+ entries.
+PROMPT_ID_RANGE = (100, 1000)
+
+
+@dataclass
+class Outcome:
+    ok: bool = False
+    error: str = ""
+    ttft_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)  # between chunks that carried text
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_chunks: int = 0
+
+
+def build_body(args: argparse.Namespace, index: int) -> tuple[str, dict]:
+    common = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+              "seed": args.seed + index}
+    if args.chat:
+        prompt = CHAT_PROMPTS[index % len(CHAT_PROMPTS)]
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
+    # A fresh random prompt per request, so no request benefits from another's cached prefix.
+    rng = random.Random(args.seed * 1_000_003 + index)
+    prompt_ids = [rng.randrange(*PROMPT_ID_RANGE) for _ in range(args.prompt_len)]
+    return "/v1/completions", {**common, "prompt": prompt_ids}
+
+
+def chunk_text(chunk: dict) -> str:
+    text = ""
+    for choice in chunk.get("choices") or []:
+        text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return text
+
+
+async def run_one(session: aiohttp.ClientSession, args: argparse.Namespace, index: int) -> Outcome:
+    path, body = build_body(args, index)
+    outcome = Outcome()
+    started = last = time.perf_counter()
+    try:
+        async with session.post(args.url + path, json=body) as response:
+            if response.status != 200:
+                outcome.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return outcome
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    outcome.ok = not outcome.error
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    outcome.error = str(chunk["error"].get("message", chunk["error"]))[:200]
+                    continue
+                if chunk.get("usage"):
+                    outcome.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    outcome.num_output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk_text(chunk):
+                    now = time.perf_counter()
+                    if outcome.ttft_s is None:
+                        outcome.ttft_s = now - started
+                    else:
+                        outcome.gaps_s.append(now - last)
+                    last = now
+                    outcome.num_chunks += 1
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"[:200]
+    if outcome.ok and not outcome.num_output_tokens:
+        outcome.num_output_tokens = outcome.num_chunks  # server sent no usage: one per chunk
+    return outcome
+
+
+async def run_all(args: argparse.Namespace, num_requests: int,
+                  first_index: int) -> tuple[list[Outcome], float]:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(num_requests):
+        queue.put_nowait(first_index + i)
+    outcomes: list[Outcome] = []
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    connector = aiohttp.TCPConnector(limit=args.concurrency)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
+        async def client() -> None:
+            while not queue.empty():
+                outcomes.append(await run_one(session, args, queue.get_nowait()))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(min(args.concurrency, num_requests))))
+        return outcomes, time.perf_counter() - started
+
+
+async def served_model(url: str) -> str:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.get(url + "/v1/models") as response:
+            response.raise_for_status()
+            return (await response.json())["data"][0]["id"]
+
+
+def percentile(values: list[float], pct: float) -> float | None:
+    """Linear interpolation between closest ranks, as numpy's default."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * pct / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def report(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) -> str:
+    done = [o for o in outcomes if o.ok]
+    failed = [o for o in outcomes if not o.ok]
+    ttfts = [o.ttft_s * 1000 for o in done if o.ttft_s is not None]
+    gaps = [g * 1000 for o in done for g in o.gaps_s]
+    num_output = sum(o.num_output_tokens for o in done)
+    prompt_lens = sorted({o.num_prompt_tokens for o in done})
+
+    def ms(values: list[float]) -> str:
+        if not values:
+            return "n/a"
+        return f"{percentile(values, 50):.1f} / {percentile(values, 99):.1f}"
+
+    prompts = "chat prompts" if args.chat else f"random {args.prompt_len}-token prompts"
+    workload = f"{len(outcomes)} requests at concurrency {args.concurrency}, {prompts}"
+    if prompt_lens:
+        workload += f" ({prompt_lens[0]}-{prompt_lens[-1]} prompt tokens by usage)"
+    lines = [
+        f"date:      {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        f"machine:   {os.cpu_count()} cores, {cpu_name()}, {platform.system()} "
+        f"{platform.machine()}",
+        f"server:    {args.url}, model {args.model}" + (f", {args.note}" if args.note else ""),
+        f"workload:  {workload}, max_tokens {args.max_tokens}, ignore_eos, "
+        f"temperature {args.temperature}",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| output tokens/s | {num_output / wall_s:.1f} |",
+        f"| requests/s | {len(done) / wall_s:.3f} |",
+        f"| time to first token p50 / p99 (ms) | {ms(ttfts)} |",
+        f"| inter-token latency p50 / p99 (ms) | {ms(gaps)} |",
+        f"| completed / failed requests | {len(done)} / {len(failed)} |",
+        f"| wall time (s) | {wall_s:.1f} |",
+    ]
+    if any(o.num_output_tokens != args.max_tokens for o in done):
+        lines.append("note: some requests generated fewer than max_tokens tokens "
+                     "(the server may not honour ignore_eos)")
+    if failed:
+        lines.append(f"first failure: {failed[0].error}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument("--model", help="model id (default: the first one /v1/models lists)")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    parser.add_argument("--requests", type=int, default=32, help="measured requests in all")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--prompt-len", type=int, default=128,
+                        help="prompt length in tokens (random token ids, /v1/completions)")
+    parser.add_argument("--chat", action="store_true",
+                        help="use a fixed set of chat prompts (/v1/chat/completions) instead")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="unmeasured requests sent first (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    parser.add_argument("--note", default="",
+                        help="how the server was started, printed with the conditions")
+    args = parser.parse_args(argv)
+    for name in ("concurrency", "requests", "max_tokens", "prompt_len"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    args.url = args.url.rstrip("/")
+    return args
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    if args.model is None:
+        args.model = await served_model(args.url)
+    if args.warmup:
+        warm, _ = await run_all(args, args.warmup, first_index=1_000_000)
+        if not any(o.ok for o in warm):
+            print(f"bench: warm-up failed: {warm[0].error}", file=sys.stderr)
+            return 1
+    outcomes, wall_s = await run_all(args, args.requests, first_index=0)
+    print(report(args, outcomes, wall_s))
+    return 0 if all(o.ok for o in outcomes) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return asyncio.run(main_async(args))
+    except (aiohttp.ClientError, OSError) as exc:
+        print(f"bench: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
