@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from lorad.config.adapters import AdapterArg
 from lorad.config.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -52,6 +53,7 @@ class ServeConfig:
     runtime_dir: str | None = None
     startup_timeout: float = 600.0
     log_level: str = "info"
+    adapters: tuple[AdapterArg, ...] = ()  # command-line order = slots 1..K
 
     def __post_init__(self) -> None:
         if not self.served_name or any(c.isspace() for c in self.served_name):
@@ -98,6 +100,13 @@ class WorkerConfig:
     instance_id: str
     coordinator_pid: int
     log_level: str = "info"
+    # One {"name", "path", "strength", "key"} per adapter, slot i + 1; "key" is the identity key
+    # the coordinator computed, which each worker recomputes and must match.
+    adapters: list[dict] = field(default_factory=list)
+
+    @property
+    def adapter_args(self) -> tuple[AdapterArg, ...]:
+        return tuple(AdapterArg(a["name"], a["path"], a["strength"]) for a in self.adapters)
 
     @property
     def admit_endpoint(self) -> str:
