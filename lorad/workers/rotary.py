@@ -16,21 +16,25 @@ from lorad.config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """[head_dim // 2] float32, the formula of transformers' default and llama3 rope init."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """[head_dim // 2] float32: theta^(-2i/d), then Llama 3's per-band rescaling if configured."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    base = 1.0 / (theta ** exponents)
     if scaling is None:
-        return inv_freq
-    factor = scaling.factor
-    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth_factor = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
-                     / (scaling.high_freq_factor - scaling.low_freq_factor))
-    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
-    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium_freq, smoothed, inv_freq_llama)
+        return base
+    # Llama 3 splits the frequencies by wavelength against the original context: short
+    # wavelengths (under context / high_freq_factor) stay, long ones (over context /
+    # low_freq_factor) are divided by `factor`, and the band between blends the two linearly in
+    # context / wavelength. The blend is evaluated in the reference's operation order so the
+    # table has the same fp32 bits as transformers'.
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / base
+    slowed = base / scaling.factor
+    blend = (context / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - blend) * base / scaling.factor + blend * base
+    is_long = wavelength > context / scaling.low_freq_factor
+    is_short = wavelength < context / scaling.high_freq_factor
+    return torch.where(is_long, slowed, torch.where(is_short, base, blended))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
