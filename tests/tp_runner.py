@@ -4,8 +4,9 @@
                               [--backend gloo|nccl] [--device cpu|cuda]
 
 SPEC.json: {"models": [{"name", "dir", "dtype", "num_blocks", "block_size",
-"scenarios": {name: [step, ...]}}]}, a step being a list of chunks
-[token_ids, start_position, block_table, wants_sample, adapter_slot] (ForwardBatch.build's).
+"scenarios": {name: [step, ...]}[, "adapters": [{"name", "path", "strength"}, ...]]}]}, a step
+being a list of chunks [token_ids, start_position, block_table, wants_sample, adapter_slot]
+(ForwardBatch.build's). Adapters take slots 1..K in list order, through lorad's load_adapter.
 Each rank writes DIR/<model>.rank<R>.safetensors with one tensor "<scenario>.<step>" per step:
 that step's [num_sampled, vocab_size] float32 logits. Tensors travel as safetensors, never pickle.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +27,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lorad.config import ModelConfig  # noqa: E402
+from lorad.config.adapters import AdapterArg, load_adapter  # noqa: E402
 from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.models import MODEL_CLASSES  # noqa: E402
 from lorad.workers.parallel import init_tensor_parallel  # noqa: E402
@@ -35,6 +39,9 @@ def run_model(entry: dict, tp, out_dir: Path) -> None:
     config = ModelConfig.from_dir(entry["dir"])
     model = MODEL_CLASSES[config.model_type](config, tp, DTYPES[entry["dtype"]], tp.device)
     model.load_weights(entry["dir"])
+    args = [AdapterArg(a["name"], a["path"], a["strength"]) for a in entry.get("adapters", [])]
+    model.load_adapters(tuple(load_adapter(arg, slot, config)
+                              for slot, arg in enumerate(args, start=1)))
     model.allocate_kv_cache(entry["num_blocks"], entry["block_size"])
     outputs = {}
     for scenario, steps in entry["scenarios"].items():
@@ -42,6 +49,38 @@ def run_model(entry: dict, tp, out_dir: Path) -> None:
             batch = ForwardBatch.build([tuple(c) for c in chunks], entry["block_size"], tp.device)
             outputs[f"{scenario}.{i}"] = model(batch).cpu().contiguous()
     save_file(outputs, str(out_dir / f"{entry['name']}.rank{tp.rank}.safetensors"))
+
+
+def launch_ranks(models_by_world: dict[int, list[dict]], root: Path, backend: str = "gloo",
+                 device: str = "cpu", timeout_s: float = 180) -> dict[int, Path]:
+    """Run every world size at once, each rank a process of this script; -> world size -> the
+    folder of its ranks' output files. Fails with the output of every rank that failed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs, outs = [], {}
+    for world, models in models_by_world.items():
+        out = root / f"world{world}"
+        out.mkdir()
+        spec = root / f"spec{world}.json"
+        spec.write_text(json.dumps({"models": models}))
+        for rank in range(world):
+            cmd = [sys.executable, __file__, "--rank", str(rank), "--world", str(world),
+                   "--init-file", str(root / f"store{world}"), "--spec", str(spec),
+                   "--out", str(out), "--backend", backend, "--device", device]
+            procs.append((world, rank, subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        outs[world] = out
+    failures = []
+    for world, rank, proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        if proc.returncode != 0:
+            failures.append(f"world {world} rank {rank} exited {proc.returncode}:\n{output}")
+    assert not failures, "\n".join(failures)
+    return outs
 
 
 def main() -> None:

@@ -1,17 +1,20 @@
 """The `lorad` command line: flags grouped as a serving tool's help, parsed into a ServeConfig.
 
 A bad value is refused here, as one line naming the flag (exit 2), before anything loads.
-Checks that need the model folder (tokenizer present, --max-model-len within the model's limit)
-happen in the coordinator right after, still before any worker starts.
+Checks that need the model folder (tokenizer present, --max-model-len within the model's limit,
+adapter folders against the base config) happen in the coordinator right after, still before any
+worker starts. `lorad check-adapter` has its own parser (lorad/config/check_adapter.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
 
+from lorad.config.adapters import AdapterArg
 from lorad.config.errors import ConfigError
 from lorad.config.serve import DIST_BACKENDS, DTYPES, DEVICES, ServeConfig
 
@@ -20,7 +23,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, 
                "tib": 1024**4, "tb": 1000**4}
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse with its error as a single line: `lorad: error: argument --port: ...`."""
 
     def error(self, message: str):
@@ -72,13 +75,18 @@ def byte_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="lorad",
         description="Serve one language model over an OpenAI-compatible HTTP API,\n"
                     "tensor-parallel over N worker processes.",
-        epilog="example:\n  lorad --model /srv/models/SmolLM2-135M-Instruct --parallel 2 --port 8000",
+        epilog="example:\n"
+               "  lorad --model /srv/models/SmolLM2-135M-Instruct --parallel 2 --port 8000 \\\n"
+               "        --adapter sql=/srv/adapters/sql --adapter-strength sql=0.5\n\n"
+               "check adapters offline:\n  lorad check-adapter DIR... [--model DIR] "
+               "[--parallel N]",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_flags(parser.add_argument_group("model"))
+    _add_adapter_flags(parser.add_argument_group("LoRA adapters"))
     _add_parallel_flags(parser.add_argument_group("parallelism and devices"))
     _add_scheduler_flags(parser.add_argument_group("scheduler and KV cache"))
     http = parser.add_argument_group("HTTP server")
@@ -113,6 +121,49 @@ def _add_model_flags(group) -> None:
     group.add_argument("--max-model-len", type=positive_int, metavar="N",
                        help="longest context (prompt + completion) in tokens "
                             "(default: the model's max_position_embeddings)")
+
+
+def adapter_pair(text: str) -> tuple[str, str]:
+    name, sep, folder = text.partition("=")
+    if not sep or not name or not folder:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
+    return name, folder
+
+
+def strength_pair(text: str) -> tuple[str, float]:
+    name, sep, number = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=NUMBER, got {text!r}")
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=NUMBER, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"the strength must be a finite number, got {text!r}")
+    return name, value
+
+
+def _add_adapter_flags(group) -> None:
+    group.add_argument("--adapter", type=adapter_pair, action="append", default=[],
+                       metavar="NAME=DIR",
+                       help="serve the PEFT LoRA folder DIR as model id NAME (repeatable; slots "
+                            "follow the order given)")
+    group.add_argument("--adapter-strength", type=strength_pair, action="append", default=[],
+                       metavar="NAME=NUMBER",
+                       help="multiply adapter NAME's scales by NUMBER (default: 1.0)")
+
+
+def _adapter_args(pairs: list[tuple[str, str]],
+                  strengths: list[tuple[str, float]]) -> tuple[AdapterArg, ...]:
+    names = [name for name, _ in pairs]
+    by_name: dict[str, float] = {}
+    for name, value in strengths:
+        if name not in names:
+            raise ConfigError(f"--adapter-strength {name}: no --adapter is named {name!r}")
+        if name in by_name:
+            raise ConfigError(f"--adapter-strength {name}: given twice")
+        by_name[name] = value
+    return tuple(AdapterArg(name, folder, by_name.get(name, 1.0)) for name, folder in pairs)
 
 
 def _add_parallel_flags(group) -> None:
@@ -150,6 +201,7 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     name = args.name if args.name is not None else Path(args.model).resolve().name
     try:
+        adapters = _adapter_args(args.adapter, args.adapter_strength)
         return ServeConfig(
             model_dir=args.model, served_name=name, parallel=args.parallel, host=args.host,
             port=args.port, dtype=args.dtype, device=args.device, dist_backend=args.dist_backend,
@@ -157,6 +209,6 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,
             num_threads=args.threads, runtime_dir=args.runtime_dir,
-            startup_timeout=args.startup_timeout, log_level=args.log_level)
+            startup_timeout=args.startup_timeout, log_level=args.log_level, adapters=adapters)
     except ConfigError as exc:
         parser.error(str(exc))

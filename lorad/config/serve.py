@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from lorad.config.adapters import AdapterArg
+from lorad.config.adapters import AdapterArg, check_adapter_args
 from lorad.config.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -78,6 +78,7 @@ class ServeConfig:
             raise ConfigError(f"--startup-timeout must be a positive number of seconds, "
                               f"got {self.startup_timeout!r}")
         _choice("--log-level", self.log_level, ("debug", "info", "warning", "error"))
+        check_adapter_args(self.adapters, reserved_names=(self.served_name,))
 
 
 @dataclass(frozen=True)

@@ -129,15 +129,16 @@ class EngineClient:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def admit(self, request_id: str, prompt_ids: list[int],
-              sampling: SamplingParams) -> asyncio.Queue:
-        """Publish the admission; the returned queue yields SeqOutputs, then ends with a finished
-        SeqOutput or a RequestFailed."""
+    def admit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+              adapter_slot: int = 0, adapter_key: str = "") -> asyncio.Queue:
+        """Publish the admission (slot 0, key "": the base model); the returned queue yields
+        SeqOutputs, then ends with a finished SeqOutput or a RequestFailed."""
         if self.failure.done():
             raise EngineDead(self.failure.result())
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._publish(Admit(self._next_seq, request_id, prompt_ids, sampling, 0, ""))
+        self._publish(Admit(self._next_seq, request_id, prompt_ids, sampling, adapter_slot,
+                            adapter_key))
         return queue
 
     def cancel(self, request_id: str) -> None:

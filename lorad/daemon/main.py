@@ -1,7 +1,8 @@
 """`lorad`: parse flags, check the model folder, then run the coordinator on uvloop.
 
-Everything that can be refused without starting a worker (flags, config.json, tokenizer, chat
-template, --max-model-len) is refused here with one line and exit status 2.
+Everything that can be refused without starting a worker (flags, config.json, adapter folders,
+tokenizer, chat template, --max-model-len) is refused here with one line and exit status 2.
+`lorad check-adapter ...` is handed to lorad.config.check_adapter.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import sys
 
 import uvloop
 
-from lorad.config import ConfigError, ModelConfig, ServeConfig
+from lorad.config import ConfigError, ModelConfig, ServeConfig, check_adapter
+from lorad.config.adapters import load_registry
 from lorad.config.cli import parse_args
 from lorad.daemon.routes import ServedModel
 from lorad.daemon.service import serve
@@ -21,6 +23,9 @@ from lorad.daemon.tokenizer import ModelTokenizer
 
 def main(argv: list[str] | None = None,
          worker_command: tuple[str, ...] = WORKER_COMMAND) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check-adapter"]:
+        return check_adapter.main(argv[1:])
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -36,6 +41,8 @@ def main(argv: list[str] | None = None,
 
 def load_served_model(config: ServeConfig) -> ServedModel:
     model = ModelConfig.from_dir(config.model_dir)
+    # Adapter folders are checked against config.json alone, before anything else is read.
+    adapters = load_registry(config.adapters, model, reserved_names=(config.served_name,))
     tokenizer = ModelTokenizer.from_dir(config.model_dir)
     limit = model.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > limit:
@@ -46,7 +53,7 @@ def load_served_model(config: ServeConfig) -> ServedModel:
         stop_ids = tuple(dict.fromkeys(stop_ids + (tokenizer.eos_token_id,)))
     return ServedModel(name=config.served_name, tokenizer=tokenizer,
                        max_model_len=config.max_model_len or limit,
-                       vocab_size=model.vocab_size, stop_token_ids=stop_ids)
+                       vocab_size=model.vocab_size, stop_token_ids=stop_ids, adapters=adapters)
 
 
 if __name__ == "__main__":

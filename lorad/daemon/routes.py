@@ -1,7 +1,8 @@
 """The HTTP API: /v1/models, /v1/completions, /v1/chat/completions and /health.
 
-Each generation route validates the body, tokenizes, checks the context length and only then
-admits the request and answers in full or as a stream. Sockets and processes live elsewhere;
+Each generation route validates the body, resolves the model id (the base model or an adapter),
+tokenizes, checks the context length and only then admits the request and answers in full or as
+a stream. Sockets and processes live elsewhere;
 handlers see the engine only through EngineClient.
 """
 
@@ -16,9 +17,11 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from lorad.config.adapters import AdapterSpec
 from lorad.daemon.engine_client import EngineClient
-from lorad.daemon.errors import ApiError, bad_request, error_middleware, error_response
+from lorad.daemon.errors import bad_request, error_middleware, error_response
 from lorad.daemon.generation import GenerationError, generate
+from lorad.daemon.model_ids import ModelChoice, choose, model_cards
 from lorad.daemon.responses import ChatFormat, CompletionFormat
 from lorad.daemon.schemas import SamplingOptions, parse_chat, parse_completion
 from lorad.daemon.sse import stream_events
@@ -35,6 +38,7 @@ class ServedModel:
     max_model_len: int
     vocab_size: int  # the model's embedding rows: token-id prompts must be below it
     stop_token_ids: tuple[int, ...]
+    adapters: tuple[AdapterSpec, ...] = ()  # the registry fixed at start, slots 1..K in order
 
 
 @dataclass
@@ -60,13 +64,14 @@ def build_app(state: AppState) -> web.Application:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+    return web.json_response({"object": "list", "data": _model_cards(request.app[STATE])})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    _check_model(state, request.match_info["model_id"])
-    return web.json_response(_model_card(state))
+    choice = choose(state.model.name, state.model.adapters, request.match_info["model_id"], None)
+    card = next(c for c in _model_cards(state) if c["id"] == choice.model_id)
+    return web.json_response(card)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -76,43 +81,47 @@ async def health(request: web.Request) -> web.Response:
             "ranks": facts.num_ranks if facts else 0,
             "kv_blocks": {"free": load.num_free_blocks, "total": facts.num_kv_blocks if facts else 0},
             "running": load.num_running, "waiting": load.num_waiting,
-            "open_requests": state.engine.num_open_requests}
+            "open_requests": state.engine.num_open_requests,
+            "adapters": [{"name": a.name, "slot": a.slot, "key": a.key, "strength": a.strength}
+                         for a in state.model.adapters]}
     return web.json_response(body, status=200 if state.status == "ok" else 503)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = parse_completion(await _read_json(request))
-    _check_model(state, body.model)
+    choice = choose(state.model.name, state.model.adapters, body.model, body.adapter)
     if isinstance(body.prompt, str):
         prompt_ids = state.model.tokenizer.encode(body.prompt)
     else:
         prompt_ids = _check_token_ids(body.prompt, state.model.vocab_size)
-    return await _generate(request, state, CompletionFormat, prompt_ids, body.options, "prompt")
+    return await _generate(request, state, CompletionFormat, choice, prompt_ids, body.options,
+                           "prompt")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = parse_chat(await _read_json(request))
-    _check_model(state, body.model)
+    choice = choose(state.model.name, state.model.adapters, body.model, body.adapter)
     try:
         prompt_ids = state.model.tokenizer.encode_chat(body.messages)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages", "chat_template_error") from None
-    return await _generate(request, state, ChatFormat, prompt_ids, body.options, "messages")
+    return await _generate(request, state, ChatFormat, choice, prompt_ids, body.options,
+                           "messages")
 
 
 async def _generate(request: web.Request, state: AppState, format_cls: type[CompletionFormat],
-                    prompt_ids: list[int], options: SamplingOptions,
+                    choice: ModelChoice, prompt_ids: list[int], options: SamplingOptions,
                     prompt_param: str) -> web.StreamResponse:
     sampling = _sampling(state.model, prompt_ids, options, prompt_param)
     if state.status != "ok":
         return error_response(503, f"the server is {state.status}; not accepting requests",
                               code="unavailable")
-    fmt = format_cls(f"{format_cls.id_prefix}{uuid.uuid4().hex}", state.model.name,
+    fmt = format_cls(f"{format_cls.id_prefix}{uuid.uuid4().hex}", choice.model_id,
                      include_usage=options.stream and options.include_usage)
     deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompt_ids, sampling,
-                      options.stop)
+                      options.stop, choice.adapter_slot, choice.adapter_key)
     async with aclosing(deltas):
         if options.stream:
             return await stream_events(request, deltas, fmt)
@@ -156,12 +165,6 @@ async def _read_json(request: web.Request) -> object:
         raise bad_request(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
 
 
-def _check_model(state: AppState, model: str) -> None:
-    if model != state.model.name:
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves "
-                            f"`{state.model.name}`.", "model", "model_not_found")
-
-
 def _check_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
@@ -170,6 +173,6 @@ def _check_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:
     return token_ids
 
 
-def _model_card(state: AppState) -> dict:
-    return {"id": state.model.name, "object": "model", "created": state.created,
-            "owned_by": "lorad", "max_model_len": state.model.max_model_len}
+def _model_cards(state: AppState) -> list[dict]:
+    return model_cards(state.model.name, state.model.adapters, state.created,
+                       state.model.max_model_len)

@@ -1,8 +1,9 @@
 """OpenAI request bodies, checked field by field into frozen dataclasses.
 
 Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (logprobs, tools,
-n > 1, ...) and contradictory ones are refused by name, never dropped silently. Checks that
-need the model (served id, context length, vocabulary) happen in routes.py after tokenizing.
+n > 1, ...) and contradictory ones are refused by name, never dropped silently. `adapter` is
+lorad's own field. Checks that need the model (served ids and adapters, context length,
+vocabulary) happen in routes.py and model_ids.py.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class SamplingOptions:
 @dataclass(frozen=True)
 class CompletionRequest:
     model: str
+    adapter: str | None  # lorad extension: an adapter's name, with model = the base model's id
     prompt: str | list[int]
     options: SamplingOptions
 
@@ -47,6 +49,7 @@ class CompletionRequest:
 @dataclass(frozen=True)
 class ChatRequest:
     model: str
+    adapter: str | None
     messages: list[dict]  # [{"role": ..., "content": str}], as the chat template sees them
     options: SamplingOptions
 
@@ -56,7 +59,8 @@ def parse_completion(body: object) -> CompletionRequest:
     _refuse_unsupported(body, "completions")
     if _int(body, "best_of", lo=1, default=1) != 1:
         raise bad_request("best_of other than 1 is not supported", "best_of", "unsupported")
-    return CompletionRequest(model=_model(body), prompt=_prompt(body.get("prompt")),
+    return CompletionRequest(model=_model(body), adapter=_adapter(body),
+                             prompt=_prompt(body.get("prompt")),
                              options=_options(body, "max_tokens"))
 
 
@@ -70,8 +74,8 @@ def parse_chat(body: object) -> ChatRequest:
         raise bad_request("response_format other than text is not supported", "response_format",
                           "unsupported")
     tokens = _max_tokens_field(body)
-    return ChatRequest(model=_model(body), messages=_messages(body.get("messages")),
-                       options=_options(body, tokens))
+    return ChatRequest(model=_model(body), adapter=_adapter(body),
+                       messages=_messages(body.get("messages")), options=_options(body, tokens))
 
 
 def _object(body: object) -> dict:
@@ -95,6 +99,14 @@ def _model(body: dict) -> str:
     if not isinstance(model, str):
         raise bad_request("model must be a string", "model", "invalid_type")
     return model
+
+
+def _adapter(body: dict) -> str | None:
+    adapter = body.get("adapter")
+    if adapter is not None and not isinstance(adapter, str):
+        raise bad_request("adapter must be a string (an adapter's name)", "adapter",
+                          "invalid_type")
+    return adapter
 
 
 def _max_tokens_field(body: dict) -> str:

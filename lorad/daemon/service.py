@@ -160,7 +160,8 @@ def _worker_config(config: ServeConfig, model: ServedModel, runtime_dir: Path,
         max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
         kv_cache_blocks=config.kv_cache_blocks, kv_cache_memory=config.kv_cache_memory,
         num_threads=config.num_threads, runtime_dir=str(runtime_dir), instance_id=instance_id,
-        coordinator_pid=os.getpid(), log_level=config.log_level)
+        coordinator_pid=os.getpid(), log_level=config.log_level,
+        adapters=[spec.to_worker_dict() for spec in model.adapters])
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -2,8 +2,9 @@
 
 The inbox buffers coordinator messages by `seq`; each step the ranks all-gather (watermark,
 live-set digest) as one int64 tensor on the gloo cpu group and apply messages up to the minimum
-watermark. At start they all-gather the registry digest. Tensor collectives only, never object
-collectives (they pickle); at world size 1 no torch.distributed call is made at all.
+watermark. At start they all-gather the registry digest, then, if the adapters differ, one digest
+per adapter so the refusal names it. Tensor collectives only, never object collectives (they
+pickle); at world size 1 no torch.distributed call is made at all.
 """
 
 from __future__ import annotations
@@ -84,14 +85,22 @@ class RegistryDigest:
     model: bytes  # the base model's config
     engine: bytes  # the lorad/workers source files
     adapters: bytes  # each adapter's slot, name, identity key and strength, in order
+    # (what to call it, sha256 of its slot, name, key and strength) per adapter, in slot order
+    adapter_parts: tuple[tuple[str, bytes], ...] = ()
 
     PARTS = ("base model config", "engine source (lorad/workers)", "adapter registry")
 
     @classmethod
-    def compute(cls, model_config: ModelConfig, adapters: tuple = ()) -> "RegistryDigest":
+    def compute(cls, model_config: ModelConfig,
+                adapters: tuple[tuple[int, str, str, float], ...] = ()) -> "RegistryDigest":
+        """adapters: (slot, name, identity key, strength) of each adapter, in slot order."""
         model = json.dumps(dataclasses.asdict(model_config), sort_keys=True).encode()
+        parts = tuple((f"adapter {name!r} (slot {slot})",
+                       hashlib.sha256(json.dumps([slot, name, key, strength]).encode()).digest())
+                      for slot, name, key, strength in adapters)
         return cls(hashlib.sha256(model).digest(), engine_digest(),
-                   hashlib.sha256(json.dumps(list(adapters)).encode()).digest())
+                   hashlib.sha256(json.dumps([list(a) for a in adapters]).encode()).digest(),
+                   parts)
 
     def hex(self) -> str:
         return hashlib.sha256(self.model + self.engine + self.adapters).hexdigest()
@@ -135,12 +144,25 @@ def agree_step(tp: CpuGroup, watermark: int, digest: int) -> StepAgreement:
 
 def check_registry(tp: CpuGroup, registry: RegistryDigest) -> str | None:
     """None when every rank has the same registry, else a message naming what differs where."""
-    rows = all_gather_int64(tp, registry.as_int64s())
+    num_adapters = len(registry.adapter_parts)
+    rows = all_gather_int64(tp, registry.as_int64s() + [num_adapters])
     problems = []
     for part, name in enumerate(RegistryDigest.PARTS):
         ranks = [r for r, row in enumerate(rows) if row[part] != rows[0][part]]
         if ranks:
             problems.append(f"{name} differs from rank 0 on rank(s) {ranks}")
+    counts = [row[-1] for row in rows]
+    if len(set(counts)) > 1:
+        problems.append(f"the number of adapters differs (by rank: {counts})")
+    elif num_adapters and any(row[2] != rows[0][2] for row in rows):
+        # Every rank takes this branch or none (the rows are the same everywhere), so the
+        # second collective is matched on every rank.
+        per_adapter = all_gather_int64(tp, [to_int64(d) for _, d in registry.adapter_parts])
+        for i, (label, _) in enumerate(registry.adapter_parts):
+            ranks = [r for r, row in enumerate(per_adapter) if row[i] != per_adapter[0][i]]
+            if ranks:
+                problems.append(f"{label} differs from rank 0 on rank(s) {ranks} (name, "
+                                "identity key or strength: the ranks read different files?)")
     return "registry mismatch: " + "; ".join(problems) if problems else None
 
 

@@ -1,7 +1,9 @@
-"""This rank's model and KV pool: choosing device, dtype and backend, loading, sizing, one forward.
+"""This rank's model, adapters and KV pool: device, dtype and backend, loading, sizing, a forward.
 
 Start-up runs the same collectives in the same order on every rank (registry check, then the KV
-pool minimum). Knows nothing of sockets, sequences or sampling; the loop hands it a step plan.
+pool minimum). Adapters are validated (lorad.config.adapters) before any base weight is read and
+must carry the identity key the coordinator computed. Knows nothing of sockets, sequences or
+sampling; the loop hands it a step plan.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lorad.config import ModelConfig, WorkerConfig
+from lorad.config.adapters import AdapterSpec, load_adapter
 from lorad.workers.agreement import RegistryDigest, agree_min, check_registry
 from lorad.workers.batch import MIN_ROWS, ForwardBatch
 from lorad.workers.models.llama import LlamaForCausalLM
@@ -57,6 +60,7 @@ class Engine:
     registry: RegistryDigest
     num_kv_blocks: int
     block_size: int
+    adapters: tuple[AdapterSpec, ...]  # slots 1..K in order
 
     @classmethod
     def start(cls, cfg: WorkerConfig, rank: int) -> "Engine":
@@ -67,12 +71,19 @@ class Engine:
         log.info("device %s, dtype %s, backend %s, world size %d", device, dtype, backend,
                  cfg.parallel)
         tp = init_tensor_parallel(rank, cfg.parallel, cfg.dist_init_method, backend, device)
-        registry = RegistryDigest.compute(model_config)
-        problem = check_registry(tp, registry)
+        # After joining the group: a rank that refuses here exits, and its peers' next
+        # collective fails at once instead of waiting for it to join.
+        adapters = tuple(load_adapter(arg, slot, model_config)
+                         for slot, arg in enumerate(cfg.adapter_args, start=1))
+        registry = RegistryDigest.compute(
+            model_config, tuple((a.slot, a.name, a.key, a.strength) for a in adapters))
+        problem = check_registry(tp, registry)  # first, so every rank names an odd rank's adapter
         if problem is not None:
             raise RuntimeError(problem)
+        check_coordinator_keys(cfg, adapters)
         model = LlamaForCausalLM(model_config, tp, dtype, device)
         model.load_weights(cfg.model_dir)
+        model.load_adapters(adapters)
         own = _own_kv_blocks(cfg, model_config, tp, dtype)
         num_blocks = agree_min(tp, own)  # every rank must address the same block ids
         needed = -(-cfg.max_model_len // cfg.block_size)
@@ -80,15 +91,38 @@ class Engine:
             raise RuntimeError(f"the KV pool has {num_blocks} blocks of {cfg.block_size} tokens; "
                                f"one sequence of max_model_len {cfg.max_model_len} needs {needed}")
         model.allocate_kv_cache(num_blocks, cfg.block_size)
-        log.info("weights loaded; KV pool of %d blocks of %d tokens (this rank could hold %d)",
-                 num_blocks, cfg.block_size, own)
-        return cls(tp, model_config, model, registry, num_blocks, cfg.block_size)
+        log.info("weights and %d adapters loaded; KV pool of %d blocks of %d tokens (this rank "
+                 "could hold %d)", len(adapters), num_blocks, cfg.block_size, own)
+        return cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters)
+
+    def adapter_refusal(self, slot: int, key: str) -> str | None:
+        """Why this rank cannot serve a request for (slot, key), or None when it holds it."""
+        if slot == 0:
+            return None if key == "" else f"slot 0 is the base model, but key {key!r} was given"
+        if not 0 < slot <= len(self.adapters):
+            return f"adapter slot {slot} is not loaded on this worker ({len(self.adapters)} are)"
+        held = self.adapters[slot - 1]
+        if held.key != key:
+            return (f"adapter slot {slot} holds {held.name!r} with identity key "
+                    f"{held.key[:16]}..., not {key[:16]}...")
+        return None
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """-> [num_sampled, vocab] fp32 logits of the plan's sampling chunks, in plan order."""
         batch = ForwardBatch.build(plan.batch_chunks(), self.block_size, self.tp.device,
                                    min_rows=MIN_ROWS)
         return self.model.forward(batch)
+
+
+def check_coordinator_keys(cfg: WorkerConfig, adapters: tuple[AdapterSpec, ...]) -> None:
+    """Every adapter must have the identity key the coordinator computed from the same folder:
+    requests name adapters by slot and key, and prefix caches trust the key."""
+    for spec, entry in zip(adapters, cfg.adapters):
+        if spec.key != entry["key"]:
+            raise RuntimeError(
+                f"adapter {spec.name!r} ({spec.path}): the workers compute identity key "
+                f"{spec.key[:16]}..., the coordinator {entry['key'][:16]}...; its files changed "
+                "after the coordinator read them")
 
 
 def _own_kv_blocks(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParallel,

@@ -2,8 +2,8 @@
 
 The model decides which output rows (column-parallel) or input columns (row-parallel) a rank
 holds, so attention can split by whole KV-head groups; the layer slices its checkpoint tensor to
-that range and, when row-parallel, all-reduces its output. Per-row LoRA deltas come later: they
-hook in at the marked places (the batch's `row_adapter_slots` says which adapter each row uses).
+that range and, when row-parallel, all-reduces its output. Each layer some adapter edits also
+owns its LoRA slots (lora.py), sharded the same way as its weight, and adds the per-row delta.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lorad.workers.lora import LoraRows, LoraSlots
 from lorad.workers.parallel import TensorParallel
 
 
@@ -40,15 +41,26 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_local, in_features, dtype=dtype, device=device),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.lora: LoraSlots | None = None
 
     def weight_loader(self, param: nn.Parameter, name: str, tensor_slice) -> None:
         check_shape(name, tensor_slice.get_shape(), (self.out_features, self.in_features))
         param.data.copy_(tensor_slice[self.out_start:self.out_end])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def add_lora_slots(self, num_slots: int, max_rank: int) -> LoraSlots:
+        # A whole, B split by rows like the weight: the delta of this rank's outputs needs no
+        # communication.
+        self.lora = LoraSlots(num_slots, max_rank, self.in_features, self.out_features,
+                              (0, self.in_features), (self.out_start, self.out_end),
+                              self.weight.device)
+        return self.lora
+
+    def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:
         # x: [num_rows, in_features] -> [num_rows, out_end - out_start]
-        # (LoRA: + scale * (x A^T) B[out_start:out_end]^T per row's slot.)
-        return F.linear(x, self.weight)
+        out = F.linear(x, self.weight)
+        if self.lora is None:
+            return out
+        return self.lora.add_delta(out, x, lora_rows)
 
 
 class RowParallelLinear(nn.Module):
@@ -66,15 +78,26 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, num_local, dtype=dtype, device=device),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.lora: LoraSlots | None = None
 
     def weight_loader(self, param: nn.Parameter, name: str, tensor_slice) -> None:
         check_shape(name, tensor_slice.get_shape(), (self.out_features, self.in_features))
         param.data.copy_(tensor_slice[:, self.in_start:self.in_end])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def add_lora_slots(self, num_slots: int, max_rank: int) -> LoraSlots:
+        # A split by columns like the weight, B whole: each rank's x_r A_r^T is a partial sum of
+        # the shrink, and since the delta is linear in it, scale * (x_r A_r^T) B^T summed over
+        # ranks is the full delta. It rides on the all-reduce the layer does anyway.
+        self.lora = LoraSlots(num_slots, max_rank, self.in_features, self.out_features,
+                              (self.in_start, self.in_end), (0, self.out_features),
+                              self.weight.device)
+        return self.lora
+
+    def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:
         # x: [num_rows, in_end - in_start] -> [num_rows, out_features], summed over ranks
         partial = self._partial_fp32(x)  # [num_rows, out_features] float32
-        # (LoRA: the row-parallel delta is added here, in fp32, so it joins this all-reduce.)
+        if self.lora is not None:
+            partial = self.lora.add_delta(partial, x, lora_rows)  # in fp32, before the reduce
         return self.tp.all_reduce(partial).to(x.dtype)
 
     def _partial_fp32(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,19 +1,23 @@
-"""Read a Hugging Face safetensors checkpoint into a model, each rank only its shard.
+"""Read a Hugging Face safetensors checkpoint, and validated adapters, each rank only its shard.
 
 Every parameter carries a `weight_loader(param, name, tensor_slice)` that knows which rows or
-columns its rank holds; this file only maps checkpoint names to parameters and checks that each
-is loaded exactly once. Pickled checkpoints (`*.bin`, `*.pt`) are refused: they can run code.
+columns its rank holds, and every edited projection's LoraSlots a `load` that does the same for
+the factors; this file only maps names to them and checks that each is loaded exactly once.
+Pickled checkpoints (`*.bin`, `*.pt`) are refused: they can run code. Adapters arrive validated
+(lorad.config.adapters); the shapes are checked again because a file may change after validation.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from lorad.config import ConfigError
+from lorad.config.adapters import AdapterSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -69,3 +73,29 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: tuple[str, ...] 
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ConfigError(f"--model {model_dir}: the checkpoint lacks {len(missing)} tensors "
                           f"the model needs: {shown}")
+
+
+def load_adapter_weights(target_of: Callable[[int, str], nn.Module],
+                         specs: tuple[AdapterSpec, ...]) -> None:
+    """Allocate slot tables on every projection some adapter edits (slots 0..K, ranks padded to
+    the largest rank any adapter gives that projection) and fill each adapter's slot.
+
+    target_of(layer, module) is the projection; it has `add_lora_slots(num_slots, max_rank)`."""
+    for i, spec in enumerate(specs):
+        if spec.slot != i + 1:
+            raise ConfigError(f"adapter {spec.name!r} has slot {spec.slot}, expected {i + 1}")
+    max_rank: dict[tuple[int, str], int] = {}
+    for spec in specs:
+        for m in spec.modules:
+            max_rank[(m.layer, m.module)] = max(max_rank.get((m.layer, m.module), 0), m.rank)
+    tables = {where: target_of(*where).add_lora_slots(len(specs) + 1, rank)
+              for where, rank in sorted(max_rank.items())}
+    for spec in specs:
+        with safe_open(spec.weights_file, framework="pt", device="cpu") as f:
+            for m in spec.modules:
+                try:
+                    tables[(m.layer, m.module)].load(spec.slot, m, f.get_slice(m.a_tensor),
+                                                     f.get_slice(m.b_tensor))
+                except (ValueError, SafetensorError) as exc:
+                    raise ConfigError(f"adapter {spec.name!r} ({spec.weights_file}): "
+                                      f"{exc}") from None

@@ -29,6 +29,9 @@ log = logging.getLogger("lorad.worker")
 IDLE_POLL_MS = 20  # nothing live, nothing buffered: wait this long so idle ranks do not spin
 HANDSHAKE_POLL_MS = 100
 ACCEPTED = (Hello, Admit, Cancel, Shutdown)
+# Test hook, read only when set: the rank it names applies its next adapter admission as if the
+# Admit had carried another slot, as a rank whose state went wrong would (tests/integration).
+CORRUPT_SLOT_RANK_ENV = "LORAD_TEST_CORRUPT_SLOT_RANK"
 
 
 class WorkerLoop:
@@ -44,8 +47,10 @@ class WorkerLoop:
         self.planner = Planner(limits, BlockManager(engine.num_kv_blocks, cfg.block_size))
         self.sampler = Sampler() if self.is_leader else None
         self.inbox = Inbox()
+        self._agreed_watermark = 0  # apply messages up to here at the next step
         self._parent_pid = os.getppid()
         self._ready_sent = False
+        self._corrupt_next_slot = os.environ.get(CORRUPT_SLOT_RANK_ENV) == str(rank)
 
     def run(self) -> int:
         """Serve until the agreed Shutdown (0) or until the coordinator is gone (1)."""
@@ -58,14 +63,18 @@ class WorkerLoop:
             # 1. receive
             idle = not self.planner.running and not self.planner.waiting and not len(self.inbox)
             self._receive(IDLE_POLL_MS if idle else 0)
-            # 2. agree on the live set and on which messages to apply
+            # 2. apply the messages agreed last step, then agree on the live set that this step
+            # runs and on which messages the next step applies. Applying first means whatever an
+            # admission did on each rank (a refused adapter, say) is compared before the model
+            # runs on it.
+            if self._apply_messages(self._agreed_watermark):
+                return 0
             agreed = agree_step(self.engine.tp, self.inbox.watermark,
                                 live_digest(self.planner.live()))
+            self._agreed_watermark = agreed.watermark
             if not agreed.digests_agree:
                 self._fail_step(agreed)
                 continue
-            if self._apply_messages(agreed.watermark):
-                return 0
             # 3. plan
             plan = self.planner.plan()
             # 4. run
@@ -151,12 +160,17 @@ class WorkerLoop:
         return False
 
     def _admit(self, msg: Admit) -> None:
-        seq = Sequence(msg.request_id, list(msg.prompt_ids), msg.sampling, msg.adapter_slot,
+        slot = msg.adapter_slot
+        if self._corrupt_next_slot and slot != 0:
+            self._corrupt_next_slot = False
+            slot += 1
+            log.warning("%s: applying request %r with slot %d instead of %d",
+                        CORRUPT_SLOT_RANK_ENV, msg.request_id, slot, msg.adapter_slot)
+        seq = Sequence(msg.request_id, list(msg.prompt_ids), msg.sampling, slot,
                        msg.adapter_key, arrival=msg.seq)
-        if msg.adapter_slot != 0 or msg.adapter_key:
-            refusal = f"adapter slot {msg.adapter_slot} is not loaded on this worker"
-        else:
-            refusal = self.planner.admit(seq)
+        # Every rank decides alone; a rank that decides otherwise has another live set, and the
+        # agreement right after this fails the step on every rank before the model runs.
+        refusal = self.engine.adapter_refusal(slot, msg.adapter_key) or self.planner.admit(seq)
         if refusal is not None:
             log.error("refused request %r: %s", msg.request_id, refusal)
             if self.is_leader:

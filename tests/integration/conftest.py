@@ -147,3 +147,33 @@ def start_lorad(tiny_model):
     for daemon in started:
         if daemon.proc.poll() is None:
             daemon.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model, tmp_path_factory) -> dict[str, Path]:
+    """Two random PEFT adapters for the tiny model that differ in modules, rank and weights:
+    `a` edits every projection at rank 4, `b` q, v, o and down at rank 8."""
+    from tests.tiny_adapters import make_peft_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return {"a": make_peft_adapter(tiny_model, root / "a", r=4, seed=1),
+            "b": make_peft_adapter(tiny_model, root / "b", r=8, lora_alpha=8, seed=2,
+                                   target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))}
+
+
+def adapter_flags(adapters: dict[str, Path]) -> list[str]:
+    """`--adapter NAME=DIR` for each entry, in order."""
+    return [flag for name, path in adapters.items() for flag in ("--adapter", f"{name}={path}")]
+
+
+@pytest.fixture(scope="session")
+def adapter_daemon(tiny_model, tiny_adapters):
+    """One daemon at --parallel 2 serving the tiny model with adapters a (slot 1) and b (slot 2),
+    shared by the adapter test modules; stopped with SIGTERM (exit 0)."""
+    daemon = start_daemon(tiny_model, "--parallel", "2", "--kv-cache-blocks", "256",
+                          "--max-num-seqs", "48", *adapter_flags(tiny_adapters))
+    pids = daemon.worker_pids()
+    yield daemon
+    code = daemon.stop()
+    assert code == 0, daemon.log()[-4000:]
+    daemon.assert_cleaned_up(pids)

@@ -82,6 +82,7 @@ def test_models_and_health(daemon, client):
     health = daemon.health()
     assert health["status"] == "ok" and health["ranks"] == 2
     assert health["kv_blocks"]["total"] == 256
+    assert health["adapters"] == []
 
 
 def test_completion_full_and_streamed_agree(client, tokenizer):
@@ -213,6 +214,7 @@ LONG = "word " * 300
     ("completions", {"prompt": "hi", "n": 2}, 400, "n"),
     ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("completions", {"prompt": "hi", "model": "other"}, 404, "model"),
+    ("completions", {"prompt": "hi", "adapter": "other"}, 400, "adapter"),  # none served
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
      "messages[0].role"),

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -67,9 +68,14 @@ def greedy(max_tokens: int, ignore_eos: bool = False) -> SamplingParams:
 
 
 class FakeCoordinator:
-    """PUB/PULL bound in a private runtime dir, worker processes started as the daemon does."""
+    """PUB/PULL bound in a private runtime dir, worker processes started as the daemon does.
 
-    def __init__(self, checkpoint: Path, parallel: int, coordinator_pid: int | None = None):
+    adapters: WorkerConfig.adapters; rank_adapters: other entries for some ranks (each rank then
+    reads its own worker.json); env: extra environment variables for the workers."""
+
+    def __init__(self, checkpoint: Path, parallel: int, coordinator_pid: int | None = None,
+                 adapters: list[dict] = (), rank_adapters: dict[int, list[dict]] | None = None,
+                 env: dict[str, str] | None = None):
         self._parent = tempfile.mkdtemp(prefix="lw", dir="/tmp")  # ipc paths must stay short
         runtime, instance = make_runtime_dir(self._parent, "t")
         self.cfg = WorkerConfig(
@@ -77,17 +83,22 @@ class FakeCoordinator:
             dist_backend="auto", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
             max_num_batched_tokens=16, block_size=BLOCK_SIZE, kv_cache_blocks=NUM_KV_BLOCKS,
             kv_cache_memory=None, num_threads=1, runtime_dir=str(runtime), instance_id=instance,
-            coordinator_pid=coordinator_pid or os.getpid())
+            coordinator_pid=coordinator_pid or os.getpid(), adapters=list(adapters))
         self.cfg.path.write_text(self.cfg.to_json())
+        config_paths = [self.cfg.path] * parallel
+        for rank, entries in (rank_adapters or {}).items():
+            config_paths[rank] = runtime / f"worker.rank{rank}.json"
+            config_paths[rank].write_text(replace(self.cfg, adapters=list(entries)).to_json())
         self.ctx = zmq.Context()
         self.pub = bind_publisher(self.ctx, self.cfg.admit_endpoint)
         self.pull = bind_puller(self.ctx, self.cfg.results_endpoint)
         self.seq = 0
         self.logs = [open(runtime / f"rank{r}.log", "w+") for r in range(parallel)]
         self.procs = [subprocess.Popen(
-            [sys.executable, "-m", "lorad.workers", "--config", str(self.cfg.path),
-             "--rank", str(r)], cwd=REPO, stdin=subprocess.DEVNULL, stdout=self.logs[r],
-            stderr=subprocess.STDOUT) for r in range(parallel)]
+            [sys.executable, "-m", "lorad.workers", "--config", str(config_paths[r]),
+             "--rank", str(r)],
+            cwd=REPO, stdin=subprocess.DEVNULL, stdout=self.logs[r], stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})}) for r in range(parallel)]
 
     def handshake(self, timeout_s: float = 120) -> list[Ready]:
         ready: dict[int, Ready] = {}
@@ -102,17 +113,32 @@ class FakeCoordinator:
         self.pub.send(encode(Hello(PROTOCOL_VERSION, self.cfg.instance_id)))  # a late repeat
         return [ready[r] for r in range(len(self.procs))]
 
+    def start_up_failures(self, timeout_s: float = 120) -> dict[int, str]:
+        """Send Hello until every rank has answered; -> rank -> its WorkerFailed message."""
+        answers: dict[int, object] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(answers) < len(self.procs):
+            assert time.monotonic() < deadline, f"not every rank answered:\n{self.worker_logs()}"
+            self.pub.send(encode(Hello(PROTOCOL_VERSION, self.cfg.instance_id)))
+            if self.pull.poll(100):
+                msg = decode(self.pull.recv(), (Ready, WorkerFailed))
+                answers[msg.rank] = msg
+        assert all(isinstance(m, WorkerFailed) for m in answers.values()), answers
+        return {rank: msg.message for rank, msg in answers.items()}
+
     def send(self, make) -> None:
         self.seq += 1
         self.pub.send(encode(make(self.seq)))
 
-    def results(self, timeout_s: float = 60):
+    def results(self, timeout_s: float = 60, failed_ok: bool = False):
+        """Yield StepResults (and StepFailed when failed_ok) until timeout_s passes."""
         deadline = time.monotonic() + timeout_s
         while True:
             assert self.pull.poll(max(1, int((deadline - time.monotonic()) * 1000))), \
                 f"no result in time:\n{self.worker_logs()}"
             msg = decode(self.pull.recv(), (StepResult, StepFailed, WorkerFailed))
-            assert isinstance(msg, StepResult), f"{msg}\n{self.worker_logs()}"
+            assert isinstance(msg, StepResult) or (failed_ok and isinstance(msg, StepFailed)), \
+                f"{msg}\n{self.worker_logs()}"
             yield msg
 
     def worker_logs(self) -> str:
@@ -237,6 +263,9 @@ class FakeEngine:
         self.num_kv_blocks = 16
         self.block_size = BLOCK_SIZE
         self.registry = RegistryDigest(b"m" * 32, b"e" * 32, b"a" * 32)
+
+    def adapter_refusal(self, slot: int, key: str) -> str | None:
+        return None if (slot, key) == (0, "") else "no adapters here"
 
     def forward(self, plan):
         logits = torch.zeros(len(plan.sampled_request_ids), 32)  # [num_sampled, vocab]

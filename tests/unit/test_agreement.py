@@ -43,14 +43,30 @@ def test_live_digest_sees_ids_adapters_and_positions():
         assert live(**change) != base, change
 
 
+RAW_CONFIG = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64}
+
+
 def test_registry_digest_changes_with_the_model_config():
     from lorad.config.model import ModelConfig
-    raw = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
-           "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64}
-    a = RegistryDigest.compute(ModelConfig.from_dict(raw))
-    b = RegistryDigest.compute(ModelConfig.from_dict({**raw, "rms_norm_eps": 1e-5}))
+    a = RegistryDigest.compute(ModelConfig.from_dict(RAW_CONFIG))
+    b = RegistryDigest.compute(ModelConfig.from_dict({**RAW_CONFIG, "rms_norm_eps": 1e-5}))
     assert a.engine == b.engine and a.adapters == b.adapters and a.model != b.model
     assert a.hex() != b.hex() and len(a.hex()) == 64
+
+
+def test_registry_digest_sees_each_adapters_slot_name_key_and_strength():
+    from lorad.config.model import ModelConfig
+    model = ModelConfig.from_dict(RAW_CONFIG)
+    sql = (1, "sql", "k1", 1.0)
+    base = RegistryDigest.compute(model, (sql,))
+    for other in ((2, "sql", "k1", 1.0), (1, "sq1", "k1", 1.0), (1, "sql", "k2", 1.0),
+                  (1, "sql", "k1", 0.5)):
+        changed = RegistryDigest.compute(model, (other,))
+        assert changed.adapters != base.adapters and changed.hex() != base.hex(), other
+        assert changed.adapter_parts[0][1] != base.adapter_parts[0][1]
+    assert base.adapter_parts[0][0] == "adapter 'sql' (slot 1)"
+    assert RegistryDigest.compute(model).adapters != base.adapters
 
 
 def test_world_one_makes_no_distributed_calls(monkeypatch):
@@ -73,6 +89,7 @@ RANK_SCRIPT = textwrap.dedent("""
     from types import SimpleNamespace
     import torch.distributed as dist
     from lorad.workers import agreement
+    from lorad.config.model import ModelConfig
     from lorad.workers.agreement import RegistryDigest
 
     rank, store_path = int(sys.argv[1]), sys.argv[2]
@@ -84,10 +101,16 @@ RANK_SCRIPT = textwrap.dedent("""
     reg_same = agreement.check_registry(tp, RegistryDigest(b"m" * 32, b"e" * 32, b"a" * 32))
     reg_differ = agreement.check_registry(
         tp, RegistryDigest(b"m" * 32, [b"e", b"f"][rank] * 32, b"a" * 32))
+    model = ModelConfig.from_dict(json.loads(sys.argv[3]))
+    sql, chat = (1, "sql", "k1", 1.0), (2, "chat", "k2", 0.5)
+    reg_adapter = agreement.check_registry(tp, RegistryDigest.compute(
+        model, (sql, (2, "chat", ["k2", "k3"][rank], 0.5))))
+    reg_count = agreement.check_registry(tp, RegistryDigest.compute(model, (sql, chat)[:rank + 1]))
     ids = agreement.broadcast_ids(tp, [11, 12, 13] if rank == 0 else None, 3)
     print(json.dumps({
         "same": [same.watermark, same.digests_agree], "differ": [differ.digests_agree,
         differ.digests], "reg_same": reg_same, "reg_differ": reg_differ, "ids": ids,
+        "reg_adapter": reg_adapter, "reg_count": reg_count,
         "min": agreement.agree_min(tp, [100, 80][rank])}))
     dist.destroy_process_group()
 """)
@@ -95,7 +118,8 @@ RANK_SCRIPT = textwrap.dedent("""
 
 def test_two_gloo_ranks_agree(tmp_path):
     store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(rank), str(store)],
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(rank), str(store),
+                               json.dumps(RAW_CONFIG)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
     outs = []
@@ -110,3 +134,7 @@ def test_two_gloo_ranks_agree(tmp_path):
         assert "engine source" in out["reg_differ"] and "rank(s) [1]" in out["reg_differ"]
         assert "base model" not in out["reg_differ"]
         assert out["ids"] == [11, 12, 13] and out["min"] == 80
+        # An adapter that differs is named; one that agrees is not.
+        assert "adapter 'chat' (slot 2) differs from rank 0 on rank(s) [1]" in out["reg_adapter"]
+        assert "'sql'" not in out["reg_adapter"] and "engine" not in out["reg_adapter"]
+        assert "number of adapters differs (by rank: [1, 2])" in out["reg_count"]

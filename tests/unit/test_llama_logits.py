@@ -8,11 +8,7 @@ launch() also takes backend="nccl", device="cuda", for a run by hand on a GPU ho
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.tiny_models import make_tiny_llama
+from tests.tp_runner import launch_ranks
 
 # max|lorad - transformers| / max|transformers| over a step's logits. The goal is 1e-5; the
 # requirement is well under 1e-4 (measured: below 1e-6). bf16 is compared with the fp32
@@ -28,7 +25,6 @@ FP32_REL_TOL = 1e-5
 BF16_REL_TOL = 5e-2
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
-RUNNER = Path(__file__).resolve().parent.parent / "tp_runner.py"
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
 
@@ -114,35 +110,12 @@ def build_checkpoints(root: Path) -> dict[str, Path]:
 def launch(checkpoints: dict[str, Path], root: Path, worlds=(1, 2, 3), backend: str = "gloo",
            device: str = "cpu") -> dict[int, Path]:
     """Run every world size at once; -> world size -> folder of the ranks' output files."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs, outs = [], {}
-    for world in worlds:
-        out = root / f"world{world}"
-        out.mkdir()
-        models = [{"name": name, "dir": str(checkpoints[name]), "dtype": dtype,
-                   "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "scenarios": STEPS}
-                  for name, (_, model_worlds, dtype) in MODELS.items() if world in model_worlds]
-        spec = root / f"spec{world}.json"
-        spec.write_text(json.dumps({"models": models}))
-        for rank in range(world):
-            cmd = [sys.executable, str(RUNNER), "--rank", str(rank), "--world", str(world),
-                   "--init-file", str(root / f"store{world}"), "--spec", str(spec),
-                   "--out", str(out), "--backend", backend, "--device", device]
-            procs.append((world, rank, subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-        outs[world] = out
-    failures = []
-    for world, rank, proc in procs:
-        try:
-            output, _ = proc.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
-        if proc.returncode != 0:
-            failures.append(f"world {world} rank {rank} exited {proc.returncode}:\n{output}")
-    assert not failures, "\n".join(failures)
-    return outs
+    models = {world: [{"name": name, "dir": str(checkpoints[name]), "dtype": dtype,
+                       "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "scenarios": STEPS}
+                      for name, (_, model_worlds, dtype) in MODELS.items()
+                      if world in model_worlds]
+              for world in worlds}
+    return launch_ranks(models, root, backend, device)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 Heads are split in contiguous groups of whole KV heads (each rank takes the query heads of its KV
 heads), the MLP's intermediate size and the vocabulary in balanced contiguous ranges, so any
 world size up to the number of KV heads works. Module and parameter names mirror the Hugging Face
-checkpoint's, so the loader maps tensor names to parameters one to one.
+checkpoint's, so the loader maps tensor names to parameters one to one. Each step's LoRA row groups
+are built once here and handed to every projection.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import torch
 from torch import nn
 
 from lorad.config import ConfigError, ModelConfig
+from lorad.config.adapters import AdapterSpec
 from lorad.workers.attention import AttentionContext, paged_attention
 from lorad.workers.batch import ForwardBatch
 from lorad.workers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lorad.workers.kv_cache import PagedKVCache, kv_bytes_per_block
 from lorad.workers.layers import RMSNorm, silu_and_mul
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear
-from lorad.workers.loader import load_weights
+from lorad.workers.loader import load_adapter_weights, load_weights
+from lorad.workers.lora import LoraRows
 from lorad.workers.parallel import TensorParallel, balanced_split
 from lorad.workers.rotary import RotaryEmbedding, apply_rotary
 
@@ -46,7 +49,7 @@ class LlamaAttention(nn.Module):
         hidden = config.hidden_size
         q_range = (kv_start * g * d, kv_end * g * d)
         kv_range = (kv_start * d, kv_end * d)
-        # q, k and v stay separate modules: each gets its own LoRA factors later.
+        # q, k and v stay separate modules: each has its own LoRA factors.
         self.q_proj = ColumnParallelLinear(hidden, config.num_attention_heads * d, q_range,
                                            dtype, device)
         self.k_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * d, kv_range,
@@ -58,17 +61,17 @@ class LlamaAttention(nn.Module):
         self.kv_cache: PagedKVCache | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: AttentionContext) -> torch.Tensor:
+                ctx: AttentionContext, lora: LoraRows | None) -> torch.Tensor:
         # x: [num_rows, hidden]; cos, sin: [num_rows, 1, head_dim]
         num_rows = x.shape[0]
-        q = self.q_proj(x).view(num_rows, self.num_q_heads, self.head_dim)
-        k = self.k_proj(x).view(num_rows, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_rows, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x, lora).view(num_rows, self.num_q_heads, self.head_dim)
+        k = self.k_proj(x, lora).view(num_rows, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, lora).view(num_rows, self.num_kv_heads, self.head_dim)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         assert self.kv_cache is not None, "allocate_kv_cache() before forward()"
         attn = paged_attention(q, k, v, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
-        return self.o_proj(attn)
+        return self.o_proj(attn, lora)
 
 
 class LlamaMLP(nn.Module):
@@ -81,9 +84,9 @@ class LlamaMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, inter, inter_range, dtype, device)
         self.down_proj = RowParallelLinear(inter, hidden, inter_range, tp, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraRows | None) -> torch.Tensor:
         # x: [num_rows, hidden] -> [num_rows, hidden]
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_proj(x, lora), self.up_proj(x, lora)), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -97,10 +100,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp, dtype, device)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: AttentionContext) -> torch.Tensor:
+                ctx: AttentionContext, lora: LoraRows | None) -> torch.Tensor:
         # The residual adds stay in the model dtype, as in transformers.
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx, lora)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
 
 class LlamaModel(nn.Module):
@@ -135,6 +138,17 @@ class LlamaForCausalLM(nn.Module):
         skip = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
         load_weights(self, model_dir, skip=skip)
 
+    def lora_target(self, layer: int, module: str) -> ColumnParallelLinear | RowParallelLinear:
+        """The projection an adapter module (LoraModule.layer, .module) edits."""
+        decoder = self.model.layers[layer]
+        parent = decoder.mlp if module in ("gate_proj", "up_proj", "down_proj") else \
+            decoder.self_attn
+        return getattr(parent, module)
+
+    def load_adapters(self, specs: tuple[AdapterSpec, ...]) -> None:
+        """Give every edited projection its slot tables and load this rank's factor shards."""
+        load_adapter_weights(self.lora_target, specs)
+
     @staticmethod
     def kv_cache_bytes_per_block(config: ModelConfig, tp_rank: int, world_size: int,
                                  block_size: int, dtype: torch.dtype) -> int:
@@ -157,7 +171,8 @@ class LlamaForCausalLM(nn.Module):
         ctx = AttentionContext.build(batch, self.block_size)
         cos, sin = self.model.rotary_emb(batch.positions)  # [num_rows, 1, head_dim]
         hidden = self.model.embed_tokens(batch.input_ids)  # [num_rows, hidden]
+        lora = LoraRows.from_batch(batch)
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, ctx)
+            hidden = layer(hidden, cos, sin, ctx, lora if lora.groups else None)
         hidden = self.model.norm(hidden[batch.sample_rows])  # [num_sampled, hidden]
         return self.lm_head(hidden)

@@ -1,0 +1,111 @@
+"""LoRA slots of one linear layer: per-slot factor tables, their shard loader, the per-row delta.
+
+Slot 0 is the base model and has no factors; adapters take slots 1..K. A linear layer gets a
+LoraSlots only when some adapter edits it, so unedited modules and base-only steps do no LoRA
+work. The delta is computed as peft does (`lora_B(lora_A(x)) * scaling`, in fp32, added once to
+the layer's output) and, on the CPU, never depends on which other rows share the step. On CUDA
+cuBLAS picks kernels by batch size, for the base matmuls as for these (measured on an H200, fp32);
+a fused kernel with a fixed order per row is the planned fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lorad.config.adapters import LoraModule
+from lorad.workers.batch import ForwardBatch
+
+
+def check_factor_shape(name: str, got, want: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(want):
+        raise ValueError(f"adapter tensor {name} has shape {tuple(got)}, expected {want}")
+
+
+@dataclass(frozen=True)
+class LoraRows:
+    """Which rows of a step use which adapter: built once per step, read by every LoRA layer."""
+
+    groups: list[tuple[int, torch.Tensor]]  # (slot >= 1, row indices [num_slot_rows] int64)
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch) -> "LoraRows":
+        # From the chunk list, not from batch.row_adapter_slots: no device-to-host copy per step.
+        rows: dict[int, list[int]] = {}
+        for chunk in batch.seqs:
+            if chunk.adapter_slot != 0:
+                rows.setdefault(chunk.adapter_slot, []).extend(
+                    range(chunk.token_start, chunk.token_start + chunk.num_tokens))
+        device = batch.input_ids.device
+        return cls([(slot, torch.tensor(rows[slot], dtype=torch.int64, device=device))
+                    for slot in sorted(rows)])
+
+
+class LoraSlots(nn.Module):
+    """Factor tables of one projection, indexed by slot, holding this rank's shard.
+
+    The owning layer passes the input and output ranges it holds: a column-parallel layer holds
+    all inputs (A whole) and a range of outputs (B split by rows); a row-parallel layer holds a
+    range of inputs (A split by columns) and all outputs (B whole). Tables are fp32 whatever the
+    model dtype, as peft keeps adapter weights in fp32 next to a bf16/fp16 base.
+    """
+
+    def __init__(self, num_slots: int, max_rank: int, in_features: int, out_features: int,
+                 in_range: tuple[int, int], out_range: tuple[int, int],
+                 device: torch.device) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # full, unsplit sizes
+        self.in_start, self.in_end = in_range
+        self.out_start, self.out_end = out_range
+        num_in, num_out = self.in_end - self.in_start, self.out_end - self.out_start
+        # Ranks are zero-padded to max_rank, but the delta reads only a slot's own rank, so
+        # its matrix products have peft's shapes.
+        # [num_slots, max_rank, in_end - in_start]
+        self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, num_in,
+                                                   dtype=torch.float32, device=device),
+                             persistent=False)
+        # [num_slots, out_end - out_start, max_rank]
+        self.register_buffer("lora_b", torch.zeros(num_slots, num_out, max_rank,
+                                                   dtype=torch.float32, device=device),
+                             persistent=False)
+        self.ranks = [0] * num_slots  # 0: the slot's adapter does not edit this module
+        # Kept per slot, not folded into B: peft multiplies the expanded output by its scaling,
+        # and B * scale would round differently.
+        self.scales = [0.0] * num_slots
+
+    def load(self, slot: int, module: LoraModule, a_slice, b_slice) -> None:
+        """Copy this rank's shard of one adapter's factors (safetensors slices) into `slot`."""
+        r = module.rank
+        check_factor_shape(module.a_tensor, a_slice.get_shape(), (r, self.in_features))
+        check_factor_shape(module.b_tensor, b_slice.get_shape(), (self.out_features, r))
+        # get_slice reads only the columns (A) or rows (B) this rank holds.
+        self.lora_a[slot, :r].copy_(a_slice[:, self.in_start:self.in_end])
+        self.lora_b[slot, :, :r].copy_(b_slice[self.out_start:self.out_end])
+        self.ranks[slot] = r
+        self.scales[slot] = module.scale
+
+    def add_delta(self, out: torch.Tensor, x: torch.Tensor, rows: LoraRows | None) -> torch.Tensor:
+        """out + scale * (x A^T) B^T for each row, by its slot; `out` itself when no row edits.
+
+        x: [num_rows, in_end - in_start]; out: [num_rows, out_end - out_start] (a row-parallel
+        layer passes its fp32 partial sum: the delta then joins the layer's all-reduce)."""
+        groups = [(slot, idx) for slot, idx in rows.groups if self.ranks[slot]] if rows else []
+        if not groups:
+            return out
+        # One rounding of base + delta, in fp32, as peft does for a low-precision base.
+        acc = out if out.dtype == torch.float32 else out.float()
+        for slot, idx in groups:
+            r = self.ranks[slot]
+            xs = x.index_select(0, idx).float().unsqueeze(1)  # [num_slot_rows, 1, in]
+            n = xs.shape[0]
+            # A batched product with the factors broadcast: each row is its own [1, in] x
+            # [in, r] product, so its bits do not depend on how many rows share the slot. A
+            # plain matmul does not give that for a narrow output like r (MKL, torch 2.13).
+            a_t = self.lora_a[slot, :r].t().unsqueeze(0).expand(n, -1, -1)  # [n, in, r]
+            b_t = self.lora_b[slot, :, :r].t().unsqueeze(0).expand(n, -1, -1)  # [n, r, out]
+            shrink = torch.bmm(xs, a_t)  # [n, 1, r]
+            delta = torch.bmm(shrink, b_t).squeeze(1) * self.scales[slot]  # [n, out]
+            acc.index_add_(0, idx, delta)  # each row once: a single fp32 add per element
+        return acc if acc is out else acc.to(out.dtype)
