@@ -13,10 +13,11 @@ import sys
 from itertools import groupby
 from pathlib import Path
 
-from lorad.config.adapter_memory import bytes_per_rank, check_parallel, total_bytes
+from lorad.config.adapter_memory import bytes_per_rank, total_bytes
 from lorad.config.adapters import TARGET_MODULES, AdapterSpec, read_adapter
 from lorad.config.cli import OneLineParser, positive_int
 from lorad.config.errors import ConfigError
+from lorad.config.partition import check_parallel
 from lorad.config.model import ModelConfig
 
 

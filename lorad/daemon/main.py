@@ -15,6 +15,7 @@ import uvloop
 from lorad.config import ConfigError, ModelConfig, ServeConfig, check_adapter
 from lorad.config.adapters import load_registry
 from lorad.config.cli import parse_args
+from lorad.config.partition import check_parallel
 from lorad.daemon.routes import ServedModel
 from lorad.daemon.service import serve
 from lorad.daemon.supervisor import WORKER_COMMAND
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None,
 
 def load_served_model(config: ServeConfig) -> ServedModel:
     model = ModelConfig.from_dir(config.model_dir)
+    check_parallel(model, config.parallel)
     # Adapter folders are checked against config.json alone, before anything else is read.
     adapters = load_registry(config.adapters, model, reserved_names=(config.served_name,))
     tokenizer = ModelTokenizer.from_dir(config.model_dir)

@@ -13,7 +13,8 @@ from torch import nn
 
 from lorad.workers.batch import MIN_ROWS
 from lorad.workers.linear import check_shape
-from lorad.workers.parallel import TensorParallel, balanced_split
+from lorad.config.partition import balanced_split
+from lorad.workers.parallel import TensorParallel
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -13,20 +13,6 @@ import torch
 import torch.distributed as dist
 
 
-def balanced_split(n: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) ranges covering 0..n; sizes differ by at most 1, earlier parts
-    get the extra."""
-    assert n >= 0 and parts > 0, (n, parts)
-    base, extra = divmod(n, parts)
-    ranges = []
-    start = 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
-
-
 class TensorParallel:
     """This rank's place in the tensor-parallel group and the collectives the model uses."""
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from lorad.config import check_adapter
-from lorad.config.adapter_memory import bytes_per_rank, split_range, total_bytes
+from lorad.config.adapter_memory import bytes_per_rank, total_bytes
+from lorad.config.partition import projection_range
 from lorad.config.adapters import AdapterArg, AdapterSpec, LoraModule, load_adapter
 from lorad.config.cli import parse_args
 from lorad.config.errors import ConfigError
@@ -179,20 +180,11 @@ def test_memory_follows_the_placement_on_uneven_splits():
                     for name, (i, o) in features.items())
     spec = AdapterSpec("x", "/x", 1, 1.0, "0" * 64, "/x/w", modules)
     # KV heads split (2, 1): q rows / o columns 32 + 16, k and v rows 16 + 8; MLP 50 + 50.
-    assert split_range(model, "q_proj", 2, 1) == (32, 48)
-    assert split_range(model, "v_proj", 2, 0) == (0, 16)
-    assert split_range(model, "down_proj", 2, 1) == (50, 100)
+    assert projection_range(model, "q_proj", 1, 2) == (32, 48)
+    assert projection_range(model, "v_proj", 0, 2) == (0, 16)
+    assert projection_range(model, "down_proj", 1, 2) == (50, 100)
     assert bytes_per_rank(spec, model, 2) == [1164 * 4, 1068 * 4]
     assert total_bytes(spec) == 1560 * 4
     assert bytes_per_rank(spec, model, 1) == [total_bytes(spec)]
     with pytest.raises(ConfigError, match="--parallel 4"):
         bytes_per_rank(spec, model, 4)
-
-
-def test_split_matches_the_workers_rule():
-    from lorad.config.adapter_memory import balanced_split
-    from lorad.workers.parallel import balanced_split as workers_split
-
-    for n in range(1, 20):
-        for parts in range(1, 9):
-            assert balanced_split(n, parts) == workers_split(n, parts)

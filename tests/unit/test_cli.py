@@ -119,3 +119,11 @@ def test_max_model_len_may_not_exceed_the_model(model_dir):
     assert result.returncode == 2
     assert "--max-model-len" in result.stderr and "256" in result.stderr
     assert result.stderr.count("\n") == 1
+
+
+def test_parallel_above_the_kv_heads_is_refused_before_any_worker(model_dir):
+    write_tokenizer(model_dir)
+    result = _run_lorad("--model", str(model_dir), "--parallel", "3")
+    assert result.returncode == 2
+    assert "--parallel 3" in result.stderr and "2 key-value heads" in result.stderr
+    assert result.stderr.count("\n") == 1 and "worker" not in result.stderr

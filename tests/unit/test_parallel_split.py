@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from lorad.config import ConfigError, ModelConfig
 from lorad.workers.models import LlamaForCausalLM
-from lorad.workers.parallel import TensorParallel, balanced_split, init_tensor_parallel
+from lorad.config.partition import balanced_split
+from lorad.workers.parallel import TensorParallel, init_tensor_parallel
 from tests.tiny_models import make_tiny_llama
 
 CPU = torch.device("cpu")

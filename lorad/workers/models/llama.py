@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lorad.config import ConfigError, ModelConfig
+from lorad.config import ModelConfig
 from lorad.config.adapters import AdapterSpec
+from lorad.config.partition import balanced_split, kv_head_range
 from lorad.workers.attention import AttentionContext, paged_attention
 from lorad.workers.batch import ForwardBatch
 from lorad.workers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -22,17 +23,8 @@ from lorad.workers.layers import RMSNorm, silu_and_mul
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear
 from lorad.workers.loader import load_adapter_weights, load_weights
 from lorad.workers.lora import LoraRows
-from lorad.workers.parallel import TensorParallel, balanced_split
+from lorad.workers.parallel import TensorParallel
 from lorad.workers.rotary import RotaryEmbedding, apply_rotary
-
-
-def kv_head_range(config: ModelConfig, tp_rank: int, world_size: int) -> tuple[int, int]:
-    """This rank's contiguous range of KV heads."""
-    if world_size > config.num_key_value_heads:
-        raise ConfigError(
-            f"--parallel {world_size} is more than the model's {config.num_key_value_heads} "
-            f"key-value heads; use --parallel {config.num_key_value_heads} or fewer")
-    return balanced_split(config.num_key_value_heads, world_size)[tp_rank]
 
 
 class LlamaAttention(nn.Module):
