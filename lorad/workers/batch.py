@@ -35,6 +35,16 @@ class ForwardBatch:
     seqs: list[SeqChunk]
     sample_rows: torch.Tensor  # [num_sampled] int64: rows whose logits are returned, in order
     num_tokens: int  # real (unpadded) rows
+    # The same per-sequence facts as `seqs`, as device tensors, for kernels and CUDA graphs
+    # (which cannot walk a Python list):
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, unused entries 0
+    context_lens: torch.Tensor  # [num_seqs] int32
+    query_starts: torch.Tensor  # [num_seqs + 1] int32: seq i's rows are query_starts[i]:[i+1]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence runs exactly one token (the shape CUDA graphs capture)."""
+        return all(chunk.num_tokens == 1 for chunk in self.seqs)
 
     @classmethod
     def build(cls, chunks: list[tuple[list[int], int, list[int], bool, int]], block_size: int,
@@ -67,8 +77,14 @@ class ForwardBatch:
         slots += [-1] * pad
         row_adapters += [0] * pad
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+        def tensor(values, dtype=torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
 
+        max_blocks = max((len(s.block_table) for s in seqs), default=0)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+        starts = [s.token_start for s in seqs] + [num_tokens]
         return cls(tensor(ids), tensor(positions), tensor(slots), tensor(row_adapters), seqs,
-                   tensor(sample_rows), num_tokens)
+                   tensor(sample_rows), num_tokens,
+                   tensor(tables, torch.int32).reshape(len(seqs), max_blocks),
+                   tensor([s.context_len for s in seqs], torch.int32),
+                   tensor(starts, torch.int32))
