@@ -47,7 +47,8 @@ class Outcome:
 
 
 def build_body(args: argparse.Namespace, index: int) -> tuple[str, dict]:
-    common = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
+    model = args.models[index % len(args.models)]  # rotate: a mixed-adapter burst
+    common = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
               "seed": args.seed + index}
     if args.chat:
@@ -198,7 +199,9 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) -> 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    parser.add_argument("--model", help="model id (default: the first one /v1/models lists)")
+    parser.add_argument("--model", help="model id (default: the first one /v1/models lists); "
+                        "several ids separated by commas rotate over the requests, e.g. "
+                        "SmolLM2-135M-Instruct,pirate,uppercase for a mixed-adapter burst")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     parser.add_argument("--requests", type=int, default=32, help="measured requests in all")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
@@ -224,6 +227,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def main_async(args: argparse.Namespace) -> int:
     if args.model is None:
         args.model = await served_model(args.url)
+    args.models = [m for m in args.model.split(",") if m]
     if args.warmup:
         warm, _ = await run_all(args, args.warmup, first_index=1_000_000)
         if not any(o.ok for o in warm):

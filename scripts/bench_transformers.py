@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's own choice)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                        help="load a PEFT adapter (repeatable); rows then rotate over the base "
+                             "and every adapter with peft's mixed-batch adapter_names, as "
+                             "bench.py --model BASE,NAME,... does against lorad")
     args = parser.parse_args(argv)
     if not (args.model / "config.json").is_file():
         print(f"bench_transformers: {args.model} is not a model folder; run scripts/serve-demo "
@@ -61,6 +65,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model.eval()
+    generate_kwargs = {}
+    if args.adapter:
+        from peft import PeftModel
+
+        adapters = [spec.split("=", 1) for spec in args.adapter]
+        model = PeftModel.from_pretrained(model, adapters[0][1], adapter_name=adapters[0][0])
+        for name, folder in adapters[1:]:
+            model.load_adapter(folder, adapter_name=name)
+        model.eval()
+        rotation = ["__base__"] + [name for name, _ in adapters]
+        generate_kwargs["adapter_names"] = [rotation[i % len(rotation)] for i in range(args.batch)]
     rng = random.Random(args.seed)
     input_ids = torch.tensor([[rng.randrange(*PROMPT_ID_RANGE) for _ in range(args.prompt_len)]
                               for _ in range(args.batch)])  # [batch, prompt_len]
@@ -75,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             return model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                   max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                                  do_sample=False, pad_token_id=pad_id)
+                                  do_sample=False, pad_token_id=pad_id, **generate_kwargs)
 
     generate(4)  # warm-up: first-call allocations and kernel selection
     started = time.perf_counter()
@@ -87,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine:   {os.cpu_count()} cores, {cpu_name()}, {platform.system()} "
           f"{platform.machine()}; torch {torch.__version__} with {torch.get_num_threads()} "
           f"threads, transformers {transformers.__version__}")
-    print(f"model:     {args.model} (float32, cpu)")
+    print(f"model:     {args.model} (float32, cpu)"
+          + (f", rows rotating over base + {', '.join(a.split('=')[0] for a in args.adapter)} "
+             "(peft adapter_names)" if args.adapter else ""))
     print(f"workload:  one batch of {args.batch} random {args.prompt_len}-token prompts, "
           f"{args.max_tokens} new tokens each, greedy, EOS suppressed")
     print()
