@@ -98,7 +98,9 @@ def main() -> None:
     torch.set_num_threads(1)
     start = time.monotonic()
     spec = json.loads(Path(args.spec).read_text())
-    device = torch.device("cuda", args.rank) if args.device == "cuda" else torch.device("cpu")
+    # Ranks share GPUs round-robin, as the workers do: gloo runs several ranks on one card.
+    device = (torch.device("cuda", args.rank % torch.cuda.device_count())
+              if args.device == "cuda" else torch.device("cpu"))
     tp = init_tensor_parallel(args.rank, args.world, f"file://{args.init_file}", args.backend,
                               device, timeout_s=120)
     for entry in spec["models"]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lorad.config.adapters import AdapterArg
 from lorad.config.errors import ConfigError
-from lorad.config.serve import DIST_BACKENDS, DTYPES, DEVICES, ServeConfig
+from lorad.config.serve import DIST_BACKENDS, DTYPES, DEVICES, LOAD_FORMATS, ServeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2,
                "mb": 1000**2, "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4,
@@ -118,6 +118,10 @@ def _add_model_flags(group) -> None:
     group.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="dtype of weights and activations; auto lets the workers pick for "
                             "the device (default: %(default)s)")
+    group.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                       help="where weights come from: the folder's safetensors (auto), or "
+                            "random values of the right shapes from a fixed seed, reading only "
+                            "config.json (for benchmarks) (default: %(default)s)")
     group.add_argument("--max-model-len", type=positive_int, metavar="N",
                        help="longest context (prompt + completion) in tokens "
                             "(default: the model's max_position_embeddings)")
@@ -177,6 +181,9 @@ def _add_parallel_flags(group) -> None:
                             "(default: %(default)s)")
     group.add_argument("--threads", type=positive_int, default=1, metavar="N",
                        help="CPU threads per worker (default: %(default)s)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="run every step eagerly: no CUDA graphs for decode steps "
+                            "(graphs are used on CUDA at --parallel 1 otherwise)")
 
 
 def _add_scheduler_flags(group) -> None:
@@ -204,7 +211,8 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
         adapters = _adapter_args(args.adapter, args.adapter_strength)
         return ServeConfig(
             model_dir=args.model, served_name=name, parallel=args.parallel, host=args.host,
-            port=args.port, dtype=args.dtype, device=args.device, dist_backend=args.dist_backend,
+            port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
+            dist_backend=args.dist_backend, enforce_eager=args.enforce_eager,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,

@@ -17,6 +17,9 @@ from lorad.config.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
+# auto: the checkpoint's safetensors (the only format read). random: weights drawn from a fixed
+# seed in the shapes config.json gives, no checkpoint read (benchmarks, bring-up of new shapes).
+LOAD_FORMATS = ("auto", "safetensors", "random")
 
 
 def _positive(flag: str, value: int | None, allow_none: bool = False) -> None:
@@ -41,8 +44,10 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"
+    load_format: str = "auto"
     device: str = "auto"
     dist_backend: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -63,6 +68,7 @@ class ServeConfig:
         if not 0 < self.port < 65536 or isinstance(self.port, bool):
             raise ConfigError(f"--port must be between 1 and 65535, got {self.port!r}")
         _choice("--dtype", self.dtype, DTYPES)
+        _choice("--load-format", self.load_format, LOAD_FORMATS)
         _choice("--device", self.device, DEVICES)
         _choice("--dist-backend", self.dist_backend, DIST_BACKENDS)
         _positive("--max-model-len", self.max_model_len, allow_none=True)
@@ -101,6 +107,8 @@ class WorkerConfig:
     instance_id: str
     coordinator_pid: int
     log_level: str = "info"
+    load_format: str = "auto"
+    enforce_eager: bool = False
     # One {"name", "path", "strength", "key"} per adapter, slot i + 1; "key" is the identity key
     # the coordinator computed, which each worker recomputes and must match.
     adapters: list[dict] = field(default_factory=list)

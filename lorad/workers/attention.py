@@ -2,18 +2,26 @@
 
 Each sequence is computed on its own (its chunk's queries against its context read from its
 block table), so a row's result never depends on the other sequences in the batch, and padding
-rows are neither written nor attended. A fused kernel for CUDA comes later; this loop is the
-reference it will be compared with.
+rows are neither written nor attended. On CUDA (with triton installed) the step goes to the
+Triton kernels instead (attention_cuda.py); this loop is the reference they are compared with.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from lorad.workers.batch import ForwardBatch
 from lorad.workers.kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from lorad.workers.attention_cuda import CudaAttentionContext
+
+# Triton is the `gpu` extra; without it a CUDA device runs the per-sequence path below.
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -34,8 +42,13 @@ class AttentionContext:
     seqs: list[SeqContext]
 
     @classmethod
-    def build(cls, batch: ForwardBatch, block_size: int) -> "AttentionContext":
+    def build(cls, batch: ForwardBatch,
+              block_size: int) -> "AttentionContext | CudaAttentionContext":
+        """The step's context for every layer; on CUDA the kernels' (no host sync, no copies)."""
         device = batch.slot_mapping.device
+        if device.type == "cuda" and _HAVE_TRITON:
+            from lorad.workers.attention_cuda import CudaAttentionContext
+            return CudaAttentionContext.build(batch)
         write_rows = torch.nonzero(batch.slot_mapping >= 0).squeeze(1)
         offsets = torch.arange(block_size, device=device)
         seqs = []
@@ -55,9 +68,12 @@ class AttentionContext:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
-                    ctx: AttentionContext, scale: float) -> torch.Tensor:
+                    ctx: "AttentionContext | CudaAttentionContext", scale: float) -> torch.Tensor:
     """q: [num_rows, q_heads, head_dim]; k, v: [num_rows, kv_heads, head_dim]
     -> [num_rows, q_heads * head_dim], zero on padding rows."""
+    if not isinstance(ctx, AttentionContext):
+        from lorad.workers.attention_cuda import paged_attention_cuda
+        return paged_attention_cuda(q, k, v, cache, ctx, scale)
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_q_heads // num_kv_heads

@@ -2,8 +2,9 @@
 
 Start-up runs the same collectives in the same order on every rank (registry check, then the KV
 pool minimum). Adapters are validated (lorad.config.adapters) before any base weight is read and
-must carry the identity key the coordinator computed. Knows nothing of sockets, sequences or
-sampling; the loop hands it a step plan.
+must carry the identity key the coordinator computed. On CUDA at world size 1, decode steps
+replay CUDA graphs captured at start (cuda_graph.py) unless --enforce-eager. Knows nothing of
+sockets, sequences or sampling; the loop hands it a step plan.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from lorad.config import ModelConfig, WorkerConfig
 from lorad.config.adapters import AdapterSpec, load_adapter
 from lorad.workers.agreement import RegistryDigest, agree_min, check_registry
 from lorad.workers.batch import MIN_ROWS, ForwardBatch
+from lorad.workers.cuda_graph import DecodeGraphs
 from lorad.workers.models.llama import LlamaForCausalLM
 from lorad.workers.parallel import TensorParallel, init_tensor_parallel
 from lorad.workers.planner import StepPlan
@@ -26,6 +29,7 @@ log = logging.getLogger("lorad.worker")
 CPU_KV_CAP_BYTES = 1 << 30  # default pool cap per rank on the CPU
 CUDA_KV_FRACTION = 0.9  # default pool cap on CUDA: this share of the free memory after loading
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RANDOM_WEIGHTS_SEED = 0  # --load-format random: every rank and every start draws the same model
 
 
 def resolve_device(name: str, rank: int) -> torch.device:
@@ -61,6 +65,7 @@ class Engine:
     num_kv_blocks: int
     block_size: int
     adapters: tuple[AdapterSpec, ...]  # slots 1..K in order
+    graphs: DecodeGraphs | None = None  # captured decode graphs; None: every step runs eagerly
 
     @classmethod
     def start(cls, cfg: WorkerConfig, rank: int) -> "Engine":
@@ -68,6 +73,10 @@ class Engine:
         model_config = ModelConfig.from_dir(cfg.model_dir)
         dtype = resolve_dtype(cfg.dtype, model_config, device)
         backend = resolve_backend(cfg.dist_backend, device)
+        if backend == "nccl" and cfg.parallel > max(1, torch.cuda.device_count()):
+            raise RuntimeError(f"--parallel {cfg.parallel} with nccl needs a GPU per rank, and "
+                               f"{torch.cuda.device_count()} are visible; --dist-backend gloo "
+                               "lets ranks share GPUs")
         log.info("device %s, dtype %s, backend %s, world size %d", device, dtype, backend,
                  cfg.parallel)
         tp = init_tensor_parallel(rank, cfg.parallel, cfg.dist_init_method, backend, device)
@@ -82,7 +91,11 @@ class Engine:
             raise RuntimeError(problem)
         check_coordinator_keys(cfg, adapters)
         model = LlamaForCausalLM(model_config, tp, dtype, device)
-        model.load_weights(cfg.model_dir)
+        if cfg.load_format == "random":
+            model.load_random_weights(RANDOM_WEIGHTS_SEED)
+            log.info("random weights (seed %d): no checkpoint read", RANDOM_WEIGHTS_SEED)
+        else:
+            model.load_weights(cfg.model_dir)
         model.load_adapters(adapters)
         own = _own_kv_blocks(cfg, model_config, tp, dtype)
         num_blocks = agree_min(tp, own)  # every rank must address the same block ids
@@ -93,7 +106,8 @@ class Engine:
         model.allocate_kv_cache(num_blocks, cfg.block_size)
         log.info("weights and %d adapters loaded; KV pool of %d blocks of %d tokens (this rank "
                  "could hold %d)", len(adapters), num_blocks, cfg.block_size, own)
-        return cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters)
+        graphs = _capture_decode_graphs(cfg, model, tp, len(adapters))
+        return cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters, graphs)
 
     def adapter_refusal(self, slot: int, key: str) -> str | None:
         """Why this rank cannot serve a request for (slot, key), or None when it holds it."""
@@ -109,9 +123,26 @@ class Engine:
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """-> [num_sampled, vocab] fp32 logits of the plan's sampling chunks, in plan order."""
-        batch = ForwardBatch.build(plan.batch_chunks(), self.block_size, self.tp.device,
-                                   min_rows=MIN_ROWS)
+        chunks = plan.batch_chunks()
+        if self.graphs is not None and self.graphs.can_run(chunks):
+            return self.graphs.run(chunks)
+        batch = ForwardBatch.build(chunks, self.block_size, self.tp.device, min_rows=MIN_ROWS)
         return self.model.forward(batch)
+
+
+def _capture_decode_graphs(cfg: WorkerConfig, model: LlamaForCausalLM, tp: TensorParallel,
+                           num_adapters: int) -> DecodeGraphs | None:
+    if tp.device.type != "cuda" or cfg.enforce_eager:
+        return None
+    if tp.world_size > 1:
+        # A graph would have to end at every collective (gloo cannot run inside one, and NCCL
+        # capture is not relied on here); until per-segment graphs exist, such steps run eagerly.
+        log.info("CUDA graphs are off at world size %d: every step runs eagerly", tp.world_size)
+        return None
+    graphs = DecodeGraphs(model, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
+                          num_adapters)
+    graphs.capture()
+    return graphs
 
 
 def check_coordinator_keys(cfg: WorkerConfig, adapters: tuple[AdapterSpec, ...]) -> None:
@@ -136,8 +167,14 @@ def _own_kv_blocks(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParal
         return cfg.kv_cache_memory // per_block
     wanted = -(-cfg.max_num_seqs * cfg.max_model_len // cfg.block_size)
     if tp.device.type == "cuda":
+        if tp.world_size > 1:
+            # Ranks may share a GPU (gloo, fewer GPUs than ranks): measure once every rank has
+            # loaded its weights, and split what is free between the ranks on this device.
+            dist.barrier(group=tp.cpu_group)
+        num_gpus = torch.cuda.device_count()
+        sharing = sum(1 for r in range(tp.world_size) if r % num_gpus == tp.rank % num_gpus)
         free_bytes, _ = torch.cuda.mem_get_info(tp.device)
-        cap = int(free_bytes * CUDA_KV_FRACTION)
+        cap = int(free_bytes * CUDA_KV_FRACTION / sharing)
     else:
         cap = CPU_KV_CAP_BYTES
     return min(wanted, cap // per_block)

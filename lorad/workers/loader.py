@@ -1,4 +1,5 @@
-"""Read a Hugging Face safetensors checkpoint, and validated adapters, each rank only its shard.
+"""Read a Hugging Face safetensors checkpoint, and validated adapters, each rank only its shard;
+or fill the weights with seeded random values instead (`--load-format random`).
 
 Every parameter carries a `weight_loader(param, name, tensor_slice)` that knows which rows or
 columns its rank holds, and every edited projection's LoraSlots a `load` that does the same for
@@ -10,9 +11,11 @@ Pickled checkpoints (`*.bin`, `*.pt`) are refused: they can run code. Adapters a
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import Callable
 
+import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
@@ -23,6 +26,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Buffers some older exports write next to the weights; lorad recomputes them.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+RANDOM_STD = 0.02  # --load-format random: the usual Llama initializer range
+NORM_SUFFIX = "norm.weight"  # --load-format random: RMSNorm scales are ones
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -99,3 +104,42 @@ def load_adapter_weights(target_of: Callable[[int, str], nn.Module],
                 except (ValueError, SafetensorError) as exc:
                     raise ConfigError(f"adapter {spec.name!r} ({spec.weights_file}): "
                                       f"{exc}") from None
+
+
+class WholeTensor:
+    """A full tensor in the shape of a safetensors slice, so weight_loaders can cut their shard."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def load_random_weights(model: nn.Module, full_shapes: dict[str, tuple[int, ...]],
+                        seed: int, std: float = RANDOM_STD) -> None:
+    """Fill every parameter with N(0, std) values (norm scales with ones), without a checkpoint.
+
+    full_shapes: name -> the unsharded checkpoint shape. Each tensor is drawn whole, in fp32, on
+    the parameter's device from a generator seeded by (seed, name), and handed to its
+    weight_loader: every world size then holds shards of the same model, and the bf16 model is
+    the fp32 one rounded. The same seed gives the same weights on the same kind of device (the
+    CPU and CUDA generators give different streams)."""
+    params = dict(model.named_parameters())
+    if set(params) != set(full_shapes):
+        raise ValueError(f"shapes given for {sorted(set(full_shapes) ^ set(params))[:5]} do not "
+                         "match the model's parameters")
+    for name in sorted(params):
+        param = params[name]
+        shape = tuple(full_shapes[name])
+        if name.endswith(NORM_SUFFIX):
+            whole = torch.ones(shape, dtype=torch.float32, device=param.device)
+        else:
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & (2**63 - 1))
+            whole = torch.randn(shape, generator=generator, dtype=torch.float32,
+                                device=param.device).mul_(std)
+        param.weight_loader(param, name, WholeTensor(whole.to(param.dtype)))

@@ -3,13 +3,15 @@
 Slot 0 is the base model and has no factors; adapters take slots 1..K. A linear layer gets a
 LoraSlots only when some adapter edits it, so unedited modules and base-only steps do no LoRA
 work. The delta is computed as peft does (`lora_B(lora_A(x)) * scaling`, in fp32, added once to
-the layer's output) and, on the CPU, never depends on which other rows share the step. On CUDA
-cuBLAS picks kernels by batch size, for the base matmuls as for these (measured on an H200, fp32);
-a fused kernel with a fixed order per row is the planned fix.
+the layer's output) and never depends on which other rows share the step: on the CPU through
+torch per slot group, on CUDA through the Triton shrink and expand kernels (kernels/lora_*.py),
+which give each row a fixed order of fp32 sums (cuBLAS would pick kernels by batch size).
 """
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,10 @@ from torch import nn
 
 from lorad.config.adapters import LoraModule
 from lorad.workers.batch import ForwardBatch
+from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles, max_tiles_any_mixture
+
+# Triton is the `gpu` extra; without it a CUDA device runs the torch path below.
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def check_factor_shape(name: str, got, want: tuple[int, ...]) -> None:
@@ -26,21 +32,52 @@ def check_factor_shape(name: str, got, want: tuple[int, ...]) -> None:
 
 @dataclass(frozen=True)
 class LoraRows:
-    """Which rows of a step use which adapter: built once per step, read by every LoRA layer."""
+    """Which rows of a step use which adapter: built once per step, read by every LoRA layer.
 
-    groups: list[tuple[int, torch.Tensor]]  # (slot >= 1, row indices [num_slot_rows] int64)
+    On the CPU (the torch path) as row indices per slot; on CUDA as row tiles for the kernels,
+    with no per-slot tensors and no host sync, so a CUDA graph can capture the whole step."""
+
+    slots: tuple[int, ...]  # adapter slots (>= 1) with rows this step, ascending
+    groups: list[tuple[int, torch.Tensor]]  # torch path: (slot, row indices [n] int64)
+    tiles: LoraTiles | None = None  # kernel path; None on the torch path
+    # Kernel path in a CUDA graph: launch for every edited projection whatever `slots` says
+    # (replays serve other mixtures); rows of slot 0 then exit inside the kernels.
+    launch_always: bool = False
 
     @classmethod
-    def from_batch(cls, batch: ForwardBatch) -> "LoraRows":
+    def from_batch(cls, batch: ForwardBatch, launch_always: bool = False,
+                   use_kernels: bool | None = None) -> "LoraRows":
+        """use_kernels: None picks the kernels on CUDA when triton imports (tests force it)."""
         # From the chunk list, not from batch.row_adapter_slots: no device-to-host copy per step.
         rows: dict[int, list[int]] = {}
         for chunk in batch.seqs:
             if chunk.adapter_slot != 0:
                 rows.setdefault(chunk.adapter_slot, []).extend(
                     range(chunk.token_start, chunk.token_start + chunk.num_tokens))
+        slots = tuple(sorted(rows))
         device = batch.input_ids.device
-        return cls([(slot, torch.tensor(rows[slot], dtype=torch.int64, device=device))
-                    for slot in sorted(rows)])
+        if use_kernels is None:
+            use_kernels = device.type == "cuda" and _HAVE_TRITON
+        if use_kernels:
+            if launch_always:
+                max_tiles = max_tiles_any_mixture(batch.row_adapter_slots.shape[0])
+            else:
+                max_tiles = count_tiles(len(rows[slot]) for slot in slots)
+            tiles = LoraTiles.build(batch.row_adapter_slots, max_tiles) if max_tiles else None
+            return cls(slots, [], tiles, launch_always)
+        if launch_always:
+            raise ValueError("launch_always is for the kernel path (CUDA graphs)")
+        return cls(slots, [(slot, torch.tensor(rows[slot], dtype=torch.int64, device=device))
+                           for slot in slots])
+
+    @property
+    def any_delta(self) -> bool:
+        """Whether any LoRA work may run this step (else the model passes no LoraRows)."""
+        return bool(self.slots) or self.launch_always
+
+    def launches(self, lora: "LoraSlots") -> bool:
+        """Kernel path: whether `lora`'s tables take part (a fact known to Python, no sync)."""
+        return self.launch_always or any(lora.ranks[slot] for slot in self.slots)
 
 
 class LoraSlots(nn.Module):
@@ -74,6 +111,11 @@ class LoraSlots(nn.Module):
         # Kept per slot, not folded into B: peft multiplies the expanded output by its scaling,
         # and B * scale would round differently.
         self.scales = [0.0] * num_slots
+        # The same ranks and scales on the device, for the kernels.
+        self.register_buffer("rank_table", torch.zeros(num_slots, dtype=torch.int32,
+                                                       device=device), persistent=False)
+        self.register_buffer("scale_table", torch.zeros(num_slots, dtype=torch.float32,
+                                                        device=device), persistent=False)
 
     def load(self, slot: int, module: LoraModule, a_slice, b_slice) -> None:
         """Copy this rank's shard of one adapter's factors (safetensors slices) into `slot`."""
@@ -85,12 +127,16 @@ class LoraSlots(nn.Module):
         self.lora_b[slot, :, :r].copy_(b_slice[self.out_start:self.out_end])
         self.ranks[slot] = r
         self.scales[slot] = module.scale
+        self.rank_table[slot] = r
+        self.scale_table[slot] = module.scale  # rounded to fp32, as torch's `fp32 * scale` does
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, rows: LoraRows | None) -> torch.Tensor:
         """out + scale * (x A^T) B^T for each row, by its slot; `out` itself when no row edits.
 
         x: [num_rows, in_end - in_start]; out: [num_rows, out_end - out_start] (a row-parallel
         layer passes its fp32 partial sum: the delta then joins the layer's all-reduce)."""
+        if rows is not None and rows.tiles is not None:
+            return add_lora_deltas([self], [out], x, rows)[0]
         groups = [(slot, idx) for slot, idx in rows.groups if self.ranks[slot]] if rows else []
         if not groups:
             return out
@@ -109,3 +155,30 @@ class LoraSlots(nn.Module):
             delta = torch.bmm(shrink, b_t).squeeze(1) * self.scales[slot]  # [n, out]
             acc.index_add_(0, idx, delta)  # each row once: a single fp32 add per element
         return acc if acc is out else acc.to(out.dtype)
+
+
+def add_lora_deltas(loras: Sequence[LoraSlots | None], outs: Sequence[torch.Tensor],
+                    x: torch.Tensor, rows: LoraRows | None) -> list[torch.Tensor]:
+    """Each projection's output plus its delta, for projections that share the input x (q/k/v,
+    gate/up; None: a projection no adapter edits). On the kernel path one shrink and one expand
+    serve them all; on the torch path each adds its own, exactly as add_delta does."""
+    if rows is None or rows.tiles is None:
+        return [out if lora is None else lora.add_delta(out, x, rows)
+                for lora, out in zip(loras, outs)]
+    results = list(outs)
+    edited = [i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora)]
+    # Lazily: the CPU never imports triton.
+    from lorad.workers.kernels.lora_expand import lora_expand
+    from lorad.workers.kernels.lora_shrink import MAX_TABLES, lora_shrink
+    for start in range(0, len(edited), MAX_TABLES):
+        group = edited[start:start + MAX_TABLES]
+        tables = [loras[i] for i in group]
+        # One rounding of base + delta, in fp32, as on the torch path.
+        accs = [outs[i] if outs[i].dtype == torch.float32 else outs[i].float() for i in group]
+        ranks = [lora.rank_table for lora in tables]
+        t = lora_shrink(x, [lora.lora_a for lora in tables], ranks, rows.tiles)
+        lora_expand(t, accs, [lora.lora_b for lora in tables], ranks,
+                    [lora.scale_table for lora in tables], rows.tiles)
+        for i, acc in zip(group, accs):
+            results[i] = acc if acc is outs[i] else acc.to(outs[i].dtype)
+    return results

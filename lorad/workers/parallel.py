@@ -2,7 +2,8 @@
 
 Layers call `all_reduce` (row-parallel outputs, the vocab-parallel embedding) and
 `all_gather_last_dim` (vocab-parallel logits) themselves. Control traffic (step agreement, sampled
-ids) uses `cpu_group`; this file does not implement it.
+ids) uses `cpu_group`; this file does not implement it. With gloo, CUDA tensors are reduced through
+host copies, so several ranks can share one GPU (`--parallel 2 --dist-backend gloo` on one card).
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ class TensorParallel:
         """Sum of every rank's `x`, the same bits on every rank. May reuse `x`'s storage."""
         if self.world_size == 1:
             return x
+        if self.backend == "gloo" and x.is_cuda:
+            # gloo reduces host memory (its own CUDA path stages through the host too); copying
+            # here keeps that in sight and the rank-order sum below the same on CPU and GPU.
+            return self._all_reduce(x.cpu()).to(x.device)
+        return self._all_reduce(x)
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "gloo" and self.world_size > 2:
             # A ring all-reduce adds in an order per element that depends on the tensor's size,
             # so a row's bits would depend on the batch. Gathering and adding in rank order is
@@ -52,9 +60,12 @@ class TensorParallel:
         width = max(sizes)
         # all_gather needs one shape on every rank; the vocab split can be uneven by one.
         padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
+        if self.backend == "gloo" and padded.is_cuda:
+            padded = padded.cpu()  # gloo gathers host memory; see all_reduce
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(parts, padded, group=self.group)
-        return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
+        return torch.cat([part[..., :size] for part, size in zip(parts, sizes)],
+                         dim=-1).to(x.device)
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
@@ -65,11 +76,13 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
+    if device.type == "cuda":
+        # Whatever the backend: Triton launches on the current device, not the tensors'.
+        torch.cuda.set_device(device)
     if world_size == 1:
         return TensorParallel(0, 1, device, backend=backend)
     timeout = timedelta(seconds=timeout_s)
     if backend == "nccl":
-        torch.cuda.set_device(device)
         dist.init_process_group("nccl", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timeout, device_id=device)
     else:

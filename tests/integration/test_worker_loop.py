@@ -71,11 +71,12 @@ class FakeCoordinator:
     """PUB/PULL bound in a private runtime dir, worker processes started as the daemon does.
 
     adapters: WorkerConfig.adapters; rank_adapters: other entries for some ranks (each rank then
-    reads its own worker.json); env: extra environment variables for the workers."""
+    reads its own worker.json); env: extra environment variables for the workers; overrides:
+    other WorkerConfig fields (device, dtype... for the GPU tests)."""
 
     def __init__(self, checkpoint: Path, parallel: int, coordinator_pid: int | None = None,
                  adapters: list[dict] = (), rank_adapters: dict[int, list[dict]] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, overrides: dict | None = None):
         self._parent = tempfile.mkdtemp(prefix="lw", dir="/tmp")  # ipc paths must stay short
         runtime, instance = make_runtime_dir(self._parent, "t")
         self.cfg = WorkerConfig(
@@ -84,6 +85,7 @@ class FakeCoordinator:
             max_num_batched_tokens=16, block_size=BLOCK_SIZE, kv_cache_blocks=NUM_KV_BLOCKS,
             kv_cache_memory=None, num_threads=1, runtime_dir=str(runtime), instance_id=instance,
             coordinator_pid=coordinator_pid or os.getpid(), adapters=list(adapters))
+        self.cfg = replace(self.cfg, **(overrides or {}))
         self.cfg.path.write_text(self.cfg.to_json())
         config_paths = [self.cfg.path] * parallel
         for rank, entries in (rank_adapters or {}).items():

@@ -61,6 +61,8 @@ def test_byte_sizes(text, expected):
     (["--threads", "0"], "--threads"),
     (["--startup-timeout", "nan"], "--startup-timeout"),
     (["--log-level", "loud"], "--log-level"),
+    (["--load-format", "gguf"], "--load-format"),
+    (["--enforce-eager", "yes"], "yes"),
     (["--name", "two words"], "--name"),
 ])
 def test_bad_values_are_one_line_naming_the_flag(argv, flag, capsys):
@@ -70,6 +72,15 @@ def test_bad_values_are_one_line_naming_the_flag(argv, flag, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("lorad: error: ")
     assert flag in err
+
+
+def test_load_format_and_enforce_eager():
+    config = parse_args(["--model", "m"])
+    assert (config.load_format, config.enforce_eager) == ("auto", False)
+    config = parse_args(["--model", "m", "--load-format", "random", "--enforce-eager"])
+    assert (config.load_format, config.enforce_eager) == ("random", True)
+    assert parse_args(["--model", "m", "--load-format", "safetensors"]).load_format == \
+        "safetensors"
 
 
 def test_missing_model_flag(capsys):

@@ -21,8 +21,8 @@ from lorad.workers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lorad.workers.kv_cache import PagedKVCache, kv_bytes_per_block
 from lorad.workers.layers import RMSNorm, silu_and_mul
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear
-from lorad.workers.loader import load_adapter_weights, load_weights
-from lorad.workers.lora import LoraRows
+from lorad.workers.loader import load_adapter_weights, load_random_weights, load_weights
+from lorad.workers.lora import LoraRows, add_lora_deltas
 from lorad.workers.parallel import TensorParallel
 from lorad.workers.rotary import RotaryEmbedding, apply_rotary
 
@@ -56,9 +56,12 @@ class LlamaAttention(nn.Module):
                 ctx: AttentionContext, lora: LoraRows | None) -> torch.Tensor:
         # x: [num_rows, hidden]; cos, sin: [num_rows, 1, head_dim]
         num_rows = x.shape[0]
-        q = self.q_proj(x, lora).view(num_rows, self.num_q_heads, self.head_dim)
-        k = self.k_proj(x, lora).view(num_rows, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, lora).view(num_rows, self.num_kv_heads, self.head_dim)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        # The three share x: on CUDA one LoRA shrink and one expand serve them.
+        q, k, v = add_lora_deltas([p.lora for p in projs], [p(x) for p in projs], x, lora)
+        q = q.view(num_rows, self.num_q_heads, self.head_dim)
+        k = k.view(num_rows, self.num_kv_heads, self.head_dim)
+        v = v.view(num_rows, self.num_kv_heads, self.head_dim)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         assert self.kv_cache is not None, "allocate_kv_cache() before forward()"
@@ -78,7 +81,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraRows | None) -> torch.Tensor:
         # x: [num_rows, hidden] -> [num_rows, hidden]
-        return self.down_proj(silu_and_mul(self.gate_proj(x, lora), self.up_proj(x, lora)), lora)
+        projs = (self.gate_proj, self.up_proj)
+        gate, up = add_lora_deltas([p.lora for p in projs], [p(x) for p in projs], x, lora)
+        return self.down_proj(silu_and_mul(gate, up), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -130,6 +135,27 @@ class LlamaForCausalLM(nn.Module):
         skip = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
         load_weights(self, model_dir, skip=skip)
 
+    def load_random_weights(self, seed: int) -> None:
+        """`--load-format random`: seeded random weights of the checkpoint's shapes."""
+        load_random_weights(self, self.checkpoint_shapes(), seed)
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's full (unsharded) shape in a checkpoint, by name."""
+        params = dict(self.named_parameters())
+        shapes = {}
+        for name, module in self.named_modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                shape = (module.out_features, module.in_features)
+            elif isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):
+                shape = (module.vocab_size, module.hidden_size)
+            elif isinstance(module, RMSNorm):
+                shape = tuple(module.weight.shape)
+            else:
+                continue
+            if f"{name}.weight" in params:  # a tied head's weight is the embedding's
+                shapes[f"{name}.weight"] = shape
+        return shapes
+
     def lora_target(self, layer: int, module: str) -> ColumnParallelLinear | RowParallelLinear:
         """The projection an adapter module (LoraModule.layer, .module) edits."""
         decoder = self.model.layers[layer]
@@ -156,15 +182,16 @@ class LlamaForCausalLM(nn.Module):
                                          self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, lora_launch_always: bool = False) -> torch.Tensor:
         """-> [num_sampled, vocab_size] float32 logits of batch.sample_rows, the same on every
-        rank."""
+        rank. lora_launch_always: capturing a CUDA graph that replays for any adapter mixture,
+        so every edited projection launches its LoRA kernels whatever this batch's slots."""
         assert self.block_size is not None, "allocate_kv_cache() before forward()"
         ctx = AttentionContext.build(batch, self.block_size)
         cos, sin = self.model.rotary_emb(batch.positions)  # [num_rows, 1, head_dim]
         hidden = self.model.embed_tokens(batch.input_ids)  # [num_rows, hidden]
-        lora = LoraRows.from_batch(batch)
+        lora = LoraRows.from_batch(batch, launch_always=lora_launch_always)
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, ctx, lora if lora.groups else None)
+            hidden = layer(hidden, cos, sin, ctx, lora if lora.any_delta else None)
         hidden = self.model.norm(hidden[batch.sample_rows])  # [num_sampled, hidden]
         return self.lm_head(hidden)

@@ -1,0 +1,56 @@
+"""Paged attention on CUDA: the Triton kernels, driven by the ForwardBatch's tensors alone.
+
+A decode step (one token per sequence) writes K/V with the sync-free write kernel and runs the
+split-KV decode kernel. It reads only batch tensors and shapes, so it can be captured in a CUDA
+graph and replayed with new contents. Mixed and prefill steps run the varlen prefill kernel,
+eagerly. The per-sequence path in attention.py is what both are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lorad.workers.batch import ForwardBatch
+from lorad.workers.kernels.kv_cache_write import write_kv
+from lorad.workers.kernels.paged_attention import paged_decode_attention
+from lorad.workers.kernels.paged_prefill_attention import paged_prefill_attention
+from lorad.workers.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class CudaAttentionContext:
+    """The step's attention metadata, shared by every layer: references to the batch's tensors,
+    never copies, so a graph replay after the batch's tensors are refilled sees the new step."""
+
+    slot_mapping: torch.Tensor  # [num_rows] int64: KV slot per row, -1 = padding
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor  # [num_seqs] int32; 0 = a padding sequence, which reads nothing
+    query_starts: torch.Tensor  # [num_seqs + 1] int32: sequence i's rows
+    is_decode: bool  # one token per sequence, sequence i on row i
+    max_query_len: int  # the longest chunk: the prefill grid
+
+    @classmethod
+    def build(cls, batch: ForwardBatch) -> "CudaAttentionContext":
+        max_query_len = max((chunk.num_tokens for chunk in batch.seqs), default=0)
+        return cls(batch.slot_mapping, batch.block_tables, batch.context_lens,
+                   batch.query_starts, batch.is_decode, max_query_len)
+
+
+def paged_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
+                         ctx: CudaAttentionContext, scale: float) -> torch.Tensor:
+    """q: [num_rows, q_heads, head_dim]; k, v: [num_rows, kv_heads, head_dim]
+    -> [num_rows, q_heads * head_dim], zero on padding rows."""
+    num_rows, num_q_heads, head_dim = q.shape
+    num_seqs = ctx.context_lens.shape[0]
+    write_kv(k, v, ctx.slot_mapping, cache.k, cache.v)
+    if not ctx.is_decode:
+        return paged_prefill_attention(q, cache.k, cache.v, ctx.block_tables, ctx.context_lens,
+                                       ctx.query_starts, ctx.max_query_len, scale)
+    # Rows past the last sequence pad the batch to MIN_ROWS: zero, as on the CPU path.
+    alloc = torch.empty if num_rows == num_seqs else torch.zeros
+    out = alloc(num_rows, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
+    paged_decode_attention(q[:num_seqs], cache.k, cache.v, ctx.block_tables, ctx.context_lens,
+                           scale, out=out[:num_seqs])
+    return out

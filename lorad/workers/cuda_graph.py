@@ -1,0 +1,198 @@
+"""CUDA graphs of decode steps: one per batch-size bucket, captured at start over static inputs.
+
+A decode step (every sequence runs one token and samples it) of at most the largest bucket's
+sequences replays the graph of the smallest bucket that holds it. The step's inputs are copied
+into static buffers; the bucket's spare sequences and rows are padding (token 0, KV slot -1 so
+nothing is written, adapter slot 0, context length 0) and their logits are dropped. Each row's
+adapter slot is an input, so one graph serves any mixture of adapters. Used at world size 1 only:
+graphs here never contain a collective, so with several ranks every step runs eagerly. Prefill
+and mixed steps always run eagerly. Without a capture (the CPU, tests) `run` executes the same
+padded step eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from lorad.workers.batch import MIN_ROWS, ForwardBatch, SeqChunk
+
+log = logging.getLogger("lorad.worker")
+
+NUM_WARMUP = 2  # eager runs per bucket before its capture: Triton compiles, cuBLAS workspaces
+ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_adapter_slots")
+# (new_token_ids, start_position, block_table, wants_sample, adapter_slot): StepPlan.batch_chunks
+Chunk = tuple[list[int], int, list[int], bool, int]
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """Powers of two below max_num_seqs, then max_num_seqs: every decode batch fits one."""
+    sizes, size = [], 1
+    while size < max_num_seqs:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_num_seqs]
+
+
+def rows_of(bucket: int) -> int:
+    """Rows a bucket's graph runs: one per sequence, padded to MIN_ROWS as every batch is."""
+    return max(bucket, MIN_ROWS)
+
+
+def is_decode_step(chunks: list[Chunk]) -> bool:
+    """Every chunk is one token that samples: the only step shape graphs capture."""
+    return bool(chunks) and all(len(ids) == 1 and sample for ids, _, _, sample, _ in chunks)
+
+
+class DecodeInputs:
+    """The static tensors every bucket's graph reads, and the host buffers they are filled from.
+
+    Buffers are sized for the largest bucket; bucket B's batch views their first B sequences and
+    rows_of(B) rows, so every graph reads the same memory."""
+
+    def __init__(self, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        num_rows = rows_of(max_seqs)
+        # [4, num_rows] int64, one row per ROW_FIELDS entry: a single copy fills them all
+        self.rows = torch.zeros(len(ROW_FIELDS), num_rows, dtype=torch.int64, device=device)
+        self.context_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)  # [max_seqs]
+        # [max_seqs, max_blocks_per_seq]
+        self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32,
+                                        device=device)
+        # A decode step gives sequence i row i, and samples every row, whatever the batch.
+        self.query_starts = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
+        self.sample_rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
+        # Pinned staging, so the copies to the device do not wait for the step before.
+        pin = device.type == "cuda"
+        self._host_rows = torch.zeros(self.rows.shape, dtype=torch.int64, pin_memory=pin)
+        self._host_context_lens = torch.zeros(max_seqs, dtype=torch.int32, pin_memory=pin)
+        self._host_block_tables = torch.zeros(self.block_tables.shape, dtype=torch.int32,
+                                              pin_memory=pin)
+        self._copied: torch.cuda.Event | None = None  # recorded after the last step's copies
+
+    def batch(self, bucket: int, seqs: list[SeqChunk]) -> ForwardBatch:
+        """Bucket `bucket`'s view of the buffers; `seqs` describe them to eager code only."""
+        num_rows = rows_of(bucket)
+        ids, positions, slots, adapters = (self.rows[i, :num_rows] for i in range(len(ROW_FIELDS)))
+        return ForwardBatch(ids, positions, slots, adapters, seqs, self.sample_rows[:bucket],
+                            bucket, self.block_tables[:bucket], self.context_lens[:bucket],
+                            self.query_starts[:bucket + 1])
+
+    def fill(self, chunks: list[Chunk], bucket: int) -> list[SeqChunk]:
+        """Copy a decode step into bucket `bucket`'s part of the buffers, padding the rest.
+        -> the step's sequences, then one padding sequence per spare slot of the bucket."""
+        step = ForwardBatch.build(chunks, self.block_size, "cpu", min_rows=rows_of(bucket))
+        num_seqs, num_rows = len(step.seqs), rows_of(bucket)
+        if self._copied is not None:
+            self._copied.synchronize()  # the staging buffers are free once that copy ran
+        for i, name in enumerate(ROW_FIELDS):  # build() already padded the rows
+            self._host_rows[i, :num_rows] = getattr(step, name)
+        self._host_context_lens[:num_seqs] = step.context_lens
+        self._host_context_lens[num_seqs:bucket] = 0
+        # Columns past a sequence's own blocks keep older ids: they are never read, since the
+        # context length bounds what attention reads, and any id there is a valid block.
+        self._host_block_tables[:num_seqs, :step.block_tables.shape[1]] = step.block_tables
+        self._host_block_tables[num_seqs:bucket] = 0
+        self.rows.copy_(self._host_rows, non_blocking=True)
+        self.context_lens[:bucket].copy_(self._host_context_lens[:bucket], non_blocking=True)
+        self.block_tables[:bucket].copy_(self._host_block_tables[:bucket], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return step.seqs + [SeqChunk(i, 1, 0, [], 0) for i in range(num_seqs, bucket)]
+
+
+class DecodeGraphs:
+    """Decode steps of `model` through per-bucket CUDA graphs (after `capture()`)."""
+
+    def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int,
+                 num_adapters: int) -> None:
+        self.model = model
+        self.buckets = bucket_sizes(max_num_seqs)
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.num_adapters = num_adapters
+        self.inputs = DecodeInputs(max_num_seqs, self.max_blocks_per_seq, block_size,
+                                   model.device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, vocab] fp32, per replay
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_seqs), None)
+
+    def graph_for(self, num_seqs: int) -> torch.cuda.CUDAGraph | None:
+        """The captured graph a step of num_seqs sequences replays (benchmarks time it)."""
+        return self._graphs.get(self.bucket_for(num_seqs))
+
+    def can_run(self, chunks: list[Chunk]) -> bool:
+        return (is_decode_step(chunks) and len(chunks) <= self.buckets[-1]
+                and all(len(table) <= self.max_blocks_per_seq for _, _, table, _, _ in chunks))
+
+    @torch.inference_mode()
+    def run(self, chunks: list[Chunk]) -> torch.Tensor:
+        """-> [len(chunks), vocab] float32 logits of a decode step (see can_run)."""
+        num_seqs = len(chunks)
+        bucket = self.bucket_for(num_seqs)
+        seqs = self.inputs.fill(chunks, bucket)
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            return self.model.forward(self.inputs.batch(bucket, seqs))[:num_seqs]
+        graph.replay()
+        # A copy: the static logits are overwritten by the next replay of any bucket.
+        return self._logits[bucket][:num_seqs].clone()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket's graph, largest first, into one memory pool."""
+        if self.model.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need the model on a CUDA device")
+        start = time.monotonic()
+        free_before, _ = torch.cuda.mem_get_info(self.model.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.model.device)
+        # Largest first: the smaller graphs' activations fit in memory the pool already holds.
+        for bucket in reversed(self.buckets):
+            batch = self.inputs.batch(bucket, self._capture_seqs(bucket))
+            # The LoRA kernels launch for every edited projection, whatever the captured slots.
+            any_mixture = self.num_adapters > 0
+            try:
+                # Warm up on the capture stream: kernels compile and per-stream library
+                # workspaces are allocated here, outside the capture. The buffers hold padding
+                # only, so these runs write no KV.
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(NUM_WARMUP):
+                        self.model.forward(batch, lora_launch_always=any_mixture)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    # [bucket, vocab] fp32
+                    logits = self.model.forward(batch, lora_launch_always=any_mixture)
+            except RuntimeError as exc:
+                raise RuntimeError(f"capturing the CUDA graph of decode steps of {bucket} "
+                                   f"sequences failed ({exc}); --enforce-eager runs without "
+                                   "graphs") from exc
+            self._graphs[bucket] = graph
+            self._logits[bucket] = logits
+        torch.cuda.synchronize(self.model.device)
+        free_after, _ = torch.cuda.mem_get_info(self.model.device)
+        log.info("captured CUDA graphs of decode steps for %s sequences in %.1fs (%.0f MiB)",
+                 self.buckets, time.monotonic() - start, (free_before - free_after) / 2**20)
+
+    def _capture_seqs(self, bucket: int) -> list[SeqChunk]:
+        """What a captured step's sequences look like to code that reads Python metadata: the
+        largest context and every loaded adapter, so a bound taken from them holds for every
+        step the graph will replay (the kernels read the actual slots and lengths from the
+        tensors, and size their grids from tensor shapes)."""
+        slots = list(range(1, self.num_adapters + 1)) or [0]
+        table = [0] * self.max_blocks_per_seq
+        return [SeqChunk(i, 1, self.max_model_len, table, slots[i % len(slots)])
+                for i in range(bucket)]

@@ -1,0 +1,160 @@
+"""Decode attention over paged KV: one query token per sequence, split-KV with a fixed split size.
+
+Two kernels. The split kernel gives each (sequence, KV head, split of SPLIT_SIZE context tokens)
+its own program: the KV head's query heads are one tile, so they share every K/V load, and an
+fp32 online softmax runs over the split's keys read through the block table. The reduce kernel
+merges a sequence's splits one after another, in split order. A split's bounds and the merge
+order depend only on that sequence's context length, never on the batch or on the grid, so a
+row's result has the same bits in any batch. No host sync and a grid fixed by shapes alone, so a
+decode step can be captured in a CUDA graph. Prefill chunks are paged_prefill_attention.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Context tokens per split. Larger splits write fewer partial results (fp32 [head_dim] per query
+# head and split); smaller ones give short batches more programs. Fixed: the split bounds are part
+# of a row's arithmetic.
+SPLIT_SIZE = 256
+TILE_TOKENS = 64  # keys per step inside a split
+
+
+@triton.jit(do_not_specialize=["stride_table", "stride_part_seq", "stride_part_head"])
+def _decode_split_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr,
+        part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
+        stride_q_seq, stride_q_head, stride_k_block, stride_k_token, stride_k_head,
+        stride_v_block, stride_v_token, stride_v_head, stride_table,
+        stride_part_seq, stride_part_head,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        SPLIT: tl.constexpr, TILE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(lens_ptr + seq)
+    split_start = split * SPLIT
+    if split_start >= context_len:
+        return  # past this sequence's context (or a padding row): the reduce never reads it
+    split_end = tl.minimum(split_start + SPLIT, context_len)
+
+    heads = tl.arange(0, BLOCK_H)  # this KV head's query heads, padded up to a dot's 16 rows
+    dims = tl.arange(0, BLOCK_D)
+    head_ok = heads < GROUP
+    dim_ok = dims < HEAD_DIM
+    q_heads = kv_head * GROUP + heads
+    q = tl.load(q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+
+    row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    for tile_start in range(split_start, split_end, TILE):
+        pos = tile_start + tl.arange(0, TILE)
+        pos_ok = pos < split_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        kv_ok = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_k_block + offset[:, None] * stride_k_token
+                    + kv_head * stride_k_head + dims[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_v_block + offset[:, None] * stride_v_token
+                    + kv_head * stride_v_head + dims[None, :], mask=kv_ok, other=0.0)
+        # Scaled after the product, as transformers does. [BLOCK_H, TILE]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        scores = tl.where(pos_ok[None, :], scores, float("-inf"))
+        # A split's first tile always holds a real key, so new_max is finite from then on.
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        correction = tl.exp(row_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        row_sum = row_sum * correction + tl.sum(probs, axis=1)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v,
+                                                 input_precision=DOT_PRECISION)
+        row_max = new_max
+
+    part = seq.to(tl.int64) * stride_part_seq + q_heads * stride_part_head + split  # [BLOCK_H]
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+             mask=head_ok[:, None] & dim_ok[None, :])
+    tl.store(part_max_ptr + part, row_max, mask=head_ok)
+    tl.store(part_sum_ptr + part, row_sum, mask=head_ok)
+
+
+@triton.jit(do_not_specialize=["stride_part_seq", "stride_part_head"])
+def _decode_reduce_kernel(
+        part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out_ptr,
+        stride_part_seq, stride_part_head, stride_out_seq,
+        HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    context_len = tl.load(lens_ptr + seq)
+    num_splits = tl.cdiv(context_len, SPLIT)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    part = seq.to(tl.int64) * stride_part_seq + head * stride_part_head
+    top = tl.full([], float("-inf"), tl.float32)
+    for split in range(0, num_splits):
+        top = tl.maximum(top, tl.load(part_max_ptr + part + split))
+    # Merged one split after another in split order: the same additions whatever the batch.
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = tl.zeros([], tl.float32)
+    for split in range(0, num_splits):
+        weight = tl.exp(tl.load(part_max_ptr + part + split) - top)
+        acc += weight * tl.load(part_acc_ptr + (part + split) * HEAD_DIM + dims, mask=dim_ok,
+                                other=0.0)
+        total += weight * tl.load(part_sum_ptr + part + split)
+    # total >= 1 when there is any context (the top split's sum counts its max key once); with
+    # none, acc is 0 and so is the row: a padding row reads nothing and writes zeros.
+    out = acc / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_out_seq + head * HEAD_DIM + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None, split_size: int = SPLIT_SIZE,
+                           tile_size: int = TILE_TOKENS) -> torch.Tensor:
+    """q: [num_seqs, q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads,
+    head_dim]; block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32
+    -> out [num_seqs, q_heads * head_dim] in q's dtype (zero rows where context_len is 0).
+
+    The grid covers max_blocks * block_size tokens per sequence: shapes only, so a CUDA graph
+    captured with a block table of max_blocks columns serves any context up to that length."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    assert num_q_heads == group * num_kv_heads and k_cache.shape == v_cache.shape
+    assert q.dtype == k_cache.dtype == v_cache.dtype and q.stride(2) == 1
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert block_tables.shape[0] == num_seqs == context_lens.shape[0]
+    tile_size = min(tile_size, split_size)
+    assert split_size % tile_size == 0, "a split is whole tiles"
+    if out is None:
+        out = torch.empty(num_seqs, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
+    assert out.shape == (num_seqs, num_q_heads * head_dim) and out.stride(1) == 1
+    if num_seqs == 0:
+        return out
+    max_splits = max(1, triton.cdiv(block_tables.shape[1] * block_size, split_size))
+    part_acc = torch.empty(num_seqs, num_q_heads, max_splits, head_dim, dtype=torch.float32,
+                           device=q.device)
+    part_max = torch.empty(num_seqs, num_q_heads, max_splits, dtype=torch.float32,
+                           device=q.device)
+    part_sum = torch.empty_like(part_max)
+    block_d = triton.next_power_of_2(head_dim)
+    # fp32 stays fp32 (no tf32 rounding of q and k): it is compared with the CPU path.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _decode_split_kernel[(num_seqs, num_kv_heads, max_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        part_max.stride(0), part_max.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split_size,
+        TILE=tile_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d, DOT_PRECISION=precision, num_warps=4, num_stages=2)
+    _decode_reduce_kernel[(num_seqs, num_q_heads)](
+        part_acc, part_max, part_sum, context_lens, out,
+        part_max.stride(0), part_max.stride(1), out.stride(0),
+        HEAD_DIM=head_dim, SPLIT=split_size, BLOCK_D=block_d, num_warps=1)
+    return out

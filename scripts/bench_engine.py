@@ -1,0 +1,467 @@
+#!/usr/bin/env python3
+"""lorad's engine on one GPU, no HTTP: decode step time and tokens/s against the memory floor.
+
+Builds lorad's model in-process at world size 1 (random weights of scripts/configs/llama3-8b by
+default, bf16, CUDA), a KV pool of random values, and the decode CUDA graphs, then times decode
+steps at several batch sizes for: the base model with no adapter loaded (`base`), the same with
+adapters loaded but every row on slot 0 (`idle`), one adapter on every row (`one`), and a distinct
+adapter per row up to --num-adapters slots (`many`; rank 16 on all seven projections). Beside
+each figure the floor: the bytes a step must read (weights, the LoRA factors of the slots in the
+batch, every sequence's KV) over the device-to-device copy bandwidth measured in this run. Then
+prefill tokens/s, and transformers + peft `generate` on the same shapes (mixed adapters per row
+through `adapter_names`). Prints the conditions and a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from lorad.config import ModelConfig  # noqa: E402
+from lorad.config.adapters import TARGET_MODULES, AdapterArg, load_adapter  # noqa: E402
+from lorad.config.adapters import PARENTS, projection_features  # noqa: E402
+from lorad.workers.batch import ForwardBatch  # noqa: E402
+from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
+from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from lorad.workers.lora import LoraSlots  # noqa: E402
+from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
+from lorad.workers.parallel import TensorParallel  # noqa: E402
+
+CUDA = torch.device("cuda", 0)
+BLOCK_SIZE = 16
+PROMPT_ID_RANGE = (100, 1000)
+rows: list[dict] = []  # the table
+
+
+def parse_args() -> argparse.Namespace:
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",") if x]
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=str(REPO / "scripts/configs/llama3-8b"),
+                   help="model folder; only config.json is read (default: %(default)s)")
+    p.add_argument("--batches", type=ints, default=[1, 8, 32, 64, 128])
+    p.add_argument("--cases", default="base,idle,one,many", help="subset of base,idle,one,many")
+    p.add_argument("--eager-batches", type=ints, default=[1, 32],
+                   help="also time these batches without graphs (base and many)")
+    p.add_argument("--context", type=int, default=512,
+                   help="tokens in each sequence's KV when its decode steps start")
+    p.add_argument("--max-model-len", type=int, default=8192,
+                   help="what the graphs are captured for, as a server would (block table width)")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per figure")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--num-adapters", type=int, default=64)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--prefill", default="8x512", help="SEQSxTOKENS of the prefill step; '' skips")
+    p.add_argument("--hf-batches", type=ints, default=[1, 32], help="'' skips transformers")
+    p.add_argument("--hf-prompt", type=int, default=128)
+    p.add_argument("--hf-new-tokens", type=int, default=16)
+    p.add_argument("--quick", action="store_true",
+                   help="batches 1,32, 5 steps, prefill 2x512, transformers at batch 1")
+    p.add_argument("--table-out", help="also write the markdown table to this file")
+    args = p.parse_args()
+    if args.quick:
+        args.batches, args.steps, args.prefill, args.hf_batches = [1, 32], 5, "2x512", [1]
+        args.eager_batches = [1]
+    return args
+
+
+# --- ceilings ---------------------------------------------------------------------------------
+
+def time_cuda(fn, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of fn() over `repeats` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """-> (copy bandwidth in bytes/s, read + write counted; bf16 matmul FLOP/s), on random data."""
+    src = torch.randn(1 << 30, device=CUDA, dtype=torch.bfloat16)  # 2 GiB
+    dst = torch.empty_like(src)
+    seconds = time_cuda(lambda: dst.copy_(src), 10)
+    bandwidth = 2 * src.numel() * src.element_size() / seconds
+    del src, dst
+    a = torch.randn(8192, 8192, device=CUDA, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=CUDA, dtype=torch.bfloat16)
+    seconds = time_cuda(lambda: a @ b, 10)
+    return bandwidth, 2 * 8192**3 / seconds
+
+
+# --- lorad ------------------------------------------------------------------------------------
+
+def build_lorad(config: ModelConfig, max_batch: int, blocks_per_seq: int) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(config, TensorParallel(0, 1, CUDA), torch.bfloat16, CUDA)
+    model.load_random_weights(seed=0)
+    # Block 0 stays spare; sequence i owns blocks 1 + i * blocks_per_seq onwards.
+    model.allocate_kv_cache(1 + max_batch * blocks_per_seq, BLOCK_SIZE)
+    for layer in model.model.layers:  # random KV: never time attention on zeros
+        layer.self_attn.kv_cache.k.normal_()
+        layer.self_attn.kv_cache.v.normal_()
+    return model
+
+
+def write_adapter(folder: Path, config: ModelConfig, rank: int) -> Path:
+    """A PEFT LoRA folder with random bf16 factors on all seven projections of every layer."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGET_MODULES),
+               lora_dropout=0.0, bias="none", task_type="CAUSAL_LM").save_pretrained(folder)
+    gen = torch.Generator().manual_seed(1)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for module in TARGET_MODULES:
+            in_features, out_features = projection_features(config, module)
+            name = f"base_model.model.model.layers.{layer}.{PARENTS[module]}.{module}"
+            tensors[f"{name}.lora_A.weight"] = (
+                torch.randn(rank, in_features, generator=gen) * in_features**-0.5
+            ).to(torch.bfloat16)
+            tensors[f"{name}.lora_B.weight"] = (
+                torch.randn(out_features, rank, generator=gen) * 0.02).to(torch.bfloat16)
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def load_adapters(model: LlamaForCausalLM, folder: Path, count: int) -> None:
+    """The same factors in `count` slots (each its own memory): validated and keyed once."""
+    spec = load_adapter(AdapterArg("a1", str(folder)), 1, model.config)
+    model.load_adapters(tuple(dataclasses.replace(spec, name=f"a{slot}", slot=slot)
+                              for slot in range(1, count + 1)))
+
+
+class Floor:
+    """Bytes a decode step must read, and the time they take at the measured bandwidth."""
+
+    def __init__(self, model: LlamaForCausalLM, bandwidth: float) -> None:
+        config = model.config
+        self.bandwidth = bandwidth
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        embedding = model.model.embed_tokens.weight
+        # An untied step reads one embedding row per token, not the table.
+        self.weight_bytes = params - (0 if config.tie_word_embeddings
+                                      else embedding.numel() * embedding.element_size())
+        self.row_bytes = config.hidden_size * embedding.element_size()
+        self.kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads
+                                   * config.head_dim * embedding.element_size())
+        self.loras = [m for m in model.modules() if isinstance(m, LoraSlots)]
+        self.linear_params = sum(m.weight.numel() for m in model.modules()
+                                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
+        self.config = config
+
+    def lora_bytes(self, slots: set[int]) -> int:
+        return sum(lora.ranks[slot] * (lora.lora_a.shape[2] + lora.lora_b.shape[1])
+                   * lora.lora_a.element_size() for lora in self.loras for slot in slots if slot)
+
+    def prefill_flops(self, slots: list[int], length: int) -> float:
+        """Matmul FLOPs of prompts of `length` tokens, one per slot, sampling their last rows."""
+        config = self.config
+        tokens = len(slots) * length
+        attention = (4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+                     * len(slots) * length * (length + 1) / 2)  # causal: half of QK^T and PV
+        head = 2 * len(slots) * config.vocab_size * config.hidden_size
+        lora = sum(2 * length * lora.ranks[s] * (lora.lora_a.shape[2] + lora.lora_b.shape[1])
+                   for lora in self.loras for s in slots if s)
+        return 2 * self.linear_params * tokens + attention + head + lora
+
+    def decode_seconds(self, slots: list[int], context_lens: list[int]) -> float:
+        total = (self.weight_bytes + len(slots) * self.row_bytes + self.lora_bytes(set(slots))
+                 + sum(context_lens) * self.kv_bytes_per_token)
+        return total / self.bandwidth
+
+
+def slots_for(case: str, batch: int, num_adapters: int) -> list[int]:
+    if case in ("base", "idle"):
+        return [0] * batch
+    if case == "one":
+        return [1] * batch
+    return [1 + i % num_adapters for i in range(batch)]
+
+
+def decode_steps(slots: list[int], context: int, blocks_per_seq: int, num_steps: int):
+    """num_steps decode steps of len(slots) sequences, each from `context` tokens on."""
+    gen = torch.Generator().manual_seed(len(slots))
+    tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
+              for i in range(len(slots))]
+    for step in range(num_steps):
+        pos = context + step
+        ids = torch.randint(*PROMPT_ID_RANGE, (len(slots),), generator=gen).tolist()
+        yield [([ids[i]], pos, tables[i][:pos // BLOCK_SIZE + 1], True, slot)
+               for i, slot in enumerate(slots)]
+
+
+def time_decode(model, graphs: DecodeGraphs | None, slots: list[int], args,
+                blocks_per_seq: int) -> tuple[float, float | None]:
+    """-> (seconds per step as the worker runs it: inputs, forward, argmax to the host;
+    seconds per graph replay alone, or None eagerly)."""
+    steps = list(decode_steps(slots, args.context, blocks_per_seq, args.warmup + args.steps))
+
+    def step(chunks):
+        if graphs is not None:
+            logits = graphs.run(chunks)
+        else:
+            logits = model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, CUDA))
+        return logits.argmax(-1).tolist()  # the leader's sync each step
+
+    for chunks in steps[:args.warmup]:
+        step(chunks)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for chunks in steps[args.warmup:]:
+        step(chunks)
+    per_step = (time.perf_counter() - start) / args.steps
+    replay = None
+    if graphs is not None:
+        replay = time_cuda(graphs.graph_for(len(slots)).replay, args.steps, warmup=1)
+    return per_step, replay
+
+
+def add_row(case: str, batch, mode: str, step_s: float | None, device_s: float | None = None,
+            floor_s: float | None = None, tokens: int | None = None, note: str = "") -> None:
+    row = {"case": case, "batch": batch, "mode": mode, "step_ms": step_s and step_s * 1e3,
+           "tok_s": step_s and (tokens if tokens is not None else batch) / step_s,
+           "device_ms": device_s and device_s * 1e3, "floor_ms": floor_s and floor_s * 1e3,
+           "note": note}
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def bench_decode(model, graphs, floor: Floor, cases: list[str], args, blocks_per_seq) -> None:
+    for case in cases:
+        for batch in args.batches:
+            slots = slots_for(case, batch, args.num_adapters)
+            floor_s = floor.decode_seconds(slots, [args.context + args.warmup + args.steps // 2]
+                                           * batch)
+            for mode in ["graph" if graphs else "eager"] + (
+                    ["eager"] if graphs and batch in args.eager_batches
+                    and case in ("base", "many") else []):
+                try:
+                    step_s, replay_s = time_decode(model, graphs if mode == "graph" else None,
+                                                   slots, args, blocks_per_seq)
+                    add_row(case, batch, mode, step_s, replay_s, floor_s)
+                except Exception as exc:  # one failed figure must not cost the others
+                    traceback.print_exc()
+                    add_row(case, batch, mode, None, note=f"failed: {type(exc).__name__}: {exc}")
+
+
+def bench_prefill(model, case: str, args, flops: float, floor: Floor) -> None:
+    num_seqs, length = (int(x) for x in args.prefill.split("x"))
+    slots = slots_for("many" if case == "many" else "base", num_seqs, args.num_adapters)
+    gen = torch.Generator().manual_seed(2)
+    per_seq = -(-length // BLOCK_SIZE)
+    chunks = [(torch.randint(*PROMPT_ID_RANGE, (length,), generator=gen).tolist(), 0,
+               list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), True, slot)
+              for i, slot in enumerate(slots)]
+    try:
+        batch = ForwardBatch.build(chunks, BLOCK_SIZE, CUDA)
+        seconds = time_cuda(lambda: model.forward(batch), 3, warmup=1)
+    except Exception as exc:
+        traceback.print_exc()
+        add_row(f"prefill {case}", args.prefill, "eager", None, note=f"failed: {exc}")
+        return
+    floor_s = max(floor.prefill_flops(slots, length) / flops,
+                  floor.decode_seconds(slots, [length] * num_seqs))
+    add_row(f"prefill {case}", args.prefill, "eager", seconds, None, floor_s,
+            tokens=num_seqs * length)
+
+
+# --- transformers + peft ----------------------------------------------------------------------
+
+def bench_transformers(config_dir: str, adapter_folder: Path, args) -> None:
+    """`generate` of transformers' LlamaForCausalLM (random weights, bf16, CUDA) with four peft
+    adapters: the base (adapters disabled) and a mixture of the four per row (adapter_names)."""
+    from peft import PeftModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_pretrained(config_dir)
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the GPU: no fp32 copy on the host
+    try:
+        with torch.device(CUDA):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model = PeftModel.from_pretrained(model, adapter_folder, adapter_name="a0")
+    for i in range(1, 4):
+        model.load_adapter(adapter_folder, adapter_name=f"a{i}")
+    model.eval()
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+
+    def generate(batch: int, names: list[str] | None, new_tokens: int) -> float:
+        ids = torch.randint(*PROMPT_ID_RANGE, (batch, args.hf_prompt), device=CUDA, generator=gen)
+        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if names is None:
+            with model.disable_adapter():
+                out = model.generate(**kwargs)
+        else:
+            out = model.generate(**kwargs, adapter_names=names)
+        torch.cuda.synchronize()
+        assert out.shape == (batch, args.hf_prompt + new_tokens), out.shape
+        return time.perf_counter() - start
+
+    for case in ("base", "mixed-4"):
+        for batch in args.hf_batches:
+            names = None if case == "base" else [f"a{i % 4}" for i in range(batch)]
+            try:
+                generate(batch, names, 2)  # warm-up
+                first = generate(batch, names, 1)  # the prompt and one token
+                total = generate(batch, names, 1 + args.hf_new_tokens)
+                per_token = (total - first) / args.hf_new_tokens
+                add_row(f"transformers+peft {case}", batch, "generate", per_token,
+                        note=f"prompt {args.hf_prompt}: prefill + 1 token {first * 1e3:.0f} ms")
+            except Exception as exc:
+                traceback.print_exc()
+                add_row(f"transformers+peft {case}", batch, "generate", None,
+                        note=f"failed: {type(exc).__name__}: {exc}")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+def capture(model, args, num_adapters: int) -> DecodeGraphs | None:
+    graphs = DecodeGraphs(model, max(args.batches), args.max_model_len, BLOCK_SIZE, num_adapters)
+    try:
+        graphs.capture()
+    except Exception as exc:  # report, and time eagerly rather than not at all
+        traceback.print_exc()
+        add_row("graph capture", "-", "-", None, note=f"failed, eager instead: {exc}")
+        return None
+    return graphs
+
+
+def versions() -> str:
+    import importlib.metadata as md
+
+    found = []
+    for name in ("torch", "triton", "transformers", "peft"):
+        try:
+            found.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            found.append(f"{name} -")
+    return ", ".join(found)
+
+
+def table(conditions: list[str]) -> str:
+    def num(value, digits=2) -> str:
+        return "" if value is None else f"{value:,.{digits}f}"
+
+    lines = ["## lorad engine benchmark", ""] + [f"- {c}" for c in conditions] + [
+        "", "| case | batch | mode | step ms | tokens/s | device ms | floor ms | floor/time |",
+        "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        measured = r["device_ms"] or r["step_ms"]
+        ratio = f"{r['floor_ms'] / measured:.0%}" if r["floor_ms"] and measured else ""
+        lines.append(f"| {r['case']} | {r['batch']} | {r['mode']} | {num(r['step_ms'])} | "
+                     f"{num(r['tok_s'], 0)} | {num(r['device_ms'])} | {num(r['floor_ms'])} | "
+                     f"{ratio} |" + (f" {r['note']}" if r["note"] else ""))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        print("bench_engine.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    props = torch.cuda.get_device_properties(CUDA)
+    bandwidth, flops = measure_ceilings()
+    print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
+    config = ModelConfig.from_dir(args.config)
+    cases = [c for c in args.cases.split(",") if c]
+    prefill_seqs, prefill_len = (int(x) for x in args.prefill.split("x")) if args.prefill \
+        else (0, 0)
+    max_batch = max(args.batches + args.eager_batches + [prefill_seqs])
+    blocks_per_seq = -(-max(args.context + args.warmup + args.steps, prefill_len) // BLOCK_SIZE)
+    if args.context + args.warmup + args.steps > args.max_model_len:
+        print("--context plus the steps exceed --max-model-len", file=sys.stderr)
+        return 2
+    model = build_lorad(config, max_batch, blocks_per_seq)
+    print(f"lorad model built ({time.monotonic() - started:.0f}s)", flush=True)
+    if "base" in cases:
+        graphs = capture(model, args, 0)
+        bench_decode(model, graphs, Floor(model, bandwidth), ["base"], args, blocks_per_seq)
+        if args.prefill:
+            bench_prefill(model, "base", args, flops, Floor(model, bandwidth))
+        del graphs
+        gc.collect()
+        torch.cuda.empty_cache()
+    tmp = tempfile.TemporaryDirectory(prefix="bench_engine")
+    folder = write_adapter(Path(tmp.name) / "adapter", config, args.rank)
+    adapter_cases = [c for c in cases if c != "base"]
+    if adapter_cases:
+        start = time.monotonic()
+        load_adapters(model, folder, args.num_adapters)
+        print(f"{args.num_adapters} adapters loaded ({time.monotonic() - start:.0f}s)",
+              flush=True)
+        graphs = capture(model, args, args.num_adapters)
+        floor = Floor(model, bandwidth)
+        bench_decode(model, graphs, floor, adapter_cases, args, blocks_per_seq)
+        if args.prefill and "many" in adapter_cases:
+            bench_prefill(model, "many", args, flops, floor)
+        del graphs, floor
+    peak_gib = torch.cuda.max_memory_allocated(CUDA) / 2**30
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    if args.hf_batches:
+        bench_transformers(args.config, folder, args)
+    tmp.cleanup()
+    conditions = [
+        f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB),"
+        f" CUDA {torch.version.cuda}; {versions()}; Python {platform.python_version()}; "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"measured here: device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write), "
+        f"bf16 matmul {flops / 1e12:.0f} TFLOP/s (8192^3, random data)",
+        f"model {Path(args.config).name}: random weights, bf16, world size 1, graphs captured "
+        f"for up to {max(args.batches)} sequences and --max-model-len {args.max_model_len}; "
+        f"lorad peak memory {peak_gib:.1f} GiB",
+        f"decode: {args.context} tokens of KV per sequence, {args.steps} timed steps after "
+        f"{args.warmup}; step ms = inputs + forward + argmax to the host, as the worker runs "
+        f"it; device ms = one graph replay; tokens/s = batch / step",
+        f"cases: base = no adapter loaded; idle = {args.num_adapters} adapters loaded, rows on "
+        f"slot 0; one = adapter 1 on every row; many = row i on adapter 1 + i % "
+        f"{args.num_adapters}; rank {args.rank} on all 7 projections, fp32 tables",
+        "floor = (weights + LoRA factors of the batch's slots + KV) bytes / copy bandwidth; "
+        "prefill: the larger of that and matmul FLOPs / matmul rate; floor/time uses device ms "
+        "where there is one",
+        f"transformers+peft: generate, prompt {args.hf_prompt}, step ms = (time of "
+        f"{1 + args.hf_new_tokens} new tokens - time of 1) / {args.hf_new_tokens}; mixed-4 = "
+        f"adapter_names cycling over 4 adapters",
+        f"whole run {time.monotonic() - started:.0f}s",
+    ]
+    text = table(conditions)
+    if args.table_out:
+        Path(args.table_out).write_text(text + "\n")
+    print("\n" + text)
+    return 0 if all(r["step_ms"] is not None for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

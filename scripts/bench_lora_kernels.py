@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Time the LoRA shrink+expand kernels for a whole decode step at the Llama-3-8B shape.
+
+One step = the row tiles built once, then per layer four shrink+expand pairs: q/k/v (fused),
+o, gate/up (fused), down; hidden 4096, intermediate 14336, rank 16, 32 layers each with its own
+tables of 64 adapters (so the factors stream from memory as in serving, not from L2). For each
+batch (1, 8, 32, 64, 128) and mixture (every row on one adapter; rows on distinct adapters,
+cycling over 64), prints the step's time replayed as a CUDA graph, with exact tiles and with the
+bound a graph for any mixture uses, and eagerly; and GB/s against the bytes the step must move:
+each distinct adapter's A and B rows of its rank, x once per launch, out read and written for
+adapter rows, t written and read. Needs CUDA and triton; prints the conditions with the table.
+
+Usage: scripts/bench_lora_kernels.py [--layers 32] [--batches 1,8,32,64,128] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton  # noqa: E402
+
+from lorad.workers.kernels import lora_expand as expand  # noqa: E402
+from lorad.workers.kernels import lora_shrink as shrink  # noqa: E402
+from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles  # noqa: E402
+
+HIDDEN, INTERMEDIATE, RANK, NUM_ADAPTERS = 4096, 14336, 16, 64
+# Launch groups of one layer: (input features, output features of each table sharing x).
+GROUPS = {"qkv": (HIDDEN, (HIDDEN, 1024, 1024)), "o": (HIDDEN, (HIDDEN,)),
+          "gate_up": (HIDDEN, (INTERMEDIATE, INTERMEDIATE)), "down": (INTERMEDIATE, (HIDDEN,))}
+
+
+@dataclass
+class Group:
+    x: torch.Tensor  # [max_rows, in] bf16
+    a: list[torch.Tensor]  # [num_slots, RANK, in] fp32
+    b: list[torch.Tensor]  # [num_slots, out, RANK] fp32
+    outs: list[torch.Tensor]  # [max_rows, out] fp32
+    t: torch.Tensor  # [num_tables, max_rows, RANK] fp32
+
+
+def make_layers(num_layers: int, max_rows: int, device: torch.device) -> list[dict[str, Group]]:
+    num_slots = NUM_ADAPTERS + 1
+    layers = []
+    for _ in range(num_layers):
+        layer = {}
+        for name, (num_in, num_outs) in GROUPS.items():
+            a = [torch.randn(num_slots, RANK, num_in, device=device) / num_in ** 0.5
+                 for _ in num_outs]
+            b = [torch.randn(num_slots, n, RANK, device=device) for n in num_outs]
+            layer[name] = Group(torch.randn(max_rows, num_in, device=device).bfloat16(), a, b,
+                                [torch.zeros(max_rows, n, device=device) for n in num_outs],
+                                torch.empty(len(num_outs), max_rows, RANK, device=device))
+        layers.append(layer)
+    return layers
+
+
+def run_step(layers, ranks, scales, row_slots, max_tiles, num_rows, shrink_config,
+             expand_config) -> None:
+    tiles = LoraTiles.build(row_slots, max_tiles)
+    for layer in layers:
+        for group in layer.values():
+            n = len(group.a)
+            t = group.t[:, :num_rows]
+            shrink.lora_shrink(group.x[:num_rows], group.a, [ranks] * n, tiles, out=t,
+                               config=shrink_config)
+            expand.lora_expand(t, [o[:num_rows] for o in group.outs], group.b, [ranks] * n,
+                               [scales] * n, tiles, config=expand_config)
+
+
+def step_bytes(num_layers: int, num_rows: int, num_distinct: int) -> int:
+    total = 0
+    for num_in, num_outs in GROUPS.values():
+        for num_out in num_outs:
+            total += num_distinct * RANK * (num_in + num_out) * 4  # A and B rows of the rank
+            total += num_rows * num_out * 4 * 2  # out read and written
+            total += num_rows * RANK * 4 * 2  # t written and read
+        total += num_rows * num_in * 2  # x (bf16), once per launch
+    return total * num_layers
+
+
+def time_graph(fn, replays: int = 20) -> float:
+    """Median seconds of one replay of fn captured as a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_calls(graph.replay, replays)
+
+
+def time_calls(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def mixtures(num_rows: int) -> dict[str, list[int]]:
+    return {"1 adapter": [1] * num_rows,
+            "distinct": [1 + i % NUM_ADAPTERS for i in range(num_rows)]}
+
+
+def bench(layers, ranks, scales, batches, shrink_config, expand_config, eager: bool = True):
+    device = ranks.device
+    rows = []
+    for num_rows in batches:
+        for mixture, slots in mixtures(num_rows).items():
+            row_slots = torch.tensor(slots, dtype=torch.int64, device=device)
+            exact = count_tiles([slots.count(s) for s in sorted(set(slots))])
+
+            def step(max_tiles: int) -> None:
+                run_step(layers, ranks, scales, row_slots, max_tiles, num_rows, shrink_config,
+                         expand_config)
+
+            graph_exact = time_graph(lambda: step(exact))
+            graph_any = time_graph(lambda: step(num_rows))
+            eager_s = time_calls(lambda: step(exact), 5) if eager else float("nan")
+            moved = step_bytes(len(layers), num_rows, len(set(slots)))
+            rows.append((num_rows, mixture, graph_exact, graph_any, eager_s, moved))
+    return rows
+
+
+def print_table(rows, num_layers: int) -> None:
+    print(f"{'batch':>5} {'mixture':>9} {'graph us':>9} {'us/layer':>9} {'GB/s':>7} "
+          f"{'any-mix us':>10} {'eager us':>9} {'MB moved':>9}")
+    for num_rows, mixture, exact, any_mix, eager_s, moved in rows:
+        print(f"{num_rows:>5} {mixture:>9} {exact * 1e6:>9.1f} {exact * 1e6 / num_layers:>9.2f} "
+              f"{moved / exact / 1e9:>7.0f} {any_mix * 1e6:>10.1f} {eager_s * 1e6:>9.0f} "
+              f"{moved / 1e6:>9.1f}")
+
+
+# (block_r, block_k, num_warps, num_stages) and (block_n, block_r, num_warps, num_stages).
+SWEEP_SHRINK = [shrink.ShrinkConfig(1, 512, 4, 3), shrink.ShrinkConfig(1, 1024, 4, 3),
+                shrink.ShrinkConfig(1, 1024, 4, 4), shrink.ShrinkConfig(2, 512, 4, 5),
+                shrink.ShrinkConfig(2, 256, 4, 4), shrink.ShrinkConfig(4, 512, 8, 3)]
+SWEEP_EXPAND = [expand.ExpandConfig(32, 16, 4, 1), expand.ExpandConfig(128, 16, 8, 1),
+                expand.ExpandConfig(64, 16, 2, 1), expand.ExpandConfig(64, 16, 4, 2)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--batches", default="1,8,32,64,128")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time other tile configs (graph, exact tiles) at batch 1/32/128")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_lora_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    batches = [int(b) for b in args.batches.split(",")]
+    torch.manual_seed(0)
+    layers = make_layers(args.layers, max(batches), device)
+    ranks = torch.full((NUM_ADAPTERS + 1,), RANK, dtype=torch.int32, device=device)
+    ranks[0] = 0
+    scales = torch.rand(NUM_ADAPTERS + 1, device=device) + 0.5
+    print(f"# LoRA shrink+expand, one decode step: {args.layers} layers x (qkv, o, gate_up, down); "
+          f"hidden {HIDDEN}, intermediate {INTERMEDIATE}, rank {RANK}, {NUM_ADAPTERS} adapters "
+          f"loaded, x bf16, tables fp32")
+    print(f"# {datetime.date.today()}, {torch.cuda.get_device_name(device)}, torch "
+          f"{torch.__version__}, triton {triton.__version__}, python {platform.python_version()}")
+    print(f"# shrink {shrink.DEFAULT_CONFIG}, expand {expand.DEFAULT_CONFIG}")
+    print("# graph us: the step replayed as a CUDA graph (exact tiles); any-mix us: the graph "
+          "sized for any mixture; GB/s: MB moved / graph us")
+    print_table(bench(layers, ranks, scales, batches, shrink.DEFAULT_CONFIG,
+                      expand.DEFAULT_CONFIG), args.layers)
+    if args.sweep:
+        sweep_batches = [b for b in (1, 32, 128) if b <= max(batches)]
+        for config in SWEEP_SHRINK:
+            print(f"\n# shrink {config}, expand default")
+            print_table(bench(layers, ranks, scales, sweep_batches, config,
+                              expand.DEFAULT_CONFIG, eager=False), args.layers)
+        for config in SWEEP_EXPAND:
+            print(f"\n# shrink default, expand {config}")
+            print_table(bench(layers, ranks, scales, sweep_batches, shrink.DEFAULT_CONFIG,
+                              config, eager=False), args.layers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Decode attention micro-benchmark: the split-KV Triton kernel at Llama-3-8B's shape on one GPU
+(32 query / 8 KV heads, head_dim 128, blocks of 16 tokens, bf16), batch 1 to 128 at contexts 1024
+and 4096, with the bandwidth achieved against the K and V bytes read.
+
+    python scripts/bench_paged_attention.py [--split-sizes 256] [--batches 1,8,32,64,128]
+                                            [--contexts 1024,4096] [--iters 50]
+
+Each row times one kernel pair (split + reduce) replayed from a CUDA graph, as a decode step runs
+it, and also launched eagerly. Block tables are shuffled; consecutive calls read different blocks
+(several table sets per graph when one call's KV would fit in L2), so small rows are not served
+from L2. Prints a table and the conditions; a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lorad.workers.kernels.paged_attention import SPLIT_SIZE, paged_decode_attention  # noqa: E402
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+L2_FLUSH_BYTES = 256 << 20  # KV bytes a graph's calls read before one repeats: well past L2
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def time_ms(fn, iters: int) -> float:
+    """Milliseconds per fn() call over `iters` calls, by CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: int) -> dict:
+    device = k_cache.device
+    blocks_per_seq = context // BLOCK_SIZE
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    num_sets = max(1, min(L2_FLUSH_BYTES // kv_bytes, k_cache.shape[0] // (batch * blocks_per_seq)))
+    perm = torch.randperm(k_cache.shape[0], device=device)[:num_sets * batch * blocks_per_seq]
+    tables = perm.view(num_sets, batch, blocks_per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
+    out = torch.empty(batch, NUM_Q_HEADS * HEAD_DIM, device=device, dtype=DTYPE)
+    scale = HEAD_DIM ** -0.5
+
+    def call(i: int) -> None:
+        paged_decode_attention(q, k_cache, v_cache, tables[i], lens, scale, out=out,
+                               split_size=split_size)
+
+    for i in range(num_sets):  # compile, and touch every set once
+        call(i)
+    eager_ms = time_ms(lambda: [call(i) for i in range(num_sets)], iters) / num_sets
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(num_sets):
+            call(i)
+    graph_ms = time_ms(graph.replay, iters) / num_sets
+    return dict(kv_mb=kv_bytes / 2**20, graph_us=graph_ms * 1e3, eager_us=eager_ms * 1e3,
+                gbps=kv_bytes / (graph_ms * 1e-3) / 1e9, sets=num_sets,
+                splits=-(-context // split_size))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--split-sizes", type=ints, default=[SPLIT_SIZE])
+    parser.add_argument("--batches", type=ints, default=[1, 8, 32, 64, 128])
+    parser.add_argument("--contexts", type=ints, default=[1024, 4096])
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_paged_attention: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    device = torch.device("cuda")
+    num_blocks = max(args.batches) * max(args.contexts) // BLOCK_SIZE
+    num_blocks = max(num_blocks, 2 * L2_FLUSH_BYTES // (2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM
+                                                        * DTYPE.itemsize))
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device=device, dtype=DTYPE)
+    v_cache = torch.randn(shape, device=device, dtype=DTYPE)
+    print(f"# decode attention, {datetime.date.today()}, {torch.cuda.get_device_name(device)}, "
+          f"torch {torch.__version__}, triton {triton.__version__}")
+    print(f"# {NUM_Q_HEADS} query / {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, blocks of "
+          f"{BLOCK_SIZE}, {DTYPE}, KV pool {2 * k_cache.nbytes / 2**30:.1f} GiB; "
+          "GB/s = K+V bytes read / graph time")
+    header = (f"{'split':>5} {'batch':>5} {'context':>7} {'splits':>6} {'KV MiB':>8} "
+              f"{'graph us':>9} {'eager us':>9} {'GB/s':>7} {'sets':>4}")
+    print(header)
+    print("-" * len(header))
+    for split_size in args.split_sizes:
+        for context in args.contexts:
+            for batch in args.batches:
+                r = bench(k_cache, v_cache, batch, context, split_size, args.iters)
+                print(f"{split_size:>5} {batch:>5} {context:>7} {r['splits']:>6} "
+                      f"{r['kv_mb']:>8.1f} {r['graph_us']:>9.1f} {r['eager_us']:>9.1f} "
+                      f"{r['gbps']:>7.0f} {r['sets']:>4}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

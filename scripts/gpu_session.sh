@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One GPU session on a lent H200, in one device call: the gpu-marked tests, the kernel
+# micro-benchmarks, then the engine benchmark; the short tables are printed last.
+#
+# Run from the repository root through the device tool, with the pyzmq wheel carried:
+#   cp /work/shared/wheels-gpu/*.whl .whl/      (here, once; .whl/ is git-ignored)
+#   run(command="bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
+# Installs only the carried wheel (into /tmp/site); everything else is the image's (torch,
+# triton, transformers, peft...), and lorad is used from the checkout through PYTHONPATH.
+# Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, bench.log, bench.md).
+# Budget, under 9 minutes in all: tests 240 s, each kernel benchmark 40 s, the engine 210 s.
+# Set LORAD_SESSION_QUICK=1 for a shorter engine benchmark (--quick).
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+OUT=${OUT:-/tmp/lorad-gpu-session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# Ranks on one host talk over loopback (the machine has no other network worth resolving).
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+started=$SECONDS
+
+say() { printf '\n=== %s (%ds) ===\n' "$*" "$((SECONDS - started))"; }
+
+say "setup"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    || echo "gpu_session: installing the carried wheels failed"
+else
+  echo "gpu_session: no .whl/*.whl carried: pyzmq is missing, worker-process tests will fail"
+fi
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm,clocks.mem \
+  --format=csv 2>&1 | tee "$OUT/env.txt"
+python3 - <<'EOF' 2>&1 | tee -a "$OUT/env.txt"
+import importlib.metadata as md, platform, torch
+names = ("torch", "triton", "transformers", "peft", "pyzmq", "msgpack", "aiohttp", "safetensors")
+found = []
+for name in names:
+    try:
+        found.append(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        found.append(f"{name} MISSING")
+print(f"python {platform.python_version()}; " + ", ".join(found))
+print(f"cuda available: {torch.cuda.is_available()}, devices: {torch.cuda.device_count()}, "
+      f"torch cuda {torch.version.cuda}")
+EOF
+
+say "gpu tests"
+timeout -k 10 240 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" \
+  -rfE --durations=8 2>&1 | tee "$OUT/gpu-tests.log"
+tests_status=${PIPESTATUS[0]}
+
+run_bench() {  # script, log name: a kernel micro-benchmark, if that engineer's script exists
+  [[ -f scripts/$1 ]] || return 0
+  say "$1"
+  timeout -k 5 40 python3 "scripts/$1" 2>&1 | tee "$OUT/$2"
+}
+run_bench bench_lora_kernels.py bench-lora.log
+run_bench bench_paged_attention.py bench-attention.log
+
+say "engine benchmark"
+quick=()
+[[ ${LORAD_SESSION_QUICK:-0} == 1 ]] && quick=(--quick)
+timeout -k 10 210 python3 scripts/bench_engine.py "${quick[@]}" --table-out "$OUT/bench.md" \
+  2>&1 | tee "$OUT/bench.log"
+bench_status=${PIPESTATUS[0]}
+
+say "summary"
+echo "--- gpu tests (exit $tests_status; 124 = timed out): $OUT/gpu-tests.log"
+grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)\b" "$OUT/gpu-tests.log" | tail -n 25
+for log in "$OUT/bench-lora.log" "$OUT/bench-attention.log"; do
+  [[ -f $log ]] && { echo "--- $(basename "$log")"; grep -vE "^\s*$" "$log" | tail -n 30; }
+done
+echo "--- engine benchmark (exit $bench_status; 124 = timed out)"
+if [[ -s $OUT/bench.md ]]; then
+  cat "$OUT/bench.md"
+else
+  tail -n 40 "$OUT/bench.log"
+fi
+echo "--- whole session: $((SECONDS - started)) s"

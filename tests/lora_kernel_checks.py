@@ -1,0 +1,321 @@
+"""Checks of the LoRA shrink/expand kernels against the plain-torch reference, on any device.
+
+tests/unit/test_lora_kernels.py runs them on CPU tensors under TRITON_INTERPRET=1 in a subprocess
+(`python -m tests.lora_kernel_checks`), so the interpreter's setting and its patch stay out of
+every other test; tests/gpu/test_lora_kernels_gpu.py calls them on CUDA at the 8B model's shapes
+(and checks CUDA graph replay there).
+Every check takes fresh random inputs, poisons what the kernels must not touch, and raises
+AssertionError naming what differed. Kernel modules are imported inside the checks, after the
+interpreter is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from lorad.workers.batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_slots: int  # slot 0 (no adapter) included
+    in_features: int  # shared by the tables of one launch
+    out_features: tuple[int, ...]  # one per table
+    max_ranks: tuple[int, ...]  # one per table: its rank padding
+
+
+# Tiny shapes for the interpreter: K and N not multiples of the blocks, a rank above the expand's
+# chunk of 16, and three tables as q/k/v.
+CPU_SHAPES = {
+    "qkv": Shape(6, 40, (24, 70, 8), (8, 20, 3)),
+    "pair": Shape(5, 33, (17, 9), (4, 16)),
+    "one": Shape(4, 50, (30,), (5,)),
+}
+# The 8B model's projections at rank 16 with 64 adapters, and one mixed-rank pair.
+GPU_SHAPES = {
+    "qkv": Shape(65, 4096, (4096, 1024, 1024), (16, 16, 16)),
+    "gate_up": Shape(65, 4096, (14336, 14336), (16, 16)),
+    "o": Shape(65, 4096, (4096,), (16,)),
+    "down": Shape(65, 14336, (4096,), (16,)),
+    "ranks_to_64": Shape(17, 4096, (4096, 1024), (64, 16)),
+}
+SENTINEL = -7777.0  # in rows the kernels must not write
+X_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Tables:
+    a: list[torch.Tensor]  # [num_slots, max_rank, in] fp32, rank padding poisoned with NaN
+    b: list[torch.Tensor]  # [num_slots, out, max_rank] fp32, rank padding poisoned with NaN
+    ranks: list[torch.Tensor]  # [num_slots] int32; slot 0 and some others 0
+    scales: list[torch.Tensor]  # [num_slots] float32
+
+
+def make_tables(shape: Shape, gen: torch.Generator, device: str) -> Tables:
+    tables = Tables([], [], [], [])
+    for n, max_rank in zip(shape.out_features, shape.max_ranks):
+        # Every rank from 0 to max_rank appears when there are slots enough; slot 0 has none.
+        ranks = [0] + [(s * 7) % (max_rank + 1) for s in range(1, shape.num_slots)]
+        ranks[-1] = max_rank
+        a = torch.randn(shape.num_slots, max_rank, shape.in_features, generator=gen)
+        b = torch.randn(shape.num_slots, n, max_rank, generator=gen)
+        a /= shape.in_features ** 0.5
+        for slot, rank in enumerate(ranks):
+            a[slot, rank:] = float("nan")
+            b[slot, :, rank:] = float("nan")
+        tables.a.append(a.to(device))
+        tables.b.append(b.to(device))
+        tables.ranks.append(torch.tensor(ranks, dtype=torch.int32, device=device))
+        tables.scales.append((torch.rand(shape.num_slots, generator=gen) + 0.5).to(device))
+    return tables
+
+
+def mixed_slots(num_rows: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
+    """Some rows of slot 0, a run of one slot longer than a tile, the rest random."""
+    slots = torch.randint(0, num_slots, (num_rows,), generator=gen)
+    hot = torch.rand(num_rows, generator=gen) < 0.4
+    return torch.where(hot, torch.full_like(slots, num_slots - 1), slots)
+
+
+def run_kernels(x: torch.Tensor, outs: list[torch.Tensor], tables: Tables, row_slots: torch.Tensor,
+                max_tiles: int | None = None, num_programs: int | None = None,
+                t: torch.Tensor | None = None) -> torch.Tensor:
+    from lorad.workers.kernels.lora_expand import lora_expand
+    from lorad.workers.kernels.lora_shrink import lora_shrink
+    from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
+    if max_tiles is None:  # exact, from the slots (a test may read them; the model does not)
+        counts = torch.bincount(row_slots[row_slots != 0].cpu())
+        max_tiles = count_tiles(int(c) for c in counts)
+    tiles = LoraTiles.build(row_slots, max_tiles)
+    t = lora_shrink(x, tables.a, tables.ranks, tiles, out=t, num_programs=num_programs)
+    lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles, num_programs=num_programs)
+    return t
+
+
+def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rel: float = 1e-4) -> None:
+    scale = want.abs().max().item() if want.numel() else 0.0
+    err = (got - want).abs().max().item() if want.numel() else 0.0
+    if not err <= rel * max(scale, 1e-30) or got.isnan().any():
+        raise AssertionError(f"{name}: max |kernel - reference| = {err:.3g}, "
+                             f"max |reference| = {scale:.3g} (allowed {rel:g} of it)")
+
+
+def check_matches_reference(device: str, shape: Shape, x_dtype: torch.dtype,
+                            batch_sizes: tuple[int, ...], num_programs: int | None = None,
+                            seed: int = 0) -> None:
+    """Edited rows equal the reference; every other element of t and out keeps its poison."""
+    from lorad.workers.kernels.lora_reference import lora_delta_reference, lora_shrink_reference
+    gen = torch.Generator().manual_seed(seed)
+    tables = make_tables(shape, gen, device)
+    for num_rows in batch_sizes:
+        row_slots = mixed_slots(num_rows, shape.num_slots, gen).to(device)
+        x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
+        outs = [torch.randn(num_rows, n, generator=gen).to(device) for n in shape.out_features]
+        for out, ranks in zip(outs, tables.ranks):
+            out[ranks[row_slots] == 0] = SENTINEL
+        before = [out.clone() for out in outs]
+        t = torch.full((len(outs), num_rows, max(shape.max_ranks)), float("nan"), device=device)
+        run_kernels(x, outs, tables, row_slots, num_programs=num_programs, t=t)
+        want_t = lora_shrink_reference(x, tables.a, tables.ranks, row_slots)
+        want = lora_delta_reference(x, before, tables.a, tables.b, tables.ranks, tables.scales,
+                                    row_slots)
+        for i, (out, old, ranks) in enumerate(zip(outs, before, tables.ranks)):
+            where = f"{num_rows} rows, table {i}"
+            written = torch.zeros_like(t[i], dtype=torch.bool)
+            for row, t_row in want_t[i].items():
+                written[row, :t_row.shape[0]] = True
+            # Row by row into one tensor: a rank-1 row's t can be near 0, its error not.
+            want_flat = torch.cat([t_row for t_row in want_t[i].values()] + [t.new_empty(0)])
+            assert_close(f"{where}: t", t[i][written], want_flat)
+            if not t[i][~written].isnan().all():
+                raise AssertionError(f"{where}: the shrink wrote outside edited rows' ranks")
+            edited = ranks[row_slots] != 0
+            if not torch.equal(out[~edited], old[~edited]):
+                raise AssertionError(f"{where}: a row of slot 0 or of an unedited slot changed")
+            assert_close(f"{where}: out", out[edited], want[i][edited])
+
+
+def check_rows_independent_of_batch(device: str, shape: Shape, x_dtype: torch.dtype,
+                                    num_rows: int, num_programs: tuple[int | None, ...],
+                                    seed: int = 1) -> None:
+    """A row's t and out bits depend only on its own x, slot and base output: the same probe rows
+    alone, together, inside larger mixed batches at other positions, beside many rows of their
+    own slot, with a graph's tile bound and with persistent programs looping over items."""
+    gen = torch.Generator().manual_seed(seed)
+    tables = make_tables(shape, gen, device)
+    probe_slots = torch.tensor([shape.num_slots - 1, 1, 0, 2, shape.num_slots - 1])
+    num_probes = probe_slots.shape[0]
+    probe_x = torch.randn(num_probes, shape.in_features, generator=gen).to(x_dtype)
+    probe_out = [torch.randn(num_probes, n, generator=gen) for n in shape.out_features]
+
+    def run(filler_slots: torch.Tensor, positions: torch.Tensor, max_tiles: int | None,
+            programs: int | None) -> list[torch.Tensor]:
+        n = filler_slots.shape[0]
+        x = torch.randn(n, shape.in_features, generator=gen).to(x_dtype)
+        outs = [torch.randn(n, m, generator=gen) for m in shape.out_features]
+        slots = filler_slots.clone()
+        slots[positions], x[positions] = probe_slots, probe_x
+        for out, probe in zip(outs, probe_out):
+            out[positions] = probe
+        outs = [out.to(device) for out in outs]
+        t = torch.full((len(outs), n, max(shape.max_ranks)), float("nan"), device=device)
+        run_kernels(x.to(device), outs, tables, slots.to(device), max_tiles, programs, t)
+        positions = positions.to(device)
+        return [out[positions].cpu() for out in outs] + [t[:, positions].cpu()]
+
+    alone = run(torch.zeros(num_probes, dtype=torch.int64), torch.arange(num_probes), None, None)
+    mixed = mixed_slots(num_rows, shape.num_slots, gen)
+    variants = {
+        "padded to 8 rows": (torch.zeros(8, dtype=torch.int64), torch.arange(num_probes), None,
+                             None),
+        f"{num_rows} mixed rows": (mixed, torch.randperm(num_rows, generator=gen)[:num_probes],
+                                   None, None),
+        f"{num_rows} rows of one slot": (torch.full((num_rows,), shape.num_slots - 1),
+                                         torch.randperm(num_rows, generator=gen)[:num_probes],
+                                         None, None),
+    }
+    for programs in num_programs:  # a graph's tile bound, each program looping over items
+        variants[f"{num_rows} mixed rows, graph bound, {programs} programs"] = (
+            mixed, torch.randperm(num_rows, generator=gen)[:num_probes], num_rows, programs)
+    for name, (filler, positions, max_tiles, programs) in variants.items():
+        got = run(filler, positions, max_tiles, programs)
+        for i, (g, a) in enumerate(zip(got, alone)):
+            if not torch.equal(g.nan_to_num(0.0), a.nan_to_num(0.0)):
+                what = "t" if i == len(got) - 1 else f"out {i}"
+                raise AssertionError(f"{what} of a probe row differs between alone and {name}")
+
+
+def check_no_adapter_rows(device: str, shape: Shape, x_dtype: torch.dtype) -> None:
+    """Only slot-0 rows, kernels launched anyway (a CUDA graph's mode): nothing is written."""
+    gen = torch.Generator().manual_seed(2)
+    tables = make_tables(shape, gen, device)
+    num_rows = 12
+    x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
+    outs = [torch.randn(num_rows, n, generator=gen).to(device) for n in shape.out_features]
+    before = [out.clone() for out in outs]
+    t = torch.full((len(outs), num_rows, max(shape.max_ranks)), float("nan"), device=device)
+    slots = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    run_kernels(x, outs, tables, slots, max_tiles=num_rows, t=t)
+    if not t.isnan().all() or not all(torch.equal(o, b) for o, b in zip(outs, before)):
+        raise AssertionError("a kernel wrote with no adapter rows")
+
+
+def fill_lora_slots(lora, tables: Tables, i: int) -> None:
+    """Give a LoraSlots table i's factors (NaN padding zeroed: LoraSlots pads with zeros)."""
+    lora.lora_a.copy_(tables.a[i].nan_to_num(0.0))
+    lora.lora_b.copy_(tables.b[i].nan_to_num(0.0))
+    lora.ranks = tables.ranks[i].tolist()
+    lora.scales = tables.scales[i].tolist()
+    lora.rank_table.copy_(tables.ranks[i])
+    lora.scale_table.copy_(tables.scales[i])
+
+
+def check_layer_path(device: str, shape: Shape, x_dtype: torch.dtype) -> None:
+    """add_lora_deltas and LoraSlots.add_delta on the kernel path equal the torch path (the CPU's,
+    on CPU copies), for bf16 and fp32 outputs, with a projection no adapter edits beside them;
+    launch_always gives the same bits as launching by the chunk list."""
+    from lorad.workers.lora import LoraRows, LoraSlots, add_lora_deltas
+    gen = torch.Generator().manual_seed(3)
+    tables = make_tables(shape, gen, "cpu")
+    loras = {}
+    for dev in ("cpu", device):
+        loras[dev] = []
+        for i, (n, max_rank) in enumerate(zip(shape.out_features, shape.max_ranks)):
+            lora = LoraSlots(shape.num_slots, max_rank, shape.in_features, n,
+                             (0, shape.in_features), (0, n), torch.device(dev))
+            fill_lora_slots(lora, tables, i)
+            loras[dev].append(lora)
+        loras[dev].insert(1, None)  # a projection no adapter edits
+    # Chunks: (tokens, start, block table, sample, slot); a prompt chunk and decodes.
+    slots = [shape.num_slots - 1, 0, 1, shape.num_slots - 1, 2, 3]
+    chunks = [([5] * (9 if i == 0 else 1), 0, [i], True, slot) for i, slot in enumerate(slots)]
+    batches = {dev: ForwardBatch.build(chunks, 16, dev) for dev in ("cpu", device)}
+    num_rows = batches["cpu"].input_ids.shape[0]
+    x = torch.randn(num_rows, shape.in_features, generator=gen).to(x_dtype)
+    out_dims = [shape.out_features[0]] + list(shape.out_features)
+    for out_dtype in (x_dtype, torch.float32):
+        outs = [torch.randn(num_rows, n, generator=gen).to(out_dtype) for n in out_dims]
+        rows = LoraRows.from_batch(batches["cpu"], use_kernels=False)
+        want = add_lora_deltas(loras["cpu"], [o.clone() for o in outs], x, rows)
+        got = {}
+        for always in (False, True):
+            rows = LoraRows.from_batch(batches[device], launch_always=always, use_kernels=True)
+            got[always] = [o.cpu() for o in add_lora_deltas(
+                loras[device], [o.to(device, copy=True) for o in outs], x.to(device), rows)]
+        single = loras[device][0].add_delta(outs[0].to(device, copy=True), x.to(device), rows)
+        if not torch.equal(single.cpu(), got[True][0]):
+            raise AssertionError("add_delta differs from add_lora_deltas on the kernel path")
+        for i, (g, w, o) in enumerate(zip(got[False], want, outs)):
+            where = f"projection {i}, out {out_dtype}"
+            if not torch.equal(g, got[True][i]):
+                raise AssertionError(f"{where}: launch_always changed bits")
+            edited = w != o
+            if not torch.equal(g[~edited], o[~edited]):
+                raise AssertionError(f"{where}: an element the torch path leaves was changed")
+            rel = 1e-4 if out_dtype == torch.float32 else 1e-2  # bf16: one rounding apart
+            assert_close(where, g.float(), w.float(), rel)
+
+
+CHECKS = {
+    **{f"reference_{name}_{dt}": (check_matches_reference,
+                                  dict(shape=shape, x_dtype=d, batch_sizes=(1, 8, 19)))
+       for name, shape in CPU_SHAPES.items() for dt, d in X_DTYPES.items()},
+    "reference_qkv_bf16_looping": (check_matches_reference,
+                                   dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16,
+                                        batch_sizes=(21,), num_programs=3)),
+    "batch_invariance_qkv_bf16": (check_rows_independent_of_batch,
+                                  dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16,
+                                       num_rows=21, num_programs=(2,))),
+    "batch_invariance_one_fp32": (check_rows_independent_of_batch,
+                                  dict(shape=CPU_SHAPES["one"], x_dtype=torch.float32,
+                                       num_rows=21, num_programs=(2,))),
+    "no_adapter_rows": (check_no_adapter_rows, dict(shape=CPU_SHAPES["pair"],
+                                                    x_dtype=torch.bfloat16)),
+    "layer_path_bf16": (check_layer_path, dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16)),
+}
+
+
+def patch_triton_interpreter() -> None:
+    """triton 3.6's interpreter turns a loop bound into an int with int() on a 1-element array,
+    which numpy 2.4 refuses (triton-lang/triton#9171; upstream squeezes first). Fixed here for
+    this process only."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched_tensor
+
+
+def main(names: list[str]) -> int:
+    """Run the named checks (all by default) on CPU tensors under the Triton interpreter; print
+    one JSON line: name -> outcome ("ok" or the failure) and seconds."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    torch.set_num_threads(1)
+    patch_triton_interpreter()
+    results = {}
+    for name in names or list(CHECKS):
+        check, kwargs = CHECKS[name]
+        start = time.perf_counter()
+        try:
+            check(device="cpu", **kwargs)
+            outcome = "ok"
+        except Exception:  # every failure is reported by name, the others still run
+            outcome = traceback.format_exc(limit=-3)
+        results[name] = {"outcome": outcome, "seconds": round(time.perf_counter() - start, 2)}
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

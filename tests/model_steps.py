@@ -1,0 +1,76 @@
+"""In-process model steps for tests: a tiny model with adapters at world size 1, and sequences
+that prefill and then decode teacher-forced from their own KV blocks. Used by the CPU tests of the
+decode-graph inputs and by the GPU tests (the same code on another device).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from lorad.config import ModelConfig
+from lorad.config.adapters import AdapterArg, load_adapter
+from lorad.workers.models.llama import LlamaForCausalLM
+from lorad.workers.parallel import TensorParallel
+
+
+def build_model(checkpoint, adapter_dirs: list, dtype: torch.dtype, device: torch.device,
+                num_blocks: int, block_size: int) -> LlamaForCausalLM:
+    """lorad's model at world size 1 with adapters in slots 1..K (in list order) and a KV pool."""
+    config = ModelConfig.from_dir(checkpoint)
+    model = LlamaForCausalLM(config, TensorParallel(0, 1, device), dtype, device)
+    model.load_weights(checkpoint)
+    model.load_adapters(tuple(load_adapter(AdapterArg(f"a{slot}", str(path)), slot, config)
+                              for slot, path in enumerate(adapter_dirs, start=1)))
+    model.allocate_kv_cache(num_blocks, block_size)
+    return model
+
+
+@dataclass
+class Stream:
+    """One sequence: its tokens so far, adapter slot and KV blocks."""
+
+    tokens: list[int]
+    slot: int
+    blocks: list[int]  # enough for the longest the stream gets
+    block_size: int
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    logits: list[torch.Tensor] = field(default_factory=list)  # one [vocab] row per sampled step
+
+    def prefill_chunk(self, num_tokens: int | None = None):
+        """The next prompt chunk (all uncached tokens by default), sampling its last row."""
+        end = len(self.tokens) if num_tokens is None else self.num_cached + num_tokens
+        chunk = (self.tokens[self.num_cached:end], self.num_cached, self.table(end),
+                 end == len(self.tokens), self.slot)
+        self.num_cached = end
+        return chunk
+
+    def decode_chunk(self, token: int):
+        """Append `token` and run it."""
+        self.tokens.append(token)
+        chunk = ([token], self.num_cached, self.table(self.num_cached + 1), True, self.slot)
+        self.num_cached += 1
+        return chunk
+
+    def table(self, num_tokens: int) -> list[int]:
+        """The blocks holding positions 0..num_tokens-1, as the planner hands them out."""
+        block_size = self.block_size
+        return self.blocks[:-(-num_tokens // block_size)]
+
+
+def make_streams(slots: list[int], prompt_lens: list[int], max_len: int, block_size: int,
+                 num_blocks: int, seed: int = 0, vocab: tuple[int, int] = (3, 384)) -> list[Stream]:
+    """Streams with random prompts, each owning enough shuffled blocks for max_len tokens.
+    Blocks 0 and num_blocks - 1 are never handed out, so a stray write through KV slot 0 or -1
+    (padding) lands where no stream reads."""
+    rng = random.Random(seed)
+    pool = list(range(1, num_blocks - 1))
+    rng.shuffle(pool)
+    per_stream = -(-max_len // block_size)
+    if per_stream * len(slots) > len(pool):
+        raise ValueError("not enough KV blocks for the streams")
+    return [Stream([rng.randrange(*vocab) for _ in range(n)], slot,
+                   pool[i * per_stream:(i + 1) * per_stream], block_size)
+            for i, (slot, n) in enumerate(zip(slots, prompt_lens))]

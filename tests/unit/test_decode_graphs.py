@@ -1,0 +1,147 @@
+"""The decode-graph runner's CPU-testable half: buckets, which steps qualify, the static inputs
+and their padding, and that a padded bucket step gives each real row the logits of the plain step
+and writes no KV for padding. Without a capture the runner runs its padded step eagerly, which is
+what a graph replays on CUDA (tests/gpu/test_cuda_graphs.py checks the replay itself).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorad.workers.batch import ForwardBatch
+from lorad.workers.cuda_graph import DecodeGraphs, bucket_sizes, is_decode_step, rows_of
+from tests.model_steps import build_model, make_streams
+from tests.tiny_adapters import make_peft_adapter
+from tests.tiny_models import make_tiny_llama
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+MAX_LEN = 40
+
+
+@pytest.mark.parametrize("max_num_seqs,expected", [
+    (1, [1]), (2, [1, 2]), (8, [1, 2, 4, 8]), (64, [1, 2, 4, 8, 16, 32, 64]),
+    (100, [1, 2, 4, 8, 16, 32, 64, 100]), (128, [1, 2, 4, 8, 16, 32, 64, 128])])
+def test_buckets_cover_every_batch_size(max_num_seqs, expected):
+    assert bucket_sizes(max_num_seqs) == expected
+    assert [rows_of(b) for b in (1, 4, 8, 9, 128)] == [8, 8, 8, 9, 128]
+
+
+def test_only_pure_decode_steps_qualify():
+    decode = ([5], 7, [0, 1], True, 0)
+    assert is_decode_step([decode, ([6], 3, [2], True, 2)])
+    assert not is_decode_step([])
+    assert not is_decode_step([decode, ([6, 7], 3, [2], True, 0)])  # a prompt chunk
+    assert not is_decode_step([([6], 3, [2], False, 0)])  # a chunk that does not sample
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Rows are bit-equal across batch sizes with one thread (shared/DESIGN.md, "Numerics").
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graphs")
+    checkpoint = make_tiny_llama(root / "llama", with_tokenizer=False, seed=3)
+    adapters = [make_peft_adapter(checkpoint, root / f"a{i}", r=2 + 2 * i, seed=20 + i,
+                                  magnitude=0.1) for i in range(3)]
+    return build_model(checkpoint, adapters, torch.float32, torch.device("cpu"), NUM_BLOCKS,
+                       BLOCK_SIZE)
+
+
+def test_can_run_bounds(model):
+    graphs = DecodeGraphs(model, max_num_seqs=4, max_model_len=16, block_size=BLOCK_SIZE,
+                          num_adapters=3)
+    step = [([1], 3, [0], True, 0)] * 4
+    assert graphs.can_run(step)
+    assert not graphs.can_run(step + [([1], 3, [0], True, 0)])  # beyond the largest bucket
+    assert not graphs.can_run([([1], 16, [0, 1, 2, 3, 4], True, 0)])  # past max_model_len
+    assert [graphs.bucket_for(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+
+
+def test_static_inputs_are_padded(model):
+    graphs = DecodeGraphs(model, max_num_seqs=8, max_model_len=MAX_LEN, block_size=BLOCK_SIZE,
+                          num_adapters=3)
+    inputs = graphs.inputs
+    # A step of 7 first, so that the smaller step after it must overwrite what it left.
+    inputs.fill([([9], 5, [1, 2], True, 1)] * 7, 8)
+    chunks = [([11], 5, [3, 4], True, 2), ([12], 0, [5], True, 0), ([13], 8, [6, 7, 8], True, 3)]
+    seqs = inputs.fill(chunks, 4)
+    batch = inputs.batch(4, seqs)
+    assert batch.input_ids.tolist() == [11, 12, 13, 0, 0, 0, 0, 0]
+    assert batch.positions.tolist() == [5, 0, 8, 0, 0, 0, 0, 0]
+    assert batch.slot_mapping.tolist() == [4 * 4 + 1, 5 * 4, 8 * 4, -1, -1, -1, -1, -1]
+    assert batch.row_adapter_slots.tolist() == [2, 0, 3, 0, 0, 0, 0, 0]
+    assert batch.context_lens.tolist() == [6, 1, 9, 0]
+    assert batch.block_tables[0, :2].tolist() == [3, 4]
+    assert batch.block_tables[1, 0].item() == 5 and batch.block_tables[2].tolist()[:3] == [6, 7, 8]
+    assert batch.block_tables[3].tolist() == [0] * graphs.max_blocks_per_seq
+    assert batch.query_starts.tolist() == [0, 1, 2, 3, 4]
+    assert batch.sample_rows.tolist() == [0, 1, 2, 3]
+    assert [(s.token_start, s.num_tokens, s.context_len, s.adapter_slot) for s in seqs] == \
+        [(0, 1, 6, 2), (1, 1, 1, 0), (2, 1, 9, 3), (3, 1, 0, 0)]
+    # The real part is exactly what the eager batch of the same step holds.
+    plain = ForwardBatch.build(chunks, BLOCK_SIZE, "cpu", min_rows=rows_of(4))
+    for name in ("input_ids", "positions", "slot_mapping", "row_adapter_slots"):
+        assert torch.equal(getattr(batch, name), getattr(plain, name)), name
+    assert torch.equal(batch.context_lens[:3], plain.context_lens)
+
+
+def _kv_snapshot(model) -> list[torch.Tensor]:
+    return [t.clone() for layer in model.model.layers
+            for t in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)]
+
+
+def test_padded_step_gives_the_plain_steps_logits(model):
+    """Bucket steps (3 sequences in a bucket of 4, 9 in 16) against the plain eager step: the same
+    bits for every real row, with a mixture of adapters, and no KV written for padding."""
+    graphs = DecodeGraphs(model, max_num_seqs=16, max_model_len=MAX_LEN, block_size=BLOCK_SIZE,
+                          num_adapters=3)
+    streams = make_streams([0, 1, 2, 3, 1, 0, 3, 2, 2], [5, 9, 3, 7, 4, 6, 2, 8, 5], MAX_LEN,
+                           BLOCK_SIZE, NUM_BLOCKS, seed=1)
+    model.forward(ForwardBatch.build([s.prefill_chunk() for s in streams], BLOCK_SIZE))
+    for num_seqs in (3, 9, 1, 9):
+        live = streams[:num_seqs]
+        chunks = [s.decode_chunk(7 + i) for i, s in enumerate(live)]
+        before = _kv_snapshot(model)
+        padded = graphs.run(chunks)
+        written = [(a != b).flatten(1).any(1) for a, b in zip(before, _kv_snapshot(model))]
+        real_blocks = {s.blocks[(s.num_cached - 1) // BLOCK_SIZE] for s in live}
+        for changed in written:  # [num_blocks] bool per layer and K/V
+            assert set(torch.nonzero(changed).flatten().tolist()) <= real_blocks
+        plain = model.forward(ForwardBatch.build(chunks, BLOCK_SIZE))
+        assert padded.shape == plain.shape == (num_seqs, model.config.vocab_size)
+        assert torch.equal(padded, plain), (num_seqs, (padded - plain).abs().max())
+
+
+def test_engine_sends_decode_steps_to_the_graphs(model):
+    """Engine.forward: pure decode steps that fit go to the graph runner, others to the model."""
+    from lorad.workers.engine import Engine
+    from lorad.workers.planner import ScheduledChunk, StepPlan
+
+    graphs = DecodeGraphs(model, max_num_seqs=2, max_model_len=MAX_LEN, block_size=BLOCK_SIZE,
+                          num_adapters=3)
+    ran = []
+    real_run = graphs.run
+    graphs.run = lambda chunks: ran.append(len(chunks)) or real_run(chunks)
+    engine = Engine(model.tp, model.config, model, None, NUM_BLOCKS, BLOCK_SIZE, (), graphs)
+    streams = make_streams([1, 2, 0], [4, 3, 5], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=4)
+
+    def plan(chunks) -> StepPlan:
+        return StepPlan(1, [ScheduledChunk(f"r{i}", *chunk) for i, chunk in enumerate(chunks)],
+                        [])
+
+    assert engine.forward(plan([s.prefill_chunk() for s in streams])).shape[0] == 3
+    assert ran == []  # a prefill
+    decodes = [s.decode_chunk(9) for s in streams[:2]]
+    via_graphs = engine.forward(plan(decodes))
+    assert ran == [2]
+    assert torch.equal(via_graphs, model.forward(ForwardBatch.build(decodes, BLOCK_SIZE)))
+    engine.forward(plan([s.decode_chunk(9) for s in streams]))  # 3 > the largest bucket
+    assert ran == [2]
