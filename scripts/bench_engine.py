@@ -235,7 +235,7 @@ def time_decode(model, graphs: DecodeGraphs | None, slots: list[int], args,
     per_step = (time.perf_counter() - start) / args.steps
     replay = None
     if graphs is not None:
-        replay = time_cuda(graphs.graph_for(len(slots)).replay, args.steps, warmup=1)
+        replay = time_cuda(graphs.graph_for(len(slots), any(slots)).replay, args.steps, warmup=1)
     return per_step, replay
 
 

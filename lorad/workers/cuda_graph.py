@@ -8,6 +8,10 @@ adapter slot is an input, so one graph serves any mixture of adapters. Used at w
 graphs here never contain a collective, so with several ranks every step runs eagerly. Prefill
 and mixed steps always run eagerly. Without a capture (the CPU, tests) `run` executes the same
 padded step eagerly.
+
+With adapters loaded, each bucket has two graphs: one that launches the LoRA kernels for any
+mixture of slots, and one for steps whose rows are all on the base model, which launches no LoRA
+work at all (a slot-0 row gets the same bits from either: the kernels never touch it).
 """
 
 from __future__ import annotations
@@ -118,8 +122,9 @@ class DecodeGraphs:
         self.num_adapters = num_adapters
         self.inputs = DecodeInputs(max_num_seqs, self.max_blocks_per_seq, block_size,
                                    model.device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, vocab] fp32, per replay
+        # (bucket, with_lora) -> its graph, and the static [bucket, vocab] fp32 logits it writes
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._logits: dict[tuple[int, bool], torch.Tensor] = {}
 
     @property
     def captured(self) -> bool:
@@ -128,9 +133,9 @@ class DecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def graph_for(self, num_seqs: int) -> torch.cuda.CUDAGraph | None:
+    def graph_for(self, num_seqs: int, with_lora: bool) -> torch.cuda.CUDAGraph | None:
         """The captured graph a step of num_seqs sequences replays (benchmarks time it)."""
-        return self._graphs.get(self.bucket_for(num_seqs))
+        return self._graphs.get((self.bucket_for(num_seqs), with_lora and self.num_adapters > 0))
 
     def can_run(self, chunks: list[Chunk]) -> bool:
         return (is_decode_step(chunks) and len(chunks) <= self.buckets[-1]
@@ -142,12 +147,13 @@ class DecodeGraphs:
         num_seqs = len(chunks)
         bucket = self.bucket_for(num_seqs)
         seqs = self.inputs.fill(chunks, bucket)
-        graph = self._graphs.get(bucket)
+        key = (bucket, any(slot != 0 for *_, slot in chunks))
+        graph = self._graphs.get(key)
         if graph is None:
             return self.model.forward(self.inputs.batch(bucket, seqs))[:num_seqs]
         graph.replay()
-        # A copy: the static logits are overwritten by the next replay of any bucket.
-        return self._logits[bucket][:num_seqs].clone()
+        # A copy: the static logits are overwritten by the next replay of any graph.
+        return self._logits[key][:num_seqs].clone()
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -159,10 +165,9 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.model.device)
         # Largest first: the smaller graphs' activations fit in memory the pool already holds.
-        for bucket in reversed(self.buckets):
-            batch = self.inputs.batch(bucket, self._capture_seqs(bucket))
-            # The LoRA kernels launch for every edited projection, whatever the captured slots.
-            any_mixture = self.num_adapters > 0
+        variants = (True, False) if self.num_adapters else (False,)
+        for bucket, with_lora in ((b, v) for b in reversed(self.buckets) for v in variants):
+            batch = self.inputs.batch(bucket, self._capture_seqs(bucket, with_lora))
             try:
                 # Warm up on the capture stream: kernels compile and per-stream library
                 # workspaces are allocated here, outside the capture. The buffers hold padding
@@ -170,29 +175,30 @@ class DecodeGraphs:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     for _ in range(NUM_WARMUP):
-                        self.model.forward(batch, lora_launch_always=any_mixture)
+                        self.model.forward(batch, lora_launch_always=with_lora)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    # [bucket, vocab] fp32
-                    logits = self.model.forward(batch, lora_launch_always=any_mixture)
+                    # [bucket, vocab] fp32. With LoRA, the kernels launch for every edited
+                    # projection whatever the captured slots; without, nothing LoRA is recorded.
+                    logits = self.model.forward(batch, lora_launch_always=with_lora)
             except RuntimeError as exc:
                 raise RuntimeError(f"capturing the CUDA graph of decode steps of {bucket} "
                                    f"sequences failed ({exc}); --enforce-eager runs without "
                                    "graphs") from exc
-            self._graphs[bucket] = graph
-            self._logits[bucket] = logits
+            self._graphs[bucket, with_lora] = graph
+            self._logits[bucket, with_lora] = logits
         torch.cuda.synchronize(self.model.device)
         free_after, _ = torch.cuda.mem_get_info(self.model.device)
         log.info("captured CUDA graphs of decode steps for %s sequences in %.1fs (%.0f MiB)",
                  self.buckets, time.monotonic() - start, (free_before - free_after) / 2**20)
 
-    def _capture_seqs(self, bucket: int) -> list[SeqChunk]:
+    def _capture_seqs(self, bucket: int, with_lora: bool) -> list[SeqChunk]:
         """What a captured step's sequences look like to code that reads Python metadata: the
-        largest context and every loaded adapter, so a bound taken from them holds for every
-        step the graph will replay (the kernels read the actual slots and lengths from the
-        tensors, and size their grids from tensor shapes)."""
-        slots = list(range(1, self.num_adapters + 1)) or [0]
+        largest context and every loaded adapter (none for the base graph), so a bound taken
+        from them holds for every step the graph will replay (the kernels read the actual slots
+        and lengths from the tensors, and size their grids from tensor shapes)."""
+        slots = list(range(1, self.num_adapters + 1)) if with_lora else [0]
         table = [0] * self.max_blocks_per_seq
         return [SeqChunk(i, 1, self.max_model_len, table, slots[i % len(slots)])
                 for i in range(bucket)]

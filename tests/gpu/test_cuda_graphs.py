@@ -113,3 +113,19 @@ def test_graphs_serve_any_adapter_mixture(model):
         results.append(graphs.run([s.decode_chunk(17) for s in streams])[0])
     for other in results[1:]:
         assert torch.equal(results[0], other)
+
+
+def test_a_base_row_gets_the_same_bits_from_the_base_graph_and_the_lora_graph(model):
+    """All rows on slot 0 replay the graph without LoRA launches; one adapter row among them
+    replays the any-mixture graph. The base row must not notice which one ran."""
+    graphs = DecodeGraphs(model, 8, MAX_LEN, BLOCK_SIZE, num_adapters=3)
+    graphs.capture()
+    assert graphs.graph_for(4, False) is not graphs.graph_for(4, True)
+    results = []
+    for neighbours in ([0, 0, 0], [1, 2, 3]):
+        streams = make_streams([0] + neighbours, [6, 5, 7, 4], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS,
+                               seed=9)
+        model.forward(ForwardBatch.build([s.prefill_chunk() for s in streams], BLOCK_SIZE,
+                                         CUDA))
+        results.append(graphs.run([s.decode_chunk(17) for s in streams])[0])
+    assert torch.equal(results[0], results[1])
