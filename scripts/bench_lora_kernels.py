@@ -8,7 +8,8 @@ batch (1, 8, 32, 64, 128) and mixture (every row on one adapter; rows on distinc
 cycling over 64), prints the step's time replayed as a CUDA graph, with exact tiles and with the
 bound a graph for any mixture uses, and eagerly; and GB/s against the bytes the step must move:
 each distinct adapter's A and B rows of its rank, x once per launch, out read and written for
-adapter rows, t written and read. Needs CUDA and triton; prints the conditions with the table.
+adapter rows, the shrink's per-chunk partial sums t written and read once. Needs CUDA and
+triton; prints the conditions with the table.
 
 Usage: scripts/bench_lora_kernels.py [--layers 32] [--batches 1,8,32,64,128] [--sweep]
 """
@@ -45,7 +46,6 @@ class Group:
     a: list[torch.Tensor]  # [num_slots, RANK, in] fp32
     b: list[torch.Tensor]  # [num_slots, out, RANK] fp32
     outs: list[torch.Tensor]  # [max_rows, out] fp32
-    t: torch.Tensor  # [num_tables, max_rows, RANK] fp32
 
 
 def make_layers(num_layers: int, max_rows: int, device: torch.device) -> list[dict[str, Group]]:
@@ -58,8 +58,7 @@ def make_layers(num_layers: int, max_rows: int, device: torch.device) -> list[di
                  for _ in num_outs]
             b = [torch.randn(num_slots, n, RANK, device=device) for n in num_outs]
             layer[name] = Group(torch.randn(max_rows, num_in, device=device).bfloat16(), a, b,
-                                [torch.zeros(max_rows, n, device=device) for n in num_outs],
-                                torch.empty(len(num_outs), max_rows, RANK, device=device))
+                                [torch.zeros(max_rows, n, device=device) for n in num_outs])
         layers.append(layer)
     return layers
 
@@ -70,9 +69,10 @@ def run_step(layers, ranks, scales, row_slots, max_tiles, num_rows, shrink_confi
     for layer in layers:
         for group in layer.values():
             n = len(group.a)
-            t = group.t[:, :num_rows]
-            shrink.lora_shrink(group.x[:num_rows], group.a, [ranks] * n, tiles, out=t,
-                               config=shrink_config)
+            # t allocated by the shrink (its chunk count follows the config): inside a graph
+            # from the graph's pool, eagerly from the caching allocator.
+            t = shrink.lora_shrink(group.x[:num_rows], group.a, [ranks] * n, tiles,
+                                   config=shrink_config)
             expand.lora_expand(t, [o[:num_rows] for o in group.outs], group.b, [ranks] * n,
                                [scales] * n, tiles, config=expand_config)
 
@@ -80,10 +80,11 @@ def run_step(layers, ranks, scales, row_slots, max_tiles, num_rows, shrink_confi
 def step_bytes(num_layers: int, num_rows: int, num_distinct: int) -> int:
     total = 0
     for num_in, num_outs in GROUPS.values():
+        num_chunks = shrink.num_k_chunks(num_in)
         for num_out in num_outs:
             total += num_distinct * RANK * (num_in + num_out) * 4  # A and B rows of the rank
             total += num_rows * num_out * 4 * 2  # out read and written
-            total += num_rows * RANK * 4 * 2  # t written and read
+            total += num_rows * num_chunks * RANK * 4 * 2  # t's partials written and read
         total += num_rows * num_in * 2  # x (bf16), once per launch
     return total * num_layers
 
@@ -149,10 +150,12 @@ def print_table(rows, num_layers: int) -> None:
               f"{moved / 1e6:>9.1f}")
 
 
-# (block_r, block_k, num_warps, num_stages) and (block_n, block_r, num_warps, num_stages).
-SWEEP_SHRINK = [shrink.ShrinkConfig(1, 512, 4, 3), shrink.ShrinkConfig(1, 1024, 4, 3),
-                shrink.ShrinkConfig(1, 1024, 4, 4), shrink.ShrinkConfig(2, 512, 4, 5),
-                shrink.ShrinkConfig(2, 256, 4, 4), shrink.ShrinkConfig(4, 512, 8, 3)]
+# (block_r, block_k, k_chunk, num_warps, num_stages) and (block_n, block_r, num_warps,
+# num_stages). The last shrink config is the old one: no split (one chunk spans K).
+SWEEP_SHRINK = [shrink.ShrinkConfig(4, 256, 256, 4, 1), shrink.ShrinkConfig(4, 256, 1024, 4, 2),
+                shrink.ShrinkConfig(2, 512, 512, 4, 1), shrink.ShrinkConfig(8, 128, 512, 4, 2),
+                shrink.ShrinkConfig(16, 64, 256, 4, 2), shrink.ShrinkConfig(4, 256, 512, 8, 2),
+                shrink.ShrinkConfig(2, 512, 14336, 4, 3)]
 SWEEP_EXPAND = [expand.ExpandConfig(32, 16, 4, 1), expand.ExpandConfig(128, 16, 8, 1),
                 expand.ExpandConfig(64, 16, 2, 1), expand.ExpandConfig(64, 16, 4, 2)]
 

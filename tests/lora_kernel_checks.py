@@ -32,11 +32,13 @@ class Shape:
 
 
 # Tiny shapes for the interpreter: K and N not multiples of the blocks, a rank above the expand's
-# chunk of 16, and three tables as q/k/v.
+# chunk of 16, three tables as q/k/v, and K split into chunks (3 of the shrink's 512, the last
+# partial, their count not a power of two).
 CPU_SHAPES = {
     "qkv": Shape(6, 40, (24, 70, 8), (8, 20, 3)),
     "pair": Shape(5, 33, (17, 9), (4, 16)),
     "one": Shape(4, 50, (30,), (5,)),
+    "long_k": Shape(4, 1100, (12, 20), (16, 6)),
 }
 # The 8B model's projections at rank 16 with 64 adapters, and one mixed-rank pair.
 GPU_SHAPES = {
@@ -99,6 +101,14 @@ def run_kernels(x: torch.Tensor, outs: list[torch.Tensor], tables: Tables, row_s
     return t
 
 
+def empty_t(shape: Shape, num_rows: int, device: str) -> torch.Tensor:
+    """The shrink's output for `shape`, poisoned with NaN: [num_tables, num_rows, num_k_chunks,
+    max rank]."""
+    from lorad.workers.kernels.lora_shrink import num_k_chunks
+    return torch.full((len(shape.out_features), num_rows, num_k_chunks(shape.in_features),
+                       max(shape.max_ranks)), float("nan"), device=device)
+
+
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rel: float = 1e-4) -> None:
     scale = want.abs().max().item() if want.numel() else 0.0
     err = (got - want).abs().max().item() if want.numel() else 0.0
@@ -121,20 +131,20 @@ def check_matches_reference(device: str, shape: Shape, x_dtype: torch.dtype,
         for out, ranks in zip(outs, tables.ranks):
             out[ranks[row_slots] == 0] = SENTINEL
         before = [out.clone() for out in outs]
-        t = torch.full((len(outs), num_rows, max(shape.max_ranks)), float("nan"), device=device)
+        t = empty_t(shape, num_rows, device)
         run_kernels(x, outs, tables, row_slots, num_programs=num_programs, t=t)
         want_t = lora_shrink_reference(x, tables.a, tables.ranks, row_slots)
         want = lora_delta_reference(x, before, tables.a, tables.b, tables.ranks, tables.scales,
                                     row_slots)
         for i, (out, old, ranks) in enumerate(zip(outs, before, tables.ranks)):
             where = f"{num_rows} rows, table {i}"
-            written = torch.zeros_like(t[i], dtype=torch.bool)
+            written = torch.zeros_like(t[i, :, 0], dtype=torch.bool)  # [num_rows, width]
             for row, t_row in want_t[i].items():
                 written[row, :t_row.shape[0]] = True
             # Row by row into one tensor: a rank-1 row's t can be near 0, its error not.
             want_flat = torch.cat([t_row for t_row in want_t[i].values()] + [t.new_empty(0)])
-            assert_close(f"{where}: t", t[i][written], want_flat)
-            if not t[i][~written].isnan().all():
+            assert_close(f"{where}: t", t[i].sum(1)[written], want_flat)  # chunks summed
+            if not t[i].transpose(0, 1)[:, ~written].isnan().all():
                 raise AssertionError(f"{where}: the shrink wrote outside edited rows' ranks")
             edited = ranks[row_slots] != 0
             if not torch.equal(out[~edited], old[~edited]):
@@ -165,7 +175,7 @@ def check_rows_independent_of_batch(device: str, shape: Shape, x_dtype: torch.dt
         for out, probe in zip(outs, probe_out):
             out[positions] = probe
         outs = [out.to(device) for out in outs]
-        t = torch.full((len(outs), n, max(shape.max_ranks)), float("nan"), device=device)
+        t = empty_t(shape, n, device)
         run_kernels(x.to(device), outs, tables, slots.to(device), max_tiles, programs, t)
         positions = positions.to(device)
         return [out[positions].cpu() for out in outs] + [t[:, positions].cpu()]
@@ -200,7 +210,7 @@ def check_no_adapter_rows(device: str, shape: Shape, x_dtype: torch.dtype) -> No
     x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
     outs = [torch.randn(num_rows, n, generator=gen).to(device) for n in shape.out_features]
     before = [out.clone() for out in outs]
-    t = torch.full((len(outs), num_rows, max(shape.max_ranks)), float("nan"), device=device)
+    t = empty_t(shape, num_rows, device)
     slots = torch.zeros(num_rows, dtype=torch.int64, device=device)
     run_kernels(x, outs, tables, slots, max_tiles=num_rows, t=t)
     if not t.isnan().all() or not all(torch.equal(o, b) for o, b in zip(outs, before)):
@@ -276,6 +286,9 @@ CHECKS = {
     "batch_invariance_one_fp32": (check_rows_independent_of_batch,
                                   dict(shape=CPU_SHAPES["one"], x_dtype=torch.float32,
                                        num_rows=21, num_programs=(2,))),
+    "batch_invariance_long_k_bf16": (check_rows_independent_of_batch,
+                                     dict(shape=CPU_SHAPES["long_k"], x_dtype=torch.bfloat16,
+                                          num_rows=21, num_programs=(2,))),
     "no_adapter_rows": (check_no_adapter_rows, dict(shape=CPU_SHAPES["pair"],
                                                     x_dtype=torch.bfloat16)),
     "layer_path_bf16": (check_layer_path, dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16)),

@@ -93,9 +93,11 @@ def test_matches_reference_fp32_x() -> None:
     check_matches_reference("cuda", GPU_SHAPES["qkv"], torch.float32, (1, 8, 128))
 
 
-def test_matches_reference_few_programs() -> None:
-    """Each program loops over many (tile, block) items, as in a graph sized for any mixture."""
-    check_matches_reference("cuda", GPU_SHAPES["gate_up"], torch.bfloat16, (64,), num_programs=7)
+@pytest.mark.parametrize("name", ["gate_up", "down"])
+def test_matches_reference_few_programs(name: str) -> None:
+    """Each program loops over many (tile, block[, K chunk]) items, as in a graph sized for any
+    mixture; down's 14336 inputs make 28 K chunks."""
+    check_matches_reference("cuda", GPU_SHAPES[name], torch.bfloat16, (64,), num_programs=7)
 
 
 @pytest.mark.parametrize("name", ["qkv", "down", "ranks_to_64"])

@@ -1,12 +1,15 @@
 """LoRA expand: out[row] += scale[slot] * (t[row, :r] B[slot, :, :r]^T), in fp32, for up to three
-outputs at once (the tables of projections that share an input).
+outputs at once (the tables of projections that share an input), t being the sum of the shrink's
+per-chunk partials, added here as they are read.
 
 A program takes one work item at a time, (row tile, block of BLOCK_N outputs of one table): it
 reads that block of its slot's B once for the tile's rows, and adds each row's delta to `out` in
 one fp32 add (the column-parallel base output before its rounding, or the row-parallel partial
-sum before the all-reduce). Every row gets the same arithmetic whatever shares its step: rank
-chunks of BLOCK_R in order, each reduced the same way, with one tile shape for every table; no
-split-K, no atomics. Rows of slot 0 and slots a table does not edit are neither read nor written.
+sum before the all-reduce). Every row gets the same arithmetic whatever shares its step: the
+shrink's K-chunk partials summed by one reduction of fixed shape [BLOCK_M, MAX_CHUNKS, BLOCK_R]
+(so every program reading a row gets the same bits, and the sum needs no launch of its own),
+rank chunks of BLOCK_R in order, each reduced the same way, with one tile shape for every table;
+no atomics. Rows of slot 0 and slots a table does not edit are neither read nor written.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ DEFAULT_CONFIG = ExpandConfig()
 
 
 @triton.jit
-def _expand_block(t_ptr, stride_t, out_ptr, stride_out, N, b_ptr, ranks_ptr, scales_ptr,
-                  max_rank, block, first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_out, N, b_ptr,
+                  ranks_ptr, scales_ptr, max_rank, block, first, slot, sorted_rows_ptr,
+                  sorted_slots_ptr, num_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_R: tl.constexpr, MAX_CHUNKS: tl.constexpr):
     rank = tl.load(ranks_ptr + slot)
     if rank > 0:
         pos = first + tl.arange(0, BLOCK_M)
@@ -45,14 +49,18 @@ def _expand_block(t_ptr, stride_t, out_ptr, stride_out, N, b_ptr, ranks_ptr, sca
         rows = tl.load(sorted_rows_ptr + pos, mask=in_tile, other=0)
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         in_n = cols < N
-        t_rows = t_ptr + rows[:, None] * stride_t  # [BLOCK_M, 1]
+        chunks = tl.arange(0, MAX_CHUNKS)
+        has_c = chunks < num_chunks
+        t_rows = t_ptr + rows[:, None, None] * stride_t + chunks[None, :, None] * stride_t_chunk
+        in_t = in_tile[:, None, None] & has_c[None, :, None]  # [BLOCK_M, MAX_CHUNKS, 1]
         b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank  # [BLOCK_N, 1]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for j0 in range(0, rank, BLOCK_R):
             ranks_j = j0 + tl.arange(0, BLOCK_R)
             has_j = ranks_j < rank
-            tj = tl.load(t_rows + ranks_j[None, :], mask=in_tile[:, None] & has_j[None, :],
-                         other=0.0)  # [BLOCK_M, BLOCK_R]
+            parts = tl.load(t_rows + ranks_j[None, None, :], mask=in_t & has_j[None, None, :],
+                            other=0.0)  # [BLOCK_M, MAX_CHUNKS, BLOCK_R]
+            tj = tl.sum(parts, axis=1)  # [BLOCK_M, BLOCK_R]
             bj = tl.load(b_rows + ranks_j[None, :], mask=in_n[:, None] & has_j[None, :],
                          other=0.0)  # [BLOCK_N, BLOCK_R]
             acc += tl.sum(tj[:, None, :] * bj[None, :, :], axis=2)
@@ -65,13 +73,14 @@ def _expand_block(t_ptr, stride_t, out_ptr, stride_out, N, b_ptr, ranks_ptr, sca
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
 # divisible by 16): one binary, so one order of sums, for every batch.
 @triton.jit(do_not_specialize=["stride_t_table", "num_rows"])
-def _expand_kernel(t_ptr, stride_t_table, stride_t, out0_ptr, out1_ptr, out2_ptr,
-                   stride_out0, stride_out1, stride_out2, N0, N1, N2, b0_ptr, b1_ptr, b2_ptr,
+def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
+                   out0_ptr, out1_ptr, out2_ptr, stride_out0, stride_out1, stride_out2,
+                   N0, N1, N2, b0_ptr, b1_ptr, b2_ptr,
                    ranks0_ptr, ranks1_ptr, ranks2_ptr, scales0_ptr, scales1_ptr, scales2_ptr,
                    max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
                    sorted_rows_ptr, sorted_slots_ptr, tile_first_ptr, num_tiles_ptr, num_rows,
                    NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+                   BLOCK_R: tl.constexpr, MAX_CHUNKS: tl.constexpr):
     # Work item = (tile, block); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
     num_items = (tl.load(num_tiles_ptr) * num_blocks).to(tl.int32)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
@@ -80,46 +89,49 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, out0_ptr, out1_ptr, out2_ptr
         first = tl.load(tile_first_ptr + tile)
         slot = tl.load(sorted_slots_ptr + first)
         if block < blocks_end0:
-            _expand_block(t_ptr, stride_t, out0_ptr, stride_out0, N0, b0_ptr, ranks0_ptr,
-                          scales0_ptr, max_rank0, block, first, slot, sorted_rows_ptr,
-                          sorted_slots_ptr, num_rows, BLOCK_M, BLOCK_N, BLOCK_R)
+            _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out0_ptr, stride_out0, N0,
+                          b0_ptr, ranks0_ptr, scales0_ptr, max_rank0, block, first, slot,
+                          sorted_rows_ptr, sorted_slots_ptr, num_rows,
+                          BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS)
         elif NUM_TABLES == 2:
-            _expand_block(t_ptr + stride_t_table, stride_t, out1_ptr, stride_out1, N1, b1_ptr,
-                          ranks1_ptr, scales1_ptr, max_rank1, block - blocks_end0, first, slot,
-                          sorted_rows_ptr, sorted_slots_ptr, num_rows, BLOCK_M, BLOCK_N, BLOCK_R)
+            _expand_block(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks, out1_ptr,
+                          stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr, max_rank1,
+                          block - blocks_end0, first, slot, sorted_rows_ptr, sorted_slots_ptr,
+                          num_rows, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS)
         elif NUM_TABLES == 3:
             if block < blocks_end1:
-                _expand_block(t_ptr + stride_t_table, stride_t, out1_ptr, stride_out1, N1,
-                              b1_ptr, ranks1_ptr, scales1_ptr, max_rank1, block - blocks_end0,
-                              first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows,
-                              BLOCK_M, BLOCK_N, BLOCK_R)
+                _expand_block(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
+                              out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr,
+                              max_rank1, block - blocks_end0, first, slot, sorted_rows_ptr,
+                              sorted_slots_ptr, num_rows, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS)
             else:
-                _expand_block(t_ptr + 2 * stride_t_table, stride_t, out2_ptr, stride_out2, N2,
-                              b2_ptr, ranks2_ptr, scales2_ptr, max_rank2, block - blocks_end1,
-                              first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows,
-                              BLOCK_M, BLOCK_N, BLOCK_R)
+                _expand_block(t_ptr + 2 * stride_t_table, stride_t, stride_t_chunk, num_chunks,
+                              out2_ptr, stride_out2, N2, b2_ptr, ranks2_ptr, scales2_ptr,
+                              max_rank2, block - blocks_end1, first, slot, sorted_rows_ptr,
+                              sorted_slots_ptr, num_rows, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS)
 
 
 def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequence[torch.Tensor],
                 rank_tables: Sequence[torch.Tensor], scale_tables: Sequence[torch.Tensor],
                 tiles: LoraTiles, num_programs: int | None = None,
                 config: ExpandConfig = DEFAULT_CONFIG) -> None:
-    """outs[i][row] += scale * (t[i, row, :rank] B_i[slot, :, :rank]^T), in place, for each row
-    whose slot table i edits (rank = rank_tables[i][slot] > 0); no other element is touched.
+    """outs[i][row] += scale * (sum_c t[i, row, c, :rank] B_i[slot, :, :rank]^T), in place, for
+    each row whose slot table i edits (rank = rank_tables[i][slot] > 0); no other element is
+    touched.
 
-    t: [num_tables, num_rows, width] float32 from lora_shrink; outs[i]: [num_rows, out_i]
-    float32; b_tables[i]: [num_slots, out_i, max_rank_i] fp32, contiguous; rank_tables[i]:
+    t: [num_tables, num_rows, num_k_chunks, width] float32 from lora_shrink; outs[i]: [num_rows,
+    out_i] float32; b_tables[i]: [num_slots, out_i, max_rank_i] fp32, contiguous; rank_tables[i]:
     [num_slots] int32; scale_tables[i]: [num_slots] float32."""
     num_tables = len(b_tables)
     if not 1 <= num_tables <= MAX_TABLES or not (len(outs) == len(rank_tables)
                                                   == len(scale_tables) == num_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its output, ranks and scales")
-    assert t.shape[0] == num_tables and t.stride(2) == 1
+    assert t.dim() == 4 and t.shape[0] == num_tables and t.stride(3) == 1
     assert tiles.sorted_rows.shape[0] == t.shape[1], "tiles of another batch"
     for out, b in zip(outs, b_tables):
         assert out.dtype == torch.float32 and out.stride(1) == 1
         assert out.shape == (t.shape[1], b.shape[1])
-        assert b.dtype == torch.float32 and b.is_contiguous() and b.shape[2] <= t.shape[2]
+        assert b.dtype == torch.float32 and b.is_contiguous() and b.shape[2] <= t.shape[3]
     if tiles.max_tiles == 0:
         return
     blocks_end = [0]
@@ -133,9 +145,11 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
 
     padded_outs, padded_b = pad(outs), pad(b_tables)
     _expand_kernel[grid](
-        t, t.stride(0), t.stride(1), *padded_outs, *(o.stride(0) for o in padded_outs),
+        t, t.stride(0), t.stride(1), t.stride(2), t.shape[2],
+        *padded_outs, *(o.stride(0) for o in padded_outs),
         *(b.shape[1] for b in padded_b), *padded_b, *pad(rank_tables), *pad(scale_tables),
         *(b.shape[2] for b in padded_b), blocks_end[1], blocks_end[min(2, num_tables)],
         num_blocks, tiles.sorted_rows, tiles.sorted_slots, tiles.tile_first, tiles.num_tiles,
         t.shape[1], NUM_TABLES=num_tables, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
-        BLOCK_R=config.block_r, num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_R=config.block_r, MAX_CHUNKS=triton.next_power_of_2(t.shape[2]),
+        num_warps=config.num_warps, num_stages=config.num_stages)

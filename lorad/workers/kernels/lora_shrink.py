@@ -1,11 +1,15 @@
-"""LoRA shrink: t[row, :r] = x[row] A[slot]^T in fp32, for up to three tables that share x.
+"""LoRA shrink, split over K: t[row, c, :r] = x[row, chunk c] A[slot, :r, chunk c]^T in fp32, for
+up to three tables that share x; lora_expand adds up the chunks, in one fixed order, as it reads t.
 
-A program takes one work item at a time, (row tile, block of BLOCK_R ranks of one table), and
-sweeps the whole input dimension for it: it reads that block of its slot's A once for the tile's
-rows. Every row gets the same arithmetic whatever shares its step: products accumulated per
-(row, rank, lane) over K in BLOCK_K steps, then one reduction over the lanes, with one tile shape
-for every table and batch; no split-K and no atomics. Rows of slot 0, ranks at or past a slot's
-rank and slots a table does not edit (rank 0) are neither read nor written.
+A program takes one work item at a time, (row tile, block of BLOCK_R ranks of one table, chunk of
+K_CHUNK inputs): it reads that piece of its slot's A once for the tile's rows. Splitting K is
+what fills the GPU at decode: a whole [BLOCK_R, K] sweep per program left a 14336-wide down
+projection at batch 1 with 8 programs, each waiting on one load after another. Every row gets the
+same arithmetic whatever shares its step: products accumulated per (row, rank, lane) over its
+chunk in BLOCK_K steps, then one reduction over the lanes, with one tile shape and one chunk size
+for every table and batch; each chunk's partial sum has its own place in t, so no atomics. Rows
+of slot 0, ranks at or past a slot's rank and slots a table does not edit (rank 0) are neither
+read nor written.
 """
 
 from __future__ import annotations
@@ -24,20 +28,34 @@ MAX_TABLES = 3  # q/k/v share an input; gate/up share one
 
 @dataclass(frozen=True)
 class ShrinkConfig:
-    block_r: int = 2  # ranks per work item: decode rows are few, so ranks give the parallelism
-    block_k: int = 512
+    # Ranks and inputs per work item. Decode rows are few, so ranks and K chunks give the
+    # parallelism; block_r * block_k * BLOCK_M is the product tile held in registers.
+    block_r: int = 4
+    block_k: int = 256
+    # Inputs per chunk, a multiple of block_k: a fixed size, so a row's sums never depend on the
+    # batch. Smaller means more programs but more partial sums for the expand to add.
+    k_chunk: int = 512
     num_warps: int = 4
-    num_stages: int = 3  # loads in flight along K (Hopper: cp.async into shared memory)
+    num_stages: int = 2  # loads in flight along a chunk (Hopper: cp.async into shared memory)
+
+    def __post_init__(self) -> None:
+        if self.k_chunk % self.block_k:
+            raise ValueError(f"k_chunk {self.k_chunk} is not a multiple of block_k {self.block_k}")
 
 
 DEFAULT_CONFIG = ShrinkConfig()
 
 
+def num_k_chunks(in_features: int, config: ShrinkConfig = DEFAULT_CONFIG) -> int:
+    """The partial sums per row and rank that lora_shrink writes for this input width."""
+    return triton.cdiv(in_features, config.k_chunk)
+
+
 @triton.jit
-def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, a_ptr, ranks_ptr, max_rank, block,
-                  first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
+def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks_ptr, max_rank,
+                  block, chunk, first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  NUM_STAGES: tl.constexpr):
+                  K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr):
     rank = tl.load(ranks_ptr + slot)
     j0 = block * BLOCK_R
     if j0 < rank:
@@ -50,60 +68,69 @@ def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, a_ptr, ranks_ptr, max_rank, 
         x_rows = x_ptr + rows[:, None] * stride_x  # [BLOCK_M, 1]
         a_rows = a_ptr + (slot * max_rank + ranks_j)[:, None] * K  # [BLOCK_R, 1]
         acc = tl.zeros([BLOCK_M, BLOCK_R, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k_start = chunk * K_CHUNK
+        for k0 in tl.range(k_start, k_start + K_CHUNK, BLOCK_K, num_stages=NUM_STAGES):
             cols = k0 + tl.arange(0, BLOCK_K)
             in_k = cols < K
             xk = tl.load(x_rows + cols[None, :], mask=in_tile[:, None] & in_k[None, :], other=0.0)
             ak = tl.load(a_rows + cols[None, :], mask=has_j[:, None] & in_k[None, :], other=0.0)
             acc += xk.to(tl.float32)[:, None, :] * ak[None, :, :]
         t = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_R]
-        tl.store(t_ptr + rows[:, None] * stride_t + ranks_j[None, :], t,
+        tl.store(t_ptr + rows[:, None] * stride_t + chunk * stride_t_chunk + ranks_j[None, :], t,
                  mask=in_tile[:, None] & has_j[None, :])
 
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
 # divisible by 16): one binary, so one order of sums, for every batch.
 @triton.jit(do_not_specialize=["stride_t_table", "num_rows"])
-def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t,
+def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_chunk,
                    a0_ptr, a1_ptr, a2_ptr, ranks0_ptr, ranks1_ptr, ranks2_ptr,
                    max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
-                   sorted_rows_ptr, sorted_slots_ptr, tile_first_ptr, num_tiles_ptr, num_rows, K,
-                   NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    # Work item = (tile, block); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
-    num_items = (tl.load(num_tiles_ptr) * num_blocks).to(tl.int32)
+                   num_chunks, sorted_rows_ptr, sorted_slots_ptr, tile_first_ptr, num_tiles_ptr,
+                   num_rows, K, NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
+                   NUM_STAGES: tl.constexpr):
+    # Work item = (tile, block, chunk); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
+    # Chunks vary fastest, so neighbouring programs read neighbouring parts of the same A rows.
+    items_per_tile = num_blocks * num_chunks
+    num_items = (tl.load(num_tiles_ptr) * items_per_tile).to(tl.int32)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        tile = item // num_blocks
-        block = item - tile * num_blocks
+        tile = item // items_per_tile
+        block = (item - tile * items_per_tile) // num_chunks
+        chunk = item - tile * items_per_tile - block * num_chunks
         first = tl.load(tile_first_ptr + tile)
         slot = tl.load(sorted_slots_ptr + first)
         if block < blocks_end0:
-            _shrink_block(x_ptr, stride_x, t_ptr, stride_t, a0_ptr, ranks0_ptr, max_rank0,
-                          block, first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
-                          BLOCK_M, BLOCK_R, BLOCK_K, NUM_STAGES)
+            _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a0_ptr, ranks0_ptr,
+                          max_rank0, block, chunk, first, slot, sorted_rows_ptr,
+                          sorted_slots_ptr, num_rows, K,
+                          BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
         elif NUM_TABLES == 2:
-            _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, a1_ptr, ranks1_ptr,
-                          max_rank1, block - blocks_end0, first, slot, sorted_rows_ptr,
-                          sorted_slots_ptr, num_rows, K, BLOCK_M, BLOCK_R, BLOCK_K, NUM_STAGES)
+            _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, stride_t_chunk,
+                          a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk, first, slot,
+                          sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
+                          BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
         elif NUM_TABLES == 3:
             if block < blocks_end1:
-                _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, a1_ptr,
-                              ranks1_ptr, max_rank1, block - blocks_end0, first, slot,
-                              sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
-                              BLOCK_M, BLOCK_R, BLOCK_K, NUM_STAGES)
+                _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, stride_t_chunk,
+                              a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk, first,
+                              slot, sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
+                              BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
             else:
-                _shrink_block(x_ptr, stride_x, t_ptr + 2 * stride_t_table, stride_t, a2_ptr,
-                              ranks2_ptr, max_rank2, block - blocks_end1, first, slot,
-                              sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
-                              BLOCK_M, BLOCK_R, BLOCK_K, NUM_STAGES)
+                _shrink_block(x_ptr, stride_x, t_ptr + 2 * stride_t_table, stride_t,
+                              stride_t_chunk, a2_ptr, ranks2_ptr, max_rank2, block - blocks_end1,
+                              chunk, first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
+                              BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
 
 
 def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
                 rank_tables: Sequence[torch.Tensor], tiles: LoraTiles,
                 out: torch.Tensor | None = None, num_programs: int | None = None,
                 config: ShrinkConfig = DEFAULT_CONFIG) -> torch.Tensor:
-    """-> t: [num_tables, num_rows, max(max_rank)] float32; t[i, row, :rank] is written for each
-    row whose slot table i edits (rank = rank_tables[i][slot] > 0), nothing else.
+    """-> t: [num_tables, num_rows, num_k_chunks(in_features), max(max_rank)] float32, the
+    partial sums of each chunk of K (their sum in chunk order is x A^T; lora_expand adds them);
+    t[i, row, :, :rank] is written for each row whose slot table i edits (rank =
+    rank_tables[i][slot] > 0), nothing else.
 
     x: [num_rows, in_features] (bf16, fp16 or fp32); a_tables[i]: [num_slots, max_rank_i,
     in_features] fp32, contiguous; rank_tables[i]: [num_slots] int32."""
@@ -115,22 +142,25 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
         assert a.dtype == torch.float32 and a.is_contiguous() and a.shape[2] == num_in
     x = x if x.stride(1) == 1 else x.contiguous()
     width = max(a.shape[1] for a in a_tables)
+    shape = (len(a_tables), num_rows, num_k_chunks(num_in, config), width)
     if out is None:
-        out = torch.empty(len(a_tables), num_rows, width, dtype=torch.float32, device=x.device)
-    assert out.shape == (len(a_tables), num_rows, width) and out.stride(2) == 1
+        out = torch.empty(shape, dtype=torch.float32, device=x.device)
+    assert out.shape == shape and out.stride(3) == 1
     blocks_end = [0]
     for a in a_tables:
         blocks_end.append(blocks_end[-1] + triton.cdiv(a.shape[1], config.block_r))
     num_blocks = blocks_end[-1]
     if tiles.max_tiles == 0:
         return out
-    grid = (min(tiles.max_tiles * num_blocks, num_programs or max_programs(x.device)),)
+    num_items = tiles.max_tiles * num_blocks * shape[2]
+    grid = (min(num_items, num_programs or max_programs(x.device)),)
     padded = list(a_tables) + [a_tables[0]] * (MAX_TABLES - len(a_tables))
     ranks = list(rank_tables) + [rank_tables[0]] * (MAX_TABLES - len(rank_tables))
     _shrink_kernel[grid](
-        x, x.stride(0), out, out.stride(0), out.stride(1), *padded, *ranks,
+        x, x.stride(0), out, out.stride(0), out.stride(1), out.stride(2), *padded, *ranks,
         *(a.shape[1] for a in padded), blocks_end[1], blocks_end[min(2, len(a_tables))],
-        num_blocks, tiles.sorted_rows, tiles.sorted_slots, tiles.tile_first, tiles.num_tiles,
-        num_rows, num_in, NUM_TABLES=len(a_tables), BLOCK_M=BLOCK_M, BLOCK_R=config.block_r,
-        BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, num_warps=config.num_warps)
+        num_blocks, shape[2], tiles.sorted_rows, tiles.sorted_slots, tiles.tile_first,
+        tiles.num_tiles, num_rows, num_in, NUM_TABLES=len(a_tables), BLOCK_M=BLOCK_M,
+        BLOCK_R=config.block_r, BLOCK_K=config.block_k, K_CHUNK=config.k_chunk,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps)
     return out
