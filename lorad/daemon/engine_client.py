@@ -76,6 +76,7 @@ class EngineClient:
         self.failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.load = EngineLoad()
         self.facts: EngineFacts | None = None
+        self.num_failed_by_engine = 0  # open requests ended with an error by fail()
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -154,6 +155,7 @@ class EngineClient:
         """The engine cannot go on: end every open request with an error, refuse new ones."""
         if not self.failure.done():
             self.failure.set_result(message)
+        self.num_failed_by_engine += len(self._queues)
         self.abort_all(message)
 
     def abort_all(self, message: str) -> None:

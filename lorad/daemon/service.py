@@ -117,10 +117,11 @@ async def _stop(state: AppState, runner: web.AppRunner, supervisor: Supervisor,
         else:
             rank, code = exited.result()
             message = f"worker rank {rank} exited unexpectedly with code {code}"
-        log.error("%s; ending %d open request(s) and shutting down", message,
-                  state.engine.num_open_requests)
         state.status = "failed"
+        # A WorkerFailed message has already failed the engine (and its requests) by now.
         state.engine.fail(message)
+        log.error("%s; ended %d open request(s) with an error; shutting down", message,
+                  state.engine.num_failed_by_engine)
         await runner.cleanup()
         await supervisor.stop(grace_s=2.0)
         return 1
