@@ -11,16 +11,13 @@ interpreter is set.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
-import traceback
 from dataclasses import dataclass
 
 import torch
 
 from lorad.workers.batch import ForwardBatch
+from tests.triton_interpreter import run_checks
 
 
 @dataclass(frozen=True)
@@ -295,39 +292,8 @@ CHECKS = {
 }
 
 
-def patch_triton_interpreter() -> None:
-    """triton 3.6's interpreter turns a loop bound into an int with int() on a 1-element array,
-    which numpy 2.4 refuses (triton-lang/triton#9171; upstream squeezes first). Fixed here for
-    this process only."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched_tensor
-
-
 def main(names: list[str]) -> int:
-    """Run the named checks (all by default) on CPU tensors under the Triton interpreter; print
-    one JSON line: name -> outcome ("ok" or the failure) and seconds."""
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    torch.set_num_threads(1)
-    patch_triton_interpreter()
-    results = {}
-    for name in names or list(CHECKS):
-        check, kwargs = CHECKS[name]
-        start = time.perf_counter()
-        try:
-            check(device="cpu", **kwargs)
-            outcome = "ok"
-        except Exception:  # every failure is reported by name, the others still run
-            outcome = traceback.format_exc(limit=-3)
-        results[name] = {"outcome": outcome, "seconds": round(time.perf_counter() - start, 2)}
-    print(json.dumps(results))
-    return 0
+    return run_checks(CHECKS, names)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,13 @@ naming what differed.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import sys
-import time
-import traceback
 from dataclasses import dataclass
 
 import torch
+
+from tests.triton_interpreter import run_checks
 
 
 @dataclass(frozen=True)
@@ -282,55 +280,8 @@ CHECKS = {
 }
 
 
-def patch_triton_interpreter() -> None:
-    """Two faults of triton 3.6's interpreter, fixed here for this process only:
-    - it turns a loop bound into an int with int() on a 1-element array, which numpy 2.4 refuses
-      (triton-lang/triton#9171; the fix upstream squeezes first);
-    - tl.dot multiplies bf16 operands as their raw uint16 bits; widen them to fp32 first (exact).
-    """
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched_tensor
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def widen(x):
-        if x.dtype == tl.bfloat16:
-            return interpreter.TensorHandle(
-                (x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return x
-
-    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    interpreter.InterpreterBuilder.create_dot = patched_dot
-
-
 def main(names: list[str]) -> int:
-    """Run the named checks (all by default) on CPU tensors under the Triton interpreter; print
-    one JSON line: name -> "ok" or the failure, with each check's seconds."""
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    torch.set_num_threads(1)
-    patch_triton_interpreter()
-    results = {}
-    for name in names or list(CHECKS):
-        check, kwargs = CHECKS[name]
-        start = time.perf_counter()
-        try:
-            check(device="cpu", **kwargs)
-            outcome = "ok"
-        except Exception:  # every failure is reported by name, the others still run
-            outcome = traceback.format_exc(limit=-3)
-        results[name] = {"outcome": outcome, "seconds": round(time.perf_counter() - start, 2)}
-    print(json.dumps(results))
-    return 0
+    return run_checks(CHECKS, names)
 
 
 if __name__ == "__main__":
