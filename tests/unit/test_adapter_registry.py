@@ -20,27 +20,9 @@ from safetensors.numpy import load_file, save_file
 
 from lorad.config.adapters import TARGET_MODULES, AdapterArg, load_adapter, load_registry
 from lorad.config.errors import ConfigError
-from lorad.config.model import ModelConfig
 from tests.adapter_folders import CONFIG, WEIGHTS, edit_config, edit_tensors, raw_parts, write_raw
-from tests.tiny_adapters import make_peft_adapter
-from tests.tiny_models import make_tiny_llama
 
 Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("base"), with_tokenizer=False)
-
-
-@pytest.fixture(scope="module")
-def model(base_dir) -> ModelConfig:
-    return ModelConfig.from_dir(base_dir)
-
-
-@pytest.fixture(scope="module")
-def good_dir(base_dir, tmp_path_factory) -> Path:
-    return make_peft_adapter(base_dir, tmp_path_factory.mktemp("good") / "sql", r=4, lora_alpha=8)
 
 
 @pytest.fixture
