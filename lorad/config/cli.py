@@ -91,10 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scheduler_flags(parser.add_argument_group("scheduler and KV cache"))
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default="127.0.0.1",
-                      help="address to listen on; anything but loopback exposes the API, which "
-                           "has no authentication (default: %(default)s)")
+                      help="address to listen on; anything but loopback exposes the API: give "
+                           "it an --api-key-file (default: %(default)s)")
     http.add_argument("--port", type=port_number, default=8000,
                       help="TCP port to listen on (default: %(default)s)")
+    auth = http.add_mutually_exclusive_group()
+    auth.add_argument("--api-key-file", metavar="FILE",
+                      help="every route but /health and /ready then needs 'Authorization: "
+                           "Bearer KEY', KEY being the file's first line")
+    auth.add_argument("--api-key", metavar="KEY",
+                      help="the same with the key on the command line (other local users can "
+                           "see it in the process list; prefer --api-key-file)")
     proc = parser.add_argument_group("process")
     proc.add_argument("--runtime-dir", metavar="DIR",
                       help="parent of the private per-instance socket folder "
@@ -209,6 +216,7 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     name = args.name if args.name is not None else Path(args.model).resolve().name
     try:
         adapters = _adapter_args(args.adapter, args.adapter_strength)
+        api_key = _read_api_key(args.api_key_file) if args.api_key_file else args.api_key
         return ServeConfig(
             model_dir=args.model, served_name=name, parallel=args.parallel, host=args.host,
             port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
@@ -217,6 +225,15 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,
             num_threads=args.threads, runtime_dir=args.runtime_dir,
-            startup_timeout=args.startup_timeout, log_level=args.log_level, adapters=adapters)
+            startup_timeout=args.startup_timeout, log_level=args.log_level, adapters=adapters,
+            api_key=api_key)
     except ConfigError as exc:
         parser.error(str(exc))
+
+
+def _read_api_key(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--api-key-file {path}: cannot read it: {exc}") from None

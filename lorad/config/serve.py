@@ -59,6 +59,7 @@ class ServeConfig:
     startup_timeout: float = 600.0
     log_level: str = "info"
     adapters: tuple[AdapterArg, ...] = ()  # command-line order = slots 1..K
+    api_key: str | None = field(default=None, repr=False)  # never printed with the config
 
     def __post_init__(self) -> None:
         if not self.served_name or any(c.isspace() for c in self.served_name):
@@ -84,6 +85,10 @@ class ServeConfig:
             raise ConfigError(f"--startup-timeout must be a positive number of seconds, "
                               f"got {self.startup_timeout!r}")
         _choice("--log-level", self.log_level, ("debug", "info", "warning", "error"))
+        if self.api_key is not None and (len(self.api_key) < 16 or not self.api_key.isprintable()
+                                         or any(c.isspace() for c in self.api_key)):
+            raise ConfigError("--api-key must be at least 16 printable characters without "
+                              "spaces")
         check_adapter_args(self.adapters, reserved_names=(self.served_name,))
 
 

@@ -13,7 +13,7 @@ from aiohttp import web
 
 log = logging.getLogger("lorad.http")
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
           503: "service_unavailable"}
 

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from lorad.config.adapters import AdapterSpec
 from lorad.daemon.engine_client import EngineClient
+from lorad.daemon.auth import auth_middleware
 from lorad.daemon.errors import bad_request, error_middleware, error_response
 from lorad.daemon.generation import GenerationError, generate
 from lorad.daemon.model_ids import ModelChoice, choose, model_cards
@@ -52,8 +53,10 @@ class AppState:
 STATE = web.AppKey("lorad_state", AppState)
 
 
-def build_app(state: AppState) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+def build_app(state: AppState, api_key: str | None = None) -> web.Application:
+    # The key check runs first: an unauthenticated request never reaches a handler.
+    middlewares = ([auth_middleware(api_key)] if api_key else []) + [error_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)

@@ -137,7 +137,7 @@ async def _stop(state: AppState, runner: web.AppRunner, supervisor: Supervisor,
 async def _start_http(state: AppState, config: ServeConfig) -> web.AppRunner | None:
     # handler_cancellation: a client that hangs up cancels its handler, which cancels the
     # sequence even while it is still waiting for its first token.
-    runner = web.AppRunner(build_app(state), handler_cancellation=True,
+    runner = web.AppRunner(build_app(state, config.api_key), handler_cancellation=True,
                            shutdown_timeout=HTTP_DRAIN_S)
     await runner.setup()
     try:
@@ -146,7 +146,7 @@ async def _start_http(state: AppState, config: ServeConfig) -> web.AppRunner | N
         log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
         await runner.cleanup()
         return None
-    if not _is_loopback(config.host):
+    if not _is_loopback(config.host) and config.api_key is None:
         log.warning("listening on %s: the API is reachable from other machines and has no "
                     "authentication", config.host)
     return runner
