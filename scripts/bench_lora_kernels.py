@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ import triton  # noqa: E402
 from lorad.workers.kernels import lora_expand as expand  # noqa: E402
 from lorad.workers.kernels import lora_shrink as shrink  # noqa: E402
 from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles  # noqa: E402
+from bench_engine import time_cuda  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
 HIDDEN, INTERMEDIATE, RANK, NUM_ADAPTERS = 4096, 14336, 16, 64
 # Launch groups of one layer: (input features, output features of each table sharing x).
@@ -99,21 +99,7 @@ def time_graph(fn, replays: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return time_calls(graph.replay, replays)
-
-
-def time_calls(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return time_cuda(graph.replay, replays, warmup=3)
 
 
 def mixtures(num_rows: int) -> dict[str, list[int]]:
@@ -135,7 +121,7 @@ def bench(layers, ranks, scales, batches, shrink_config, expand_config, eager: b
 
             graph_exact = time_graph(lambda: step(exact))
             graph_any = time_graph(lambda: step(num_rows))
-            eager_s = time_calls(lambda: step(exact), 5) if eager else float("nan")
+            eager_s = time_cuda(lambda: step(exact), 5, warmup=3) if eager else float("nan")
             moved = step_bytes(len(layers), num_rows, len(set(slots)))
             rows.append((num_rows, mixture, graph_exact, graph_any, eager_s, moved))
     return rows

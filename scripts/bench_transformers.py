@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import cpu_name  # scripts/ is on sys.path as the script's folder
+
 PROMPT_ID_RANGE = (100, 1000)  # as bench.py draws its random prompts
 
 
@@ -25,17 +27,6 @@ def default_model_dir() -> Path:
         return Path(explicit).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(cache) / "lorad" / "SmolLM2-135M-Instruct"
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:
