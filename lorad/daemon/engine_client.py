@@ -52,6 +52,18 @@ class EngineFacts:
     registry_digest: str
 
 
+@dataclass(frozen=True)
+class RankState:
+    """What /health, /ready and /metrics show for one rank."""
+
+    rank: int
+    state: str  # "starting", "serving", "stalled", "exited" or "failed"
+    steps: int  # loop rounds the rank has completed (idle rounds included)
+    kv_blocks_used: int
+    kv_blocks_free: int
+    seconds_since_report: float  # since the coordinator last heard from this rank
+
+
 @dataclass
 class EngineLoad:
     """The leader's latest report (from its last StepResult)."""
@@ -169,6 +181,16 @@ class EngineClient:
         self._pull.close(linger=0)
         self._sync_ctx.term()
 
+    def rank_states(self) -> list[RankState]:
+        """One entry per rank. For now every rank is described by the leader's last report;
+        per-rank reports replace this (issue 5)."""
+        if self.facts is None:
+            return []
+        state = "failed" if self.failure.done() else "serving"
+        used = self.facts.num_kv_blocks - self.load.num_free_blocks
+        return [RankState(rank, state, 0, used, self.load.num_free_blocks, 0.0)
+                for rank in range(self.facts.num_ranks)]
+
     @property
     def num_open_requests(self) -> int:
         return len(self._queues)
@@ -226,4 +248,5 @@ def _agree(ready: dict[int, Ready]) -> EngineFacts:
     return EngineFacts(len(ready), first.num_kv_blocks, first.block_size, first.registry_digest)
 
 
-__all__ = ["EngineClient", "EngineDead", "EngineFacts", "RequestFailed", "StartupError"]
+__all__ = ["EngineClient", "EngineDead", "EngineFacts", "RankState", "RequestFailed",
+           "StartupError"]
