@@ -234,7 +234,7 @@ def kill_leftovers(pids: list[int]) -> None:
 
 
 def device_flags(args) -> list[str]:
-    flags = ["--parallel", "2", "--device", args.device, "--dist-backend", args.backend,
+    flags = ["--parallel", str(args.parallel), "--device", args.device, "--dist-backend", args.backend,
              "--dtype", args.dtype, "--kv-cache-blocks", "512", "--max-num-seqs", "48",
              "--startup-timeout", str(int(args.startup_timeout))]
     if args.device == "cpu":
@@ -242,10 +242,13 @@ def device_flags(args) -> list[str]:
     return flags
 
 
-def make_model_and_adapters(root: Path) -> tuple[Path, dict[str, Path]]:
+def make_model_and_adapters(root: Path, parallel: int = 2) -> tuple[Path, dict[str, Path]]:
     from tests.tiny_adapters import make_peft_adapter
     from tests.tiny_models import make_tiny_llama
-    model = make_tiny_llama(root / "tiny", max_position_embeddings=2048)
+    # Whole KV heads per rank: at least one per rank, two query heads each.
+    kv_heads = max(2, parallel)
+    model = make_tiny_llama(root / "tiny", max_position_embeddings=2048,
+                            num_attention_heads=2 * kv_heads, num_key_value_heads=kv_heads)
     adapters = {"a": make_peft_adapter(model, root / "a", r=4, seed=1),
                 "b": make_peft_adapter(model, root / "b", r=8, lora_alpha=8, seed=2,
                                        target_modules=("q_proj", "v_proj", "o_proj",
@@ -277,27 +280,30 @@ def post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
 
 def cmd_serve(args) -> int:
     root = Path(args.work)
-    model, adapters = make_model_and_adapters(root)
+    model, adapters = make_model_and_adapters(root, args.parallel)
     daemon = Daemon(model, device_flags(args) + adapter_flags(adapters), root / "serve.log")
     pids: list[int] = []
     try:
         problem = daemon.wait_healthy(args.startup_timeout)
-        if not check("serve: daemon --parallel 2 starts (registry agreement) and is healthy",
-                     problem is None, problem or f"{time.monotonic() - daemon.started:.1f} s"):
+        if not check(f"serve: daemon --parallel {args.parallel} starts (registry agreement) "
+                     "and is healthy", problem is None, problem or f"{time.monotonic() - daemon.started:.1f} s"):
             return finish()
         pids = daemon.worker_pids()
         health = daemon.health()
-        check("serve: /health reports 2 ranks and both adapters",
-              health.get("ranks") == 2 and len(health.get("adapters", [])) == 2,
+        ranks = health.get("ranks")
+        num_ranks = len(ranks) if isinstance(ranks, list) else ranks
+        check(f"serve: /health reports {args.parallel} ranks and both adapters",
+              num_ranks == args.parallel and len(health.get("adapters", [])) == 2,
               json.dumps({k: health.get(k) for k in ("ranks", "adapters", "kv_blocks")})[:400])
         log = daemon.log()
-        for needle in (f"backend {args.backend}", "world size 2"):
+        for needle in (f"backend {args.backend}", f"world size {args.parallel}"):
             check(f"serve: worker log says {needle!r}", needle in log)
         cmd = [sys.executable, str(REPO / "scripts/adapter_mix.py"), "--url", daemon.url,
                "--models", "tiny,a,b", "--max-tokens", "32", "--ignore-eos", "--timeout", "60"]
         mix = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         print(mix.stdout + mix.stderr, flush=True)
-        check("serve: adapter_mix burst equals solo runs (--parallel 2)", mix.returncode == 0,
+        check(f"serve: adapter_mix burst equals solo runs (--parallel {args.parallel})",
+              mix.returncode == 0,
               f"exit {mix.returncode}")
         code = daemon.stop()
         check("serve: SIGTERM exits 0", code == 0, f"exit {code}")
@@ -439,7 +445,7 @@ def fault_case(args, name: str, model: Path, adapters, log_path: Path, inject,
 
 def cmd_faults(args) -> int:
     root = Path(args.work)
-    model, adapters = make_model_and_adapters(root)
+    model, adapters = make_model_and_adapters(root, args.parallel)
     for rank in args.kill_ranks:
         fault_case(args, f"kill -9 rank {rank}", model, adapters, root / f"kill{rank}.log",
                    lambda pids, r=rank: os.kill(pids[r], signal.SIGKILL))
@@ -510,6 +516,13 @@ def cmd_rank(args) -> int:
     load_s = time.monotonic() - t0
     out = {"world": args.world, "rank": args.rank, "load_s": load_s, "rows": [],
            "layers": config.num_hidden_layers}
+    graphs = None
+    if cuda and not args.eager_only:
+        from lorad.workers.cuda_graph import DecodeGraphs
+        # NCCL collectives inside the graphs; gloo's between graph segments (as the engine does).
+        graphs = DecodeGraphs(model, max(batches), blocks_per_seq * block, block, 0,
+                              segmented=args.world > 1 and args.backend == "gloo")
+        graphs.capture()
     hidden, layers = config.hidden_size, config.num_hidden_layers
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -530,6 +543,19 @@ def cmd_rank(args) -> int:
                 logits.argmax(-1).tolist()  # the leader's host sync each step
                 step_s.append(time.perf_counter() - start)
             step = statistics.median(step_s[args.warmup:])
+            graph_step = None
+            if graphs is not None:
+                graph_s = []
+                for step_i in range(args.warmup + args.steps):
+                    pos = args.context + step_i
+                    chunks = [([5], pos, tables[i][:pos // block + 1], True, 0)
+                              for i in range(batch)]
+                    if tp.world_size > 1:
+                        dist.barrier(group=tp.cpu_group)
+                    start = time.perf_counter()
+                    graphs.run(chunks).argmax(-1).tolist()
+                    graph_s.append(time.perf_counter() - start)
+                graph_step = statistics.median(graph_s[args.warmup:])
             # The step's collectives alone: 2 all-reduces per layer + the embedding's one of
             # [rows, hidden] in the model dtype, and the logits' all-gather of [batch, vocab/N].
             rows = max(batch, MIN_ROWS)
@@ -559,7 +585,7 @@ def cmd_rank(args) -> int:
                         times.append(time.perf_counter() - start)
                     comm[name] = statistics.median(times)
             out["rows"].append({"batch": batch, "step_s": step, "min_step_s": min(step_s),
-                                **comm})
+                                "graph_step_s": graph_step, **comm})
     Path(args.out).write_text(json.dumps(out))
     print(f"rank {args.rank}/{args.world} done: {json.dumps(out)}", flush=True)
     if tp.world_size > 1:
@@ -574,7 +600,11 @@ def cmd_rank(args) -> int:
 def cmd_bench(args) -> int:
     root = Path(args.work)
     rows = {}
-    for world in (1, 2):
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if max(worlds) > 1 and args.device == "cuda" and args.backend == "nccl":
+        import torch
+        worlds = [w for w in worlds if w <= torch.cuda.device_count()]
+    for world in worlds:
         procs = []
         env = {**os.environ, "OMP_NUM_THREADS": "4"}
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -584,7 +614,8 @@ def cmd_bench(args) -> int:
                    str(root / f"bench{world}.rank{rank}.json"), "--config", args.config,
                    "--device", args.device, "--backend", args.backend, "--dtype", args.dtype,
                    "--batches", args.batches, "--context", str(args.context),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                   "--steps", str(args.steps), "--warmup", str(args.warmup)] + (
+                       ["--eager-only"] if args.eager_only else [])
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
         ok = True
@@ -603,24 +634,28 @@ def cmd_bench(args) -> int:
             rows[world] = json.loads((root / f"bench{world}.rank0.json").read_text())
     if not rows:
         return finish()
-    print(f"\n8B-shape decode, eager, {args.dtype}, random weights, context {args.context}, "
+    print(f"\n8B-shape decode, {args.dtype}, random weights, context {args.context}, "
           f"median of {args.steps} steps (rank 0, host-synced step incl. batch build + argmax); "
           f"collectives alone: {2 * rows[max(rows)]['layers'] + 1} all-reduces of [max(batch, 8), hidden] + the logits "
           "all-gather, timed in a loop on the same ranks.\n")
-    table = ["| world | batch | step ms | tok/s | collectives alone ms | all-reduce share | "
-             "fp32 all-reduces ms |", "|---|---|---|---|---|---|---|"]
+    table = ["| world | batch | eager step ms | graph step ms | graph tok/s | collectives "
+             "alone ms (eager) | all-reduce share of eager step | scaling efficiency (graphs) |",
+             "|---|---|---|---|---|---|---|---|"]
+    base = {r["batch"]: r for r in rows.get(1, {"rows": []})["rows"]}
     for world, data in sorted(rows.items()):
         for r in data["rows"]:
-            comm, fp32 = r.get("ar_model_dtype"), r.get("ar_fp32")
+            comm = r.get("ar_model_dtype")
             share = f"{100 * comm / r['step_s']:.0f}%" if comm else "-"
+            graph = r.get("graph_step_s")
+            best = graph or r["step_s"]
+            one = base.get(r["batch"])
+            one_best = one and (one.get("graph_step_s") or one["step_s"])
+            # Speed-up over world 1 divided by the world size (1.0 = linear scaling).
+            eff = f"{one_best / best / world:.2f}" if one_best and world > 1 else "-"
             table.append(f"| {world} | {r['batch']} | {1e3 * r['step_s']:.2f} | "
-                         f"{r['batch'] / r['step_s']:.0f} | "
-                         f"{f'{1e3 * comm:.2f}' if comm else '-'} | {share} | "
-                         f"{f'{1e3 * fp32:.2f}' if fp32 else '-'} |")
-    if 1 in rows and 2 in rows:
-        for r1, r2 in zip(rows[1]["rows"], rows[2]["rows"]):
-            print(f"batch {r1['batch']}: world 2 step / world 1 step = "
-                  f"{r2['step_s'] / r1['step_s']:.2f}")
+                         f"{f'{1e3 * graph:.2f}' if graph else '-'} | "
+                         f"{r['batch'] / best:.0f} | "
+                         f"{f'{1e3 * comm:.2f}' if comm else '-'} | {share} | {eff} |")
     text = "\n".join(table)
     print(text)
     if args.table_out:
@@ -654,9 +689,13 @@ def main() -> int:
         sp.add_argument("--stream-tokens", type=int, default=1500)
         sp.add_argument("--kill-ranks", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 0])
+        sp.add_argument("--parallel", type=int, default=2, help="ranks of the daemon")
     bp = common(sub.add_parser("bench"))
+    bp.add_argument("--worlds", default="1,2,4",
+                    help="world sizes to run (NCCL: those above the GPU count are skipped)")
     rp = sub.add_parser("rank")
     for sp in (bp, rp):
+        sp.add_argument("--eager-only", action="store_true", help="no CUDA graphs")
         sp.add_argument("--config", default=str(REPO / "scripts/configs/llama3-8b"))
         sp.add_argument("--dtype", default="bfloat16")
         sp.add_argument("--batches", default="1,32")

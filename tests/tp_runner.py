@@ -4,11 +4,14 @@
                               [--backend gloo|nccl] [--device cpu|cuda]
 
 SPEC.json: {"models": [{"name", "dir", "dtype", "num_blocks", "block_size",
-"scenarios": {name: [step, ...]}[, "adapters": [{"name", "path", "strength"}, ...]]}]}, a step
+"scenarios": {name: [step, ...]}[, "adapters": [{"name", "path", "strength"}, ...]]
+[, "graphs": {"max_num_seqs", "max_model_len"}]}]}, a step
 being a list of chunks [token_ids, start_position, block_table, wants_sample, adapter_slot]
 (ForwardBatch.build's). Adapters take slots 1..K in list order, through lorad's load_adapter.
 Each rank writes DIR/<model>.rank<R>.safetensors with one tensor "<scenario>.<step>" per step:
-that step's [num_sampled, vocab_size] float32 logits. Tensors travel as safetensors, never pickle.
+that step's [num_sampled, vocab_size] float32 logits. With "graphs" (CUDA), decode steps replay
+the decode CUDA graphs (in segments over gloo) and "<scenario>.<step>.eager" holds the same
+padded step run eagerly. Tensors travel as safetensors, never pickle.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lorad.config import ModelConfig  # noqa: E402
 from lorad.config.adapters import AdapterArg, load_adapter  # noqa: E402
 from lorad.workers.batch import ForwardBatch  # noqa: E402
+from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
 from lorad.workers.models import MODEL_CLASSES  # noqa: E402
 from lorad.workers.parallel import init_tensor_parallel  # noqa: E402
 
@@ -43,10 +47,24 @@ def run_model(entry: dict, tp, out_dir: Path) -> None:
     model.load_adapters(tuple(load_adapter(arg, slot, config)
                               for slot, arg in enumerate(args, start=1)))
     model.allocate_kv_cache(entry["num_blocks"], entry["block_size"])
+    graphs = padded = None
+    if "graphs" in entry:  # {"max_num_seqs", "max_model_len"}: decode steps replay CUDA graphs
+        opts = (entry["graphs"]["max_num_seqs"], entry["graphs"]["max_model_len"],
+                entry["block_size"], len(args))
+        segmented = tp.world_size > 1 and tp.backend == "gloo"
+        graphs = DecodeGraphs(model, *opts, segmented=segmented)
+        graphs.capture()
+        padded = DecodeGraphs(model, *opts)  # never captured: the same padded step, eagerly
     outputs = {}
     for scenario, steps in entry["scenarios"].items():
         for i, chunks in enumerate(steps):
-            batch = ForwardBatch.build([tuple(c) for c in chunks], entry["block_size"], tp.device)
+            chunks = [tuple(c) for c in chunks]
+            if graphs is not None and graphs.can_run(chunks):
+                # The eager run first: the replay then rewrites the same KV with its own.
+                outputs[f"{scenario}.{i}.eager"] = padded.run(chunks).cpu().contiguous()
+                outputs[f"{scenario}.{i}"] = graphs.run(chunks).cpu().contiguous()
+                continue
+            batch = ForwardBatch.build(chunks, entry["block_size"], tp.device)
             outputs[f"{scenario}.{i}"] = model(batch).cpu().contiguous()
     save_file(outputs, str(out_dir / f"{entry['name']}.rank{tp.rank}.safetensors"))
 

@@ -1,7 +1,7 @@
 """Running Triton kernel checks on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
 
 The check modules (lora_kernel_checks.py, paged_attention_checks.py) run in a subprocess through
-`run_checks`, so the interpreter setting never leaks into other tests. Two faults of triton 3.6's
+`run_checks`, so the interpreter setting never leaks into other tests. Three faults of triton 3.6's
 interpreter are patched for that process only.
 """
 
@@ -16,7 +16,8 @@ import traceback
 def patch_triton_interpreter() -> None:
     """- it turns a loop bound into an int with int() on a 1-element array, which numpy 2.4
       refuses (triton-lang/triton#9171; the fix upstream squeezes first);
-    - tl.dot multiplies bf16 operands as their raw uint16 bits; widen them to fp32 first (exact).
+    - tl.dot multiplies bf16 operands as their raw uint16 bits; widen them to fp32 first (exact);
+    - fp32 -> bf16 casts truncate, where the GPU rounds to nearest even; round as torch does.
     """
     import numpy as np
     import triton.language as tl
@@ -41,6 +42,17 @@ def patch_triton_interpreter() -> None:
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     interpreter.InterpreterBuilder.create_dot = patched_dot
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+    def patched_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            import torch
+            wide = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits, tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = patched_cast
 
 
 def run_checks(checks: dict, names: list[str]) -> int:
@@ -63,3 +75,21 @@ def run_checks(checks: dict, names: list[str]) -> int:
         results[name] = {"outcome": outcome, "seconds": round(time.perf_counter() - start, 2)}
     print(json.dumps(results))
     return 0
+
+
+def interpret_in_subprocess(module: str, timeout_s: float = 600) -> dict[str, dict]:
+    """Run `python -m module` (a check module calling run_checks) with TRITON_INTERPRET=1 and
+    one thread, from the repository root; -> its results by check name. Raises AssertionError
+    with the subprocess's stderr when it did not report."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", module], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise AssertionError(f"the interpreter run of {module} failed (exit {proc.returncode}):"
+                             f"\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

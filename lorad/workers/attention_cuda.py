@@ -1,7 +1,7 @@
 """Paged attention on CUDA: the Triton kernels, driven by the ForwardBatch's tensors alone.
 
-A decode step (one token per sequence) writes K/V with the sync-free write kernel and runs the
-split-KV decode kernel. It reads only batch tensors and shapes, so it can be captured in a CUDA
+A decode step (one token per sequence) writes K/V with the sync-free write kernel (or the model's
+fused rotary kernel has, and calls attend_cuda) and runs the split-KV decode kernel. It reads only batch tensors and shapes, so it can be captured in a CUDA
 graph and replayed with new contents. Mixed and prefill steps run the varlen prefill kernel,
 eagerly. The per-sequence path in attention.py is what both are tested against.
 """
@@ -42,9 +42,17 @@ def paged_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cach
                          ctx: CudaAttentionContext, scale: float) -> torch.Tensor:
     """q: [num_rows, q_heads, head_dim]; k, v: [num_rows, kv_heads, head_dim]
     -> [num_rows, q_heads * head_dim], zero on padding rows."""
+    write_kv(k, v, ctx.slot_mapping, cache.k, cache.v)
+    return attend_cuda(q, cache, ctx, scale)
+
+
+def attend_cuda(q: torch.Tensor, cache: PagedKVCache, ctx: CudaAttentionContext,
+                scale: float) -> torch.Tensor:
+    """The attention alone, the step's K/V being in the cache already (the model's fused rotary
+    kernel writes them). q: [num_rows, q_heads, head_dim] -> [num_rows, q_heads * head_dim],
+    zero on padding rows."""
     num_rows, num_q_heads, head_dim = q.shape
     num_seqs = ctx.context_lens.shape[0]
-    write_kv(k, v, ctx.slot_mapping, cache.k, cache.v)
     if not ctx.is_decode:
         return paged_prefill_attention(q, cache.k, cache.v, ctx.block_tables, ctx.context_lens,
                                        ctx.query_starts, ctx.max_query_len, scale)

@@ -4,9 +4,12 @@ A decode step (every sequence runs one token and samples it) of at most the larg
 sequences replays the graph of the smallest bucket that holds it. The step's inputs are copied
 into static buffers; the bucket's spare sequences and rows are padding (token 0, KV slot -1 so
 nothing is written, adapter slot 0, context length 0) and their logits are dropped. Each row's
-adapter slot is an input, so one graph serves any mixture of adapters. Used at world size 1 only:
-graphs here never contain a collective, so with several ranks every step runs eagerly. Prefill
-and mixed steps always run eagerly. Without a capture (the CPU, tests) `run` executes the same
+adapter slot is an input, so one graph serves any mixture of adapters. Prefill and mixed steps
+always run eagerly.
+
+With several ranks over NCCL the collectives are captured inside the graph. Over gloo they
+cannot be (gloo reduces host memory), so the step is captured in segments that end at each
+collective (SegmentedGraph): a replay runs segment, collective, segment... on the same stream. Without a capture (the CPU, tests) `run` executes the same
 padded step eagerly.
 
 With adapters loaded, each bucket has two graphs: one that launches the LoRA kernels for any
@@ -110,12 +113,59 @@ class DecodeInputs:
         return step.seqs + [SeqChunk(i, 1, 0, [], 0) for i in range(num_seqs, bucket)]
 
 
+class SegmentedGraph:
+    """One step as CUDA graphs that end at each collective, the collectives run eagerly between
+    their replays. Captured by running the step once with `tp.segmenter` set to this object:
+    the model's collectives call `collective`, which closes the current segment, and reopen the
+    next. All segments share one memory pool and replay in capture order, so a tensor a segment
+    leaves for a later one (the collective's input, held by its closure) stays where it was."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+        self._parts: list = []  # CUDAGraph segments and collective callables, in order
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=self._pool)
+
+    def end(self) -> None:
+        assert self._graph is not None
+        graph, self._graph = self._graph, None
+        graph.capture_end()
+        self._parts.append(graph)
+
+    def collective(self, run) -> torch.Tensor:
+        """Called by TensorParallel in place of a collective during the capture: -> the static
+        tensor that holds run()'s result after each replay of the segment before it."""
+        self.end()
+        # Once now, eagerly, on whatever the buffers hold (every rank captures the same
+        # collectives in the same order): it gives the output its memory, outside the pool.
+        out = run()
+        self._parts.append(lambda: out.copy_(run()))
+        self.begin()
+        return out
+
+    @property
+    def num_segments(self) -> int:
+        return sum(isinstance(part, torch.cuda.CUDAGraph) for part in self._parts)
+
+    def replay(self) -> None:
+        for part in self._parts:
+            if isinstance(part, torch.cuda.CUDAGraph):
+                part.replay()
+            else:
+                part()
+
+
 class DecodeGraphs:
     """Decode steps of `model` through per-bucket CUDA graphs (after `capture()`)."""
 
     def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int,
-                 num_adapters: int) -> None:
+                 num_adapters: int, segmented: bool = False) -> None:
+        """segmented: capture each step as a SegmentedGraph (collectives outside the graphs)."""
         self.model = model
+        self.segmented = segmented
         self.buckets = bucket_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -123,7 +173,7 @@ class DecodeGraphs:
         self.inputs = DecodeInputs(max_num_seqs, self.max_blocks_per_seq, block_size,
                                    model.device)
         # (bucket, with_lora) -> its graph, and the static [bucket, vocab] fp32 logits it writes
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph | SegmentedGraph] = {}
         self._logits: dict[tuple[int, bool], torch.Tensor] = {}
 
     @property
@@ -133,7 +183,8 @@ class DecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def graph_for(self, num_seqs: int, with_lora: bool) -> torch.cuda.CUDAGraph | None:
+    def graph_for(self, num_seqs: int,
+                  with_lora: bool) -> torch.cuda.CUDAGraph | SegmentedGraph | None:
         """The captured graph a step of num_seqs sequences replays (benchmarks time it)."""
         return self._graphs.get((self.bucket_for(num_seqs), with_lora and self.num_adapters > 0))
 
@@ -177,11 +228,14 @@ class DecodeGraphs:
                     for _ in range(NUM_WARMUP):
                         self.model.forward(batch, lora_launch_always=with_lora)
                 torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    # [bucket, vocab] fp32. With LoRA, the kernels launch for every edited
-                    # projection whatever the captured slots; without, nothing LoRA is recorded.
-                    logits = self.model.forward(batch, lora_launch_always=with_lora)
+                # [bucket, vocab] fp32. With LoRA, the kernels launch for every edited
+                # projection whatever the captured slots; without, nothing LoRA is recorded.
+                if self.segmented:
+                    graph, logits = self._capture_segmented(batch, with_lora, pool, stream)
+                else:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        logits = self.model.forward(batch, lora_launch_always=with_lora)
             except RuntimeError as exc:
                 raise RuntimeError(f"capturing the CUDA graph of decode steps of {bucket} "
                                    f"sequences failed ({exc}); --enforce-eager runs without "
@@ -190,8 +244,27 @@ class DecodeGraphs:
             self._logits[bucket, with_lora] = logits
         torch.cuda.synchronize(self.model.device)
         free_after, _ = torch.cuda.mem_get_info(self.model.device)
-        log.info("captured CUDA graphs of decode steps for %s sequences in %.1fs (%.0f MiB)",
-                 self.buckets, time.monotonic() - start, (free_before - free_after) / 2**20)
+        segments = ""
+        if self.segmented:
+            counts = sorted({g.num_segments for g in self._graphs.values()})
+            segments = f", {'/'.join(map(str, counts))} segments each, collectives between"
+        log.info("captured CUDA graphs of decode steps for %s sequences in %.1fs (%.0f MiB%s)",
+                 self.buckets, time.monotonic() - start, (free_before - free_after) / 2**20,
+                 segments)
+
+    def _capture_segmented(self, batch: ForwardBatch, with_lora: bool, pool,
+                           stream: torch.cuda.Stream) -> tuple[SegmentedGraph, torch.Tensor]:
+        graph = SegmentedGraph(pool)
+        tp = self.model.tp
+        with torch.cuda.stream(stream):
+            graph.begin()
+            tp.segmenter = graph
+            try:
+                logits = self.model.forward(batch, lora_launch_always=with_lora)
+            finally:
+                tp.segmenter = None
+                graph.end()  # never leave the stream capturing, even after a failure
+        return graph, logits
 
     def _capture_seqs(self, bucket: int, with_lora: bool) -> list[SeqChunk]:
         """What a captured step's sequences look like to code that reads Python metadata: the

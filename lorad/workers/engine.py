@@ -134,13 +134,10 @@ def _capture_decode_graphs(cfg: WorkerConfig, model: LlamaForCausalLM, tp: Tenso
                            num_adapters: int) -> DecodeGraphs | None:
     if tp.device.type != "cuda" or cfg.enforce_eager:
         return None
-    if tp.world_size > 1:
-        # A graph would have to end at every collective (gloo cannot run inside one, and NCCL
-        # capture is not relied on here); until per-segment graphs exist, such steps run eagerly.
-        log.info("CUDA graphs are off at world size %d: every step runs eagerly", tp.world_size)
-        return None
+    # NCCL collectives are captured inside the graphs; gloo's run between graph segments.
+    segmented = tp.world_size > 1 and tp.backend == "gloo"
     graphs = DecodeGraphs(model, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
-                          num_adapters)
+                          num_adapters, segmented=segmented)
     graphs.capture()
     return graphs
 

@@ -1,14 +1,27 @@
-"""The small layers that need no sharding: RMSNorm and the SwiGLU activation.
+"""The small layers that need no sharding: RMSNorm (with the residual add before it) and the
+SwiGLU activation.
 
-Both are row-wise, and both are written so a row's bits do not depend on its neighbours.
+Both are row-wise, and both are written so a row's bits do not depend on its neighbours. On CUDA
+with triton they run as fused kernels (kernels/fused_ops.py); the torch code here is the CPU path
+and the reference those kernels are tested against.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 from torch import nn
 
 from lorad.workers.linear import load_replicated
+
+# Triton is the `gpu` extra; without it a CUDA device runs the torch code below.
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def fused_kernels(x: torch.Tensor) -> bool:
+    """Whether the step runs lorad's fused Triton kernels (CUDA with triton) or torch ops."""
+    return x.is_cuda and _HAVE_TRITON
 
 
 class RMSNorm(nn.Module):
@@ -31,9 +44,25 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(input_dtype)
 
+    def add_and_norm(self, delta: torch.Tensor,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden, normed): the residual stream with a layer's output added in the model
+        dtype (`residual + delta.to(dtype)`, or delta alone when residual is None), and its norm.
+        delta: [num_rows, hidden_size], fp32 (a row-parallel sum) or the model dtype. On CUDA
+        the residual is updated in place."""
+        if fused_kernels(delta):
+            from lorad.workers.kernels.fused_ops import add_rms_norm
+            return add_rms_norm(delta, residual, self.weight, self.eps)
+        dtype = self.weight.dtype
+        hidden = delta.to(dtype) if residual is None else residual + delta.to(dtype)
+        return hidden, self(hidden)
+
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, with silu in fp32 as x / (1 + exp(-x))."""
+    if fused_kernels(gate):
+        from lorad.workers.kernels.fused_ops import silu_and_mul as fused_silu_and_mul
+        return fused_silu_and_mul(gate, up)
     # On the CPU, F.silu (fp32) takes a scalar path for a tensor's last few elements that gives
     # other bits than its vector path, so a row's result would depend on the batch's length.
     # exp, add and divide give the same bits on both paths (measured, torch 2.13).

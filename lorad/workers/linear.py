@@ -31,15 +31,20 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T for rows [out_start, out_end) of W: each rank a slice of the outputs."""
 
     def __init__(self, in_features: int, out_features: int, out_range: tuple[int, int],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 storage: torch.Tensor | None = None) -> None:
+        """storage: rows of a larger weight the model multiplies at once (q/k/v, gate/up) that
+        this layer's weight is to live in; its own tensor when None."""
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features  # the full, unsplit size
         self.out_start, self.out_end = out_range
         num_local = self.out_end - self.out_start
-        # [out_end - out_start, in_features]
-        self.weight = nn.Parameter(torch.empty(num_local, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
+        if storage is None:
+            storage = torch.empty(num_local, in_features, dtype=dtype, device=device)
+        assert storage.shape == (num_local, in_features) and storage.dtype == dtype
+        # [out_end - out_start, in_features]; a view of `storage`, so loading fills it
+        self.weight = nn.Parameter(storage, requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.lora: LoraSlots | None = None
 
@@ -95,10 +100,15 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:
         # x: [num_rows, in_end - in_start] -> [num_rows, out_features], summed over ranks
+        return self.forward_fp32(x, lora_rows).to(x.dtype)
+
+    def forward_fp32(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:
+        """The sum over ranks in fp32, before its rounding to the model dtype (which the model's
+        fused residual add does on CUDA)."""
         partial = self._partial_fp32(x)  # [num_rows, out_features] float32
         if self.lora is not None:
             partial = self.lora.add_delta(partial, x, lora_rows)  # in fp32, before the reduce
-        return self.tp.all_reduce(partial).to(x.dtype)
+        return self.tp.all_reduce(partial)
 
     def _partial_fp32(self, x: torch.Tensor) -> torch.Tensor:
         # The partial sums are added across ranks; rounding each to bf16 first would make the

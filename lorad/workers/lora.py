@@ -161,11 +161,11 @@ def add_lora_deltas(loras: Sequence[LoraSlots | None], outs: Sequence[torch.Tens
                     x: torch.Tensor, rows: LoraRows | None) -> list[torch.Tensor]:
     """Each projection's output plus its delta, for projections that share the input x (q/k/v,
     gate/up; None: a projection no adapter edits). On the kernel path one shrink and one expand
-    serve them all; on the torch path each adds its own, exactly as add_delta does."""
+    serve them all, adding into the outputs in place; on the torch path each adds its own,
+    exactly as add_delta does."""
     if rows is None or rows.tiles is None:
         return [out if lora is None else lora.add_delta(out, x, rows)
                 for lora, out in zip(loras, outs)]
-    results = list(outs)
     edited = [i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora)]
     # Lazily: the CPU never imports triton.
     from lorad.workers.kernels.lora_expand import lora_expand
@@ -173,12 +173,10 @@ def add_lora_deltas(loras: Sequence[LoraSlots | None], outs: Sequence[torch.Tens
     for start in range(0, len(edited), MAX_TABLES):
         group = edited[start:start + MAX_TABLES]
         tables = [loras[i] for i in group]
-        # One rounding of base + delta, in fp32, as on the torch path.
-        accs = [outs[i] if outs[i].dtype == torch.float32 else outs[i].float() for i in group]
         ranks = [lora.rank_table for lora in tables]
         t = lora_shrink(x, [lora.lora_a for lora in tables], ranks, rows.tiles)
-        lora_expand(t, accs, [lora.lora_b for lora in tables], ranks,
+        # In place, with one rounding of base + delta in fp32 (as on the torch path) when an
+        # output is in the model dtype.
+        lora_expand(t, [outs[i] for i in group], [lora.lora_b for lora in tables], ranks,
                     [lora.scale_table for lora in tables], rows.tiles)
-        for i, acc in zip(group, accs):
-            results[i] = acc if acc is outs[i] else acc.to(outs[i].dtype)
-    return results
+    return list(outs)

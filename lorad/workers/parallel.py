@@ -25,11 +25,19 @@ class TensorParallel:
         self.group = group  # model collectives: NCCL on CUDA, gloo on CPU; None at world 1
         self.cpu_group = cpu_group  # gloo, for control; None at world 1
         self.backend = backend
+        # Set while a CUDA graph is captured in segments (cuda_graph.SegmentedGraph): each
+        # collective then ends a segment and runs eagerly between the replays of two.
+        self.segmenter = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's `x`, the same bits on every rank. May reuse `x`'s storage."""
         if self.world_size == 1:
             return x
+        if self.segmenter is not None:
+            return self.segmenter.collective(lambda: self._all_reduce_any(x))
+        return self._all_reduce_any(x)
+
+    def _all_reduce_any(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "gloo" and x.is_cuda:
             # gloo reduces host memory (its own CUDA path stages through the host too); copying
             # here keeps that in sight and the rank-order sum below the same on CPU and GPU.
@@ -37,10 +45,11 @@ class TensorParallel:
         return self._all_reduce(x)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backend == "gloo" and self.world_size > 2:
-            # A ring all-reduce adds in an order per element that depends on the tensor's size,
-            # so a row's bits would depend on the batch. Gathering and adding in rank order is
-            # the same arithmetic for every size (shared/DESIGN.md, "Numerics").
+        if self.world_size > 2:
+            # A ring or tree all-reduce adds in an order per element that depends on the
+            # tensor's size (NCCL also picks its algorithm by size), so a row's bits would depend
+            # on the batch. Gathering and adding in rank order is the same arithmetic for every
+            # size (shared/DESIGN.md, "Numerics").
             parts = [torch.empty_like(x) for _ in range(self.world_size)]
             dist.all_gather(parts, x.contiguous(), group=self.group)
             total = parts[0]
@@ -57,6 +66,11 @@ class TensorParallel:
         assert x.shape[-1] == sizes[self.rank], (x.shape, sizes, self.rank)
         if self.world_size == 1:
             return x
+        if self.segmenter is not None:
+            return self.segmenter.collective(lambda: self._all_gather_last_dim(x, sizes))
+        return self._all_gather_last_dim(x, sizes)
+
+    def _all_gather_last_dim(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         width = max(sizes)
         # all_gather needs one shape on every rank; the vocab split can be uneven by one.
         padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()

@@ -253,6 +253,32 @@ def test_two_ranks_on_one_gpu_with_gloo_equal_one(tiny, tmp_path):
                 assert rel_error(two[name], one[name]) < tol, (dtype, rank, name)
 
 
+def test_segmented_graphs_of_two_gloo_ranks_on_one_gpu(tiny, tmp_path):
+    """At world 2 over gloo the decode graphs end at each collective, which runs between the
+    segments: a replay has the bits of the same padded step run eagerly on both ranks, and stays
+    within bf16 noise of world 1's graphs."""
+    checkpoint, adapters = tiny
+    streams = make_streams([2, 0, 1, 3], [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=4)
+    models = [{"name": "graphs", "dir": str(checkpoint), "dtype": "bfloat16",
+               "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE,
+               "scenarios": {"mixed": scenario_steps(streams)},
+               "adapters": [{"name": f"a{i}", "path": str(p), "strength": 1.0}
+                            for i, p in enumerate(adapters, start=1)],
+               "graphs": {"max_num_seqs": 4, "max_model_len": MAX_LEN}}]
+    outs = launch_ranks({1: models, 2: models}, tmp_path, backend="gloo", device="cuda",
+                        timeout_s=300)
+    one = load_file(outs[1] / "graphs.rank0.safetensors")
+    replayed = [name for name in one if name.endswith(".eager")]
+    assert len(replayed) == 4, sorted(one)  # the four decode steps
+    for rank in (0, 1):
+        two = load_file(outs[2] / f"graphs.rank{rank}.safetensors")
+        assert one.keys() == two.keys()
+        for name in replayed:
+            step = name.removesuffix(".eager")
+            assert torch.equal(two[step], two[name]), (rank, step)
+            assert rel_error(two[step], one[step]) < BF16_REL_TOL, (rank, step)
+
+
 def test_worker_processes_on_one_gpu_at_parallel_1_and_2(tiny):
     """Real workers (`python -m lorad.workers`) on CUDA, fp32: graphs at --parallel 1, gloo at
     --parallel 2; every greedy token is transformers' choice given the tokens before it."""

@@ -9,17 +9,11 @@ test. Tiny shapes; about 20 s in all.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.lora_kernel_checks import CHECKS
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.triton_interpreter import interpret_in_subprocess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (the test extra has it on Linux "
@@ -28,13 +22,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.lora_kernel_checks"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 or not proc.stdout.strip():
-        pytest.fail(f"the interpreted checks did not run (exit {proc.returncode}):\n"
-                    f"{proc.stderr[-4000:]}", pytrace=False)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        return interpret_in_subprocess("tests.lora_kernel_checks")
+    except AssertionError as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

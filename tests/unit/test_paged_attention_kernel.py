@@ -10,17 +10,11 @@ decode splits of 32 tokens in tiles of 16.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.paged_attention_checks import CHECKS
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.triton_interpreter import interpret_in_subprocess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (the `gpu` extra): no kernels "
@@ -28,14 +22,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.paged_attention_checks"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 or not proc.stdout.strip():
-        pytest.fail(f"the interpreter run failed (exit {proc.returncode}):\n"
-                    f"{proc.stderr[-4000:]}", pytrace=False)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def results() -> dict:
+    try:
+        return interpret_in_subprocess("tests.paged_attention_checks")
+    except AssertionError as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

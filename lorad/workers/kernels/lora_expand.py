@@ -67,7 +67,10 @@ def _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_o
         scale = tl.load(scales_ptr + slot)
         outs = out_ptr + rows[:, None] * stride_out + cols[None, :]
         mask = in_tile[:, None] & in_n[None, :]
-        tl.store(outs, tl.load(outs, mask=mask) + acc * scale, mask=mask)
+        # One rounding of base + delta: an output in the model dtype is widened, added to in
+        # fp32 and rounded back, as the torch path's `(out.float() + delta).to(dtype)`.
+        base = tl.load(outs, mask=mask).to(tl.float32)
+        tl.store(outs, (base + acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
@@ -120,7 +123,8 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     touched.
 
     t: [num_tables, num_rows, num_k_chunks, width] float32 from lora_shrink; outs[i]: [num_rows,
-    out_i] float32; b_tables[i]: [num_slots, out_i, max_rank_i] fp32, contiguous; rank_tables[i]:
+    out_i] float32, or the model dtype (then widened, added to in fp32 and rounded back once;
+    rows may be strided, as column slices of one projection output are); b_tables[i]: [num_slots, out_i, max_rank_i] fp32, contiguous; rank_tables[i]:
     [num_slots] int32; scale_tables[i]: [num_slots] float32."""
     num_tables = len(b_tables)
     if not 1 <= num_tables <= MAX_TABLES or not (len(outs) == len(rank_tables)
@@ -129,7 +133,8 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     assert t.dim() == 4 and t.shape[0] == num_tables and t.stride(3) == 1
     assert tiles.sorted_rows.shape[0] == t.shape[1], "tiles of another batch"
     for out, b in zip(outs, b_tables):
-        assert out.dtype == torch.float32 and out.stride(1) == 1
+        assert out.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        assert out.stride(1) == 1
         assert out.shape == (t.shape[1], b.shape[1])
         assert b.dtype == torch.float32 and b.is_contiguous() and b.shape[2] <= t.shape[3]
     if tiles.max_tiles == 0:

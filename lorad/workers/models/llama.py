@@ -9,7 +9,10 @@ are built once here and handed to every projection.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lorad.config import ModelConfig
@@ -19,12 +22,31 @@ from lorad.workers.attention import AttentionContext, paged_attention
 from lorad.workers.batch import ForwardBatch
 from lorad.workers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lorad.workers.kv_cache import PagedKVCache, kv_bytes_per_block
-from lorad.workers.layers import RMSNorm, silu_and_mul
+from lorad.workers.layers import RMSNorm, fused_kernels, silu_and_mul
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear
 from lorad.workers.loader import load_adapter_weights, load_random_weights, load_weights
 from lorad.workers.lora import LoraRows, add_lora_deltas
 from lorad.workers.parallel import TensorParallel
 from lorad.workers.rotary import RotaryEmbedding, apply_rotary
+
+
+@dataclass(frozen=True)
+class RotaryInputs:
+    """What every layer's rotary needs, built once per step: the torch path's per-row cos/sin
+    ([num_rows, 1, head_dim] each), the fused kernel's tables and positions."""
+
+    positions: torch.Tensor  # [num_rows] int64
+    cos_table: torch.Tensor  # [max_positions, head_dim]
+    sin_table: torch.Tensor
+    cos: torch.Tensor | None  # torch path only
+    sin: torch.Tensor | None
+
+    @classmethod
+    def build(cls, rotary_emb: RotaryEmbedding, positions: torch.Tensor) -> "RotaryInputs":
+        cos = sin = None
+        if not fused_kernels(positions):
+            cos, sin = rotary_emb(positions)
+        return cls(positions, rotary_emb.cos_table, rotary_emb.sin_table, cos, sin)
 
 
 class LlamaAttention(nn.Module):
@@ -41,32 +63,51 @@ class LlamaAttention(nn.Module):
         hidden = config.hidden_size
         q_range = (kv_start * g * d, kv_end * g * d)
         kv_range = (kv_start * d, kv_end * d)
-        # q, k and v stay separate modules: each has its own LoRA factors.
+        # q, k and v stay separate modules (each has its own checkpoint tensor and LoRA
+        # factors), but their weights are rows of one matrix, which CUDA multiplies at once.
+        nq, nkv = self.num_q_heads * d, self.num_kv_heads * d
+        self.qkv_sizes = (nq, nkv, nkv)
+        self.qkv_weight = torch.empty(nq + 2 * nkv, hidden, dtype=dtype, device=device)
+        wq, wk, wv = self.qkv_weight.split(self.qkv_sizes)
         self.q_proj = ColumnParallelLinear(hidden, config.num_attention_heads * d, q_range,
-                                           dtype, device)
+                                           dtype, device, storage=wq)
         self.k_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * d, kv_range,
-                                           dtype, device)
+                                           dtype, device, storage=wk)
         self.v_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * d, kv_range,
-                                           dtype, device)
+                                           dtype, device, storage=wv)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, hidden, q_range, tp,
                                         dtype, device)
         self.kv_cache: PagedKVCache | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: AttentionContext, lora: LoraRows | None) -> torch.Tensor:
-        # x: [num_rows, hidden]; cos, sin: [num_rows, 1, head_dim]
+    def forward(self, x: torch.Tensor, rotary: "RotaryInputs", ctx: AttentionContext,
+                lora: LoraRows | None) -> torch.Tensor:
+        """x: [num_rows, hidden] -> [num_rows, hidden] float32: o_proj's sum over ranks, before
+        its rounding to the model dtype (the residual add does it)."""
         num_rows = x.shape[0]
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        # The three share x: on CUDA one LoRA shrink and one expand serve them.
-        q, k, v = add_lora_deltas([p.lora for p in projs], [p(x) for p in projs], x, lora)
+        loras = [p.lora for p in projs]
+        assert self.kv_cache is not None, "allocate_kv_cache() before forward()"
+        if fused_kernels(x):
+            # Lazily: the CPU never imports triton.
+            from lorad.workers.attention_cuda import attend_cuda
+            from lorad.workers.kernels.fused_ops import rotary_write_kv
+            # One matmul for q, k and v; one LoRA shrink and one expand for the three, in place
+            # on column slices of its output; rotary and the cache write in one kernel.
+            q, k, v = F.linear(x, self.qkv_weight).split(self.qkv_sizes, dim=1)
+            q, k, v = add_lora_deltas(loras, [q, k, v], x, lora)
+            q = rotary_write_kv(q, k, v, rotary.positions, rotary.cos_table, rotary.sin_table,
+                                ctx.slot_mapping, self.kv_cache.k, self.kv_cache.v,
+                                self.num_q_heads, self.head_dim)
+            attn = attend_cuda(q, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
+            return self.o_proj.forward_fp32(attn, lora)
+        q, k, v = add_lora_deltas(loras, [p(x) for p in projs], x, lora)
         q = q.view(num_rows, self.num_q_heads, self.head_dim)
         k = k.view(num_rows, self.num_kv_heads, self.head_dim)
         v = v.view(num_rows, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        assert self.kv_cache is not None, "allocate_kv_cache() before forward()"
+        q = apply_rotary(q, rotary.cos, rotary.sin)
+        k = apply_rotary(k, rotary.cos, rotary.sin)
         attn = paged_attention(q, k, v, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
-        return self.o_proj(attn, lora)
+        return self.o_proj.forward_fp32(attn, lora)
 
 
 class LlamaMLP(nn.Module):
@@ -75,15 +116,26 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         inter_range = balanced_split(inter, tp.world_size)[tp.rank]
-        self.gate_proj = ColumnParallelLinear(hidden, inter, inter_range, dtype, device)
-        self.up_proj = ColumnParallelLinear(hidden, inter, inter_range, dtype, device)
+        num_local = inter_range[1] - inter_range[0]
+        # Like q/k/v: two modules whose weights are the halves of one matrix.
+        self.gate_up_weight = torch.empty(2 * num_local, hidden, dtype=dtype, device=device)
+        w_gate, w_up = self.gate_up_weight.split(num_local)
+        self.gate_proj = ColumnParallelLinear(hidden, inter, inter_range, dtype, device,
+                                              storage=w_gate)
+        self.up_proj = ColumnParallelLinear(hidden, inter, inter_range, dtype, device,
+                                            storage=w_up)
         self.down_proj = RowParallelLinear(inter, hidden, inter_range, tp, dtype, device)
 
     def forward(self, x: torch.Tensor, lora: LoraRows | None) -> torch.Tensor:
-        # x: [num_rows, hidden] -> [num_rows, hidden]
+        """x: [num_rows, hidden] -> [num_rows, hidden] float32: down_proj's sum over ranks,
+        before its rounding to the model dtype (the residual add does it)."""
         projs = (self.gate_proj, self.up_proj)
-        gate, up = add_lora_deltas([p.lora for p in projs], [p(x) for p in projs], x, lora)
-        return self.down_proj(silu_and_mul(gate, up), lora)
+        if fused_kernels(x):
+            outs = F.linear(x, self.gate_up_weight).chunk(2, dim=1)  # one matmul for both
+        else:
+            outs = [p(x) for p in projs]
+        gate, up = add_lora_deltas([p.lora for p in projs], outs, x, lora)
+        return self.down_proj.forward_fp32(silu_and_mul(gate, up), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -96,11 +148,16 @@ class LlamaDecoderLayer(nn.Module):
                                                 device)
         self.mlp = LlamaMLP(config, tp, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: AttentionContext, lora: LoraRows | None) -> torch.Tensor:
-        # The residual adds stay in the model dtype, as in transformers.
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx, lora)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+    def forward(self, hidden: torch.Tensor | None, delta: torch.Tensor, rotary: "RotaryInputs",
+                ctx: AttentionContext,
+                lora: LoraRows | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, what the previous layer adds to it) -> the same after this layer.
+        hidden is None before the first layer, whose delta is the embedding. The residual adds
+        stay in the model dtype, as in transformers; each is fused with the norm after it."""
+        hidden, x = self.input_layernorm.add_and_norm(delta, hidden)
+        attn = self.self_attn(x, rotary, ctx, lora)
+        hidden, x = self.post_attention_layernorm.add_and_norm(attn, hidden)
+        return hidden, self.mlp(x, lora)
 
 
 class LlamaModel(nn.Module):
@@ -188,10 +245,18 @@ class LlamaForCausalLM(nn.Module):
         so every edited projection launches its LoRA kernels whatever this batch's slots."""
         assert self.block_size is not None, "allocate_kv_cache() before forward()"
         ctx = AttentionContext.build(batch, self.block_size)
-        cos, sin = self.model.rotary_emb(batch.positions)  # [num_rows, 1, head_dim]
-        hidden = self.model.embed_tokens(batch.input_ids)  # [num_rows, hidden]
+        rotary = RotaryInputs.build(self.model.rotary_emb, batch.positions)
+        hidden = None
+        delta = self.model.embed_tokens(batch.input_ids)  # [num_rows, hidden]
         lora = LoraRows.from_batch(batch, launch_always=lora_launch_always)
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, ctx, lora if lora.any_delta else None)
-        hidden = self.model.norm(hidden[batch.sample_rows])  # [num_sampled, hidden]
-        return self.lm_head(hidden)
+            hidden, delta = layer(hidden, delta, rotary, ctx, lora if lora.any_delta else None)
+        if fused_kernels(delta):
+            # The last residual add fused with the final norm, on every row (as cheap as
+            # picking the rows first, and one kernel).
+            _, normed = self.model.norm.add_and_norm(delta, hidden)
+            normed = normed[batch.sample_rows]  # [num_sampled, hidden]
+        else:
+            rows = batch.sample_rows
+            _, normed = self.model.norm.add_and_norm(delta[rows], hidden[rows])
+        return self.lm_head(normed)
