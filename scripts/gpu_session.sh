@@ -7,8 +7,9 @@
 #   run(command="bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 # Installs only the carried wheel (into /tmp/site); everything else is the image's (torch,
 # triton, transformers, peft...), and lorad is used from the checkout through PYTHONPATH.
-# Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, bench.log, bench.md).
-# Budget, under 9 minutes in all: tests 240 s, each kernel benchmark 40 s, the engine 210 s.
+# Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, profile.log, bench.log,
+# bench.md). Budget, under 10 minutes in all: tests 240 s, each kernel benchmark 40 s, the decode
+# profile 90 s (LORAD_SESSION_PROFILE=0 skips it), the engine 210 s.
 # Set LORAD_SESSION_QUICK=1 for a shorter engine benchmark (--quick).
 set -uo pipefail
 
@@ -51,13 +52,16 @@ timeout -k 10 240 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o a
   -rfE --durations=8 2>&1 | tee "$OUT/gpu-tests.log"
 tests_status=${PIPESTATUS[0]}
 
-run_bench() {  # script, log name: a kernel micro-benchmark, if that engineer's script exists
+run_bench() {  # script, log name[, timeout s]: a micro-benchmark or profile
   [[ -f scripts/$1 ]] || return 0
   say "$1"
-  timeout -k 5 40 python3 "scripts/$1" 2>&1 | tee "$OUT/$2"
+  timeout -k 5 "${3:-40}" python3 "scripts/$1" 2>&1 | tee "$OUT/$2"
 }
-run_bench bench_lora_kernels.py bench-lora.log
-run_bench bench_paged_attention.py bench-attention.log
+if [[ ${LORAD_SESSION_MICRO:-1} == 1 ]]; then  # LORAD_SESSION_MICRO=0 skips these two
+  run_bench bench_lora_kernels.py bench-lora.log
+  run_bench bench_paged_attention.py bench-attention.log
+fi
+[[ ${LORAD_SESSION_PROFILE:-1} == 1 ]] && run_bench profile_decode.py profile.log 90
 
 say "engine benchmark"
 quick=()
@@ -69,7 +73,7 @@ bench_status=${PIPESTATUS[0]}
 say "summary"
 echo "--- gpu tests (exit $tests_status; 124 = timed out): $OUT/gpu-tests.log"
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)\b" "$OUT/gpu-tests.log" | tail -n 25
-for log in "$OUT/bench-lora.log" "$OUT/bench-attention.log"; do
+for log in "$OUT/bench-lora.log" "$OUT/bench-attention.log" "$OUT/profile.log"; do
   [[ -f $log ]] && { echo "--- $(basename "$log")"; grep -vE "^\s*$" "$log" | tail -n 30; }
 done
 echo "--- engine benchmark (exit $bench_status; 124 = timed out)"
