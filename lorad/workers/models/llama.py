@@ -81,8 +81,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: "RotaryInputs", ctx: AttentionContext,
                 lora: LoraRows | None) -> torch.Tensor:
-        """x: [num_rows, hidden] -> [num_rows, hidden] float32: o_proj's sum over ranks, before
-        its rounding to the model dtype (the residual add does it)."""
+        """x: [num_rows, hidden] -> [num_rows, hidden]: o_proj's sum over ranks, before its
+        rounding to the model dtype (the residual add does it; see forward_sum)."""
         num_rows = x.shape[0]
         projs = (self.q_proj, self.k_proj, self.v_proj)
         loras = [p.lora for p in projs]
@@ -99,7 +99,7 @@ class LlamaAttention(nn.Module):
                                 ctx.slot_mapping, self.kv_cache.k, self.kv_cache.v,
                                 self.num_q_heads, self.head_dim)
             attn = attend_cuda(q, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
-            return self.o_proj.forward_fp32(attn, lora)
+            return self.o_proj.forward_sum(attn, lora)
         q, k, v = add_lora_deltas(loras, [p(x) for p in projs], x, lora)
         q = q.view(num_rows, self.num_q_heads, self.head_dim)
         k = k.view(num_rows, self.num_kv_heads, self.head_dim)
@@ -107,7 +107,7 @@ class LlamaAttention(nn.Module):
         q = apply_rotary(q, rotary.cos, rotary.sin)
         k = apply_rotary(k, rotary.cos, rotary.sin)
         attn = paged_attention(q, k, v, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
-        return self.o_proj.forward_fp32(attn, lora)
+        return self.o_proj.forward_sum(attn, lora)
 
 
 class LlamaMLP(nn.Module):
@@ -127,15 +127,15 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, inter_range, tp, dtype, device)
 
     def forward(self, x: torch.Tensor, lora: LoraRows | None) -> torch.Tensor:
-        """x: [num_rows, hidden] -> [num_rows, hidden] float32: down_proj's sum over ranks,
-        before its rounding to the model dtype (the residual add does it)."""
+        """x: [num_rows, hidden] -> [num_rows, hidden]: down_proj's sum over ranks, before its
+        rounding to the model dtype (the residual add does it; see forward_sum)."""
         projs = (self.gate_proj, self.up_proj)
         if fused_kernels(x):
             outs = F.linear(x, self.gate_up_weight).chunk(2, dim=1)  # one matmul for both
         else:
             outs = [p(x) for p in projs]
         gate, up = add_lora_deltas([p.lora for p in projs], outs, x, lora)
-        return self.down_proj.forward_fp32(silu_and_mul(gate, up), lora)
+        return self.down_proj.forward_sum(silu_and_mul(gate, up), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
