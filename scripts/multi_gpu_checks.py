@@ -70,12 +70,18 @@ def cmd_logits(args) -> int:
     from tests.tp_runner import launch_ranks
 
     root = Path(args.work)
-    base = make_tiny_llama(root / "base", with_tokenizer=False, **T.MODEL)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if args.device == "cuda" and args.backend == "nccl":
+        worlds = [w for w in worlds if w <= torch.cuda.device_count()]
+    shape = dict(T.MODEL)
+    if max(worlds) > shape["num_key_value_heads"]:  # whole KV heads per rank
+        shape.update(num_key_value_heads=max(worlds), num_attention_heads=2 * max(worlds))
+    base = make_tiny_llama(root / "base", with_tokenizer=False, **shape)
     folders = {name: make_peft_adapter(base, root / name, **kw) for name, kw in T.FOLDERS.items()}
     entry = {"dir": str(base), "num_blocks": T.NUM_BLOCKS, "block_size": T.BLOCK_SIZE,
              "scenarios": T.STEPS, "adapters": T.adapter_args(folders)}
     models = {w: [{**entry, "name": "fp32", "dtype": "float32"},
-                  {**entry, "name": "bf16", "dtype": "bfloat16"}] for w in (1, 2)}
+                  {**entry, "name": "bf16", "dtype": "bfloat16"}] for w in worlds}
     started = time.monotonic()
     runs_root = root / "runs"
     runs_root.mkdir()
@@ -118,20 +124,21 @@ def cmd_logits(args) -> int:
             for s, steps in T.EXPECTED.items() for i, rows in enumerate(steps)}
     tols = {"fp32": args.fp32_tol, "bf16": args.bf16_tol}
     for dtype, tol in tols.items():
-        for world in (1, 2):
+        for world in worlds:
             got = read(world, dtype)
             err = worst(got.__getitem__, want.__getitem__)
             check(f"logits: {dtype} world {world} vs peft fp32", err < tol,
                   f"max relative error {err:.2e} (tolerance {tol:.0e})")
-        w1, w2 = read(1, dtype), read(2, dtype)
-        err = worst(w2.__getitem__, w1.__getitem__)
-        check(f"logits: {dtype} world 2 vs world 1", err < tol,
-              f"max relative error {err:.2e} (tolerance {tol:.0e})")
-        r0, r1 = read(2, dtype, 0), read(2, dtype, 1)
-        same = all(torch.equal(r0[k], r1[k]) for k in keys)
-        check(f"logits: {dtype} world 2 ranks return identical logits", same)
+        w1 = read(1, dtype)
+        for world in worlds[1:]:
+            ranks = [read(world, dtype, rank) for rank in range(world)]
+            err = worst(ranks[0].__getitem__, w1.__getitem__)
+            check(f"logits: {dtype} world {world} vs world 1", err < tol,
+                  f"max relative error {err:.2e} (tolerance {tol:.0e})")
+            same = all(torch.equal(r[k], ranks[0][k]) for r in ranks[1:] for k in keys)
+            check(f"logits: {dtype} world {world} ranks return identical logits", same)
     # Batch invariance on this device (informational on CUDA: kernels may pick by batch size).
-    for world in (1, 2):
+    for world in worlds:
         got = read(world, "fp32")
         diffs = []
         for i, (solo_rows, batched_rows) in enumerate(zip(T.EXPECTED["solo"],
@@ -681,6 +688,8 @@ def main() -> int:
     lp.add_argument("--fp32-tol", type=float, default=1e-5)
     lp.add_argument("--bf16-tol", type=float, default=5e-2)
     lp.add_argument("--rank-timeout", type=float, default=150)
+    lp.add_argument("--worlds", default="1,2,4",
+                    help="world sizes (NCCL: those above the GPU count are skipped; 1 first)")
     for name in ("serve", "faults"):
         sp = common(sub.add_parser(name))
         sp.add_argument("--dtype", default="bfloat16")
