@@ -75,7 +75,9 @@ def cmd_logits(args) -> int:
         worlds = [w for w in worlds if w <= torch.cuda.device_count()]
     shape = dict(T.MODEL)
     if max(worlds) > shape["num_key_value_heads"]:  # whole KV heads per rank
-        shape.update(num_key_value_heads=max(worlds), num_attention_heads=2 * max(worlds))
+        heads = 2 * max(worlds)  # head_dim 16, as the GPU attention kernels need
+        shape.update(num_key_value_heads=max(worlds), num_attention_heads=heads,
+                     hidden_size=16 * heads)
     base = make_tiny_llama(root / "base", with_tokenizer=False, **shape)
     folders = {name: make_peft_adapter(base, root / name, **kw) for name, kw in T.FOLDERS.items()}
     entry = {"dir": str(base), "num_blocks": T.NUM_BLOCKS, "block_size": T.BLOCK_SIZE,
@@ -253,8 +255,10 @@ def make_model_and_adapters(root: Path, parallel: int = 2) -> tuple[Path, dict[s
     from tests.tiny_adapters import make_peft_adapter
     from tests.tiny_models import make_tiny_llama
     # Whole KV heads per rank: at least one per rank, two query heads each.
+    # head_dim 16: the GPU attention kernels need at least 16 (a tl.dot's K).
     kv_heads = max(2, parallel)
     model = make_tiny_llama(root / "tiny", max_position_embeddings=2048,
+                            hidden_size=32 * kv_heads, intermediate_size=64 * kv_heads,
                             num_attention_heads=2 * kv_heads, num_key_value_heads=kv_heads)
     adapters = {"a": make_peft_adapter(model, root / "a", r=4, seed=1),
                 "b": make_peft_adapter(model, root / "b", r=8, lora_alpha=8, seed=2,

@@ -68,9 +68,11 @@ print(f"cuda devices: {torch.cuda.device_count()}, nccl "
       f"{torch.cuda.nccl.version() if torch.cuda.is_available() else '-'}")
 EOF
 
+PARTS=" ${MGPU_PARTS:-logits serve faults bench} "  # a subset: MGPU_PARTS="serve faults"
 part() {  # name, timeout seconds, checks subcommand and its flags
   local name=$1 limit=$2
   shift 2
+  [[ $PARTS == *" $name "* ]] || { status[$name]=0; echo "skipped part $name"; return; }
   say "$name"
   mkdir -p "$WORK/$name"
   timeout -k 10 "$limit" "$PY" scripts/multi_gpu_checks.py "$@" --device "$DEVICE" \
