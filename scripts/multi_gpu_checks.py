@@ -417,7 +417,8 @@ def fault_case(args, name: str, model: Path, adapters, log_path: Path, inject,
         if not check(f"{name}: daemon starts", problem is None, problem or ""):
             return
         pids = daemon.worker_pids()
-        check(f"{name}: two worker processes", len(pids) == 2, f"{pids}")
+        check(f"{name}: {args.parallel} worker processes", len(pids) == args.parallel,
+              f"{pids}")
         streams = open_streams(daemon.url, args.streams, args.stream_tokens)
         t0 = time.monotonic()
         inject(pids)
