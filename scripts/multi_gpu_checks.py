@@ -596,6 +596,9 @@ def cmd_rank(args) -> int:
                         sync()
                         times.append(time.perf_counter() - start)
                     comm[name] = statistics.median(times)
+                if graphs is not None and args.backend == "nccl":
+                    comm["graph_collectives"] = time_collectives_graph(
+                        tp, rows, hidden, layers, dtype, batch, config.vocab_size, args)
             out["rows"].append({"batch": batch, "step_s": step, "min_step_s": min(step_s),
                                 "graph_step_s": graph_step, **comm})
     Path(args.out).write_text(json.dumps(out))
@@ -607,6 +610,45 @@ def cmd_rank(args) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def time_collectives_graph(tp, rows: int, hidden: int, layers: int, dtype, batch: int,
+                           vocab_size: int, args) -> float:
+    """The step's collectives as the decode graph holds them (2 fp32 all-reduces per layer, the
+    embedding's in the model dtype, the logits' all-gather), captured alone in a CUDA graph:
+    median seconds per replay."""
+    import torch
+    import torch.distributed as dist
+
+    device = tp.device
+    xs = [torch.randn(rows, hidden, device=device) for _ in range(2 * layers)]
+    xs.append(torch.randn(rows, hidden, device=device).to(dtype))
+    shard = -(-vocab_size // tp.world_size)
+    logit_part = torch.randn(batch, shard, device=device)
+
+    def collectives():
+        for x in xs:
+            tp.all_reduce(x)
+        tp.all_gather_last_dim(logit_part, [shard] * tp.world_size)
+
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            collectives()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        collectives()
+    times = []
+    for _ in range(args.warmup + args.steps):
+        dist.barrier(group=tp.cpu_group)
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[args.warmup:])
 
 
 def cmd_bench(args) -> int:
@@ -651,8 +693,9 @@ def cmd_bench(args) -> int:
           f"collectives alone: {2 * rows[max(rows)]['layers'] + 1} all-reduces of [max(batch, 8), hidden] + the logits "
           "all-gather, timed in a loop on the same ranks.\n")
     table = ["| world | batch | eager step ms | graph step ms | graph tok/s | collectives "
-             "alone ms (eager) | all-reduce share of eager step | scaling efficiency (graphs) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "alone ms (eager) | all-reduce share of eager step | collectives in a graph ms | "
+             "their share of the graph step | scaling efficiency |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     base = {r["batch"]: r for r in rows.get(1, {"rows": []})["rows"]}
     for world, data in sorted(rows.items()):
         for r in data["rows"]:
@@ -664,10 +707,14 @@ def cmd_bench(args) -> int:
             one_best = one and (one.get("graph_step_s") or one["step_s"])
             # Speed-up over world 1 divided by the world size (1.0 = linear scaling).
             eff = f"{one_best / best / world:.2f}" if one_best and world > 1 else "-"
+            in_graph = r.get("graph_collectives")
+            graph_share = f"{100 * in_graph / graph:.0f}%" if in_graph and graph else "-"
             table.append(f"| {world} | {r['batch']} | {1e3 * r['step_s']:.2f} | "
                          f"{f'{1e3 * graph:.2f}' if graph else '-'} | "
                          f"{r['batch'] / best:.0f} | "
-                         f"{f'{1e3 * comm:.2f}' if comm else '-'} | {share} | {eff} |")
+                         f"{f'{1e3 * comm:.2f}' if comm else '-'} | {share} | "
+                         f"{f'{1e3 * in_graph:.2f}' if in_graph else '-'} | {graph_share} | "
+                         f"{eff} |")
     text = "\n".join(table)
     print(text)
     if args.table_out:

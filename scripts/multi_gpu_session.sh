@@ -92,10 +92,10 @@ part() {  # name, timeout seconds, checks subcommand and its flags
 }
 
 part logits 100 logits
-# The daemon's ranks: 2, or MGPU_PARALLEL (4 on a 4-GPU host).
+# The daemon's ranks: 2, or MGPU_PARALLEL (4 on a 4-GPU host); MGPU_FAULTS_PARALLEL for faults.
 PARALLEL=${MGPU_PARALLEL:-2}
 part serve 120 serve --dtype "$DTYPE" --parallel "$PARALLEL"
-part faults 140 faults --dtype "$DTYPE" --parallel "$PARALLEL"
+part faults 140 faults --dtype "$DTYPE" --parallel "${MGPU_FAULTS_PARALLEL:-$PARALLEL}"
 bench_config=${MGPU_BENCH_CONFIG:-scripts/configs/llama3-8b}
 part bench "${MGPU_BENCH_TIMEOUT:-240}" bench --dtype "$DTYPE" --config "$bench_config" --table-out "$OUT/bench.md" \
   ${MGPU_BENCH_FLAGS:-}
