@@ -175,13 +175,13 @@ class Daemon:
             conn.close()
 
     def wait_healthy(self, timeout_s: float) -> str | None:
-        """None once /health says ok; else why not."""
+        """None once /health says serving; else why not."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return f"exited {self.proc.returncode} during start-up:\n{self.log()[-3000:]}"
             try:
-                if self.health().get("status") == "ok":
+                if self.health().get("status") == "serving":
                     return None
             except (OSError, ValueError, http.client.HTTPException):
                 pass
@@ -288,7 +288,7 @@ def cmd_serve(args) -> int:
         pids = daemon.worker_pids()
         health = daemon.health()
         check("serve: /health reports 2 ranks and both adapters",
-              health.get("ranks") == 2 and len(health.get("adapters", [])) == 2,
+              len(health.get("ranks", [])) == 2 and len(health.get("adapters", [])) == 2,
               json.dumps({k: health.get(k) for k in ("ranks", "adapters", "kv_blocks")})[:400])
         log = daemon.log()
         for needle in (f"backend {args.backend}", "world size 2"):
