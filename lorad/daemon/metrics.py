@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from prometheus_client import (
     CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest)
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from lorad.daemon.generation import Delta, GenerationError
 from lorad.protocol import StepResult
@@ -130,7 +129,7 @@ class Metrics:
             self.rank_serving.labels(label).set(1 if rank.state == "serving" else 0)
         return generate_latest(self.registry)
 
-    content_type = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest writes
+    content_type = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes
 
 
 def metrics_middleware(metrics_of):
