@@ -32,7 +32,7 @@ class Ticket:
     def cut(self, message: str, now: float) -> None:
         self.cut_message = message
         self.deadline = now
-        if self._timer is not None:
+        if self._timer is not None and not self._timer.expired():  # an expired one is firing
             self._timer.reschedule(now)
 
     def error(self, timeout_s: float | None) -> GenerationError:
