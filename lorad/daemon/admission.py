@@ -59,7 +59,9 @@ class Admission:
         """Refuse a new generation request while not serving (503) or while the queue is full
         (429). Call it right before tokenizing: nothing awaits between it and the admission."""
         if status != "serving":
-            raise ApiError(503, f"the server is {status} and admits no new requests",
+            why = {"draining": "is draining before it stops", "stopping": "is stopping",
+                   "failed": "has failed"}.get(status, f"is {status}")
+            raise ApiError(503, f"the server {why} and admits no new requests",
                            code="unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
         if self.num_queued >= self.max_queued:

@@ -49,6 +49,13 @@ def rest_of_stream(resp: http.client.HTTPResponse) -> list:
     return [e if e == b"[DONE]" else json.loads(e) for e in events]
 
 
+def wait_for(daemon, condition, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition(call(daemon, "/health")[2]):
+        assert time.monotonic() < deadline, call(daemon, "/health")[2]
+        time.sleep(0.05)
+
+
 def completion_tokens(events: list) -> int:
     return next(e["usage"]["completion_tokens"] for e in events
                 if isinstance(e, dict) and e.get("usage"))
@@ -92,7 +99,7 @@ def test_past_the_shutdown_timeout_open_requests_end_with_an_error(start_lorad, 
         call(daemon, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3000,
                                          "ignore_eos": True}))))
     non_streamed.start()
-    time.sleep(0.5)  # admitted
+    wait_for(daemon, lambda health: health["open_requests"] == 2)  # both admitted
     signalled = time.monotonic()
     daemon.proc.send_signal(signal.SIGTERM)
     events = rest_of_stream(stream)
@@ -113,8 +120,7 @@ def test_a_second_signal_ends_the_drain_at_once(start_lorad, long_model):
                          model_dir=long_model)
     stream = open_stream(daemon, 4000)
     daemon.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    assert call(daemon, "/health")[2]["status"] == "draining"
+    wait_for(daemon, lambda health: health["status"] == "draining")
     signalled = time.monotonic()
     daemon.proc.send_signal(signal.SIGINT)
     events = rest_of_stream(stream)

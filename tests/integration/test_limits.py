@@ -60,7 +60,7 @@ def health(daemon) -> dict:
 
 def test_a_flood_past_the_queue_bound_gets_quick_429s(limited):
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda _: post(limited, "/v1/completions", completion(600)),
+        results = list(pool.map(lambda _: post(limited, "/v1/completions", completion(1000)),
                                 range(16)))
     admitted = [r for r in results if r[0] == 200]
     refused = [r for r in results if r[0] == 429]
@@ -68,7 +68,7 @@ def test_a_flood_past_the_queue_bound_gets_quick_429s(limited):
     # One runs and MAX_QUEUED wait: the rest of a burst cannot get in.
     assert 1 <= len(admitted) <= 8 and len(refused) >= 8, (len(admitted), len(refused))
     for status, _, body, _ in admitted:
-        assert body["usage"]["completion_tokens"] == 600
+        assert body["usage"]["completion_tokens"] == 1000
         assert body["choices"][0]["finish_reason"] == "length"
     for status, headers, body, _ in refused:
         assert int(headers["Retry-After"]) >= 1
