@@ -2,7 +2,8 @@
 
 Refused with a 400 (code invalid_json): bytes that are not UTF-8, NaN/Infinity literals (Python's
 json accepts them; JSON does not), nesting deeper than MAX_DEPTH, integers longer than Python
-reads. Over MAX_BODY_BYTES: a 413. Field-level checks (types, ranges) are schemas.py's.
+reads; a compressed body that does not decompress is a 400 invalid_body. Over MAX_BODY_BYTES
+(after decompression): a 413. Field-level checks (types, ranges) are schemas.py's.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from lorad.daemon.errors import ApiError, bad_request
 
@@ -23,10 +25,12 @@ def _refuse_constant(name: str):
 
 async def read_json(request: web.Request) -> object:
     try:
-        raw = await request.read()
+        raw = await request.read()  # decompressed when sent with Content-Encoding
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", None,
                        "request_too_large") from None
+    except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip over bytes that are not
+        raise bad_request(f"the body could not be read: {exc}", None, "invalid_body") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -6,6 +6,7 @@ the daemon serves on."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import time
@@ -32,12 +33,13 @@ def limited(long_model):
     assert daemon.stop() == 0, daemon.log()[-4000:]
 
 
-def send(daemon, path: str, raw: bytes, method: str = "POST") -> tuple[int, dict, object, float]:
+def send(daemon, path: str, raw: bytes, method: str = "POST",
+         headers: dict | None = None) -> tuple[int, dict, object, float]:
     """(status, headers, JSON body, seconds) of one request on a fresh connection."""
     url = urlparse(daemon.url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
     started = time.monotonic()
-    conn.request(method, path, raw, {"Content-Type": "application/json"})
+    conn.request(method, path, raw, {"Content-Type": "application/json", **(headers or {})})
     resp = conn.getresponse()
     data = resp.read()
     seconds = time.monotonic() - started
@@ -171,3 +173,16 @@ def test_hostile_bodies_are_4xx_and_the_daemon_serves_on(limited, path):
     body = GOOD if path == "/v1/completions" else {**GOOD, "prompt": None}
     got, _, reply, _ = post(limited, path, body)
     assert got == 200 and reply["usage"]["completion_tokens"] == 2, reply
+
+
+@pytest.mark.parametrize("path", _post_paths())
+def test_compressed_bodies_are_limited_after_decompression(limited, path):
+    cases = [(b"not gzip at all", "gzip", 400, "invalid_body"),
+             (b"not deflate either", "deflate", 400, "invalid_body"),
+             (gzip.compress(b"[" * (MAX_BODY_BYTES + 1024)), "gzip", 413, "request_too_large"),
+             (gzip.compress(_with()), "gzip", 200, None)]
+    for raw, encoding, status, code in cases:
+        got, _, body, _ = send(limited, path, raw, headers={"Content-Encoding": encoding})
+        assert got == status, (encoding, status, body)
+        assert code is None or body["error"]["code"] == code, body
+    assert "unexpected error" not in limited.log()
