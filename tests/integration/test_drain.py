@@ -77,6 +77,9 @@ def test_sigterm_lets_open_streams_finish_and_refuses_new_requests(start_lorad, 
     assert status == 200 and health["status"] == "draining" and health["open_requests"] == 3
     status, _, ready = call(daemon, "/ready")
     assert status == 503 and not ready["ready"] and ready["status"] == "draining"
+    with urllib.request.urlopen(daemon.url + "/metrics", timeout=30) as resp:
+        assert 'lorad_requests_rejected_total{model="long",status="503"} 1.0' in \
+            resp.read().decode().splitlines()
     for resp in streams:
         events = rest_of_stream(resp)
         assert events[-1] == b"[DONE]" and not any("error" in e for e in events[:-1])

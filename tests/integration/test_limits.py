@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from lorad.daemon.json_body import MAX_BODY_BYTES
 from lorad.daemon.routes import build_app
@@ -33,9 +34,9 @@ def limited(long_model):
     assert daemon.stop() == 0, daemon.log()[-4000:]
 
 
-def send(daemon, path: str, raw: bytes, method: str = "POST",
-         headers: dict | None = None) -> tuple[int, dict, object, float]:
-    """(status, headers, JSON body, seconds) of one request on a fresh connection."""
+def send(daemon, path: str, raw: bytes | None, method: str = "POST", headers: dict | None = None,
+         raw_body: bool = False) -> tuple[int, dict, object, float]:
+    """(status, headers, JSON body or text, seconds) of one request on a fresh connection."""
     url = urlparse(daemon.url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
     started = time.monotonic()
@@ -44,7 +45,8 @@ def send(daemon, path: str, raw: bytes, method: str = "POST",
     data = resp.read()
     seconds = time.monotonic() - started
     conn.close()
-    return resp.status, dict(resp.headers), json.loads(data), seconds
+    return resp.status, dict(resp.headers), data.decode() if raw_body else json.loads(data), \
+        seconds
 
 
 def post(daemon, path: str, body: dict) -> tuple[int, dict, object, float]:
@@ -60,7 +62,16 @@ def health(daemon) -> dict:
     return send(daemon, "/health", None, "GET")[2]
 
 
+def counts(daemon) -> dict[tuple[str, str], float]:
+    """lorad_requests_total by outcome and lorad_requests_rejected_total by status."""
+    text = send(daemon, "/metrics", None, "GET", raw_body=True)[2]
+    return {(s.name, s.labels.get("outcome") or s.labels.get("status")): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name in ("lorad_requests_total", "lorad_requests_rejected_total")}
+
+
 def test_a_flood_past_the_queue_bound_gets_quick_429s(limited):
+    before = counts(limited)
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda _: post(limited, "/v1/completions", completion(1000)),
                                 range(16)))
@@ -79,6 +90,10 @@ def test_a_flood_past_the_queue_bound_gets_quick_429s(limited):
     quickest_admitted = min(seconds for *_, seconds in admitted)
     assert slowest_refusal < quickest_admitted / 4, (slowest_refusal, quickest_admitted)
     assert health(limited)["queued"] == 0
+    after = counts(limited)
+    for key, num in ((("lorad_requests_total", "length"), len(admitted)),
+                     (("lorad_requests_rejected_total", "429"), len(refused))):
+        assert after.get(key, 0) - before.get(key, 0) == num, (key, before, after)
 
 
 def test_the_request_timeout_cancels_a_long_request(start_lorad, long_model):
