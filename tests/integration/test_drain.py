@@ -68,7 +68,7 @@ def test_sigterm_lets_open_streams_finish_and_refuses_new_requests(start_lorad, 
     streams = [open_stream(daemon, 300) for _ in range(3)]
     signalled = time.monotonic()
     daemon.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)  # the signal reaches the event loop
+    wait_for(daemon, lambda health: health["status"] == "draining")
     status, headers, body = call(daemon, "/v1/completions",
                                  {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert status == 503 and int(headers["Retry-After"]) > 0, body
