@@ -184,13 +184,13 @@ class Daemon:
             conn.close()
 
     def wait_healthy(self, timeout_s: float) -> str | None:
-        """None once /health says ok; else why not."""
+        """None once /health says serving; else why not."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return f"exited {self.proc.returncode} during start-up:\n{self.log()[-3000:]}"
             try:
-                if self.health().get("status") == "ok":
+                if self.health().get("status") == "serving":
                     return None
             except (OSError, ValueError, http.client.HTTPException):
                 pass
@@ -301,10 +301,9 @@ def cmd_serve(args) -> int:
             return finish()
         pids = daemon.worker_pids()
         health = daemon.health()
-        ranks = health.get("ranks")
-        num_ranks = len(ranks) if isinstance(ranks, list) else ranks
         check(f"serve: /health reports {args.parallel} ranks and both adapters",
-              num_ranks == args.parallel and len(health.get("adapters", [])) == 2,
+              len(health.get("ranks", [])) == args.parallel
+              and len(health.get("adapters", [])) == 2,
               json.dumps({k: health.get(k) for k in ("ranks", "adapters", "kv_blocks")})[:400])
         log = daemon.log()
         for needle in (f"backend {args.backend}", f"world size {args.parallel}"):

@@ -60,6 +60,16 @@ def seconds(text: str) -> float:
     return value
 
 
+def seconds_or_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, 0 or more, got {text!r}")
+    return value
+
+
 def byte_size(text: str) -> int:
     """'512MiB', '2GiB', '1.5GB', '1073741824': binary units (K, M, G, KiB...) are powers of 1024,
     KB/MB/GB are powers of 1000."""
@@ -102,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     auth.add_argument("--api-key", metavar="KEY",
                       help="the same with the key on the command line (other local users can "
                            "see it in the process list; prefer --api-key-file)")
+    _add_limit_flags(parser.add_argument_group("limits"))
     proc = parser.add_argument_group("process")
     proc.add_argument("--runtime-dir", metavar="DIR",
                       help="parent of the private per-instance socket folder "
@@ -109,10 +120,24 @@ def build_parser() -> argparse.ArgumentParser:
     proc.add_argument("--startup-timeout", type=seconds, default=600.0, metavar="SECONDS",
                       help="how long workers may take to load and report ready "
                            "(default: %(default)g)")
+    proc.add_argument("--shutdown-timeout", type=seconds_or_zero, default=30.0,
+                      metavar="SECONDS",
+                      help="on SIGTERM or SIGINT, how long open requests may run on while new "
+                           "ones get a 503; the rest then end with an error (default: "
+                           "%(default)g)")
     proc.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                       default="info", help="log verbosity of the coordinator and the workers "
                                            "(default: %(default)s)")
     return parser
+
+
+def _add_limit_flags(group) -> None:
+    group.add_argument("--max-queued-requests", type=positive_int, default=256, metavar="N",
+                       help="most admitted requests still waiting for their first token; more "
+                            "get a 429 (default: %(default)s)")
+    group.add_argument("--request-timeout", type=seconds, metavar="SECONDS",
+                       help="deadline of each generation request, from its arrival; a request "
+                            "past it is cancelled and ends with an error (default: none)")
 
 
 def _add_model_flags(group) -> None:
@@ -225,8 +250,10 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,
             num_threads=args.threads, runtime_dir=args.runtime_dir,
-            startup_timeout=args.startup_timeout, log_level=args.log_level, adapters=adapters,
-            api_key=api_key)
+            startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout,
+            request_timeout=args.request_timeout,
+            max_queued_requests=args.max_queued_requests, log_level=args.log_level,
+            adapters=adapters, api_key=api_key)
     except ConfigError as exc:
         parser.error(str(exc))
 

@@ -57,6 +57,9 @@ class ServeConfig:
     num_threads: int = 1
     runtime_dir: str | None = None
     startup_timeout: float = 600.0
+    shutdown_timeout: float = 30.0  # how long a drain waits for open requests after a signal
+    request_timeout: float | None = None  # per-request deadline; None: none
+    max_queued_requests: int = 256  # admitted requests without a first token; more get a 429
     log_level: str = "info"
     adapters: tuple[AdapterArg, ...] = ()  # command-line order = slots 1..K
     api_key: str | None = field(default=None, repr=False)  # never printed with the config
@@ -84,6 +87,14 @@ class ServeConfig:
         if not math.isfinite(self.startup_timeout) or self.startup_timeout <= 0:
             raise ConfigError(f"--startup-timeout must be a positive number of seconds, "
                               f"got {self.startup_timeout!r}")
+        if not math.isfinite(self.shutdown_timeout) or self.shutdown_timeout < 0:
+            raise ConfigError(f"--shutdown-timeout must be a number of seconds, 0 or more, "
+                              f"got {self.shutdown_timeout!r}")
+        if self.request_timeout is not None and (not math.isfinite(self.request_timeout)
+                                                 or self.request_timeout <= 0):
+            raise ConfigError(f"--request-timeout must be a positive number of seconds, "
+                              f"got {self.request_timeout!r}")
+        _positive("--max-queued-requests", self.max_queued_requests)
         _choice("--log-level", self.log_level, ("debug", "info", "warning", "error"))
         if self.api_key is not None and (len(self.api_key) < 16 or not self.api_key.isprintable()
                                          or any(c.isspace() for c in self.api_key)):

@@ -89,6 +89,7 @@ class EngineClient:
         self.load = EngineLoad()
         self.facts: EngineFacts | None = None
         self.num_failed_by_engine = 0  # open requests ended with an error by fail()
+        self.on_step_result = None  # called with each StepResult (metrics.py times the steps)
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -223,6 +224,8 @@ class EngineClient:
 
     def _route(self, result: StepResult) -> None:
         self.load = EngineLoad(result.num_running, result.num_waiting, result.num_free_blocks)
+        if self.on_step_result is not None:
+            self.on_step_result(result)
         for output in result.outputs:
             queue = self._queues.get(output.request_id)
             if queue is None:

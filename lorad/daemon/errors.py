@@ -13,21 +13,22 @@ from aiohttp import web
 
 log = logging.getLogger("lorad.http")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-          503: "service_unavailable"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
 class ApiError(Exception):
     """A request lorad refuses; `status` is the HTTP status, `param` the offending field."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 429 or 503
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
@@ -54,7 +55,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

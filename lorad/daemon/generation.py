@@ -17,7 +17,14 @@ from lorad.protocol import SamplingParams
 
 
 class GenerationError(RuntimeError):
-    """The request ended with an error (failed step, dead worker); the message is for the client."""
+    """The request ended with an error; the message is for the client. `status` and `code` are
+    what a client gets if no stream has opened: 500 engine_error (failed step, dead worker),
+    504 request_timeout (--request-timeout), 503 shutdown (cut at the end of a drain)."""
+
+    def __init__(self, message: str, status: int = 500, code: str = "engine_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,13 @@
-"""The HTTP API: /v1/models, /v1/completions, /v1/chat/completions and /health.
+"""The HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health, /ready, /metrics.
 
 Each generation route validates the body, resolves the model id (the base model or an adapter),
-tokenizes, checks the context length and only then admits the request and answers in full or as
-a stream. Sockets and processes live elsewhere;
-handlers see the engine only through EngineClient.
+checks admission (503 draining, 429 queue full), tokenizes, checks the context length and only
+then admits the request and answers in full or as a stream. Sockets and processes live
+elsewhere; handlers see the engine only through EngineClient.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 import uuid
@@ -18,18 +17,20 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from lorad.config.adapters import AdapterSpec
+from lorad.daemon.admission import RETRY_AFTER_UNAVAILABLE_S, Admission
 from lorad.daemon.engine_client import EngineClient
 from lorad.daemon.auth import auth_middleware
 from lorad.daemon.errors import bad_request, error_middleware, error_response
 from lorad.daemon.generation import GenerationError, generate
+from lorad.daemon.json_body import MAX_BODY_BYTES, read_json
+from lorad.daemon.metrics import ADMITTED_KEY, MODEL_KEY, Metrics, metrics_middleware
 from lorad.daemon.model_ids import ModelChoice, choose, model_cards
+from lorad.daemon.probes import probe_body
 from lorad.daemon.responses import ChatFormat, CompletionFormat
 from lorad.daemon.schemas import SamplingOptions, parse_chat, parse_completion
 from lorad.daemon.sse import stream_events
 from lorad.daemon.tokenizer import ChatTemplateError, ModelTokenizer
 from lorad.protocol import SamplingParams
-
-MAX_BODY_BYTES = 32 * 1024 * 1024  # a long prompt as a JSON list of ids is several MB
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,12 @@ class ServedModel:
 class AppState:
     model: ServedModel
     engine: EngineClient
-    status: str = "ok"  # "ok", "stopping" or "failed"; anything but ok answers /health with 503
+    admission: Admission
+    metrics: Metrics
+    # "serving"; "draining" after a signal (no new generation requests, open ones finish);
+    # "stopping" once the workers are being stopped; "failed" after a worker failure.
+    # service.py is the one place that changes it.
+    status: str = "serving"
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -54,8 +60,10 @@ STATE = web.AppKey("lorad_state", AppState)
 
 
 def build_app(state: AppState, api_key: str | None = None) -> web.Application:
-    # The key check runs first: an unauthenticated request never reaches a handler.
-    middlewares = ([auth_middleware(api_key)] if api_key else []) + [error_middleware]
+    # Rejections are counted outermost, so a 401 counts too; the key check runs before any
+    # handler, so an unauthenticated request never reaches one.
+    middlewares = ([metrics_middleware(lambda app: app[STATE].metrics)]
+                   + ([auth_middleware(api_key)] if api_key else []) + [error_middleware])
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app.router.add_get("/v1/models", list_models)
@@ -63,6 +71,8 @@ def build_app(state: AppState, api_key: str | None = None) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -78,65 +88,83 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    return web.json_response(probe_body(request.app[STATE]))
+
+
+async def ready(request: web.Request) -> web.Response:
+    body = probe_body(request.app[STATE])
+    return web.json_response(body, status=200 if body["ready"] else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    facts, load = state.engine.facts, state.engine.load
-    body = {"status": state.status, "model": state.model.name,
-            "ranks": facts.num_ranks if facts else 0,
-            "kv_blocks": {"free": load.num_free_blocks, "total": facts.num_kv_blocks if facts else 0},
-            "running": load.num_running, "waiting": load.num_waiting,
-            "open_requests": state.engine.num_open_requests,
-            "adapters": [{"name": a.name, "slot": a.slot, "key": a.key, "strength": a.strength}
-                         for a in state.model.adapters]}
-    return web.json_response(body, status=200 if state.status == "ok" else 503)
+    return web.Response(body=state.metrics.render(state),
+                        headers={"Content-Type": state.metrics.content_type})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    started = time.monotonic()
     state = request.app[STATE]
-    body = parse_completion(await _read_json(request))
-    choice = choose(state.model.name, state.model.adapters, body.model, body.adapter)
+    body = parse_completion(await read_json(request))
+    choice = _choose(request, state, body.model, body.adapter)
+    state.admission.check(state.status)
     if isinstance(body.prompt, str):
         prompt_ids = state.model.tokenizer.encode(body.prompt)
     else:
         prompt_ids = _check_token_ids(body.prompt, state.model.vocab_size)
     return await _generate(request, state, CompletionFormat, choice, prompt_ids, body.options,
-                           "prompt")
+                           "prompt", started)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    started = time.monotonic()
     state = request.app[STATE]
-    body = parse_chat(await _read_json(request))
-    choice = choose(state.model.name, state.model.adapters, body.model, body.adapter)
+    body = parse_chat(await read_json(request))
+    choice = _choose(request, state, body.model, body.adapter)
+    state.admission.check(state.status)
     try:
         prompt_ids = state.model.tokenizer.encode_chat(body.messages)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages", "chat_template_error") from None
     return await _generate(request, state, ChatFormat, choice, prompt_ids, body.options,
-                           "messages")
+                           "messages", started)
+
+
+def _choose(request: web.Request, state: AppState, model: str,
+            adapter: str | None) -> ModelChoice:
+    choice = choose(state.model.name, state.model.adapters, model, adapter)
+    request[MODEL_KEY] = choice.model_id
+    return choice
 
 
 async def _generate(request: web.Request, state: AppState, format_cls: type[CompletionFormat],
                     choice: ModelChoice, prompt_ids: list[int], options: SamplingOptions,
-                    prompt_param: str) -> web.StreamResponse:
+                    prompt_param: str, started: float) -> web.StreamResponse:
+    # From admission.check() to the Admit inside generate() nothing awaits, so the queue bound
+    # and the draining switch hold exactly.
     sampling = _sampling(state.model, prompt_ids, options, prompt_param)
-    if state.status != "ok":
-        return error_response(503, f"the server is {state.status}; not accepting requests",
-                              code="unavailable")
     fmt = format_cls(f"{format_cls.id_prefix}{uuid.uuid4().hex}", choice.model_id,
                      include_usage=options.stream and options.include_usage)
-    deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompt_ids, sampling,
-                      options.stop, choice.adapter_slot, choice.adapter_key)
-    async with aclosing(deltas):
-        if options.stream:
-            return await stream_events(request, deltas, fmt)
-        texts, last = [], None
-        try:
-            async for delta in deltas:
-                texts.append(delta.text)
-                last = delta
-        except GenerationError as exc:
-            return error_response(500, str(exc), code="engine_error")
-    return web.json_response(fmt.full("".join(texts), last.finish_reason, last.num_prompt_tokens,
-                                      last.num_completion_tokens))
+    request[ADMITTED_KEY] = True
+    with state.admission.ticket(started) as ticket:
+        deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompt_ids,
+                          sampling, options.stop, choice.adapter_slot, choice.adapter_key)
+        deltas = state.metrics.observe(state.admission.bounded(deltas, ticket), choice.model_id,
+                                       started)
+        async with aclosing(deltas):
+            if options.stream:
+                return await stream_events(request, deltas, fmt)
+            texts, last = [], None
+            try:
+                async for delta in deltas:
+                    texts.append(delta.text)
+                    last = delta
+            except GenerationError as exc:
+                headers = ({"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)}
+                           if exc.status == 503 else None)
+                return error_response(exc.status, str(exc), code=exc.code, headers=headers)
+        return web.json_response(fmt.full("".join(texts), last.finish_reason,
+                                          last.num_prompt_tokens, last.num_completion_tokens))
 
 
 def _sampling(model: ServedModel, prompt_ids: list[int], options: SamplingOptions,
@@ -158,14 +186,6 @@ def _sampling(model: ServedModel, prompt_ids: list[int], options: SamplingOption
     return SamplingParams(temperature=options.temperature, top_p=options.top_p,
                           top_k=options.top_k, seed=seed, max_tokens=max_tokens,
                           stop_token_ids=list(model.stop_token_ids), ignore_eos=options.ignore_eos)
-
-
-async def _read_json(request: web.Request) -> object:
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
 
 
 def _check_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:

@@ -148,15 +148,16 @@ def _bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
     return value
 
 
-def _int(body: dict, name: str, lo: int, hi: int | None = None, default=None):
+def _int(body: dict, name: str, lo: int, hi: int = _INT64 - 1, default=None):
+    # Every integer has an upper bound: past 64 bits it could not even reach the workers.
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(f"{name} must be an integer", name, "invalid_type")
-    if value < lo or (hi is not None and value > hi):
-        bound = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
-        raise bad_request(f"{name} must be {bound}, got {value}", name)
+    if not lo <= value <= hi:
+        shown = value if abs(value) < 10**30 else f"an integer of {len(str(abs(value)))} digits"
+        raise bad_request(f"{name} must be between {lo} and {hi}, got {shown}", name)
     return value
 
 
@@ -166,9 +167,24 @@ def _number(body: dict, name: str, default: float, ok, bounds: str) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_request(f"{name} must be a number", name, "invalid_type")
-    if not math.isfinite(value) or not ok(value):
+    if isinstance(value, int) and abs(value) > 10**30:
+        raise bad_request(f"{name} must be {bounds}, got an integer of {len(str(abs(value)))} "
+                          f"digits", name)
+    if not math.isfinite(value):  # 1e400 reads as infinity
+        raise bad_request(f"{name} must be {bounds}, got a number beyond the float range", name)
+    if not ok(value):
         raise bad_request(f"{name} must be {bounds}, got {value}", name)
     return float(value)
+
+
+def _text(value: str, where: str) -> str:
+    """A string the tokenizer can take: JSON may spell lone UTF-16 surrogates (\\ud800)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{where} holds an unpaired surrogate at character {exc.start}, which "
+                          f"is not text", where) from None
+    return value
 
 
 def _stop(value: object) -> tuple[str, ...]:
@@ -189,7 +205,7 @@ def _prompt(value: object) -> str | list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, str):
-        return value
+        return _text(value, "prompt")
     if isinstance(value, list) and value and all(
             isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
@@ -222,7 +238,7 @@ def _message(message: object, where: str) -> dict:
 
 def _content(content: object, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return _text(content, where)
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of text parts", where,
                           "invalid_type")
@@ -234,5 +250,5 @@ def _content(content: object, where: str) -> str:
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{where}[{i}].text must be a string", f"{where}[{i}].text",
                               "invalid_type")
-        texts.append(part["text"])
+        texts.append(_text(part["text"], f"{where}[{i}].text"))
     return "\n".join(texts)  # as vLLM joins text parts for text-only models

@@ -1,8 +1,10 @@
 """The coordinator's lifetime: start workers, agree, serve HTTP, then stop on a signal or a failure.
 
-A signal is an orderly stop (exit 0); a worker that exits or reports WorkerFailed ends every
-open stream with an error and stops the rest (exit 1). Whatever happens, the worker processes
-are stopped and the runtime directory is removed before returning.
+A signal (SIGTERM, SIGINT) starts a drain: new generation requests get a 503, open ones run on
+for up to --shutdown-timeout, then whatever is left ends with an error; a second signal ends
+the drain at once. Either way the exit status is 0. A worker that exits or reports WorkerFailed
+ends every open stream with an error and stops the rest (exit 1). Whatever happens, the worker
+processes are stopped and the runtime directory is removed before returning.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from pathlib import Path
 from aiohttp import web
 
 from lorad.config import ServeConfig, WorkerConfig
+from lorad.daemon.admission import Admission
 from lorad.daemon.engine_client import EngineClient, EngineFacts, StartupError
+from lorad.daemon.metrics import Metrics
 from lorad.daemon.routes import AppState, ServedModel, build_app
 from lorad.daemon.supervisor import WORKER_COMMAND, Supervisor
 from lorad.protocol.sockets import make_runtime_dir
@@ -27,6 +31,7 @@ from lorad.protocol.sockets import make_runtime_dir
 log = logging.getLogger("lorad")
 
 HTTP_DRAIN_S = 5.0  # how long handlers get to write their final events before connections close
+SHUTDOWN_MESSAGE = "the server is shutting down; this request was ended before it finished"
 WORKER_EXIT_GRACE_S = 15.0  # after Shutdown, before SIGTERM
 
 
@@ -46,9 +51,13 @@ async def serve(config: ServeConfig, model: ServedModel,
 async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerConfig,
                worker_command: tuple[str, ...]) -> int:
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()  # the first signal, a second one
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     engine = EngineClient(worker_config)
     supervisor = Supervisor(worker_config, worker_command)
     runner: web.AppRunner | None = None
@@ -65,8 +74,10 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
         facts = await _handshake(engine, config, exited, stopped)
         if not isinstance(facts, EngineFacts):
             return facts
+        state = AppState(model, engine,
+                         Admission(config.max_queued_requests, config.request_timeout), Metrics())
+        engine.on_step_result = state.metrics.step_result
         engine.start()
-        state = AppState(model, engine)
         runner = await _start_http(state, config)
         if runner is None:
             return 1
@@ -74,6 +85,8 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
                  model.name, _url_host(config.host), config.port, facts.num_ranks,
                  facts.num_kv_blocks, facts.block_size)
         await asyncio.wait([exited, stopped, engine.failure], return_when=asyncio.FIRST_COMPLETED)
+        if stopped.done() and not exited.done() and not engine.failure.done():
+            await _drain(state, config.shutdown_timeout, hurry, exited)
         return await _stop(state, runner, supervisor, exited)
     finally:
         for task in waits:
@@ -125,13 +138,39 @@ async def _stop(state: AppState, runner: web.AppRunner, supervisor: Supervisor,
         await runner.cleanup()
         await supervisor.stop(grace_s=2.0)
         return 1
-    log.info("signal received: shutting down")
     state.status = "stopping"
-    state.engine.abort_all("the server is shutting down")
+    state.engine.abort_all(SHUTDOWN_MESSAGE)  # nothing is open after a drain; this is a guard
     state.engine.shutdown()
     await runner.cleanup()
     await supervisor.stop(grace_s=WORKER_EXIT_GRACE_S)
     return 0
+
+
+async def _drain(state: AppState, timeout_s: float, hurry: asyncio.Event,
+                 exited: asyncio.Task) -> None:
+    """Admit nothing new, let open requests finish for up to timeout_s (a second signal, a
+    worker exit or an engine failure ends the wait early), then end the rest with an error."""
+    state.status = "draining"  # from here every new generation request gets a 503
+    log.info("signal received: draining %d open request(s) for up to %gs (a second signal "
+             "stops at once)", state.admission.num_open, timeout_s)
+    idle = asyncio.create_task(state.admission.wait_idle())
+    hurried = asyncio.create_task(hurry.wait())
+    try:
+        await asyncio.wait([idle, hurried, exited, state.engine.failure], timeout=timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        idle.cancel()
+        hurried.cancel()
+    if exited.done() or state.engine.failure.done() or state.admission.num_open == 0:
+        return
+    why = "a second signal" if hurry.is_set() else f"--shutdown-timeout ({timeout_s:g}s)"
+    num_cut = state.admission.cut_all(SHUTDOWN_MESSAGE)
+    log.warning("drain ended by %s: ending %d open request(s) with an error", why, num_cut)
+    try:  # each handler writes its terminal event, then leaves
+        await asyncio.wait_for(state.admission.wait_idle(), HTTP_DRAIN_S)
+    except TimeoutError:
+        log.warning("%d request(s) still writing after %gs; closing their connections",
+                    state.admission.num_open, HTTP_DRAIN_S)
 
 
 async def _start_http(state: AppState, config: ServeConfig) -> web.AppRunner | None:

@@ -1,8 +1,8 @@
 """Server-sent events: one generation's deltas as `data: {chunk}` events, then `data: [DONE]`.
 
 Headers go out with the first delta, so a request that fails before producing anything still
-gets a plain 5xx JSON error. After that, a failure is an `data: {"error": ...}` event before
-[DONE]. A client that hangs up raises out of the writes; the caller's aclosing() then cancels.
+gets a plain JSON error (500, 503 or 504: GenerationError's status). After that, a failure is a
+`data: {"error": ...}` event before [DONE]. A client that hangs up raises out of the writes; the caller's aclosing() then cancels.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
                 await response.write(_event(fmt.chunk(delta.text, delta.finish_reason)))
     except GenerationError as exc:
         if response is None:
-            return error_response(500, str(exc), code="engine_error")
-        await response.write(_event(error_body(500, str(exc), code="engine_error")))
+            return error_response(exc.status, str(exc), code=exc.code)
+        await response.write(_event(error_body(exc.status, str(exc), code=exc.code)))
     else:
         if response is None:  # cannot happen: generate() always yields a final delta
             response = await _open(request, fmt)

@@ -105,7 +105,7 @@ def wait_healthy(daemon: Daemon, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
             pytest.fail(f"lorad exited with {daemon.proc.returncode} during start-up:\n"
                         f"{daemon.log()[-4000:]}", pytrace=False)
         try:
-            if daemon.health()["status"] == "ok":
+            if daemon.health()["status"] == "serving":
                 return
         except (OSError, urllib.error.URLError, ValueError):
             pass
@@ -118,6 +118,13 @@ def wait_healthy(daemon: Daemon, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def long_model(tmp_path_factory) -> Path:
+    """The tiny model with a 4096-token context: room for requests that run for seconds."""
+    return make_tiny_llama(tmp_path_factory.mktemp("long") / "long",
+                           max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")

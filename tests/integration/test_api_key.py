@@ -40,9 +40,16 @@ def _call(daemon, method: str, path: str, key: str | None) -> tuple[int, dict]:
     request = urllib.request.Request(daemon.url + path, body, headers, method=method)
     try:
         with urllib.request.urlopen(request, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
+            return resp.status, _body(resp)
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+        return exc.code, _body(exc)
+
+
+def _body(resp) -> dict | str:
+    """JSON bodies parsed; /metrics answers in Prometheus text."""
+    text = resp.read().decode()
+    return json.loads(text) if resp.headers["Content-Type"].startswith("application/json") \
+        else text
 
 
 @pytest.fixture(scope="module")

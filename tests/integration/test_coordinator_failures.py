@@ -101,7 +101,7 @@ def test_failed_step_is_a_500_and_serving_goes_on(start_lorad, fake_entry):
         error = json.loads(raw)["error"]
         assert status == 500 and "live sets disagree" in error["message"]
         assert error["type"] == "server_error"
-    assert daemon.health()["status"] == "ok"
+    assert daemon.health()["status"] == "serving"
     pids = daemon.worker_pids()
     assert daemon.stop() == 0
     daemon.assert_cleaned_up(pids)

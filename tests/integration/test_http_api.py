@@ -80,7 +80,8 @@ def test_models_and_health(daemon, client):
     models = client.models.list().data
     assert [(m.id, m.object, m.owned_by) for m in models] == [(MODEL, "model", "lorad")]
     health = daemon.health()
-    assert health["status"] == "ok" and health["ranks"] == 2
+    assert health["status"] == "serving" and health["ready"]
+    assert [(r["rank"], r["state"]) for r in health["ranks"]] == [(0, "serving"), (1, "serving")]
     assert health["kv_blocks"]["total"] == 256
     assert health["adapters"] == []
 
@@ -272,14 +273,16 @@ def test_worker_death_ends_streams_with_an_error_and_exits_nonzero(start_lorad):
     assert "worker rank 0 exited unexpectedly" in daemon.log()
 
 
-def test_sigterm_ends_open_streams_and_exits_zero(start_lorad):
-    daemon = start_lorad("--kv-cache-blocks", "64")
+def test_sigterm_without_drain_time_ends_open_streams_and_exits_zero(start_lorad):
+    """--shutdown-timeout 0: the drain ends at once (tests/integration/test_drain.py drains)."""
+    daemon = start_lorad("--kv-cache-blocks", "64", "--shutdown-timeout", "0")
     pids = daemon.worker_pids()
     _, resp = open_stream(daemon, "chat/completions",
                           {"messages": CHAT, "max_tokens": 200, "ignore_eos": True})
     daemon.proc.send_signal(signal.SIGTERM)
     events = rest_of_stream(resp)
     assert events[-1] == b"[DONE]"
-    assert "shutting down" in json.loads(events[-2])["error"]["message"]
+    error = json.loads(events[-2])["error"]
+    assert "shutting down" in error["message"] and error["code"] == "shutdown"
     assert daemon.proc.wait(30) == 0
     daemon.assert_cleaned_up(pids)

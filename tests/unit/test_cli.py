@@ -21,6 +21,8 @@ def test_defaults_and_name_from_folder(tmp_path):
     assert config.served_name == "SmolLM2-135M"
     assert (config.host, config.port, config.parallel) == ("127.0.0.1", 8000, 1)
     assert config.max_model_len is None and config.kv_cache_memory is None
+    assert (config.shutdown_timeout, config.request_timeout, config.max_queued_requests) == \
+        (30.0, None, 256)
 
 
 def test_all_flags():
@@ -29,10 +31,14 @@ def test_all_flags():
                          "--max-model-len", "2048", "--max-num-seqs", "8",
                          "--max-num-batched-tokens", "1024", "--block-size", "32",
                          "--kv-cache-memory", "2GiB", "--threads", "2", "--name", "demo",
-                         "--runtime-dir", "/run/lorad", "--log-level", "debug"])
+                         "--runtime-dir", "/run/lorad", "--log-level", "debug",
+                         "--shutdown-timeout", "0", "--request-timeout", "2.5",
+                         "--max-queued-requests", "3"])
     assert config.parallel == 4 and config.port == 9000 and config.dtype == "bfloat16"
     assert config.kv_cache_memory == 2 * 1024**3 and config.served_name == "demo"
     assert config.num_threads == 2 and config.runtime_dir == "/run/lorad"
+    assert (config.shutdown_timeout, config.request_timeout, config.max_queued_requests) == \
+        (0.0, 2.5, 3)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -60,6 +66,13 @@ def test_byte_sizes(text, expected):
     (["--kv-cache-blocks", "8", "--kv-cache-memory", "1GiB"], "--kv-cache-memory"),
     (["--threads", "0"], "--threads"),
     (["--startup-timeout", "nan"], "--startup-timeout"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--shutdown-timeout", "inf"], "--shutdown-timeout"),
+    (["--shutdown-timeout", "soon"], "--shutdown-timeout"),
+    (["--request-timeout", "0"], "--request-timeout"),
+    (["--request-timeout", "nan"], "--request-timeout"),
+    (["--max-queued-requests", "0"], "--max-queued-requests"),
+    (["--max-queued-requests", "many"], "--max-queued-requests"),
     (["--log-level", "loud"], "--log-level"),
     (["--load-format", "gguf"], "--load-format"),
     (["--enforce-eager", "yes"], "yes"),
@@ -93,7 +106,7 @@ def test_missing_model_flag(capsys):
 def test_help_is_grouped():
     text = build_parser().format_help()
     for group in ("model:", "parallelism and devices:", "scheduler and KV cache:",
-                  "HTTP server:", "process:"):
+                  "HTTP server:", "limits:", "process:"):
         assert group in text
 
 

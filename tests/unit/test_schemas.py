@@ -154,3 +154,33 @@ def test_body_must_be_an_object(body):
     with pytest.raises(ApiError) as exc:
         parse_chat(body)
     assert exc.value.status == 400 and exc.value.code == "invalid_json"
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"max_tokens": 10**400}, "max_tokens"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"n": 10**400}, "n"),
+    ({"best_of": 10**400}, "best_of"),
+    ({"temperature": float("inf")}, "temperature"),  # what json reads 1e400 as
+    ({"top_p": float("-inf")}, "top_p"),
+    ({"temperature": 10**400}, "temperature"),
+    ({"max_tokens": 1e308}, "max_tokens"),
+    ({"prompt": "a\ud800b"}, "prompt"),
+])
+def test_out_of_range_numbers_and_lone_surrogates_name_the_field(patch, param):
+    _refused(parse_completion, {**COMPLETION, **patch}, param)
+
+
+def test_lone_surrogates_in_chat_name_the_part():
+    _refused(parse_chat, {"model": "m", "messages": [{"role": "user", "content": "\udc00"}]},
+             "messages[0].content")
+    _refused(parse_chat, {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]},
+        "messages[0].content[0].text")
+
+
+def test_huge_numbers_are_not_echoed_in_full():
+    with pytest.raises(ApiError) as exc:
+        parse_completion({**COMPLETION, "seed": 10**400})
+    assert "an integer of 401 digits" in exc.value.message and len(exc.value.message) < 200

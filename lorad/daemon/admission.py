@@ -1,0 +1,127 @@
+"""Who gets in and how they are let out: the draining switch (503), the queue bound (429), and
+each admitted request's deadline (--request-timeout, or the end of a drain).
+
+The queue is what the coordinator can count without asking the workers: a request is *queued*
+from its admission until its first generated token arrives (waiting in the workers or in its
+prefill). Does not tokenize, publish messages or write HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import contextmanager
+
+from lorad.daemon.errors import ApiError
+from lorad.daemon.generation import Delta, GenerationError
+
+RETRY_AFTER_QUEUE_FULL_S = 1  # a queue slot frees as soon as any queued request gets a token
+RETRY_AFTER_UNAVAILABLE_S = 5  # draining or failed: another instance, or this one restarted
+
+
+class Ticket:
+    """One admitted request: whether it is still queued, and when it must end and why."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.queued = True
+        self.deadline = deadline  # loop time; None: no deadline
+        self.cut_message: str | None = None  # set when a drain ends it
+        self._timer: asyncio.Timeout | None = None  # armed while waiting for the next delta
+
+    def cut(self, message: str, now: float) -> None:
+        self.cut_message = message
+        self.deadline = now
+        if self._timer is not None and not self._timer.expired():  # an expired one is firing
+            self._timer.reschedule(now)
+
+    def error(self, timeout_s: float | None) -> GenerationError:
+        if self.cut_message is not None:
+            return GenerationError(self.cut_message, 503, "shutdown")
+        return GenerationError(f"the request ran past its deadline of {timeout_s:g}s "
+                               f"(--request-timeout) and was cancelled", 504, "request_timeout")
+
+
+class Admission:
+    def __init__(self, max_queued: int, request_timeout: float | None) -> None:
+        self.max_queued = max_queued
+        self.request_timeout = request_timeout
+        self.num_queued = 0
+        self._open: set[Ticket] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    def check(self, status: str) -> None:
+        """Refuse a new generation request while not serving (503) or while the queue is full
+        (429). Call it right before tokenizing: nothing awaits between it and the admission."""
+        if status != "serving":
+            why = {"draining": "is draining before it stops", "stopping": "is stopping",
+                   "failed": "has failed"}.get(status, f"is {status}")
+            raise ApiError(503, f"the server {why} and admits no new requests",
+                           code="unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
+        if self.num_queued >= self.max_queued:
+            raise ApiError(429, f"too many requests waiting for their first token "
+                                f"({self.num_queued}, --max-queued-requests {self.max_queued}); "
+                                f"retry shortly", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)})
+
+    @contextmanager
+    def ticket(self, started: float):
+        """Count one admitted request from here until the handler is done with it; `started`
+        (time.monotonic()) is its arrival, where --request-timeout counts from."""
+        deadline = None
+        if self.request_timeout is not None:  # on the loop's clock, which timeouts run on
+            remaining = started + self.request_timeout - time.monotonic()
+            deadline = asyncio.get_running_loop().time() + remaining
+        ticket = Ticket(deadline)
+        self._open.add(ticket)
+        self.num_queued += 1
+        self._idle.clear()
+        try:
+            yield ticket
+        finally:
+            self._open.discard(ticket)
+            self._leave_queue(ticket)
+            if not self._open:
+                self._idle.set()
+
+    async def bounded(self, deltas: AsyncIterator[Delta], ticket: Ticket) -> AsyncIterator[Delta]:
+        """The deltas until the ticket's deadline; past it the request is cancelled (closing
+        generate() sends Cancel) and GenerationError says why."""
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(ticket.deadline) as timer:
+                        ticket._timer = timer
+                        delta = await anext(deltas)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise ticket.error(self.request_timeout) from None
+                finally:
+                    ticket._timer = None
+                if delta.num_completion_tokens:
+                    self._leave_queue(ticket)
+                yield delta
+        finally:
+            await deltas.aclose()
+
+    def cut_all(self, message: str) -> int:
+        """End every open request now with `message` (the end of a drain); returns how many."""
+        now = asyncio.get_running_loop().time()
+        for ticket in self._open:
+            ticket.cut(message, now)
+        return len(self._open)
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def _leave_queue(self, ticket: Ticket) -> None:
+        if ticket.queued:
+            ticket.queued = False
+            self.num_queued -= 1

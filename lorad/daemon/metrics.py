@@ -1,0 +1,149 @@
+"""/metrics: Prometheus text format from one registry per app (never the process-wide one).
+
+Request metrics are counted as requests go; the engine's state (queue, sequences, KV blocks per
+rank) is read when scraped. `model` labels are served model ids (the base id or an adapter's
+name), never a string a client made up, so the label set stays bounded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest)
+
+from lorad.daemon.generation import Delta, GenerationError
+from lorad.protocol import StepResult
+
+# Histogram buckets in seconds: a first token waits for a prefill (and a queue); later tokens
+# and steps take one decode step each.
+FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# How a GenerationError's code shows as an outcome.
+OUTCOME_BY_CODE = {"request_timeout": "timeout", "shutdown": "shutdown"}
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+MODEL_KEY = web.RequestKey("lorad_model", str)  # the served id, once the request resolved it
+ADMITTED_KEY = web.RequestKey("lorad_admitted", bool)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        disable_created_metrics()  # no *_created series beside every counter
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "lorad_requests", "Admitted generation requests by how they ended: stop, length, "
+            "cancelled (client gone), timeout (--request-timeout), shutdown (cut at the end of a "
+            "drain), error (the engine failed it)", ["model", "outcome"], registry=registry)
+        self.rejected = Counter(
+            "lorad_requests_rejected", "Generation requests answered with an error before "
+            "admission, by HTTP status (model is empty when the request named no served model)",
+            ["model", "status"], registry=registry)
+        self.prompt_tokens = Counter(
+            "lorad_prompt_tokens", "Prompt tokens of admitted requests that produced a token",
+            ["model"], registry=registry)
+        self.generation_tokens = Counter(
+            "lorad_generation_tokens", "Generated tokens (each end-of-sequence token included)",
+            ["model"], registry=registry)
+        self.first_token = Histogram(
+            "lorad_time_to_first_token_seconds", "From the request's arrival to its first "
+            "generated token reaching the coordinator", ["model"], buckets=FIRST_TOKEN_BUCKETS,
+            registry=registry)
+        self.inter_token = Histogram(
+            "lorad_inter_token_latency_seconds", "Between consecutive generated tokens of one "
+            "request, as the coordinator receives them", ["model"], buckets=STEP_BUCKETS,
+            registry=registry)
+        self.step_interval = Histogram(
+            "lorad_step_interval_seconds", "Between consecutive step results from the leader "
+            "while it had work (one engine step plus its transport; idle gaps excluded)",
+            buckets=STEP_BUCKETS, registry=registry)
+        self.queued = Gauge("lorad_queued_requests", "Admitted requests still waiting for their "
+                            "first token (bounded by --max-queued-requests)", registry=registry)
+        self.open = Gauge("lorad_open_requests", "Admitted requests whose handler has not "
+                          "finished", registry=registry)
+        self.running = Gauge("lorad_running_sequences", "Sequences the leader scheduled, at its "
+                             "last step result", registry=registry)
+        self.waiting = Gauge("lorad_waiting_sequences", "Sequences waiting in the workers, at "
+                             "the leader's last step result", registry=registry)
+        self.kv_used = Gauge("lorad_kv_blocks_used", "KV cache blocks in use", ["rank"],
+                             registry=registry)
+        self.kv_free = Gauge("lorad_kv_blocks_free", "KV cache blocks free", ["rank"],
+                             registry=registry)
+        self.rank_serving = Gauge("lorad_rank_serving", "1 if the rank's state is serving, else 0",
+                                  ["rank"], registry=registry)
+        self._last_step_at: float | None = None
+        self._engine_busy = False
+
+    async def observe(self, deltas: AsyncIterator[Delta], model: str,
+                      started: float) -> AsyncIterator[Delta]:
+        """Pass the deltas through, counting tokens, latencies and the outcome. `started` is
+        the request's arrival on time.monotonic()."""
+        outcome = "cancelled"  # unless a finish reason or an error says otherwise
+        num_tokens, last_at = 0, started
+        try:
+            async for delta in deltas:
+                now = time.monotonic()
+                num_new = delta.num_completion_tokens - num_tokens
+                if num_new > 0:
+                    if num_tokens == 0:
+                        self.first_token.labels(model).observe(now - started)
+                        self.prompt_tokens.labels(model).inc(delta.num_prompt_tokens)
+                        num_gaps, gap = num_new - 1, 0.0  # tokens that came with the first one
+                    else:
+                        num_gaps, gap = num_new, (now - last_at) / num_new
+                    for _ in range(num_gaps):
+                        self.inter_token.labels(model).observe(gap)
+                    self.generation_tokens.labels(model).inc(num_new)
+                    num_tokens, last_at = delta.num_completion_tokens, now
+                if delta.finish_reason is not None:
+                    outcome = delta.finish_reason
+                yield delta
+        except GenerationError as exc:
+            outcome = OUTCOME_BY_CODE.get(exc.code, "error")
+            raise
+        finally:
+            self.requests.labels(model, outcome).inc()
+            await deltas.aclose()
+
+    def step_result(self, result: StepResult) -> None:
+        """EngineClient's per-StepResult hook."""
+        now = time.monotonic()
+        if self._engine_busy and self._last_step_at is not None:
+            self.step_interval.observe(now - self._last_step_at)
+        self._last_step_at = now
+        self._engine_busy = result.num_running + result.num_waiting > 0
+
+    def render(self, state) -> bytes:
+        """The text format, after reading the engine's state into the gauges."""
+        self.queued.set(state.admission.num_queued)
+        self.open.set(state.admission.num_open)
+        self.running.set(state.engine.load.num_running)
+        self.waiting.set(state.engine.load.num_waiting)
+        for gauge in (self.kv_used, self.kv_free, self.rank_serving):
+            gauge.clear()
+        for rank in state.engine.rank_states():
+            label = str(rank.rank)
+            self.kv_used.labels(label).set(rank.kv_blocks_used)
+            self.kv_free.labels(label).set(rank.kv_blocks_free)
+            self.rank_serving.labels(label).set(1 if rank.state == "serving" else 0)
+        return generate_latest(self.registry)
+
+    content_type = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes
+
+
+def metrics_middleware(metrics_of):
+    """Count generation requests refused before admission (any 4xx/5xx answer without an
+    Admit), by the model they resolved to. `metrics_of(app)` gives the app's Metrics."""
+
+    @web.middleware
+    async def count_rejections(request: web.Request, handler) -> web.StreamResponse:
+        response = await handler(request)
+        if (request.method == "POST" and request.path in GENERATION_PATHS
+                and response.status >= 400 and not request.get(ADMITTED_KEY, False)):
+            metrics_of(request.app).rejected.labels(request.get(MODEL_KEY, ""),
+                                                    str(response.status)).inc()
+        return response
+
+    return count_rejections
+

@@ -1,0 +1,33 @@
+"""/health (liveness) and /ready (readiness): one JSON body, two answers.
+
+/health is 200 whenever the coordinator answers, whatever its status; /ready is 200 only while
+it serves and every rank reports serving, else 503. Neither needs the API key (auth.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+
+def probe_body(state) -> dict:
+    engine, facts = state.engine, state.engine.facts
+    ranks = engine.rank_states()
+    # Every rank walks the same block pool identically; the total is the leader's report.
+    num_total = facts.num_kv_blocks if facts else 0
+    return {
+        "status": state.status, "model": state.model.name,
+        "ready": is_ready(state, ranks),
+        "registry_digest": facts.registry_digest if facts else None,
+        "ranks": [asdict(rank) for rank in ranks],
+        "kv_blocks": {"used": num_total - engine.load.num_free_blocks,
+                      "free": engine.load.num_free_blocks, "total": num_total},
+        "queued": state.admission.num_queued, "open_requests": state.admission.num_open,
+        "running": engine.load.num_running, "waiting": engine.load.num_waiting,
+        "adapters": [{"name": a.name, "slot": a.slot, "key": a.key, "strength": a.strength}
+                     for a in state.model.adapters],
+    }
+
+
+def is_ready(state, ranks) -> bool:
+    return state.status == "serving" and bool(ranks) and all(r.state == "serving"
+                                                             for r in ranks)
