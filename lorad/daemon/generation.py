@@ -68,6 +68,10 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
                 if detokenizer.stopped and event.finish_reason is None:
                     engine.cancel(request_id)  # a stop string ended it; the workers don't know
                 text += detokenizer.finish()
+                if detokenizer.stopped:
+                    # The text held back until now (an incomplete character) held a stop
+                    # string: it ends the request as a stop, whatever ended the generation.
+                    reason = "stop"
             yield Delta(text, reason, len(prompt_ids), num_generated)
     finally:
         if not finished:

@@ -182,6 +182,30 @@ def test_stop_string_ends_early_and_is_not_returned(daemon, client, stop_case, s
     assert wait_idle(daemon)["running"] == 0  # the workers were told to cancel
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_in_the_last_token_still_stops(client, stream):
+    """A stop string that first appears in the text of the request's last token (max_tokens
+    reached there) ends it with "stop", not "length", and is not returned."""
+    for seed in range(1, 80):
+        text = _sampled_text(client, seed)
+        last = text[-1:]
+        if last.strip() and last != "\ufffd" and text.find(last) == len(text) - 1:
+            break
+    else:
+        pytest.fail("no seed gave a text whose last character appears nowhere before it")
+    args = dict(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=1.0,
+                seed=seed, stop=[last], extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(**args, stream=True))
+        got = "".join(c.choices[0].text for c in chunks)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        out = client.completions.create(**args)
+        got, reason = out.choices[0].text, out.choices[0].finish_reason
+    assert got == text[:text.find(last)]
+    assert reason == "stop"
+
+
 def _visible(text: str) -> list[int]:
     """Positions i where text[i:i+2] is two ordinary characters."""
     return [i for i in range(len(text) - 1)
