@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     proc.add_argument("--startup-timeout", type=seconds, default=600.0, metavar="SECONDS",
                       help="how long workers may take to load and report ready "
                            "(default: %(default)g)")
+    proc.add_argument("--step-timeout", type=seconds, default=30.0, metavar="SECONDS",
+                      help="a worker whose step (or collective) runs longer has stalled: open "
+                           "requests fail and lorad exits non-zero, for its supervisor to "
+                           "restart it (default: %(default)g)")
     proc.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                       default="info", help="log verbosity of the coordinator and the workers "
                                            "(default: %(default)s)")
@@ -225,7 +229,8 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,
             num_threads=args.threads, runtime_dir=args.runtime_dir,
-            startup_timeout=args.startup_timeout, log_level=args.log_level, adapters=adapters,
+            startup_timeout=args.startup_timeout, step_timeout=args.step_timeout,
+            log_level=args.log_level, adapters=adapters,
             api_key=api_key)
     except ConfigError as exc:
         parser.error(str(exc))

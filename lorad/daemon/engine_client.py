@@ -3,13 +3,15 @@
 Publishes Hello until every rank is Ready, then Admit/Cancel/Shutdown with gapless `seq`
 numbers; reads StepResult/StepFailed/WorkerFailed and routes each output to its request's queue.
 Every admitted request's queue receives exactly one terminal item: a finished SeqOutput or a
-RequestFailed. Does not start processes (supervisor.py) or speak HTTP.
+RequestFailed. Keeps each rank's latest RankStatus, and fails the engine when a rank's step runs
+past --step-timeout or the rank goes silent. Does not start processes (supervisor.py) or speak HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -18,13 +20,18 @@ import zmq.asyncio
 
 from lorad.config import WorkerConfig
 from lorad.protocol import (
-    PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, Ready, SamplingParams, Shutdown,
-    StepFailed, StepResult, WorkerFailed, decode, encode)
+    PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, RankStatus, Ready, SamplingParams,
+    Shutdown, StepFailed, StepResult, WorkerFailed, decode, encode)
 from lorad.protocol.sockets import bind_publisher, bind_puller
 
 log = logging.getLogger("lorad.engine")
 
 HELLO_INTERVAL_S = 0.05
+DEFAULT_STEP_TIMEOUT_S = 30.0
+# Ranks report every 0.25s (lorad/workers/status.py); this much silence means the process is
+# frozen (stopped, swapped out, or stuck holding the GIL), not merely busy.
+REPORT_SILENCE_S = 5.0
+WATCH_INTERVAL_S = 0.25
 
 
 class StartupError(RuntimeError):
@@ -61,7 +68,8 @@ class RankState:
     steps: int  # loop rounds the rank has completed (idle rounds included)
     kv_blocks_used: int
     kv_blocks_free: int
-    seconds_since_report: float  # since the coordinator last heard from this rank
+    seconds_since_report: float  # since the coordinator last heard from this rank; -1: never
+    step_seconds: float = 0.0  # how long the rank's current round has run (0 between rounds)
 
 
 @dataclass
@@ -74,8 +82,10 @@ class EngineLoad:
 
 
 class EngineClient:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig,
+                 step_timeout: float = DEFAULT_STEP_TIMEOUT_S) -> None:
         self._config = config
+        self.step_timeout = step_timeout
         # PUB is a plain socket: with no high-water mark it never blocks, so a synchronous
         # send keeps `seq` order without awaiting between numbering and sending.
         self._sync_ctx = zmq.Context()
@@ -85,6 +95,12 @@ class EngineClient:
         self._next_seq = 1
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        # rank -> (its latest RankStatus, time.monotonic() when it arrived)
+        self._reports: dict[int, tuple[RankStatus, float]] = {}
+        self._ended: dict[int, str] = {}  # rank -> "exited" or "failed"
+        self.stalled: list[int] = []  # the ranks found stalled, when that failed the engine
+        self.num_ranks_ready = 0
         self.failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.load = EngineLoad()
         self.facts: EngineFacts | None = None
@@ -106,15 +122,19 @@ class EngineClient:
             if await self._pull.poll(HELLO_INTERVAL_S * 1000):
                 while await self._pull.poll(0):
                     self._take_ready(await self._pull.recv(), num_ranks, ready)
+            self.num_ranks_ready = len(ready)
         self.facts = _agree(ready)
         self.load.num_free_blocks = self.facts.num_kv_blocks
         return self.facts
 
     def _take_ready(self, frame: bytes, num_ranks: int, ready: dict[int, Ready]) -> None:
         try:
-            msg = decode(frame, (Ready, WorkerFailed))
+            msg = decode(frame, (Ready, WorkerFailed, RankStatus))
         except ProtocolError as exc:
             raise StartupError(f"a worker sent an invalid start-up message: {exc}") from None
+        if isinstance(msg, RankStatus):
+            self._take_status(msg)
+            return
         if isinstance(msg, WorkerFailed):
             raise StartupError(f"worker rank {msg.rank} failed to start: {msg.message}")
         if msg.protocol_version != PROTOCOL_VERSION:
@@ -132,13 +152,15 @@ class EngineClient:
 
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read_results(), name="engine-results")
-        self._reader.add_done_callback(self._reader_done)
+        self._reader.add_done_callback(self._task_done)
+        self._watcher = asyncio.create_task(self._watch_ranks(), name="engine-watch")
+        self._watcher.add_done_callback(self._task_done)
 
-    def _reader_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Task) -> None:
         # A bug in routing must not leave every stream waiting forever: it becomes a failure.
         if not task.cancelled() and task.exception() is not None:
-            log.error("reading worker results failed", exc_info=task.exception())
-            self.fail(f"the coordinator stopped reading results: {task.exception()!r}")
+            log.error("%s failed", task.get_name(), exc_info=task.exception())
+            self.fail(f"the coordinator's {task.get_name()} task failed: {task.exception()!r}")
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -160,6 +182,8 @@ class EngineClient:
             self._publish(Cancel(self._next_seq, request_id))
 
     def shutdown(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()  # ranks that exit after Shutdown are not stalled
         if not self.failure.done():
             self._publish(Shutdown(self._next_seq))
 
@@ -175,21 +199,39 @@ class EngineClient:
         self._fail_requests(list(self._queues), message)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
         self._pub.close(linger=0)
         self._pull.close(linger=0)
         self._sync_ctx.term()
 
     def rank_states(self) -> list[RankState]:
-        """One entry per rank. For now every rank is described by the leader's last report;
-        per-rank reports replace this (issue 5)."""
-        if self.facts is None:
-            return []
-        state = "failed" if self.failure.done() else "serving"
-        used = self.facts.num_kv_blocks - self.load.num_free_blocks
-        return [RankState(rank, state, 0, used, self.load.num_free_blocks, 0.0)
-                for rank in range(self.facts.num_ranks)]
+        """One entry per rank, from its own latest RankStatus."""
+        now = time.monotonic()
+        states = []
+        for rank in range(self._config.parallel):
+            if rank not in self._reports:
+                states.append(RankState(rank, self._ended.get(rank, "starting"), 0, 0, 0, -1.0))
+                continue
+            report, received = self._reports[rank]
+            silence = now - received
+            step_seconds = report.step_seconds + silence if report.step_seconds else 0.0
+            if rank in self._ended:
+                state = self._ended[rank]
+            elif self._stall_of(report, silence) is not None:
+                state = "stalled"
+            elif self.failure.done():
+                state = "failed"
+            else:
+                state = "serving" if report.phase == "serving" else "starting"
+            states.append(RankState(rank, state, report.steps, report.kv_blocks_used,
+                                    report.kv_blocks_free, silence, step_seconds))
+        return states
+
+    def mark_exited(self, rank: int) -> None:
+        """The supervisor saw this rank's process end."""
+        self._ended.setdefault(rank, "exited")
 
     @property
     def num_open_requests(self) -> int:
@@ -202,15 +244,20 @@ class EngineClient:
     # --- results -------------------------------------------------------------------------------
 
     async def _read_results(self) -> None:
-        accept = (Ready, StepResult, StepFailed, WorkerFailed)
+        accept = (Ready, StepResult, StepFailed, WorkerFailed, RankStatus)
         while True:
             frame = await self._pull.recv()
             try:
                 msg = decode(frame, accept)
             except ProtocolError as exc:
-                log.error("dropped an invalid message from a worker: %s", exc)
+                log.error("dropped an invalid message of %d bytes from a worker: %s", len(frame),
+                          exc)
                 continue
-            if isinstance(msg, StepResult):
+            if isinstance(msg, RankStatus):
+                self._take_status(msg)
+            elif isinstance(msg, Ready):
+                pass  # a rank answering a Hello repeated after the others were ready
+            elif isinstance(msg, StepResult):
                 self._route(msg)
             elif isinstance(msg, StepFailed):
                 log.error("step %d failed for %d requests: %s", msg.step, len(msg.request_ids),
@@ -219,7 +266,51 @@ class EngineClient:
                                                      f"{msg.message}")
             elif isinstance(msg, WorkerFailed):
                 log.error("worker rank %d failed: %s", msg.rank, msg.message)
+                self._ended[msg.rank] = "failed"
                 self.fail(f"worker rank {msg.rank} failed: {msg.message}")
+
+    def _take_status(self, msg: RankStatus) -> None:
+        if not 0 <= msg.rank < self._config.parallel:
+            log.error("dropped a RankStatus from rank %d: there are %d ranks", msg.rank,
+                      self._config.parallel)
+            return
+        if not (math.isfinite(msg.step_seconds) and msg.step_seconds >= 0):
+            log.error("dropped a RankStatus from rank %d: step_seconds %r", msg.rank,
+                      msg.step_seconds)
+            return
+        self._reports[msg.rank] = (msg, time.monotonic())
+
+    # --- stall detection -----------------------------------------------------------------------
+
+    async def _watch_ranks(self) -> None:
+        """Fail the engine when a rank's round outlives --step-timeout or a rank goes silent.
+        Only ranks that have reported are watched (start-up has --startup-timeout)."""
+        woke = time.monotonic()
+        while not self.failure.done():
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now, slept = time.monotonic(), time.monotonic() - woke
+            woke = now
+            if slept > 4 * WATCH_INTERVAL_S:
+                continue  # this event loop was blocked: reports may be waiting unread
+            stalls = [(rank, why) for rank, (report, received) in sorted(self._reports.items())
+                      if rank not in self._ended
+                      and (why := self._stall_of(report, now - received)) is not None]
+            if stalls:
+                self.stalled = [rank for rank, _ in stalls]
+                rank, why = stalls[0]
+                also = f" (also stalled: ranks {self.stalled[1:]})" if len(stalls) > 1 else ""
+                self.fail(f"worker rank {rank} stalled: {why}{also}")
+
+    def _stall_of(self, report: RankStatus, silence: float) -> str | None:
+        """Why this rank counts as stalled, or None."""
+        if silence > REPORT_SILENCE_S:
+            return f"no status report for {silence:.1f}s (the process is frozen)"
+        if report.step_seconds and report.phase == "serving":
+            step_seconds = report.step_seconds + silence
+            if step_seconds > self.step_timeout:
+                return (f"its step {report.steps + 1} has run for {step_seconds:.1f}s, over "
+                        f"--step-timeout {self.step_timeout:g}s")
+        return None
 
     def _route(self, result: StepResult) -> None:
         self.load = EngineLoad(result.num_running, result.num_waiting, result.num_free_blocks)
@@ -248,5 +339,5 @@ def _agree(ready: dict[int, Ready]) -> EngineFacts:
     return EngineFacts(len(ready), first.num_kv_blocks, first.block_size, first.registry_digest)
 
 
-__all__ = ["EngineClient", "EngineDead", "EngineFacts", "RankState", "RequestFailed",
+__all__ = ["DEFAULT_STEP_TIMEOUT_S", "EngineClient", "EngineDead", "EngineFacts", "RankState", "RequestFailed",
            "StartupError"]

@@ -8,6 +8,7 @@ handlers see the engine only through EngineClient.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
@@ -85,6 +86,7 @@ async def health(request: web.Request) -> web.Response:
             "kv_blocks": {"free": load.num_free_blocks, "total": facts.num_kv_blocks if facts else 0},
             "running": load.num_running, "waiting": load.num_waiting,
             "open_requests": state.engine.num_open_requests,
+            "rank_states": [dataclasses.asdict(r) for r in state.engine.rank_states()],
             "adapters": [{"name": a.name, "slot": a.slot, "key": a.key, "strength": a.strength}
                          for a in state.model.adapters]}
     return web.json_response(body, status=200 if state.status == "ok" else 503)
