@@ -36,8 +36,8 @@ ACCEPTED = (Hello, Admit, Cancel, Shutdown)
 # Test hook, read only when set: the rank it names applies its next adapter admission as if the
 # Admit had carried another slot, as a rank whose state went wrong would (tests/integration).
 CORRUPT_SLOT_RANK_ENV = "LORAD_TEST_CORRUPT_SLOT_RANK"
-# Test hooks, read only when set: the rank named blocks (sleeps) or raises inside its next step that
-# runs the model, as a hung kernel or a crashing one would.
+# Test hooks, read only when set to "RANK" or "RANK:N": that rank blocks (sleeps) or raises inside its
+# first (or N-th) step that runs the model, as a hung kernel or a crashing one would.
 STALL_RANK_ENV = "LORAD_TEST_STALL_RANK"
 RAISE_RANK_ENV = "LORAD_TEST_RAISE_RANK"
 STALL_SLEEP_S = 3600.0
@@ -60,8 +60,9 @@ class WorkerLoop:
         self._parent_pid = os.getppid()
         self._ready_sent = False
         self._corrupt_next_slot = os.environ.get(CORRUPT_SLOT_RANK_ENV) == str(rank)
-        self._stall_next_step = os.environ.get(STALL_RANK_ENV) == str(rank)
-        self._raise_next_step = os.environ.get(RAISE_RANK_ENV) == str(rank)
+        self._stall_at = _fault_step(STALL_RANK_ENV, rank)
+        self._raise_at = _fault_step(RAISE_RANK_ENV, rank)
+        self._num_model_steps = 0
         self.progress = progress or LoopProgress()
         self.progress.kv_blocks_free = engine.num_kv_blocks
 
@@ -100,8 +101,10 @@ class WorkerLoop:
         # 3. plan
         plan = self.planner.plan()
         # 4. run
-        if plan.chunks and (self._stall_next_step or self._raise_next_step):
-            self._inject_fault()
+        if plan.chunks:
+            self._num_model_steps += 1
+            if self._num_model_steps in (self._stall_at, self._raise_at):
+                self._inject_fault()
         logits = self.engine.forward(plan) if plan.chunks else None  # [num_sampled, vocab]
         # 5. sample on the leader, ids to every rank
         sampled = self._sample(plan, logits)
@@ -114,10 +117,8 @@ class WorkerLoop:
         return coordinator_alive(self.cfg.coordinator_pid, self._parent_pid)
 
     def _inject_fault(self) -> None:
-        if self._raise_next_step:
-            self._raise_next_step = False
+        if self._num_model_steps == self._raise_at:
             raise RuntimeError(f"{RAISE_RANK_ENV}: injected failure in step {self.planner.step}")
-        self._stall_next_step = False
         log.warning("%s: blocking in step %d", STALL_RANK_ENV, self.planner.step)
         time.sleep(STALL_SLEEP_S)
 
@@ -227,3 +228,12 @@ class WorkerLoop:
         self.push.send(encode(StepResult(
             plan.step, events, len(self.planner.running), len(self.planner.waiting),
             self.planner.blocks.num_free_blocks)))
+
+
+def _fault_step(env_name: str, rank: int) -> int | None:
+    """Which of this rank's model steps a test hook names ("RANK" or "RANK:N"), or None."""
+    value = os.environ.get(env_name)
+    if not value:
+        return None
+    target, _, nth = value.partition(":")
+    return int(nth or 1) if target == str(rank) else None
