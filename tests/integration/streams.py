@@ -43,7 +43,7 @@ class Stream(threading.Thread):
                     event, buffer = buffer.split(b"\n\n", 1)
                     self.events.append(event.removeprefix(b"data: "))
                     self.event_times.append(time.monotonic())
-        except OSError as exc:
+        except (OSError, http.client.HTTPException) as exc:  # the server went away
             self.body = repr(exc).encode()
         finally:
             self.ended_at = time.monotonic()
