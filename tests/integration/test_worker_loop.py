@@ -292,6 +292,33 @@ def test_worker_exits_when_the_coordinator_is_gone(checkpoint):
         coord.close()
 
 
+def test_workers_stuck_in_a_step_exit_when_the_coordinator_is_gone(checkpoint):
+    # Rank 1 blocks inside its first model step and rank 0 waits for it in a collective: neither
+    # loop can look at the coordinator, so each rank's status thread has to end the process.
+    stand_in = subprocess.Popen(["sleep", "60"])
+    coord = FakeCoordinator(checkpoint, 2, coordinator_pid=stand_in.pid,
+                            env={"LORAD_TEST_STALL_RANK": "1"})
+    try:
+        coord.handshake()
+        coord.send(lambda seq: Admit(seq, "a", [5, 6, 7], greedy(4), 0, ""))
+        deadline = time.monotonic() + 30
+        while not (len(coord.statuses) == 2
+                   and all(m.step_seconds > 1 for m in coord.statuses.values())):
+            assert time.monotonic() < deadline, f"{coord.statuses}\n{coord.worker_logs()}"
+            if coord.pull.poll(100):
+                coord.recv((StepResult,))
+        stand_in.kill()
+        stand_in.wait()
+        start = time.monotonic()
+        for proc in coord.procs:
+            assert proc.wait(timeout=15) == 1, coord.worker_logs()
+        assert time.monotonic() - start < 6, coord.worker_logs()
+        assert coord.worker_logs().count("the step loop is stuck") == 2, coord.worker_logs()
+    finally:
+        stand_in.kill()
+        coord.close()
+
+
 class FakeEngine:
     """The engine's surface the loop uses, at world size 1: always predicts token 5."""
 
