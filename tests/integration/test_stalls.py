@@ -2,14 +2,20 @@
 hung kernel would be) and one frozen with SIGSTOP (it stops reporting). Each is found within its
 deadline plus a margin, every open stream ends with one error event naming the stall, the daemon
 exits 1, and the workers (blocked in a collective, or stopped) are killed, none left behind.
+The systemd watchdog pings stop with the steps, before the daemon gives up.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
+import time
+from pathlib import Path
 
 from tests.integration.streams import Stream
+from tests.integration.test_systemd_notify import NotifyListener
 from tests.integration.test_worker_faults import NUM_STREAMS, _assert_failed_and_gone
 
 STEP_TIMEOUT_S = 3
@@ -38,18 +44,31 @@ def test_rank_blocked_in_a_step(start_lorad):
 
 
 def test_frozen_rank_stops_reporting(start_lorad):
-    daemon = start_lorad("--parallel", "2")
+    folder = Path(tempfile.mkdtemp(prefix="lsd"))
+    listener = NotifyListener(folder / "notify")
+    daemon = start_lorad("--parallel", "2", env={"NOTIFY_SOCKET": str(folder / "notify"),
+                                                 "WATCHDOG_USEC": "1000000"})
     pids = daemon.worker_pids()
-    streams = [Stream(daemon.url) for _ in range(NUM_STREAMS)]
-    for stream in streams:
-        stream.wait_started()
-    os.kill(pids[1], signal.SIGSTOP)
     try:
+        streams = [Stream(daemon.url) for _ in range(NUM_STREAMS)]
+        for stream in streams:
+            stream.wait_started()
+        while sum(d == "WATCHDOG=1" for _, d in listener.messages) < 2:
+            time.sleep(0.05)
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped_at = time.monotonic()
         for stream in streams:
             stream.join(30)
         last_token = max(s.event_times[-3] for s in streams)
         _assert_failed_and_gone(daemon, pids, streams, last_token,
                                 "worker rank 1 stalled: no status report for")
+        # One ping may still go out on a report from before the stop; none after that.
+        late = [t - stopped_at for t, d in listener.messages if d == "WATCHDOG=1"
+                and t > stopped_at + 1.5]
+        assert not late, late
+        assert listener.messages[-1][1] == "STOPPING=1"
     finally:
         if daemon.proc.poll() is None:  # the test failed: do not leave a stopped process
             os.kill(pids[1], signal.SIGKILL)
+        listener.close()
+        shutil.rmtree(folder)
