@@ -171,9 +171,11 @@ class EngineClient:
         if self.failure.done():
             raise EngineDead(self.failure.result())
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        # Published first: an Admit over the frame limit raises ProtocolError and leaves nothing
+        # registered (and no gap in `seq`).
         self._publish(Admit(self._next_seq, request_id, prompt_ids, sampling, adapter_slot,
                             adapter_key))
+        self._queues[request_id] = queue
         return queue
 
     def cancel(self, request_id: str) -> None:
