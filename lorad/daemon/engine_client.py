@@ -3,15 +3,14 @@
 Publishes Hello until every rank is Ready, then Admit/Cancel/Shutdown with gapless `seq`
 numbers; reads StepResult/StepFailed/WorkerFailed and routes each output to its request's queue.
 Every admitted request's queue receives exactly one terminal item: a finished SeqOutput or a
-RequestFailed. Keeps each rank's latest RankStatus, and fails the engine when a rank's step runs
-past --step-timeout or the rank goes silent. Does not start processes (supervisor.py) or speak HTTP.
+RequestFailed. Feeds each rank's RankStatus to a RankWatch (rank_watch.py) and fails the engine
+when it finds a rank stalled. Does not start processes (supervisor.py) or speak HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -22,15 +21,12 @@ from lorad.config import WorkerConfig
 from lorad.protocol import (
     PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, RankStatus, Ready, SamplingParams,
     Shutdown, StepFailed, StepResult, WorkerFailed, decode, encode)
+from lorad.daemon.rank_watch import DEFAULT_STEP_TIMEOUT_S, RankState, RankWatch
 from lorad.protocol.sockets import bind_publisher, bind_puller
 
 log = logging.getLogger("lorad.engine")
 
 HELLO_INTERVAL_S = 0.05
-DEFAULT_STEP_TIMEOUT_S = 30.0
-# Ranks report every 0.25s (lorad/workers/status.py); this much silence means the process is
-# frozen (stopped, swapped out, or stuck holding the GIL), not merely busy.
-REPORT_SILENCE_S = 5.0
 WATCH_INTERVAL_S = 0.25
 
 
@@ -59,19 +55,6 @@ class EngineFacts:
     registry_digest: str
 
 
-@dataclass(frozen=True)
-class RankState:
-    """What /health, /ready and /metrics show for one rank."""
-
-    rank: int
-    state: str  # "starting", "serving", "stalled", "exited" or "failed"
-    steps: int  # loop rounds the rank has completed (idle rounds included)
-    kv_blocks_used: int
-    kv_blocks_free: int
-    seconds_since_report: float  # since the coordinator last heard from this rank; -1: never
-    step_seconds: float = 0.0  # how long the rank's current round has run (0 between rounds)
-
-
 @dataclass
 class EngineLoad:
     """The leader's latest report (from its last StepResult)."""
@@ -85,7 +68,6 @@ class EngineClient:
     def __init__(self, config: WorkerConfig,
                  step_timeout: float = DEFAULT_STEP_TIMEOUT_S) -> None:
         self._config = config
-        self.step_timeout = step_timeout
         # PUB is a plain socket: with no high-water mark it never blocks, so a synchronous
         # send keeps `seq` order without awaiting between numbering and sending.
         self._sync_ctx = zmq.Context()
@@ -96,9 +78,7 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
-        # rank -> (its latest RankStatus, time.monotonic() when it arrived)
-        self._reports: dict[int, tuple[RankStatus, float]] = {}
-        self._ended: dict[int, str] = {}  # rank -> "exited" or "failed"
+        self._ranks = RankWatch(config.parallel, step_timeout)
         self.stalled: list[int] = []  # the ranks found stalled, when that failed the engine
         self.num_ranks_ready = 0
         self.failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -210,30 +190,11 @@ class EngineClient:
 
     def rank_states(self) -> list[RankState]:
         """One entry per rank, from its own latest RankStatus."""
-        now = time.monotonic()
-        states = []
-        for rank in range(self._config.parallel):
-            if rank not in self._reports:
-                states.append(RankState(rank, self._ended.get(rank, "starting"), 0, 0, 0, -1.0))
-                continue
-            report, received = self._reports[rank]
-            silence = now - received
-            step_seconds = report.step_seconds + silence if report.step_seconds else 0.0
-            if rank in self._ended:
-                state = self._ended[rank]
-            elif self._stall_of(report, silence) is not None:
-                state = "stalled"
-            elif self.failure.done():
-                state = "failed"
-            else:
-                state = "serving" if report.phase == "serving" else "starting"
-            states.append(RankState(rank, state, report.steps, report.kv_blocks_used,
-                                    report.kv_blocks_free, silence, step_seconds))
-        return states
+        return self._ranks.states(self.failure.done())
 
     def mark_exited(self, rank: int) -> None:
         """The supervisor saw this rank's process end."""
-        self._ended.setdefault(rank, "exited")
+        self._ranks.mark_ended(rank, "exited")
 
     @property
     def num_open_requests(self) -> int:
@@ -268,51 +229,29 @@ class EngineClient:
                                                      f"{msg.message}")
             elif isinstance(msg, WorkerFailed):
                 log.error("worker rank %d failed: %s", msg.rank, msg.message)
-                self._ended[msg.rank] = "failed"
+                self._ranks.mark_ended(msg.rank, "failed")
                 self.fail(f"worker rank {msg.rank} failed: {msg.message}")
 
     def _take_status(self, msg: RankStatus) -> None:
-        if not 0 <= msg.rank < self._config.parallel:
-            log.error("dropped a RankStatus from rank %d: there are %d ranks", msg.rank,
-                      self._config.parallel)
-            return
-        if not (math.isfinite(msg.step_seconds) and msg.step_seconds >= 0):
-            log.error("dropped a RankStatus from rank %d: step_seconds %r", msg.rank,
-                      msg.step_seconds)
-            return
-        self._reports[msg.rank] = (msg, time.monotonic())
-
-    # --- stall detection -----------------------------------------------------------------------
+        refusal = self._ranks.take(msg)
+        if refusal is not None:
+            log.error("%s", refusal)
 
     async def _watch_ranks(self) -> None:
-        """Fail the engine when a rank's round outlives --step-timeout or a rank goes silent.
-        Only ranks that have reported are watched (start-up has --startup-timeout)."""
+        """Fail the engine when a rank stalls. Only ranks that have reported are watched
+        (start-up has --startup-timeout)."""
         woke = time.monotonic()
         while not self.failure.done():
             await asyncio.sleep(WATCH_INTERVAL_S)
-            now, slept = time.monotonic(), time.monotonic() - woke
-            woke = now
+            slept, woke = time.monotonic() - woke, time.monotonic()
             if slept > 4 * WATCH_INTERVAL_S:
                 continue  # this event loop was blocked: reports may be waiting unread
-            stalls = [(rank, why) for rank, (report, received) in sorted(self._reports.items())
-                      if rank not in self._ended
-                      and (why := self._stall_of(report, now - received)) is not None]
+            stalls = self._ranks.stalls()
             if stalls:
                 self.stalled = [rank for rank, _ in stalls]
                 rank, why = stalls[0]
                 also = f" (also stalled: ranks {self.stalled[1:]})" if len(stalls) > 1 else ""
                 self.fail(f"worker rank {rank} stalled: {why}{also}")
-
-    def _stall_of(self, report: RankStatus, silence: float) -> str | None:
-        """Why this rank counts as stalled, or None."""
-        if silence > REPORT_SILENCE_S:
-            return f"no status report for {silence:.1f}s (the process is frozen)"
-        if report.step_seconds and report.phase == "serving":
-            step_seconds = report.step_seconds + silence
-            if step_seconds > self.step_timeout:
-                return (f"its step {report.steps + 1} has run for {step_seconds:.1f}s, over "
-                        f"--step-timeout {self.step_timeout:g}s")
-        return None
 
     def _route(self, result: StepResult) -> None:
         self.load = EngineLoad(result.num_running, result.num_waiting, result.num_free_blocks)
@@ -341,5 +280,5 @@ def _agree(ready: dict[int, Ready]) -> EngineFacts:
     return EngineFacts(len(ready), first.num_kv_blocks, first.block_size, first.registry_digest)
 
 
-__all__ = ["DEFAULT_STEP_TIMEOUT_S", "EngineClient", "EngineDead", "EngineFacts", "RankState", "RequestFailed",
-           "StartupError"]
+__all__ = ["DEFAULT_STEP_TIMEOUT_S", "EngineClient", "EngineDead", "EngineFacts", "RankState",
+           "RequestFailed", "StartupError"]
