@@ -67,7 +67,6 @@ class Supervisor:
             if proc.returncode not in (0, None):
                 log.info("worker rank %d exited with code %s", rank, proc.returncode)
 
-
     async def kill(self) -> None:
         """SIGKILL every worker still running and wait for them: for ranks that are stalled,
         blocked in a step or a collective where no message or SIGTERM handler would reach."""
