@@ -36,8 +36,8 @@ ACCEPTED = (Hello, Admit, Cancel, Shutdown)
 # Test hook, read only when set: the rank it names applies its next adapter admission as if the
 # Admit had carried another slot, as a rank whose state went wrong would (tests/integration).
 CORRUPT_SLOT_RANK_ENV = "LORAD_TEST_CORRUPT_SLOT_RANK"
-# Test hooks, read only when set to "RANK" or "RANK:N": that rank blocks (sleeps) or raises inside its
-# first (or N-th) step that runs the model, as a hung kernel or a crashing one would.
+# Test hooks, read only when set to "RANK" or "RANK:N": that rank blocks (sleeps) or raises inside
+# its first (or N-th) step that runs the model, as a hung kernel or a crashing one would.
 STALL_RANK_ENV = "LORAD_TEST_STALL_RANK"
 RAISE_RANK_ENV = "LORAD_TEST_RAISE_RANK"
 STALL_SLEEP_S = 3600.0

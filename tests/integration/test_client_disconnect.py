@@ -22,7 +22,8 @@ FREED_WITHIN_S = 3.0
 async def _request(port: int, method: str, path: str, body: bytes = b"") -> tuple[
         asyncio.StreamReader, asyncio.StreamWriter]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 "Content-Type: application/json\r\n"
                  f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
     await writer.drain()
     return reader, writer
@@ -64,7 +65,8 @@ async def _run(port: int) -> tuple[list[int], dict[int, int]]:
 
 
 def test_hung_up_streams_free_their_blocks_on_every_rank(start_lorad):
-    daemon = start_lorad("--parallel", "2", "--kv-cache-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", str(NUM_CLIENTS))
+    daemon = start_lorad("--parallel", "2", "--kv-cache-blocks", str(NUM_KV_BLOCKS),
+                         "--max-num-seqs", str(NUM_CLIENTS))
     port = int(daemon.url.rsplit(":", 1)[1])
     got_token, peak_used = asyncio.run(_run(port))
     hung_up = time.monotonic()
@@ -75,8 +77,8 @@ def test_hung_up_streams_free_their_blocks_on_every_rank(start_lorad):
     while True:
         health = daemon.health()
         ranks = health["rank_states"]
-        if health["open_requests"] == 0 and all(r["kv_blocks_used"] == 0 and
-                                                r["kv_blocks_free"] == NUM_KV_BLOCKS for r in ranks):
+        if health["open_requests"] == 0 and all(
+                (r["kv_blocks_used"], r["kv_blocks_free"]) == (0, NUM_KV_BLOCKS) for r in ranks):
             break
         assert time.monotonic() < deadline, (health, daemon.log()[-3000:])
         time.sleep(0.1)
