@@ -53,7 +53,9 @@ def test_frozen_rank_stops_reporting(start_lorad):
         streams = [Stream(daemon.url) for _ in range(NUM_STREAMS)]
         for stream in streams:
             stream.wait_started()
+        deadline = time.monotonic() + 15
         while sum(d == "WATCHDOG=1" for _, d in listener.messages) < 2:
+            assert time.monotonic() < deadline, listener.messages
             time.sleep(0.05)
         os.kill(pids[1], signal.SIGSTOP)
         stopped_at = time.monotonic()
