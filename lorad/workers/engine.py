@@ -116,14 +116,17 @@ class Engine:
         return engine
 
     def warm_up(self) -> None:
-        """Run one eager decode step of one token through every layer and collective, before the
-        rank says Ready: a rank that cannot compute fails here, at start, not on a first request.
-        Its KV slot is -1, so nothing is written to the pool, and no block is taken."""
+        """Run one eager step through every layer and collective before the rank says Ready: a
+        rank that cannot compute fails here, at start, not on a first request, and the kernels
+        a first request needs (prefill, decode, LoRA when adapters are loaded) are compiled.
+        Every KV slot is -1, so nothing is written to the pool, and no block is taken; the
+        attention reads whatever block 0 holds, and the logits are dropped."""
         started = time.monotonic()
-        batch = ForwardBatch.build([([0], 0, [0], True, 0)], self.block_size, self.tp.device,
-                                   min_rows=MIN_ROWS)
+        slot = 1 if self.adapters else 0
+        chunks = [([0, 0], 0, [0], True, slot), ([0], 0, [0], True, 0)]  # a prefill, a decode
+        batch = ForwardBatch.build(chunks, self.block_size, self.tp.device, min_rows=MIN_ROWS)
         batch = dataclasses.replace(batch, slot_mapping=torch.full_like(batch.slot_mapping, -1))
-        logits = self.model.forward(batch)  # [1, vocab]
+        logits = self.model.forward(batch)  # [2, vocab]
         if self.tp.device.type == "cuda":
             torch.cuda.synchronize(self.tp.device)
         log.info("warm-up step ran in %.0f ms (logits %s)", (time.monotonic() - started) * 1000,
