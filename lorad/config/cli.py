@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="on SIGTERM or SIGINT, how long open requests may run on while new "
                            "ones get a 503; the rest then end with an error (default: "
                            "%(default)g)")
+    proc.add_argument("--step-timeout", type=seconds, default=30.0, metavar="SECONDS",
+                      help="a worker whose step (or collective) runs longer has stalled: open "
+                           "requests fail and lorad exits non-zero, for its supervisor to "
+                           "restart it (default: %(default)g)")
     proc.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                       default="info", help="log verbosity of the coordinator and the workers "
                                            "(default: %(default)s)")
@@ -251,7 +255,7 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
             kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,
             num_threads=args.threads, runtime_dir=args.runtime_dir,
             startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout,
-            request_timeout=args.request_timeout,
+            request_timeout=args.request_timeout, step_timeout=args.step_timeout,
             max_queued_requests=args.max_queued_requests, log_level=args.log_level,
             adapters=adapters, api_key=api_key)
     except ConfigError as exc:

@@ -20,6 +20,8 @@ DIST_BACKENDS = ("auto", "gloo", "nccl")
 # auto: the checkpoint's safetensors (the only format read). random: weights drawn from a fixed
 # seed in the shapes config.json gives, no checkpoint read (benchmarks, bring-up of new shapes).
 LOAD_FORMATS = ("auto", "safetensors", "random")
+# Ranks report twice a second; a deadline shorter than this would flag ordinary scheduling noise.
+MIN_STEP_TIMEOUT_S = 1.0
 
 
 def _positive(flag: str, value: int | None, allow_none: bool = False) -> None:
@@ -60,6 +62,7 @@ class ServeConfig:
     shutdown_timeout: float = 30.0  # how long a drain waits for open requests after a signal
     request_timeout: float | None = None  # per-request deadline; None: none
     max_queued_requests: int = 256  # admitted requests without a first token; more get a 429
+    step_timeout: float = 30.0  # a rank whose step runs longer has stalled: the daemon fails
     log_level: str = "info"
     adapters: tuple[AdapterArg, ...] = ()  # command-line order = slots 1..K
     api_key: str | None = field(default=None, repr=False)  # never printed with the config
@@ -95,6 +98,9 @@ class ServeConfig:
             raise ConfigError(f"--request-timeout must be a positive number of seconds, "
                               f"got {self.request_timeout!r}")
         _positive("--max-queued-requests", self.max_queued_requests)
+        if not math.isfinite(self.step_timeout) or self.step_timeout < MIN_STEP_TIMEOUT_S:
+            raise ConfigError(f"--step-timeout must be at least {MIN_STEP_TIMEOUT_S:g} second, "
+                              f"got {self.step_timeout!r}")
         _choice("--log-level", self.log_level, ("debug", "info", "warning", "error"))
         if self.api_key is not None and (len(self.api_key) < 16 or not self.api_key.isprintable()
                                          or any(c.isspace() for c in self.api_key)):

@@ -3,7 +3,8 @@
 Publishes Hello until every rank is Ready, then Admit/Cancel/Shutdown with gapless `seq`
 numbers; reads StepResult/StepFailed/WorkerFailed and routes each output to its request's queue.
 Every admitted request's queue receives exactly one terminal item: a finished SeqOutput or a
-RequestFailed. Does not start processes (supervisor.py) or speak HTTP.
+RequestFailed. Feeds each rank's RankStatus to a RankWatch (rank_watch.py) and fails the engine
+when it finds a rank stalled. Does not start processes (supervisor.py) or speak HTTP.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import zmq.asyncio
 
 from lorad.config import WorkerConfig
 from lorad.protocol import (
-    PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, Ready, SamplingParams, Shutdown,
-    StepFailed, StepResult, WorkerFailed, decode, encode)
+    PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, RankStatus, Ready, SamplingParams,
+    Shutdown, StepFailed, StepResult, WorkerFailed, decode, encode)
+from lorad.daemon.rank_watch import DEFAULT_STEP_TIMEOUT_S, RankState, RankWatch
 from lorad.protocol.sockets import bind_publisher, bind_puller
 
 log = logging.getLogger("lorad.engine")
 
 HELLO_INTERVAL_S = 0.05
+WATCH_INTERVAL_S = 0.25
 
 
 class StartupError(RuntimeError):
@@ -52,18 +55,6 @@ class EngineFacts:
     registry_digest: str
 
 
-@dataclass(frozen=True)
-class RankState:
-    """What /health, /ready and /metrics show for one rank."""
-
-    rank: int
-    state: str  # "starting", "serving", "stalled", "exited" or "failed"
-    steps: int  # loop rounds the rank has completed (idle rounds included)
-    kv_blocks_used: int
-    kv_blocks_free: int
-    seconds_since_report: float  # since the coordinator last heard from this rank
-
-
 @dataclass
 class EngineLoad:
     """The leader's latest report (from its last StepResult)."""
@@ -74,7 +65,8 @@ class EngineLoad:
 
 
 class EngineClient:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig,
+                 step_timeout: float = DEFAULT_STEP_TIMEOUT_S) -> None:
         self._config = config
         # PUB is a plain socket: with no high-water mark it never blocks, so a synchronous
         # send keeps `seq` order without awaiting between numbering and sending.
@@ -85,6 +77,10 @@ class EngineClient:
         self._next_seq = 1
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._ranks = RankWatch(config.parallel, step_timeout)
+        self.stalled: list[int] = []  # the ranks found stalled, when that failed the engine
+        self.num_ranks_ready = 0
         self.failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.load = EngineLoad()
         self.facts: EngineFacts | None = None
@@ -107,15 +103,19 @@ class EngineClient:
             if await self._pull.poll(HELLO_INTERVAL_S * 1000):
                 while await self._pull.poll(0):
                     self._take_ready(await self._pull.recv(), num_ranks, ready)
+            self.num_ranks_ready = len(ready)
         self.facts = _agree(ready)
         self.load.num_free_blocks = self.facts.num_kv_blocks
         return self.facts
 
     def _take_ready(self, frame: bytes, num_ranks: int, ready: dict[int, Ready]) -> None:
         try:
-            msg = decode(frame, (Ready, WorkerFailed))
+            msg = decode(frame, (Ready, WorkerFailed, RankStatus))
         except ProtocolError as exc:
             raise StartupError(f"a worker sent an invalid start-up message: {exc}") from None
+        if isinstance(msg, RankStatus):
+            self._take_status(msg)
+            return
         if isinstance(msg, WorkerFailed):
             raise StartupError(f"worker rank {msg.rank} failed to start: {msg.message}")
         if msg.protocol_version != PROTOCOL_VERSION:
@@ -130,16 +130,19 @@ class EngineClient:
         if msg.rank not in ready:
             log.info("worker rank %d ready: %d KV blocks", msg.rank, msg.num_kv_blocks)
         ready[msg.rank] = msg
+        self._ranks.mark_ready(msg.rank, msg.num_kv_blocks)
 
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read_results(), name="engine-results")
-        self._reader.add_done_callback(self._reader_done)
+        self._reader.add_done_callback(self._task_done)
+        self._watcher = asyncio.create_task(self._watch_ranks(), name="engine-watch")
+        self._watcher.add_done_callback(self._task_done)
 
-    def _reader_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Task) -> None:
         # A bug in routing must not leave every stream waiting forever: it becomes a failure.
         if not task.cancelled() and task.exception() is not None:
-            log.error("reading worker results failed", exc_info=task.exception())
-            self.fail(f"the coordinator stopped reading results: {task.exception()!r}")
+            log.error("%s failed", task.get_name(), exc_info=task.exception())
+            self.fail(f"the coordinator's {task.get_name()} task failed: {task.exception()!r}")
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -150,9 +153,11 @@ class EngineClient:
         if self.failure.done():
             raise EngineDead(self.failure.result())
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        # Published first: an Admit over the frame limit raises ProtocolError and leaves nothing
+        # registered (and no gap in `seq`).
         self._publish(Admit(self._next_seq, request_id, prompt_ids, sampling, adapter_slot,
                             adapter_key))
+        self._queues[request_id] = queue
         return queue
 
     def cancel(self, request_id: str) -> None:
@@ -161,6 +166,8 @@ class EngineClient:
             self._publish(Cancel(self._next_seq, request_id))
 
     def shutdown(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()  # ranks that exit after Shutdown are not stalled
         if not self.failure.done():
             self._publish(Shutdown(self._next_seq))
 
@@ -176,21 +183,20 @@ class EngineClient:
         self._fail_requests(list(self._queues), message)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
         self._pub.close(linger=0)
         self._pull.close(linger=0)
         self._sync_ctx.term()
 
     def rank_states(self) -> list[RankState]:
-        """One entry per rank. For now every rank is described by the leader's last report;
-        per-rank reports replace this (issue 5)."""
-        if self.facts is None:
-            return []
-        state = "failed" if self.failure.done() else "serving"
-        used = self.facts.num_kv_blocks - self.load.num_free_blocks
-        return [RankState(rank, state, 0, used, self.load.num_free_blocks, 0.0)
-                for rank in range(self.facts.num_ranks)]
+        """One entry per rank, from its own latest RankStatus."""
+        return self._ranks.states(self.failure.done())
+
+    def mark_exited(self, rank: int) -> None:
+        """The supervisor saw this rank's process end."""
+        self._ranks.mark_ended(rank, "exited")
 
     @property
     def num_open_requests(self) -> int:
@@ -203,15 +209,20 @@ class EngineClient:
     # --- results -------------------------------------------------------------------------------
 
     async def _read_results(self) -> None:
-        accept = (Ready, StepResult, StepFailed, WorkerFailed)
+        accept = (Ready, StepResult, StepFailed, WorkerFailed, RankStatus)
         while True:
             frame = await self._pull.recv()
             try:
                 msg = decode(frame, accept)
             except ProtocolError as exc:
-                log.error("dropped an invalid message from a worker: %s", exc)
+                log.error("dropped an invalid message of %d bytes from a worker: %s", len(frame),
+                          exc)
                 continue
-            if isinstance(msg, StepResult):
+            if isinstance(msg, RankStatus):
+                self._take_status(msg)
+            elif isinstance(msg, Ready):
+                pass  # a rank answering a Hello repeated after the others were ready
+            elif isinstance(msg, StepResult):
                 self._route(msg)
             elif isinstance(msg, StepFailed):
                 log.error("step %d failed for %d requests: %s", msg.step, len(msg.request_ids),
@@ -220,7 +231,29 @@ class EngineClient:
                                                      f"{msg.message}")
             elif isinstance(msg, WorkerFailed):
                 log.error("worker rank %d failed: %s", msg.rank, msg.message)
+                self._ranks.mark_ended(msg.rank, "failed")
                 self.fail(f"worker rank {msg.rank} failed: {msg.message}")
+
+    def _take_status(self, msg: RankStatus) -> None:
+        refusal = self._ranks.take(msg)
+        if refusal is not None:
+            log.error("%s", refusal)
+
+    async def _watch_ranks(self) -> None:
+        """Fail the engine when a rank stalls. Only ranks that have reported are watched
+        (start-up has --startup-timeout)."""
+        woke = time.monotonic()
+        while not self.failure.done():
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            slept, woke = time.monotonic() - woke, time.monotonic()
+            if slept > 4 * WATCH_INTERVAL_S:
+                continue  # this event loop was blocked: reports may be waiting unread
+            stalls = self._ranks.stalls()
+            if stalls:
+                self.stalled = [rank for rank, _ in stalls]
+                rank, why = stalls[0]
+                also = f" (also stalled: ranks {self.stalled[1:]})" if len(stalls) > 1 else ""
+                self.fail(f"worker rank {rank} stalled: {why}{also}")
 
     def _route(self, result: StepResult) -> None:
         self.load = EngineLoad(result.num_running, result.num_waiting, result.num_free_blocks)
@@ -251,5 +284,5 @@ def _agree(ready: dict[int, Ready]) -> EngineFacts:
     return EngineFacts(len(ready), first.num_kv_blocks, first.block_size, first.registry_digest)
 
 
-__all__ = ["EngineClient", "EngineDead", "EngineFacts", "RankState", "RequestFailed",
-           "StartupError"]
+__all__ = ["DEFAULT_STEP_TIMEOUT_S", "EngineClient", "EngineDead", "EngineFacts", "RankState",
+           "RequestFailed", "StartupError"]

@@ -2,9 +2,12 @@
 
 A signal (SIGTERM, SIGINT) starts a drain: new generation requests get a 503, open ones run on
 for up to --shutdown-timeout, then whatever is left ends with an error; a second signal ends
-the drain at once. Either way the exit status is 0. A worker that exits or reports WorkerFailed
-ends every open stream with an error and stops the rest (exit 1). Whatever happens, the worker
-processes are stopped and the runtime directory is removed before returning.
+the drain at once. Either way the exit status is 0. A worker that exits, reports WorkerFailed or
+stalls ends every open stream with an error and stops the rest (exit 1). Whatever happens, the
+worker processes are stopped and the runtime directory is removed before returning. Under
+systemd it says READY=1 once every rank has loaded, agreed and run its warm-up step, pings the
+watchdog while the ranks' steps progress, and says STOPPING=1 when a drain or a failure begins
+(systemd.py).
 """
 
 from __future__ import annotations
@@ -21,24 +24,30 @@ from pathlib import Path
 from aiohttp import web
 
 from lorad.config import ServeConfig, WorkerConfig
+from lorad.daemon import systemd
 from lorad.daemon.admission import Admission
 from lorad.daemon.engine_client import EngineClient, EngineFacts, StartupError
 from lorad.daemon.metrics import Metrics
 from lorad.daemon.routes import AppState, ServedModel, build_app
 from lorad.daemon.supervisor import WORKER_COMMAND, Supervisor
-from lorad.protocol.sockets import make_runtime_dir
+from lorad.protocol.sockets import make_runtime_dir, remove_stale_runtime_dirs
 
 log = logging.getLogger("lorad")
 
 HTTP_DRAIN_S = 5.0  # how long handlers get to write their final events before connections close
 SHUTDOWN_MESSAGE = "the server is shutting down; this request was ended before it finished"
 WORKER_EXIT_GRACE_S = 15.0  # after Shutdown, before SIGTERM
+EXTEND_EVERY_S = 5.0  # while loading, ask systemd for EXTEND_BY_S more this often
+EXTEND_BY_S = 20.0
 
 
 async def serve(config: ServeConfig, model: ServedModel,
                 worker_command: tuple[str, ...] = WORKER_COMMAND) -> int:
     """Run one lorad instance until a signal (returns 0) or a failure (returns 1)."""
     dir_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", config.served_name)[:24] or "model"
+    for stale in remove_stale_runtime_dirs(config.runtime_dir):
+        log.warning("removed the runtime directory %s left by a coordinator that no longer "
+                    "runs", stale)
     runtime_dir, instance_id = make_runtime_dir(config.runtime_dir, dir_name)
     try:
         worker_config = _worker_config(config, model, runtime_dir, instance_id)
@@ -58,7 +67,7 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    engine = EngineClient(worker_config)
+    engine = EngineClient(worker_config, config.step_timeout)
     supervisor = Supervisor(worker_config, worker_command)
     runner: web.AppRunner | None = None
     waits: list[asyncio.Task] = []
@@ -69,9 +78,12 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
             log.error("cannot start the workers: %s", exc)
             return 1
         exited = asyncio.create_task(supervisor.first_exit())
+        exited.add_done_callback(lambda t: t.cancelled() or engine.mark_exited(t.result()[0]))
         stopped = asyncio.create_task(stop.wait())
-        waits = [exited, stopped]
+        extending = asyncio.create_task(_extend_start_timeout(engine, config))
+        waits = [exited, stopped, extending]
         facts = await _handshake(engine, config, exited, stopped)
+        extending.cancel()
         if not isinstance(facts, EngineFacts):
             return facts
         state = AppState(model, engine,
@@ -84,6 +96,10 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
         log.info("serving %s at http://%s:%d (%d rank(s), %d KV blocks of %d tokens)",
                  model.name, _url_host(config.host), config.port, facts.num_ranks,
                  facts.num_kv_blocks, facts.block_size)
+        # Every rank has loaded, agreed on the registry and run its warm-up step (its Ready says
+        # so), and the port is open.
+        systemd.notify("READY=1", f"STATUS=serving {model.name} on {facts.num_ranks} rank(s)")
+        waits.append(asyncio.create_task(_ping_watchdog(engine)))
         await asyncio.wait([exited, stopped, engine.failure], return_when=asyncio.FIRST_COMPLETED)
         if stopped.done() and not exited.done() and not engine.failure.done():
             await _drain(state, config.shutdown_timeout, hurry, exited)
@@ -123,6 +139,8 @@ async def _handshake(engine: EngineClient, config: ServeConfig, exited: asyncio.
 async def _stop(state: AppState, runner: web.AppRunner, supervisor: Supervisor,
                 exited: asyncio.Task) -> int:
     """Wind down after the first of: a worker exited, the engine failed, a signal."""
+    if state.status != "draining":  # a signal's stop began with the drain, which said so
+        systemd.notify("STOPPING=1")
     failure = state.engine.failure
     if exited.done() or failure.done():
         if failure.done():
@@ -136,6 +154,8 @@ async def _stop(state: AppState, runner: web.AppRunner, supervisor: Supervisor,
         log.error("%s; ended %d open request(s) with an error; shutting down", message,
                   state.engine.num_failed_by_engine)
         await runner.cleanup()
+        if state.engine.stalled:
+            await supervisor.kill()  # blocked in a step or a collective: nothing else reaches it
         await supervisor.stop(grace_s=2.0)
         return 1
     state.status = "stopping"
@@ -151,6 +171,7 @@ async def _drain(state: AppState, timeout_s: float, hurry: asyncio.Event,
     """Admit nothing new, let open requests finish for up to timeout_s (a second signal, a
     worker exit or an engine failure ends the wait early), then end the rest with an error."""
     state.status = "draining"  # from here every new generation request gets a 503
+    systemd.notify("STOPPING=1")  # systemd: the stop begins with the drain
     log.info("signal received: draining %d open request(s) for up to %gs (a second signal "
              "stops at once)", state.admission.num_open, timeout_s)
     idle = asyncio.create_task(state.admission.wait_idle())
@@ -171,6 +192,38 @@ async def _drain(state: AppState, timeout_s: float, hurry: asyncio.Event,
     except TimeoutError:
         log.warning("%d request(s) still writing after %gs; closing their connections",
                     state.admission.num_open, HTTP_DRAIN_S)
+
+
+async def _extend_start_timeout(engine: EngineClient, config: ServeConfig) -> None:
+    """While the ranks load, keep systemd's start timeout ahead of us, up to --startup-timeout
+    (which fails the start by itself)."""
+    deadline = asyncio.get_running_loop().time() + config.startup_timeout
+    while True:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return
+        systemd.notify(f"EXTEND_TIMEOUT_USEC={int(min(EXTEND_BY_S, left + 5) * 1e6)}",
+                       f"STATUS=loading: {engine.num_ranks_ready} of {config.parallel} "
+                       "rank(s) ready")
+        await asyncio.sleep(EXTEND_EVERY_S)
+
+
+async def _ping_watchdog(engine: EngineClient) -> None:
+    """WATCHDOG=1 at half of WATCHDOG_USEC, but only when every rank's loop has completed rounds
+    since the last ping: a stuck engine stops the pings and systemd restarts the service."""
+    interval = systemd.watchdog_interval()
+    if interval is None:
+        return
+    pinged: list[int] | None = None
+    while True:
+        await asyncio.sleep(interval)
+        ranks = engine.rank_states()
+        steps = [r.steps for r in ranks]
+        if any(r.state != "serving" for r in ranks):
+            continue
+        if pinged is None or all(now > then for now, then in zip(steps, pinged)):
+            systemd.notify("WATCHDOG=1")
+            pinged = steps
 
 
 async def _start_http(state: AppState, config: ServeConfig) -> web.AppRunner | None:

@@ -12,6 +12,7 @@ import signal
 import sys
 
 from lorad.config import WorkerConfig
+from lorad.daemon.systemd import child_environment
 
 log = logging.getLogger("lorad.supervisor")
 
@@ -30,7 +31,8 @@ class Supervisor:
         for rank in range(self._config.parallel):
             proc = await asyncio.create_subprocess_exec(
                 *self._command, "--config", str(self._config.path), "--rank", str(rank),
-                stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+                stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+                env=child_environment())  # only the coordinator may notify systemd
             log.info("started worker rank %d (pid %d)", rank, proc.pid)
             self._procs.append(proc)
             self._waiters.append(asyncio.create_task(proc.wait(), name=f"worker-{rank}-wait"))
@@ -64,6 +66,19 @@ class Supervisor:
         for rank, proc in enumerate(self._procs):
             if proc.returncode not in (0, None):
                 log.info("worker rank %d exited with code %s", rank, proc.returncode)
+
+    async def kill(self) -> None:
+        """SIGKILL every worker still running and wait for them: for ranks that are stalled,
+        blocked in a step or a collective where no message or SIGTERM handler would reach."""
+        self.stopping = True
+        running = [p for p in self._procs if p.returncode is None]
+        if running:
+            log.warning("sending SIGKILL to %d worker(s) (pids %s)", len(running),
+                        [p.pid for p in running])
+        for proc in running:
+            _signal(proc, signal.SIGKILL)
+        if self._waiters:
+            await asyncio.wait(self._waiters, timeout=10.0)
 
 
 def _signal(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:

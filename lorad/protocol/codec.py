@@ -17,6 +17,9 @@ import msgpack
 from lorad.protocol import messages
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a 1M-token prompt is ~5 MB; anything near this is hostile
+# Receiving sockets refuse (and disconnect) a peer whose frame exceeds this, before allocating
+# it; frames between MAX_FRAME_BYTES and this reach decode() and are dropped there with a log.
+SOCKET_MAX_MSG_BYTES = 2 * MAX_FRAME_BYTES
 _KINDS = {cls.KIND: cls for cls in messages.COORDINATOR_TO_WORKER + messages.WORKER_TO_COORDINATOR}
 
 
@@ -25,7 +28,12 @@ class ProtocolError(ValueError):
 
 
 def encode(msg) -> bytes:
-    return bytes([msg.KIND]) + msgpack.packb(_to_wire(msg), use_bin_type=True)
+    frame = bytes([msg.KIND]) + msgpack.packb(_to_wire(msg), use_bin_type=True)
+    if len(frame) > MAX_FRAME_BYTES:
+        # Refused here rather than dropped by the receiver, which would leave a gap in `seq`.
+        raise ProtocolError(f"{type(msg).__name__} of {len(frame)} bytes exceeds the "
+                            f"{MAX_FRAME_BYTES} limit")
+    return frame
 
 
 def decode(frame: bytes, accept: tuple[type, ...]) -> object:

@@ -3,7 +3,8 @@
 Frozen dataclasses whose field order is the wire order. Coordinator -> workers (PUB/SUB): Hello
 (unsequenced handshake), then Admit / Cancel / Shutdown, each with a sequence number `seq`
 starting at 1 with no gaps. Workers -> coordinator (PUSH/PULL): Ready from every rank, then
-StepResult / StepFailed / WorkerFailed from the leader (WorkerFailed from any rank).
+StepResult / StepFailed / WorkerFailed from the leader (WorkerFailed from any rank), and RankStatus
+from every rank's status thread about twice a second, from start-up on.
 The kind byte of each class is fixed here forever; a new field means a new PROTOCOL_VERSION.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: RankStatus
 
 
 # --- coordinator -> workers -------------------------------------------------------------------
@@ -112,5 +113,20 @@ class WorkerFailed:
     message: str
 
 
+@dataclass(frozen=True)
+class RankStatus:
+    """A rank's heartbeat, sent by its status thread even while the loop is blocked in a step or
+    a collective: whether the loop progresses (stall detection, the systemd watchdog) and what
+    its KV pool holds (/health, /metrics)."""
+
+    KIND = 20
+    rank: int
+    phase: str  # "loading" (before Ready), "ready" (Ready sent) or "serving" (in the step loop)
+    steps: int  # loop rounds completed, idle rounds included
+    step_seconds: float  # how long the current round has run; 0.0 between rounds
+    kv_blocks_used: int
+    kv_blocks_free: int
+
+
 COORDINATOR_TO_WORKER = (Hello, Admit, Cancel, Shutdown)
-WORKER_TO_COORDINATOR = (Ready, StepResult, StepFailed, WorkerFailed)
+WORKER_TO_COORDINATOR = (Ready, StepResult, StepFailed, WorkerFailed, RankStatus)

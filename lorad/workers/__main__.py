@@ -1,7 +1,8 @@
 """`python -m lorad.workers --config RUNDIR/worker.json --rank R`: one worker process.
 
-Sets up logging, threads and the parent-death signal, connects the sockets, starts the engine and
-runs the loop; any exception becomes a WorkerFailed message and a non-zero exit.
+Sets up logging, threads and the parent-death signal, connects the sockets, starts the status
+thread (status.py: reports from the first second on, through loading), starts the engine and runs
+the loop; any exception becomes a WorkerFailed message and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import zmq
 from lorad.config import WorkerConfig
 from lorad.protocol import WorkerFailed, encode
 from lorad.protocol.sockets import connect_pusher, connect_subscriber
+from lorad.workers.status import LoopProgress, StatusThread
 
 log = logging.getLogger("lorad.worker")
 
@@ -43,12 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     push = connect_pusher(ctx, cfg.results_endpoint)
     sub = connect_subscriber(ctx, cfg.admit_endpoint)
+    status = StatusThread(ctx, cfg.results_endpoint, args.rank, cfg.coordinator_pid,
+                          LoopProgress())
+    status.start()
     try:
-        code = _serve(cfg, args.rank, sub, push)
+        code = _serve(cfg, args.rank, sub, push, status.progress)
     except Exception as exc:  # a failure is data: tell the coordinator, then exit non-zero
         log.exception("worker failed")
         push.send(encode(WorkerFailed(args.rank, f"{type(exc).__name__}: {exc}")))
         code = 1
+    status.stop()
     sub.close(linger=0)
     push.close(linger=1000)  # let a final StepResult or WorkerFailed reach the coordinator
     ctx.term()
@@ -56,13 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _serve(cfg: WorkerConfig, rank: int, sub: zmq.Socket, push: zmq.Socket) -> int:
+def _serve(cfg: WorkerConfig, rank: int, sub: zmq.Socket, push: zmq.Socket,
+           progress: LoopProgress) -> int:
     # Imported here so that an import error (a broken model file) is reported as WorkerFailed.
     from lorad.workers.engine import Engine
     from lorad.workers.loop import WorkerLoop
 
     engine = Engine.start(cfg, rank)
-    return WorkerLoop(cfg, rank, engine, sub, push).run()
+    return WorkerLoop(cfg, rank, engine, sub, push, progress).run()
 
 
 def _die_with_parent() -> None:

@@ -1,15 +1,18 @@
 """This rank's model, adapters and KV pool: device, dtype and backend, loading, sizing, a forward.
 
-Start-up runs the same collectives in the same order on every rank (registry check, then the KV
-pool minimum). Adapters are validated (lorad.config.adapters) before any base weight is read and
-must carry the identity key the coordinator computed. On CUDA at world size 1, decode steps
+Start-up runs the same collectives in the same order on every rank (registry check, the KV pool
+minimum, then a warm-up step that writes nothing, so Ready means the model has run once). Adapters
+are validated (lorad.config.adapters) before any base weight is read and must carry the identity
+key the coordinator computed. On CUDA at world size 1, decode steps
 replay CUDA graphs captured at start (cuda_graph.py) unless --enforce-eager. Knows nothing of
 sockets, sequences or sampling; the loop hands it a step plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +110,27 @@ class Engine:
         log.info("weights and %d adapters loaded; KV pool of %d blocks of %d tokens (this rank "
                  "could hold %d)", len(adapters), num_blocks, cfg.block_size, own)
         graphs = _capture_decode_graphs(cfg, model, tp, len(adapters))
-        return cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters, graphs)
+        engine = cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters,
+                     graphs)
+        engine.warm_up()
+        return engine
+
+    def warm_up(self) -> None:
+        """Run one eager step through every layer and collective before the rank says Ready: a
+        rank that cannot compute fails here, at start, not on a first request, and the kernels
+        a first request needs (prefill, decode, LoRA when adapters are loaded) are compiled.
+        Every KV slot is -1, so nothing is written to the pool, and no block is taken; the
+        attention reads whatever block 0 holds, and the logits are dropped."""
+        started = time.monotonic()
+        slot = 1 if self.adapters else 0
+        chunks = [([0, 0], 0, [0], True, slot), ([0], 0, [0], True, 0)]  # a prefill, a decode
+        batch = ForwardBatch.build(chunks, self.block_size, self.tp.device, min_rows=MIN_ROWS)
+        batch = dataclasses.replace(batch, slot_mapping=torch.full_like(batch.slot_mapping, -1))
+        logits = self.model.forward(batch)  # [2, vocab]
+        if self.tp.device.type == "cuda":
+            torch.cuda.synchronize(self.tp.device)
+        log.info("warm-up step ran in %.0f ms (logits %s)", (time.monotonic() - started) * 1000,
+                 tuple(logits.shape))
 
     def adapter_refusal(self, slot: int, key: str) -> str | None:
         """Why this rank cannot serve a request for (slot, key), or None when it holds it."""

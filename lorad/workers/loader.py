@@ -11,6 +11,8 @@ Pickled checkpoints (`*.bin`, `*.pt`) are refused: they can run code. Adapters a
 from __future__ import annotations
 
 import json
+import logging
+import time
 import zlib
 from pathlib import Path
 from typing import Callable
@@ -28,6 +30,9 @@ SINGLE_FILE = "model.safetensors"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 RANDOM_STD = 0.02  # --load-format random: the usual Llama initializer range
 NORM_SUFFIX = "norm.weight"  # --load-format random: RMSNorm scales are ones
+PROGRESS_EVERY_S = 10.0  # inside one large file, log how far this rank got this often
+
+log = logging.getLogger("lorad.worker")
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -56,9 +61,17 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: tuple[str, ...] 
     """Fill every parameter of `model` from the checkpoint, through its weight_loader."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
+    files = checkpoint_files(model_dir)
+    started = last_log = time.monotonic()
+    for num, path in enumerate(files, start=1):
+        log.info("reading shard %d/%d: %s (%.2f GB)", num, len(files), path.name,
+                 path.stat().st_size / 1e9)
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            names = list(f.keys())
+            for i, name in enumerate(names):
+                if time.monotonic() - last_log > PROGRESS_EVERY_S:
+                    last_log = time.monotonic()
+                    log.info("shard %d/%d: %d/%d tensors read", num, len(files), i, len(names))
                 if name in skip or name.endswith(IGNORED_SUFFIXES):
                     continue
                 param = params.get(name)
@@ -73,6 +86,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: tuple[str, ...] 
                 except ValueError as exc:
                     raise ConfigError(f"{path}: {exc}") from None
                 loaded.add(name)
+    log.info("read %d tensors from %d shard(s) in %.1fs", len(loaded), len(files),
+             time.monotonic() - started)
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

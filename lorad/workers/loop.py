@@ -1,14 +1,17 @@
 """The worker's step loop, the same on every rank: 1. receive, 2. agree, 3. plan, 4. run,
 5. sample, 6. apply and publish.
 
-The one place a worker touches its sockets after start-up. Followers never sample and never
-publish step results; the leader (rank 0) does both. Start-up (model, KV pool) is engine.py's.
+The one place a worker touches its sockets after start-up (the status thread, status.py, has its
+own). Followers never sample and never publish step results; the leader (rank 0) does both.
+Start-up (model, KV pool) is engine.py's. Each round updates the LoopProgress the status thread
+reports.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 import zmq
 
@@ -23,6 +26,7 @@ from lorad.workers.engine import Engine
 from lorad.workers.planner import Planner, PlannerLimits, StepPlan
 from lorad.workers.sampler import Sampler
 from lorad.workers.sequence import Sequence
+from lorad.workers.status import LoopProgress, coordinator_alive
 
 log = logging.getLogger("lorad.worker")
 
@@ -32,11 +36,16 @@ ACCEPTED = (Hello, Admit, Cancel, Shutdown)
 # Test hook, read only when set: the rank it names applies its next adapter admission as if the
 # Admit had carried another slot, as a rank whose state went wrong would (tests/integration).
 CORRUPT_SLOT_RANK_ENV = "LORAD_TEST_CORRUPT_SLOT_RANK"
+# Test hooks, read only when set to "RANK" or "RANK:N": that rank blocks (sleeps) or raises inside
+# its first (or N-th) step that runs the model, as a hung kernel or a crashing one would.
+STALL_RANK_ENV = "LORAD_TEST_STALL_RANK"
+RAISE_RANK_ENV = "LORAD_TEST_RAISE_RANK"
+STALL_SLEEP_S = 3600.0
 
 
 class WorkerLoop:
     def __init__(self, cfg: WorkerConfig, rank: int, engine: Engine, sub: zmq.Socket,
-                 push: zmq.Socket) -> None:
+                 push: zmq.Socket, progress: LoopProgress | None = None) -> None:
         self.cfg = cfg
         self.rank = rank
         self.engine = engine
@@ -50,7 +59,14 @@ class WorkerLoop:
         self._agreed_watermark = 0  # apply messages up to here at the next step
         self._parent_pid = os.getppid()
         self._ready_sent = False
+        # (running, waiting, free blocks) as the last StepResult said, or as the start is
+        self._published_load = (0, 0, self.planner.blocks.num_free_blocks)
         self._corrupt_next_slot = os.environ.get(CORRUPT_SLOT_RANK_ENV) == str(rank)
+        self._stall_at = _fault_step(STALL_RANK_ENV, rank)
+        self._raise_at = _fault_step(RAISE_RANK_ENV, rank)
+        self._num_model_steps = 0
+        self.progress = progress or LoopProgress()
+        self.progress.kv_blocks_free = engine.num_kv_blocks
 
     def run(self) -> int:
         """Serve until the agreed Shutdown (0) or until the coordinator is gone (1)."""
@@ -59,44 +75,54 @@ class WorkerLoop:
                 return 1
             self._receive(HANDSHAKE_POLL_MS)
         log.info("ready; serving")
+        self.progress.phase = "serving"
         while self.coordinator_alive():
             # 1. receive
             idle = not self.planner.running and not self.planner.waiting and not len(self.inbox)
             self._receive(IDLE_POLL_MS if idle else 0)
-            # 2. apply the messages agreed last step, then agree on the live set that this step
-            # runs and on which messages the next step applies. Applying first means whatever an
-            # admission did on each rank (a refused adapter, say) is compared before the model
-            # runs on it.
-            if self._apply_messages(self._agreed_watermark):
+            self.progress.begin_round()  # from here on a blocked rank counts as stalled
+            if self._step():
                 return 0
-            agreed = agree_step(self.engine.tp, self.inbox.watermark,
-                                live_digest(self.planner.live()))
-            self._agreed_watermark = agreed.watermark
-            if not agreed.digests_agree:
-                self._fail_step(agreed)
-                continue
-            # 3. plan
-            plan = self.planner.plan()
-            # 4. run
-            logits = self.engine.forward(plan) if plan.chunks else None  # [num_sampled, vocab]
-            # 5. sample on the leader, ids to every rank
-            sampled = self._sample(plan, logits)
-            # 6. apply and publish
-            events = self.planner.apply(plan, sampled)
-            self._publish(plan, events)
+            free = self.planner.blocks.num_free_blocks
+            self.progress.end_round(self.engine.num_kv_blocks - free, free)
         log.error("the coordinator (pid %d) is gone; exiting", self.cfg.coordinator_pid)
         return 1
 
-    def coordinator_alive(self) -> bool:
-        if os.getppid() != self._parent_pid:
-            return False  # re-parented: the process that started us has exited
-        try:
-            os.kill(self.cfg.coordinator_pid, 0)
-        except ProcessLookupError:
+    def _step(self) -> bool:
+        """Steps 2-6 of one round; True at the agreed Shutdown."""
+        # 2. apply the messages agreed last step, then agree on the live set that this step runs
+        # and on which messages the next step applies. Applying first means whatever an admission
+        # did on each rank (a refused adapter, say) is compared before the model runs on it.
+        if self._apply_messages(self._agreed_watermark):
+            return True
+        agreed = agree_step(self.engine.tp, self.inbox.watermark, live_digest(self.planner.live()))
+        self._agreed_watermark = agreed.watermark
+        if not agreed.digests_agree:
+            self._fail_step(agreed)
             return False
-        except PermissionError:
-            pass
-        return True
+        # 3. plan
+        plan = self.planner.plan()
+        # 4. run
+        if plan.chunks:
+            self._num_model_steps += 1
+            if self._num_model_steps in (self._stall_at, self._raise_at):
+                self._inject_fault()
+        logits = self.engine.forward(plan) if plan.chunks else None  # [num_sampled, vocab]
+        # 5. sample on the leader, ids to every rank
+        sampled = self._sample(plan, logits)
+        # 6. apply and publish
+        events = self.planner.apply(plan, sampled)
+        self._publish(plan, events)
+        return False
+
+    def coordinator_alive(self) -> bool:
+        return coordinator_alive(self.cfg.coordinator_pid, self._parent_pid)
+
+    def _inject_fault(self) -> None:
+        if self._num_model_steps == self._raise_at:
+            raise RuntimeError(f"{RAISE_RANK_ENV}: injected failure in step {self.planner.step}")
+        log.warning("%s: blocking in step %d", STALL_RANK_ENV, self.planner.step)
+        time.sleep(STALL_SLEEP_S)
 
     # --- 1. receive ---------------------------------------------------------------------------
 
@@ -132,6 +158,7 @@ class WorkerLoop:
                                     self.engine.num_kv_blocks, self.cfg.block_size,
                                     self.engine.registry.hex())))
         self._ready_sent = True
+        self.progress.phase = "ready"
 
     # --- 2. agree -----------------------------------------------------------------------------
 
@@ -195,11 +222,25 @@ class WorkerLoop:
     def _publish(self, plan: StepPlan, events: list[SeqOutput]) -> None:
         if plan.preempted:
             log.info("step %d preempted %s", plan.step, plan.preempted)
-        if not self.is_leader or not (events or plan.chunks):
+        if not self.is_leader:
+            return
+        load = (len(self.planner.running), len(self.planner.waiting),
+                self.planner.blocks.num_free_blocks)
+        # An empty step is published only when the load changed (a Cancel freed a sequence), so
+        # the coordinator's view of it never goes stale and idle rounds send nothing.
+        if not (events or plan.chunks or load != self._published_load):
             return
         for event in events:
             if event.finish_reason is not None:
                 self.sampler.remove(event.request_id)
-        self.push.send(encode(StepResult(
-            plan.step, events, len(self.planner.running), len(self.planner.waiting),
-            self.planner.blocks.num_free_blocks)))
+        self.push.send(encode(StepResult(plan.step, events, *load)))
+        self._published_load = load
+
+
+def _fault_step(env_name: str, rank: int) -> int | None:
+    """Which of this rank's model steps a test hook names ("RANK" or "RANK:N"), or None."""
+    value = os.environ.get(env_name)
+    if not value:
+        return None
+    target, _, nth = value.partition(":")
+    return int(nth or 1) if target == str(rank) else None

@@ -315,3 +315,34 @@ def test_worker_processes_on_one_gpu_at_parallel_1_and_2(tiny):
                 row = ref[len(prompt) - 1 + k]  # predicts position len(prompt) + k
                 gap = (row.max() - row[token]).item()
                 assert gap <= 1e-3 * row.abs().max().item(), (parallel, i, k, gap)
+
+
+def test_worker_processes_with_adapters_warm_up_and_serve(tiny):
+    """Real workers on CUDA with three adapters, at --parallel 1 (graphs) and 2 (gloo): the
+    warm-up step (a prefill on adapter slot 1 and a decode) runs before Ready, leaves every KV
+    block free, and requests on an adapter and on the base model are then served."""
+    from tests.integration.test_worker_loop import FakeCoordinator, _collect, greedy
+
+    checkpoint, folders = tiny
+    config = ModelConfig.from_dir(checkpoint)
+    entries = [load_adapter(AdapterArg(f"a{i}", str(path), 1.0), i, config).to_worker_dict()
+               for i, path in enumerate(folders, start=1)]
+    for parallel, backend in ((1, "auto"), (2, "gloo")):
+        coord = FakeCoordinator(
+            checkpoint, parallel, adapters=entries,
+            env={"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")},
+            overrides={"device": "cuda", "dtype": "float32", "dist_backend": backend})
+        try:
+            ready = coord.handshake(timeout_s=240)
+            assert coord.worker_logs().count("warm-up step ran in") == parallel
+            coord.send(lambda seq: Admit(seq, "lora", [5, 6, 7, 8], greedy(4, True), 1,
+                                         entries[0]["key"]))
+            coord.send(lambda seq: Admit(seq, "base", [9, 10], greedy(4, True), 0, ""))
+            tokens, finished, result = _collect(coord, ["lora", "base"])
+            assert finished == {"lora": "length", "base": "length"}
+            assert result.num_free_blocks == ready[0].num_kv_blocks
+            coord.send(Shutdown)
+            for proc in coord.procs:
+                assert proc.wait(timeout=60) == 0, coord.worker_logs()
+        finally:
+            coord.close()

@@ -81,17 +81,20 @@ def free_port() -> int:
 
 
 def start_daemon(model_dir: Path, *flags: str, entry: list[str] | None = None,
-                 wait: bool = True) -> Daemon:
-    """Start a daemon; with wait=True, return once /health answers 200 (fail with its log)."""
-    runtime_parent = Path(tempfile.mkdtemp(prefix="lrd-"))  # short: ipc paths are limited
-    log_path = runtime_parent.with_suffix(".log")
-    port = free_port()
+                 wait: bool = True, env: dict[str, str] | None = None,
+                 runtime_parent: Path | None = None, port: int | None = None) -> Daemon:
+    """Start a daemon; with wait=True, return once /health answers 200 (fail with its log).
+    env: extra environment variables (the workers inherit them)."""
+    if runtime_parent is None:
+        runtime_parent = Path(tempfile.mkdtemp(prefix="lrd-"))  # short: ipc paths are limited
+    log_path = Path(tempfile.mkstemp(prefix=runtime_parent.name, suffix=".log")[1])
+    port = port or free_port()
     entry = entry or [sys.executable, "-m", "lorad.daemon"]
     argv = [*entry, "--model", str(model_dir), "--port", str(port),
             "--runtime-dir", str(runtime_parent), *flags]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     daemon = Daemon(proc, f"http://127.0.0.1:{port}", runtime_parent, log_path)
     if wait:
         wait_healthy(daemon)
@@ -141,13 +144,15 @@ def daemon(tiny_model):
 
 @pytest.fixture
 def start_lorad(tiny_model):
-    """start_lorad(*flags, model_dir=None, entry=None, wait=True) -> Daemon; killed at teardown
-    if the test left it running."""
+    """start_lorad(*flags, model_dir=None, entry=None, wait=True, env=None, runtime_parent=None,
+    port=None) -> Daemon; killed at teardown if the test left it running."""
     started: list[Daemon] = []
 
     def start(*flags: str, model_dir: Path | None = None, entry: list[str] | None = None,
-              wait: bool = True) -> Daemon:
-        started.append(start_daemon(model_dir or tiny_model, *flags, entry=entry, wait=wait))
+              wait: bool = True, env: dict[str, str] | None = None,
+              runtime_parent: Path | None = None, port: int | None = None) -> Daemon:
+        started.append(start_daemon(model_dir or tiny_model, *flags, entry=entry, wait=wait,
+                                    env=env, runtime_parent=runtime_parent, port=port))
         return started[-1]
 
     yield start

@@ -132,7 +132,8 @@ def test_counters_and_histograms_are_exact(served):
     while True:
         samples = scrape(served)
         idle = value(samples, "lorad_open_requests") == 0 and \
-            value(samples, "lorad_kv_blocks_used", rank="0") == 0
+            value(samples, "lorad_kv_blocks_used", rank="0") == 0 and \
+            value(samples, "lorad_running_sequences") == 0
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -22,8 +22,9 @@ import zmq
 
 from lorad.config import WorkerConfig
 from lorad.protocol import (
-    PROTOCOL_VERSION, Admit, Cancel, Hello, Ready, SamplingParams, Shutdown, StepFailed,
-    StepResult, WorkerFailed, decode, encode)
+    PROTOCOL_VERSION, Admit, Cancel, Hello, RankStatus, Ready, SamplingParams, Shutdown,
+    StepFailed, StepResult, WorkerFailed, decode, encode)
+from lorad.protocol import MAX_FRAME_BYTES
 from lorad.protocol.sockets import (
     bind_publisher, bind_puller, connect_pusher, connect_subscriber, make_runtime_dir)
 from lorad.workers import loop as loop_module
@@ -95,6 +96,7 @@ class FakeCoordinator:
         self.pub = bind_publisher(self.ctx, self.cfg.admit_endpoint)
         self.pull = bind_puller(self.ctx, self.cfg.results_endpoint)
         self.seq = 0
+        self.statuses: dict[int, RankStatus] = {}  # each rank's latest report
         self.logs = [open(runtime / f"rank{r}.log", "w+") for r in range(parallel)]
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "lorad.workers", "--config", str(config_paths[r]),
@@ -109,7 +111,9 @@ class FakeCoordinator:
             assert time.monotonic() < deadline, f"no Ready in time:\n{self.worker_logs()}"
             self.pub.send(encode(Hello(PROTOCOL_VERSION, self.cfg.instance_id)))
             if self.pull.poll(100):
-                msg = decode(self.pull.recv(), (Ready, WorkerFailed))
+                msg = self.recv((Ready, WorkerFailed))
+                if msg is None:
+                    continue
                 assert isinstance(msg, Ready), f"{msg}\n{self.worker_logs()}"
                 ready[msg.rank] = msg
         self.pub.send(encode(Hello(PROTOCOL_VERSION, self.cfg.instance_id)))  # a late repeat
@@ -123,10 +127,20 @@ class FakeCoordinator:
             assert time.monotonic() < deadline, f"not every rank answered:\n{self.worker_logs()}"
             self.pub.send(encode(Hello(PROTOCOL_VERSION, self.cfg.instance_id)))
             if self.pull.poll(100):
-                msg = decode(self.pull.recv(), (Ready, WorkerFailed))
+                msg = self.recv((Ready, WorkerFailed))
+                if msg is None:
+                    continue
                 answers[msg.rank] = msg
         assert all(isinstance(m, WorkerFailed) for m in answers.values()), answers
         return {rank: msg.message for rank, msg in answers.items()}
+
+    def recv(self, accept: tuple[type, ...]):
+        """The next message of the kinds accepted, or None for a RankStatus (kept in statuses)."""
+        msg = decode(self.pull.recv(), accept + (RankStatus,))
+        if isinstance(msg, RankStatus):
+            self.statuses[msg.rank] = msg
+            return None
+        return msg
 
     def send(self, make) -> None:
         self.seq += 1
@@ -136,9 +150,12 @@ class FakeCoordinator:
         """Yield StepResults (and StepFailed when failed_ok) until timeout_s passes."""
         deadline = time.monotonic() + timeout_s
         while True:
-            assert self.pull.poll(max(1, int((deadline - time.monotonic()) * 1000))), \
+            left = deadline - time.monotonic()
+            assert left > 0 and self.pull.poll(int(left * 1000) + 1), \
                 f"no result in time:\n{self.worker_logs()}"
-            msg = decode(self.pull.recv(), (StepResult, StepFailed, WorkerFailed))
+            msg = self.recv((StepResult, StepFailed, WorkerFailed))
+            if msg is None:
+                continue
             assert isinstance(msg, StepResult) or (failed_ok and isinstance(msg, StepFailed)), \
                 f"{msg}\n{self.worker_logs()}"
             yield msg
@@ -174,7 +191,8 @@ def test_worker_loop_serves_like_transformers(checkpoint, prompts, reference, pa
         assert len({r.registry_digest for r in ready}) == 1
 
         for garbage in (b"", b"\x02", b"\x02not msgpack", b"\xff\x00\x01",
-                        encode(Ready(0, 1, "x", 1, 1, "d")), encode(Shutdown(0))):
+                        encode(Ready(0, 1, "x", 1, 1, "d")), encode(Shutdown(0)),
+                        bytes([Admit.KIND]) + b"\x00" * MAX_FRAME_BYTES):
             coord.pub.send(garbage)
         for i, (prompt, max_tokens) in enumerate(zip(prompts, MAX_TOKENS)):
             coord.send(lambda seq: Admit(seq, f"r{i}", prompt, greedy(max_tokens), 0, ""))
@@ -186,8 +204,10 @@ def test_worker_loop_serves_like_transformers(checkpoint, prompts, reference, pa
         assert result.num_free_blocks == NUM_KV_BLOCKS
         assert "preempted" in coord.worker_logs()  # the small pool really forced recompute
         assert "dropped a frame" in coord.worker_logs()
+        assert "exceeds the" in coord.worker_logs()  # the oversized one, logged, not fatal
 
         _cancel_frees_blocks(coord, prompts[3])
+        _every_rank_reports_a_free_pool(coord)
         _sampling_ignores_neighbours(coord, prompts)
         coord.send(Shutdown)
         for proc in coord.procs:
@@ -208,6 +228,21 @@ def _collect(coord: FakeCoordinator, request_ids: list[str]):
                 finished[out.request_id] = out.finish_reason
         if len(finished) == len(request_ids):
             return tokens, finished, result
+
+
+def _every_rank_reports_a_free_pool(coord: FakeCoordinator) -> None:
+    # Every rank's own status thread, not the leader's StepResult: followers' pools count too.
+    first_steps = {rank: msg.steps for rank, msg in coord.statuses.items()}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if coord.pull.poll(100):
+            coord.recv(())
+        statuses = coord.statuses
+        if len(statuses) == len(coord.procs) and all(
+                (m.phase, m.kv_blocks_used, m.kv_blocks_free) == ("serving", 0, NUM_KV_BLOCKS)
+                and m.steps > first_steps.get(m.rank, 0) for m in statuses.values()):
+            return
+    pytest.fail(f"statuses never showed every pool free: {coord.statuses}")
 
 
 def _sampling_ignores_neighbours(coord: FakeCoordinator, prompts: list[list[int]]) -> None:
@@ -252,6 +287,36 @@ def test_worker_exits_when_the_coordinator_is_gone(checkpoint):
         start = time.monotonic()
         assert coord.procs[0].wait(timeout=10) != 0
         assert time.monotonic() - start < 3, coord.worker_logs()
+    finally:
+        stand_in.kill()
+        coord.close()
+
+
+def test_workers_stuck_in_a_step_exit_when_the_coordinator_is_gone(checkpoint):
+    # Rank 1 blocks inside its first model step and rank 0 waits for it in a collective: neither
+    # loop can look at the coordinator, so the status threads have to end the processes.
+    stand_in = subprocess.Popen(["sleep", "60"])
+    coord = FakeCoordinator(checkpoint, 2, coordinator_pid=stand_in.pid,
+                            env={"LORAD_TEST_STALL_RANK": "1"})
+    try:
+        coord.handshake()
+        coord.send(lambda seq: Admit(seq, "a", [5, 6, 7], greedy(4), 0, ""))
+        deadline = time.monotonic() + 30
+        while not (len(coord.statuses) == 2
+                   and all(m.step_seconds > 1 for m in coord.statuses.values())):
+            assert time.monotonic() < deadline, f"{coord.statuses}\n{coord.worker_logs()}"
+            if coord.pull.poll(100):
+                coord.recv((StepResult,))
+        stand_in.kill()
+        stand_in.wait()
+        start = time.monotonic()
+        for proc in coord.procs:
+            assert proc.wait(timeout=15) == 1, coord.worker_logs()
+        assert time.monotonic() - start < 6, coord.worker_logs()
+        # Rank 1 can only be ended by its status thread; rank 0 either by its own or by gloo
+        # failing once rank 1 is gone (then it exits 1 through WorkerFailed).
+        rank1 = coord.worker_logs().split("--- rank 1 ---")[1]
+        assert "the step loop is stuck" in rank1, coord.worker_logs()
     finally:
         stand_in.kill()
         coord.close()
@@ -314,7 +379,9 @@ def test_digest_mismatch_fails_the_step_and_the_loop_goes_on(tmp_path, monkeypat
         assert msg.request_ids == ["a"] and "differ" in msg.message
         pub.send(encode(Cancel(2, "a")))  # already gone: nothing happens
         pub.send(encode(Admit(3, "b", [1, 2], greedy(2), 0, "")))
-        outs = [o for _ in range(2) for o in decode(pull.recv(), (StepResult,)).outputs]
+        outs = []  # an empty StepResult may come first: the dropped sequence freed its blocks
+        while len(outs) < 2:
+            outs += decode(pull.recv(), (StepResult,)).outputs
         assert [(o.request_id, o.token_ids, o.finish_reason) for o in outs] == \
             [("b", [5], None), ("b", [5], "length")]
         assert worker.planner.blocks.num_free_blocks == 16

@@ -73,6 +73,9 @@ def test_byte_sizes(text, expected):
     (["--request-timeout", "nan"], "--request-timeout"),
     (["--max-queued-requests", "0"], "--max-queued-requests"),
     (["--max-queued-requests", "many"], "--max-queued-requests"),
+    (["--step-timeout", "0"], "--step-timeout"),
+    (["--step-timeout", "0.5"], "--step-timeout"),  # below a second: ordinary noise
+    (["--step-timeout", "inf"], "--step-timeout"),
     (["--log-level", "loud"], "--log-level"),
     (["--load-format", "gguf"], "--load-format"),
     (["--enforce-eager", "yes"], "yes"),
@@ -85,6 +88,11 @@ def test_bad_values_are_one_line_naming_the_flag(argv, flag, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("lorad: error: ")
     assert flag in err
+
+
+def test_step_timeout():
+    assert parse_args(["--model", "m"]).step_timeout == 30.0
+    assert parse_args(["--model", "m", "--step-timeout", "2.5"]).step_timeout == 2.5
 
 
 def test_load_format_and_enforce_eager():

@@ -7,8 +7,8 @@ import msgpack
 import pytest
 
 from lorad.protocol import (
-    MAX_FRAME_BYTES, PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, Ready, SamplingParams,
-    SeqOutput, Shutdown, StepFailed, StepResult, WorkerFailed, decode, encode)
+    MAX_FRAME_BYTES, PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, RankStatus, Ready,
+    SamplingParams, SeqOutput, Shutdown, StepFailed, StepResult, WorkerFailed, decode, encode)
 from lorad.protocol.messages import COORDINATOR_TO_WORKER, WORKER_TO_COORDINATOR
 
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**62 + 5, max_tokens=16,
@@ -24,6 +24,7 @@ MESSAGES = [
     StepResult(8, [], 0, 0, 128),
     StepFailed(9, ["a", "b"], "live sets disagree"),
     WorkerFailed(1, "CUDA error: out of memory"),
+    RankStatus(0, "loading", 0, 0.0, 0, 0),
 ]
 ALL_KINDS = COORDINATOR_TO_WORKER + WORKER_TO_COORDINATOR
 
@@ -78,3 +79,18 @@ def test_oversized_frame_is_refused_before_parsing():
     frame = bytes([Admit.KIND]) + b"\x00" * MAX_FRAME_BYTES
     with pytest.raises(ProtocolError, match="exceeds"):
         decode(frame, (Admit,))
+
+
+def test_rank_status_round_trip():
+    msg = RankStatus(1, "serving", 12345, 0.25, 17, 239)
+    assert decode(encode(msg), (RankStatus,)) == msg
+
+
+def test_legit_big_messages_fit_and_oversized_ones_are_refused_at_encode():
+    # A prompt of a 1M-token context and a step result for 512 sequences stay far below the limit.
+    big_prompt = Admit(1, "r", list(range(1_000_000)), SAMPLING, 0, "")
+    assert decode(encode(big_prompt), (Admit,)) == big_prompt
+    outputs = [SeqOutput(f"chatcmpl-{i:032x}", [i], None, 4096) for i in range(512)]
+    assert decode(encode(StepResult(1, outputs, 512, 0, 9)), (StepResult,)).outputs == outputs
+    with pytest.raises(ProtocolError, match="exceeds"):
+        encode(StepFailed(1, [], "x" * MAX_FRAME_BYTES))
