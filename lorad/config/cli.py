@@ -219,7 +219,7 @@ def _add_parallel_flags(group) -> None:
                        help="CPU threads per worker (default: %(default)s)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs for decode steps "
-                            "(graphs are used on CUDA at --parallel 1 otherwise)")
+                            "(graphs are used on CUDA otherwise, at any --parallel)")
 
 
 def _add_scheduler_flags(group) -> None:
