@@ -3,8 +3,8 @@
 Start-up runs the same collectives in the same order on every rank (registry check, the KV pool
 minimum, then a warm-up step that writes nothing, so Ready means the model has run once). Adapters
 are validated (lorad.config.adapters) before any base weight is read and must carry the identity
-key the coordinator computed. On CUDA at world size 1, decode steps
-replay CUDA graphs captured at start (cuda_graph.py) unless --enforce-eager. Knows nothing of
+key the coordinator computed. On CUDA, decode steps replay CUDA graphs captured at start
+(cuda_graph.py; in segments between the collectives over gloo) unless --enforce-eager. Knows nothing of
 sockets, sequences or sampling; the loop hands it a step plan.
 """
 
