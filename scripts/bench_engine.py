@@ -105,7 +105,7 @@ def measure_ceilings() -> tuple[float, float]:
     dst = torch.empty_like(src)
     seconds = time_cuda(lambda: dst.copy_(src), 10)
     bandwidth = 2 * src.numel() * src.element_size() / seconds
-    del src, dst
+    src = dst = None  # 4 GiB back before the matmuls
     a = torch.randn(8192, 8192, device=CUDA, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=CUDA, dtype=torch.bfloat16)
     seconds = time_cuda(lambda: a @ b, 10)
@@ -339,9 +339,6 @@ def bench_transformers(config_dir: str, adapter_folder: Path, args) -> None:
                 traceback.print_exc()
                 add_row(f"transformers+peft {case}", batch, "generate", None,
                         note=f"failed: {type(exc).__name__}: {exc}")
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -477,6 +474,8 @@ def main() -> int:
     torch.cuda.empty_cache()
     if args.hf_batches:
         bench_transformers(args.config, folder, args)
+        gc.collect()  # its model went with the call
+        torch.cuda.empty_cache()
     tmp.cleanup()
     conditions = [
         f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB),"
