@@ -243,7 +243,8 @@ def kill_leftovers(pids: list[int]) -> None:
 
 
 def device_flags(args) -> list[str]:
-    flags = ["--parallel", str(args.parallel), "--device", args.device, "--dist-backend", args.backend,
+    flags = ["--parallel", str(args.parallel), "--device", args.device,
+             "--dist-backend", args.backend,
              "--dtype", args.dtype, "--kv-cache-blocks", "512", "--max-num-seqs", "48",
              "--startup-timeout", str(int(args.startup_timeout))]
     if args.device == "cpu":
@@ -297,7 +298,8 @@ def cmd_serve(args) -> int:
     try:
         problem = daemon.wait_healthy(args.startup_timeout)
         if not check(f"serve: daemon --parallel {args.parallel} starts (registry agreement) "
-                     "and is healthy", problem is None, problem or f"{time.monotonic() - daemon.started:.1f} s"):
+                     "and is healthy", problem is None,
+                     problem or f"{time.monotonic() - daemon.started:.1f} s"):
             return finish()
         pids = daemon.worker_pids()
         health = daemon.health()
@@ -543,7 +545,8 @@ def cmd_rank(args) -> int:
             step_s = []
             for step in range(args.warmup + args.steps):
                 pos = args.context + step
-                ids = torch.randint(3, min(1000, config.vocab_size), (batch,), generator=gen).tolist()
+                ids = torch.randint(3, min(1000, config.vocab_size), (batch,),
+                                    generator=gen).tolist()
                 chunks = [([ids[i]], pos, tables[i][:pos // block + 1], True, 0)
                           for i in range(batch)]
                 if tp.world_size > 1:
@@ -689,7 +692,8 @@ def cmd_bench(args) -> int:
         return finish()
     print(f"\n8B-shape decode, {args.dtype}, random weights, context {args.context}, "
           f"median of {args.steps} steps (rank 0, host-synced step incl. batch build + argmax); "
-          f"collectives alone: {2 * rows[max(rows)]['layers'] + 1} all-reduces of [max(batch, 8), hidden] + the logits "
+          f"collectives alone: {2 * rows[max(rows)]['layers'] + 1} all-reduces of "
+          "[max(batch, 8), hidden] + the logits "
           "all-gather, timed in a loop on the same ranks.\n")
     table = ["| world | batch | eager step ms | graph step ms | graph tok/s | collectives "
              "alone ms (eager) | all-reduce share of eager step | collectives in a graph ms | "

@@ -2,7 +2,7 @@
 path they replace (RMSNorm and silu_and_mul in lorad.workers.layers, apply_rotary and the cache
 write in lorad.workers.rotary / kv_cache), on any device.
 
-tests/unit/test_fused_ops_kernel.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
+tests/unit/test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
 subprocess; tests/gpu/test_fused_ops_gpu.py calls them on CUDA at Llama-3-8B's sizes. Each check
 takes fresh random inputs, poisons every output the kernel must write, and raises AssertionError
 naming what differed: the result against the torch path (equal up to the kernel's own sum order

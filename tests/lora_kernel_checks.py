@@ -1,9 +1,9 @@
 """Checks of the LoRA shrink/expand kernels against the plain-torch reference, on any device.
 
-tests/unit/test_lora_kernels.py runs them on CPU tensors under TRITON_INTERPRET=1 in a subprocess
-(`python -m tests.lora_kernel_checks`), so the interpreter's setting and its patch stay out of
-every other test; tests/gpu/test_lora_kernels_gpu.py calls them on CUDA at the 8B model's shapes
-(and checks CUDA graph replay there).
+tests/unit/test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
+subprocess (`python -m tests.lora_kernel_checks`), so the interpreter's setting and its patch stay
+out of every other test; tests/gpu/test_lora_kernels_gpu.py calls them on CUDA at the 8B model's
+shapes (and checks CUDA graph replay there).
 Every check takes fresh random inputs, poisons what the kernels must not touch, and raises
 AssertionError naming what differed. Kernel modules are imported inside the checks, after the
 interpreter is set.

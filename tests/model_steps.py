@@ -74,3 +74,13 @@ def make_streams(slots: list[int], prompt_lens: list[int], max_len: int, block_s
     return [Stream([rng.randrange(*vocab) for _ in range(n)], slot,
                    pool[i * per_stream:(i + 1) * per_stream], block_size)
             for i, (slot, n) in enumerate(zip(slots, prompt_lens))]
+
+
+def scenario_steps(streams) -> list[list]:
+    """Runner steps: chunked prompts, a mixed step, then decodes (teacher-forced)."""
+    s0, s1, s2, s3 = streams
+    steps = [[s0.prefill_chunk(5), s1.prefill_chunk()], [s0.prefill_chunk(), s2.prefill_chunk()]]
+    steps.append([s0.decode_chunk(11), s1.decode_chunk(12), s3.prefill_chunk()])
+    for i in range(4):
+        steps.append([s.decode_chunk(20 + i) for s in (s3, s2, s1, s0)])
+    return [[list(chunk) for chunk in step] for step in steps]

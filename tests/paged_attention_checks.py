@@ -1,6 +1,6 @@
 """Checks of the paged attention kernels against the plain-torch reference, on any device.
 
-tests/unit/test_paged_attention_kernel.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
+tests/unit/test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
 subprocess (`python -m tests.paged_attention_checks`), so the interpreter's setting and its patches
 stay out of every other test; tests/gpu/test_paged_attention_gpu.py calls them on CUDA at real
 shapes. Every check takes fresh random inputs, poisons its outputs, and raises AssertionError

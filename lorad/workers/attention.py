@@ -8,20 +8,18 @@ Triton kernels instead (attention_cuda.py); this loop is the reference they are 
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from lorad.workers.batch import ForwardBatch
+from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
     from lorad.workers.attention_cuda import CudaAttentionContext
 
-# Triton is the `gpu` extra; without it a CUDA device runs the per-sequence path below.
-_HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,7 @@ class AttentionContext:
               block_size: int) -> "AttentionContext | CudaAttentionContext":
         """The step's context for every layer; on CUDA the kernels' (no host sync, no copies)."""
         device = batch.slot_mapping.device
-        if device.type == "cuda" and _HAVE_TRITON:
+        if kernel_path(device):
             from lorad.workers.attention_cuda import CudaAttentionContext
             return CudaAttentionContext.build(batch)
         write_rows = torch.nonzero(batch.slot_mapping >= 0).squeeze(1)

@@ -1,9 +1,10 @@
 """Paged attention on CUDA: the Triton kernels, driven by the ForwardBatch's tensors alone.
 
 A decode step (one token per sequence) writes K/V with the sync-free write kernel (or the model's
-fused rotary kernel has, and calls attend_cuda) and runs the split-KV decode kernel. It reads only batch tensors and shapes, so it can be captured in a CUDA
-graph and replayed with new contents. Mixed and prefill steps run the varlen prefill kernel,
-eagerly. The per-sequence path in attention.py is what both are tested against.
+fused rotary kernel has, and calls attend_cuda) and runs the split-KV decode kernel. It reads only
+batch tensors and shapes, so it can be captured in a CUDA graph and replayed with new contents.
+Mixed and prefill steps run the varlen prefill kernel, eagerly. The per-sequence path in
+attention.py is what both are tested against.
 """
 
 from __future__ import annotations

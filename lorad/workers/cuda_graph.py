@@ -7,10 +7,10 @@ nothing is written, adapter slot 0, context length 0) and their logits are dropp
 adapter slot is an input, so one graph serves any mixture of adapters. Prefill and mixed steps
 always run eagerly.
 
-With several ranks over NCCL the collectives are captured inside the graph. Over gloo they
-cannot be (gloo reduces host memory), so the step is captured in segments that end at each
-collective (SegmentedGraph): a replay runs segment, collective, segment... on the same stream. Without a capture (the CPU, tests) `run` executes the same
-padded step eagerly.
+With several ranks over NCCL the collectives are captured inside the graph. Over gloo they cannot be
+(gloo reduces host memory), so the step is captured in segments that end at each collective
+(SegmentedGraph): a replay runs segment, collective, segment... on the same stream. Without a
+capture (the CPU, tests) `run` executes the same padded step eagerly.
 
 With adapters loaded, each bucket has two graphs: one that launches the LoRA kernels for any
 mixture of slots, and one for steps whose rows are all on the base model, which launches no LoRA

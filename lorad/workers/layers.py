@@ -8,20 +8,16 @@ and the reference those kernels are tested against.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 from torch import nn
 
+from lorad.workers.kernel_path import kernel_path
 from lorad.workers.linear import load_replicated
-
-# Triton is the `gpu` extra; without it a CUDA device runs the torch code below.
-_HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def fused_kernels(x: torch.Tensor) -> bool:
     """Whether the step runs lorad's fused Triton kernels (CUDA with triton) or torch ops."""
-    return x.is_cuda and _HAVE_TRITON
+    return kernel_path(x.device)
 
 
 class RMSNorm(nn.Module):

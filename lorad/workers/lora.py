@@ -10,7 +10,6 @@ which give each row a fixed order of fp32 sums (cuBLAS would pick kernels by bat
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,10 +18,9 @@ from torch import nn
 
 from lorad.config.adapters import LoraModule
 from lorad.workers.batch import ForwardBatch
+from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles, max_tiles_any_mixture
 
-# Triton is the `gpu` extra; without it a CUDA device runs the torch path below.
-_HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def check_factor_shape(name: str, got, want: tuple[int, ...]) -> None:
@@ -57,7 +55,7 @@ class LoraRows:
         slots = tuple(sorted(rows))
         device = batch.input_ids.device
         if use_kernels is None:
-            use_kernels = device.type == "cuda" and _HAVE_TRITON
+            use_kernels = kernel_path(device)
         if use_kernels:
             if launch_always:
                 max_tiles = max_tiles_any_mixture(batch.row_adapter_slots.shape[0])

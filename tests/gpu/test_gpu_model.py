@@ -25,7 +25,7 @@ from lorad.workers.cuda_graph import DecodeGraphs
 from lorad.workers.engine import Engine
 from lorad.workers.planner import Planner, PlannerLimits
 from lorad.workers.sequence import Sequence
-from tests.model_steps import Stream, build_model, make_streams
+from tests.model_steps import Stream, build_model, make_streams, scenario_steps
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
 from tests.tp_runner import launch_ranks
@@ -220,16 +220,6 @@ def test_mixed_burst_equals_each_streams_solo_run(tiny, tmp_path):
 
 
 # --- --parallel 2 --dist-backend gloo on one GPU --------------------------------------------
-
-def scenario_steps(streams) -> list[list]:
-    """Runner steps: chunked prompts, a mixed step, then decodes (teacher-forced)."""
-    s0, s1, s2, s3 = streams
-    steps = [[s0.prefill_chunk(5), s1.prefill_chunk()], [s0.prefill_chunk(), s2.prefill_chunk()]]
-    steps.append([s0.decode_chunk(11), s1.decode_chunk(12), s3.prefill_chunk()])
-    for i in range(4):
-        steps.append([s.decode_chunk(20 + i) for s in (s3, s2, s1, s0)])
-    return [[list(chunk) for chunk in step] for step in steps]
-
 
 def test_two_ranks_on_one_gpu_with_gloo_equal_one(tiny, tmp_path):
     checkpoint, adapters = tiny

@@ -123,9 +123,10 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     touched.
 
     t: [num_tables, num_rows, num_k_chunks, width] float32 from lora_shrink; outs[i]: [num_rows,
-    out_i] float32, or the model dtype (then widened, added to in fp32 and rounded back once;
-    rows may be strided, as column slices of one projection output are); b_tables[i]: [num_slots, out_i, max_rank_i] fp32, contiguous; rank_tables[i]:
-    [num_slots] int32; scale_tables[i]: [num_slots] float32."""
+    out_i] float32, or the model dtype (then widened, added to in fp32 and rounded back once; rows
+    may be strided, as column slices of one projection output are); b_tables[i]: [num_slots, out_i,
+    max_rank_i] fp32, contiguous; rank_tables[i]: [num_slots] int32; scale_tables[i]: [num_slots]
+    float32."""
     num_tables = len(b_tables)
     if not 1 <= num_tables <= MAX_TABLES or not (len(outs) == len(rank_tables)
                                                   == len(scale_tables) == num_tables):

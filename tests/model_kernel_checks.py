@@ -1,0 +1,96 @@
+"""The model's kernel path (the one CUDA runs) end to end on CPU tensors, under Triton's
+interpreter, against the torch path on the same weights.
+
+The kernel path is what `kernel_path()` selects on CUDA: one matmul for q/k/v and one for gate/up,
+the LoRA shrink and expand kernels adding in place into column slices, rotary fused with the KV
+write, the paged attention kernels, add + RMSNorm and silu * up kernels. LORAD_TEST_KERNELS_ON_CPU
+turns it on for CPU tensors (read at each call), so one process runs both paths.
+tests/unit/test_triton_interpreted.py runs these checks in a subprocess with TRITON_INTERPRET=1.
+
+Each check builds a tiny Llama with three adapters twice (one model per path, each with its own
+KV pool) and runs the same steps through both: prompts in chunks, a step mixing a prompt chunk
+with decodes, and decode steps mixing the base model and adapters. Every step's logits must agree
+within the dtype's tolerance (the kernels sum in other orders), and a decode row's logits must be
+the same bits alone as in a batch on the kernel path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tests.triton_interpreter import run_checks
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+MAX_LEN = 48
+# max|kernel path - torch path| / max|torch path| per step
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def _forward(model, chunks, kernels: bool) -> torch.Tensor:
+    from lorad.workers.batch import ForwardBatch
+    from lorad.workers.kernel_path import KERNELS_ON_CPU_ENV
+    if kernels:
+        os.environ[KERNELS_ON_CPU_ENV] = "1"
+    try:
+        return model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, "cpu"))
+    finally:
+        os.environ.pop(KERNELS_ON_CPU_ENV, None)
+
+
+def check_kernel_path_matches_torch_path(device: str, dtype: torch.dtype) -> None:
+    from tests.model_steps import build_model, make_streams, scenario_steps
+    from tests.tiny_adapters import make_peft_adapter
+    from tests.tiny_models import make_tiny_llama
+    assert device == "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        checkpoint = make_tiny_llama(root / "llama", with_tokenizer=False, seed=4,
+                                     hidden_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2)
+        adapters = [make_peft_adapter(checkpoint, root / f"a{i}", r=2 + 3 * i, seed=30 + i,
+                                      magnitude=0.2) for i in range(3)]
+        models = {path: build_model(checkpoint, adapters, dtype, torch.device("cpu"),
+                                    NUM_BLOCKS, BLOCK_SIZE) for path in ("torch", "kernels")}
+    streams = {path: make_streams([2, 0, 1, 3], [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS,
+                                  seed=4) for path in models}
+    steps = {path: scenario_steps(streams[path]) for path in models}
+    assert steps["torch"] == steps["kernels"]
+    for i, chunks in enumerate(steps["torch"]):
+        want = _forward(models["torch"], chunks, kernels=False)
+        got = _forward(models["kernels"], chunks, kernels=True)
+        if not torch.isfinite(got).all():
+            raise AssertionError(f"step {i}: the kernel path gave non-finite logits")
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        if err > TOLERANCE[dtype]:
+            raise AssertionError(f"step {i} ({dtype}): kernel path vs torch path relative error "
+                                 f"{err:.2e} over {TOLERANCE[dtype]:.0e}")
+    # A row's bits on the kernel path: the last decode step's first sequence (an adapter row)
+    # rerun alone over the same KV (its token's K/V are rewritten with the same values), then
+    # the whole step again. Both batches pad to the same 8 rows, so the CPU matmuls see one
+    # shape; the kernels must not care what the other rows hold.
+    last = steps["kernels"][-1]
+    alone = _forward(models["kernels"], last[:1], kernels=True)[0]
+    batched = _forward(models["kernels"], last, kernels=True)[0]
+    if not torch.equal(alone, batched):
+        raise AssertionError(f"{dtype}: a decode row's logits differ alone and in its batch "
+                             f"(max {(alone - batched).abs().max().item():.2e})")
+
+
+CHECKS = {
+    "kernel_path_fp32": (check_kernel_path_matches_torch_path, dict(dtype=torch.float32)),
+    "kernel_path_bf16": (check_kernel_path_matches_torch_path, dict(dtype=torch.bfloat16)),
+}
+
+
+def main(names: list[str]) -> int:
+    return run_checks(CHECKS, names)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
