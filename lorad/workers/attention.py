@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from lorad.workers.attention_cuda import CudaAttentionContext
 
 
-
 @dataclass(frozen=True)
 class SeqContext:
     """One sequence's view of the step, shared by every layer."""

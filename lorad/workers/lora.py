@@ -22,7 +22,6 @@ from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles, max_tiles_any_mixture
 
 
-
 def check_factor_shape(name: str, got, want: tuple[int, ...]) -> None:
     if tuple(got) != tuple(want):
         raise ValueError(f"adapter tensor {name} has shape {tuple(got)}, expected {want}")
