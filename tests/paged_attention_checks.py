@@ -198,7 +198,6 @@ def check_write_kv(device="cpu", dtype=torch.float32, shape=TINY, num_rows=13, s
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), "KV write differs"
 
 
-
 # Scripted steps for the attention layer: (sequence, new tokens) per chunk, in batch order.
 # Prompts in chunks alone and together, a one-token row in a mixed step, decode steps padded to
 # MIN_ROWS rows and one of twelve sequences (unpadded). Prompt chunks are multiplied by
