@@ -15,11 +15,6 @@ from lorad.workers.kernel_path import kernel_path
 from lorad.workers.linear import load_replicated
 
 
-def fused_kernels(x: torch.Tensor) -> bool:
-    """Whether the step runs lorad's fused Triton kernels (CUDA with triton) or torch ops."""
-    return kernel_path(x.device)
-
-
 class RMSNorm(nn.Module):
     """Normalise in fp32 and scale in the model dtype, in transformers' order of operations."""
 
@@ -46,7 +41,7 @@ class RMSNorm(nn.Module):
         dtype (`residual + delta.to(dtype)`, or delta alone when residual is None), and its norm.
         delta: [num_rows, hidden_size], fp32 (a row-parallel sum) or the model dtype. On CUDA
         the residual is updated in place."""
-        if fused_kernels(delta):
+        if kernel_path(delta.device):
             from lorad.workers.kernels.fused_ops import add_rms_norm
             return add_rms_norm(delta, residual, self.weight, self.eps)
         dtype = self.weight.dtype
@@ -56,7 +51,7 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, with silu in fp32 as x / (1 + exp(-x))."""
-    if fused_kernels(gate):
+    if kernel_path(gate.device):
         from lorad.workers.kernels.fused_ops import silu_and_mul as fused_silu_and_mul
         return fused_silu_and_mul(gate, up)
     # On the CPU, F.silu (fp32) takes a scalar path for a tensor's last few elements that gives

@@ -99,15 +99,12 @@ class RowParallelLinear(nn.Module):
         return self.lora
 
     def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:
-        # x: [num_rows, in_end - in_start] -> [num_rows, out_features], summed over ranks
-        return self.forward_sum(x, lora_rows).to(x.dtype)
-
-    def forward_sum(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:
-        """The sum over ranks, not yet rounded to the model dtype (the model's residual add
-        rounds it): fp32, except on CUDA at world size 1, where there is nothing to add across
-        ranks and cuBLAS rounds its fp32 sum itself (its fp32-output kernels split K and add the
-        parts in another kernel); the LoRA delta is then added as peft adds it, to the rounded
-        base output, with one more rounding."""
+        """x: [num_rows, in_end - in_start] -> [num_rows, out_features]: the sum over ranks, not
+        yet rounded to the model dtype (the model's residual add rounds it): fp32, except on
+        CUDA at world size 1, where there is nothing to add across ranks and cuBLAS rounds its
+        fp32 sum itself (its fp32-output kernels split K and add the parts in another kernel);
+        the LoRA delta is then added as peft adds it, to the rounded base output, with one more
+        rounding."""
         if x.is_cuda and self.tp.world_size == 1 and x.dtype != torch.float32:
             out = F.linear(x, self.weight)  # [num_rows, out_features], the model dtype
             return out if self.lora is None else self.lora.add_delta(out, x, lora_rows)

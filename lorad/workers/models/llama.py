@@ -21,8 +21,9 @@ from lorad.config.partition import balanced_split, kv_head_range
 from lorad.workers.attention import AttentionContext, paged_attention
 from lorad.workers.batch import ForwardBatch
 from lorad.workers.embedding import ParallelLMHead, VocabParallelEmbedding
+from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kv_cache import PagedKVCache, kv_bytes_per_block
-from lorad.workers.layers import RMSNorm, fused_kernels, silu_and_mul
+from lorad.workers.layers import RMSNorm, silu_and_mul
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear
 from lorad.workers.loader import load_adapter_weights, load_random_weights, load_weights
 from lorad.workers.lora import LoraRows, add_lora_deltas
@@ -44,7 +45,7 @@ class RotaryInputs:
     @classmethod
     def build(cls, rotary_emb: RotaryEmbedding, positions: torch.Tensor) -> "RotaryInputs":
         cos = sin = None
-        if not fused_kernels(positions):
+        if not kernel_path(positions.device):
             cos, sin = rotary_emb(positions)
         return cls(positions, rotary_emb.cos_table, rotary_emb.sin_table, cos, sin)
 
@@ -82,12 +83,12 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: "RotaryInputs", ctx: AttentionContext,
                 lora: LoraRows | None) -> torch.Tensor:
         """x: [num_rows, hidden] -> [num_rows, hidden]: o_proj's sum over ranks, before its
-        rounding to the model dtype (the residual add does it; see forward_sum)."""
+        rounding to the model dtype (the residual add does it; see RowParallelLinear)."""
         num_rows = x.shape[0]
         projs = (self.q_proj, self.k_proj, self.v_proj)
         loras = [p.lora for p in projs]
         assert self.kv_cache is not None, "allocate_kv_cache() before forward()"
-        if fused_kernels(x):
+        if kernel_path(x.device):
             # Lazily: the CPU never imports triton.
             from lorad.workers.attention_cuda import attend_cuda
             from lorad.workers.kernels.fused_ops import rotary_write_kv
@@ -99,7 +100,7 @@ class LlamaAttention(nn.Module):
                                 ctx.slot_mapping, self.kv_cache.k, self.kv_cache.v,
                                 self.num_q_heads, self.head_dim)
             attn = attend_cuda(q, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
-            return self.o_proj.forward_sum(attn, lora)
+            return self.o_proj(attn, lora)
         q, k, v = add_lora_deltas(loras, [p(x) for p in projs], x, lora)
         q = q.view(num_rows, self.num_q_heads, self.head_dim)
         k = k.view(num_rows, self.num_kv_heads, self.head_dim)
@@ -107,7 +108,7 @@ class LlamaAttention(nn.Module):
         q = apply_rotary(q, rotary.cos, rotary.sin)
         k = apply_rotary(k, rotary.cos, rotary.sin)
         attn = paged_attention(q, k, v, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
-        return self.o_proj.forward_sum(attn, lora)
+        return self.o_proj(attn, lora)
 
 
 class LlamaMLP(nn.Module):
@@ -128,14 +129,14 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraRows | None) -> torch.Tensor:
         """x: [num_rows, hidden] -> [num_rows, hidden]: down_proj's sum over ranks, before its
-        rounding to the model dtype (the residual add does it; see forward_sum)."""
+        rounding to the model dtype (the residual add does it; see RowParallelLinear)."""
         projs = (self.gate_proj, self.up_proj)
-        if fused_kernels(x):
+        if kernel_path(x.device):
             outs = F.linear(x, self.gate_up_weight).chunk(2, dim=1)  # one matmul for both
         else:
             outs = [p(x) for p in projs]
         gate, up = add_lora_deltas([p.lora for p in projs], outs, x, lora)
-        return self.down_proj.forward_sum(silu_and_mul(gate, up), lora)
+        return self.down_proj(silu_and_mul(gate, up), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -251,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         lora = LoraRows.from_batch(batch, launch_always=lora_launch_always)
         for layer in self.model.layers:
             hidden, delta = layer(hidden, delta, rotary, ctx, lora if lora.any_delta else None)
-        if fused_kernels(delta):
+        if kernel_path(delta.device):
             # The last residual add fused with the final norm, on every row (as cheap as
             # picking the rows first, and one kernel).
             _, normed = self.model.norm.add_and_norm(delta, hidden)
