@@ -215,6 +215,14 @@ class Daemon:
             return None
 
 
+def check_sigterm(daemon: "Daemon", pids: list[int], part: str) -> None:
+    """SIGTERM the daemon: it exits 0 and leaves no worker."""
+    code = daemon.stop()
+    check(f"{part}: SIGTERM exits 0", code == 0, f"exit {code}")
+    alive, _ = wait_gone(pids, 10)
+    check(f"{part}: no worker left after SIGTERM", not alive, f"alive: {alive}")
+
+
 def running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -317,10 +325,7 @@ def cmd_serve(args) -> int:
         check(f"serve: adapter_mix burst equals solo runs (--parallel {args.parallel})",
               mix.returncode == 0,
               f"exit {mix.returncode}")
-        code = daemon.stop()
-        check("serve: SIGTERM exits 0", code == 0, f"exit {code}")
-        alive, _ = wait_gone(pids, 10)
-        check("serve: no worker left after SIGTERM", not alive, f"alive: {alive}")
+        check_sigterm(daemon, pids, "serve")
     finally:
         daemon.stop(signal.SIGKILL, 10)
         kill_leftovers(pids)
@@ -349,10 +354,7 @@ def cmd_serve(args) -> int:
         status, reply = post(daemon.url + "/v1/completions", {**body, "model": "tiny"})
         check("agreement: base model request after it is 200", status == 200, f"{status}")
         check("agreement: daemon still running", daemon.proc.poll() is None)
-        code = daemon.stop()
-        check("agreement: SIGTERM exits 0", code == 0, f"exit {code}")
-        alive, _ = wait_gone(pids, 10)
-        check("agreement: no worker left", not alive, f"alive: {alive}")
+        check_sigterm(daemon, pids, "agreement")
     finally:
         daemon.stop(signal.SIGKILL, 10)
         kill_leftovers(pids)

@@ -153,6 +153,15 @@ def _sampled_text(client, seed: int) -> str:
     return out.choices[0].text
 
 
+def _complete(client, args: dict, stream: bool) -> tuple[str, str, int | None]:
+    """(text, finish_reason, completion tokens; None when streamed) of one completion."""
+    if stream:
+        chunks = list(client.completions.create(**args, stream=True))
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason, None
+    out = client.completions.create(**args)
+    return out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens
+
+
 @pytest.fixture(scope="module")
 def stop_case(client) -> tuple[int, str, str]:
     """(seed, its unstopped text, a stop string of two plain characters well inside it)."""
@@ -169,14 +178,9 @@ def test_stop_string_ends_early_and_is_not_returned(daemon, client, stop_case, s
     seed, text, stop = stop_case
     args = dict(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=1.0,
                 seed=seed, stop=[stop, "never appears §§"], extra_body={"ignore_eos": True})
-    if stream:
-        chunks = list(client.completions.create(**args, stream=True))
-        got = "".join(c.choices[0].text for c in chunks)
-        reason = chunks[-1].choices[0].finish_reason
-    else:
-        out = client.completions.create(**args)
-        got, reason = out.choices[0].text, out.choices[0].finish_reason
-        assert out.usage.completion_tokens < 40
+    got, reason, num_tokens = _complete(client, args, stream)
+    if not stream:
+        assert num_tokens < 40
     assert got == text[:text.find(stop)]
     assert reason == "stop"
     assert wait_idle(daemon)["running"] == 0  # the workers were told to cancel
@@ -195,13 +199,7 @@ def test_stop_string_in_the_last_token_still_stops(client, stream):
         pytest.fail("no seed gave a text whose last character appears nowhere before it")
     args = dict(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=1.0,
                 seed=seed, stop=[last], extra_body={"ignore_eos": True})
-    if stream:
-        chunks = list(client.completions.create(**args, stream=True))
-        got = "".join(c.choices[0].text for c in chunks)
-        reason = chunks[-1].choices[0].finish_reason
-    else:
-        out = client.completions.create(**args)
-        got, reason = out.choices[0].text, out.choices[0].finish_reason
+    got, reason, _ = _complete(client, args, stream)
     assert got == text[:text.find(last)]
     assert reason == "stop"
 
