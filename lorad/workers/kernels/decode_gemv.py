@@ -1,0 +1,131 @@
+"""Decode GEMV: out = x w^T for up to MAX_ROWS rows of x, streaming w once at close to copy
+bandwidth, in fp32, rounded once to the model dtype or left in fp32 (a row-parallel partial sum).
+
+A program owns BLOCK_N outputs (BLOCK_N rows of w) and sweeps all of K in BLOCK_K steps, loads
+pipelined NUM_STAGES deep along K; the grid is cdiv(N, BLOCK_N) programs. Each step is one tl.dot
+of a [BLOCK_M, BLOCK_K] tile of x (rows past the batch masked to 0) with a [BLOCK_K, BLOCK_N]
+tile of w (tensor cores for bf16/fp16; exact fp32 products for fp32, no TF32). No split of K, so
+no partial sums to reduce in a second kernel and no atomics. A row's bits never depend on the
+batch: one tile shape and one compiled variant for every batch size (the row count is not
+specialized; x and out are addressed with K and N, which a weight fixes), the same fp32 sum
+order over K, and an MMA computes each output element from its own row of x alone.
+Deliberately not here: split-K (a narrow N, such as a tensor-parallel shard, gives few
+programs; cuBLAS may win there), more than MAX_ROWS rows (prefill takes cuBLAS), bias, LoRA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # the x tile's rows: the smallest M of a tensor-core MMA tile
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    # Outputs per program: N / block_n programs, each reading block_n rows of w in full.
+    block_n: int = 32
+    # Inputs per step: block_n * block_k elements of w per load, num_stages - 1 loads in flight.
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} {value} is not a power of two >= 16 (a tl.dot side)")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps {self.num_warps} is not a power of two")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages {self.num_stages} is below 1")
+
+
+DEFAULT_CONFIG = GemvConfig()
+
+
+# The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
+# divisible by 16): one binary, so one order of sums, for every batch.
+@triton.jit(do_not_specialize=["num_rows"])
+def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    in_rows = rows[:, None] < num_rows  # [BLOCK_M, 1]
+    # Outputs past N read row N - 1 again: w's loads stay unmasked, the store drops them.
+    w_rows = tl.minimum(cols, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * K + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + w_rows[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            xk = tl.load(x_ptrs, mask=in_rows, other=0.0)
+            wk = tl.load(w_ptrs)
+        else:
+            in_k = (k0 + ks)[None, :] < K
+            xk = tl.load(x_ptrs, mask=in_rows & in_k, other=0.0)
+            wk = tl.load(w_ptrs, mask=in_k, other=0.0)
+        # "ieee" matters for fp32 operands only (no TF32); bf16/fp16 products are exact in fp32.
+        acc = tl.dot(xk, tl.trans(wk), acc, input_precision="ieee")
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=in_rows & (cols[None, :] < N))
+
+
+def unsupported(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> str:
+    """Why decode_matmul cannot take these inputs, or "" when it can."""
+    if x.dim() != 2 or w.dim() != 2:
+        return f"x and w must be 2-D, got x {tuple(x.shape)} and w {tuple(w.shape)}"
+    if x.dtype not in DTYPES or w.dtype != x.dtype:
+        return f"x and w must share a dtype of {DTYPES}, got x {x.dtype} and w {w.dtype}"
+    if out_dtype not in (None, x.dtype, torch.float32):
+        return f"out_dtype must be x's dtype {x.dtype} or torch.float32, got {out_dtype}"
+    if x.shape[0] > MAX_ROWS:
+        return f"x has {x.shape[0]} rows, over MAX_ROWS {MAX_ROWS}"
+    if w.shape[1] != x.shape[1]:
+        return f"x has {x.shape[1]} columns (K) but w {w.shape[1]}"
+    if w.shape[1] > 1 and w.stride(1) != 1:
+        return f"w's rows must be contiguous, got strides {w.stride()}"
+    if x.device != w.device:
+        return f"x is on {x.device} but w on {w.device}"
+    return ""
+
+
+def supports(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> bool:
+    """Whether decode_matmul takes these inputs (the caller falls back to F.linear if not)."""
+    return not unsupported(x, w, out_dtype)
+
+
+def decode_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+                  config: GemvConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """-> [M, N] = x w^T, summed in fp32 and stored as out_dtype (None: x's dtype, one rounding;
+    torch.float32: the unrounded sum). Raises ValueError for inputs it does not take.
+
+    x: [M, K] with M <= MAX_ROWS, bf16, fp16 or fp32 (copied if its rows are not packed, which
+    decode inputs are); w: [N, K] of x's dtype with contiguous rows (a slice of a larger matrix's
+    rows or columns is fine)."""
+    reason = unsupported(x, w, out_dtype)
+    if reason:
+        raise ValueError(f"decode_matmul: {reason}")
+    num_rows, num_in = x.shape
+    num_out = w.shape[0]
+    out = torch.empty(num_rows, num_out, dtype=out_dtype or x.dtype, device=x.device)
+    if num_rows == 0 or num_out == 0:
+        return out
+    if num_in == 0:
+        return out.zero_()
+    # The kernel steps from row to row of x by K: packed rows (a no-op for decode's inputs).
+    x = x.contiguous()
+    grid = (triton.cdiv(num_out, config.block_n),)
+    _decode_gemv_kernel[grid](
+        x, w, w.stride(0), out, num_rows, num_out, num_in, BLOCK_M=MAX_ROWS,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=num_in % config.block_k == 0,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps)
+    return out
