@@ -13,6 +13,8 @@ Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3
   CUDA attention path against the per-sequence CPU path.
 - tests/fused_ops_checks.py: residual add + RMSNorm, rotary + KV write, silu * up against the
   torch path they replace.
+- tests/decode_gemv_checks.py: the decode GEMV against a float64 x w^T (bit-exact on integer
+  inputs), row bits across batches, weight views, refused inputs; a tiny tile and the default.
 - tests/model_kernel_checks.py: the whole model's kernel path (LORAD_TEST_KERNELS_ON_CPU) against
   its torch path on the same weights and steps, with three adapters.
 """
@@ -23,7 +25,8 @@ import importlib.util
 
 import pytest
 
-from tests import fused_ops_checks, lora_kernel_checks, model_kernel_checks, paged_attention_checks
+from tests import (decode_gemv_checks, fused_ops_checks, lora_kernel_checks, model_kernel_checks,
+                   paged_attention_checks)
 from tests.triton_interpreter import interpret_in_subprocess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -31,7 +34,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                        "x86_64)")
 
 MODULES = {module.__name__: module.CHECKS for module in (
-    lora_kernel_checks, paged_attention_checks, fused_ops_checks, model_kernel_checks)}
+    lora_kernel_checks, paged_attention_checks, fused_ops_checks, decode_gemv_checks,
+    model_kernel_checks)}
 _results: dict[str, dict | str] = {}  # module -> its results, or why its run failed
 
 
