@@ -163,20 +163,23 @@ def check_refusals(device: str) -> None:
             raise AssertionError(f"an empty batch gave {tuple(got.shape)} {got.dtype}")
     if not supports(x, w) or not supports(x, w, torch.float32):
         raise AssertionError("supports() refuses a good input")
+    # name -> (x, w, out_dtype, words the error must hold)
     bad = {"rows over MAX_ROWS": (torch.zeros(MAX_ROWS + 1, 32, dtype=bf16, device=device), w,
-                                  None),
-           "K differs": (x[:, :16], w, None),
-           "dtypes differ": (x, w.float(), None),
-           "out_dtype fp16 for bf16": (x, w, torch.float16),
-           "integer dtype": (x.to(torch.int32), w.to(torch.int32), None),
-           "w's columns strided": (x[:, :20], w.T[:, :20].T, None),
-           "x 1-D": (x[0], w, None)}
-    for name, (xb, wb, out_dtype) in bad.items():
+                                  None, "MAX_ROWS"),
+           "K differs": (x[:, :16], w, None, "columns (K)"),
+           "dtypes differ": (x, w.float(), None, "share a dtype"),
+           "out_dtype fp16 for bf16": (x, w, torch.float16, "out_dtype"),
+           "integer dtype": (x.to(torch.int32), w.to(torch.int32), None, "share a dtype"),
+           "w's columns strided": (x[:, :16], w[:, ::2], None, "rows must be contiguous"),
+           "x 1-D": (x[0], w, None, "2-D")}
+    for name, (xb, wb, out_dtype, words) in bad.items():
         if supports(xb, wb, out_dtype):
             raise AssertionError(f"supports() takes a bad input: {name}")
         try:
             decode_matmul(xb, wb, out_dtype)
-        except ValueError:
+        except ValueError as exc:
+            if words not in str(exc):
+                raise AssertionError(f"{name}: the error does not say {words!r}: {exc}")
             continue
         raise AssertionError(f"decode_matmul took a bad input: {name}")
     for fields in (dict(block_n=24), dict(block_k=8), dict(num_warps=3), dict(num_stages=0)):
