@@ -36,21 +36,23 @@ def _config(tile: str):
 
 def _inputs(gen: torch.Generator, num_rows: int, n: int, k: int, dtype: torch.dtype,
             device: str, kind: str = "normal") -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [num_rows, k], w: [n, k]. normal: random normal, w scaled by 1 / sqrt(k); integers:
-    both in [-3, 3], so every fp32 sum is exact; one_hot: x normal, each row of w one +-1 at a
-    random column, so out[:, i] = +-x[:, j] exactly (with all 24 bits of an fp32 x)."""
+    """x: [num_rows, k], w: [n, k], drawn on the device. normal: random normal, w scaled by
+    1 / sqrt(k); integers: both in [-3, 3], so every fp32 sum is exact; one_hot: x normal, each
+    row of w one +-1 at a random column, so out[:, i] = +-x[:, j] exactly (all 24 bits of an
+    fp32 x)."""
     if kind == "integers":
-        x = torch.randint(-3, 4, (num_rows, k), generator=gen).float()
-        w = torch.randint(-3, 4, (n, k), generator=gen).float()
+        x = torch.randint(-3, 4, (num_rows, k), generator=gen, device=device).float()
+        w = torch.randint(-3, 4, (n, k), generator=gen, device=device).float()
     else:
-        x = torch.randn(num_rows, k, generator=gen)
-        w = torch.zeros(n, k)
+        x = torch.randn(num_rows, k, generator=gen, device=device)
+        w = torch.zeros(n, k, device=device)
         if kind == "normal":
-            w = torch.randn(n, k, generator=gen) / k ** 0.5
+            w = torch.randn(n, k, generator=gen, device=device) / k ** 0.5
         else:
-            signs = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
-            w[torch.arange(n), torch.randint(0, k, (n,), generator=gen)] = signs
-    return x.to(dtype=dtype, device=device), w.to(dtype=dtype, device=device)
+            signs = torch.randint(0, 2, (n,), generator=gen, device=device).float() * 2 - 1
+            w[torch.arange(n, device=device),
+              torch.randint(0, k, (n,), generator=gen, device=device)] = signs
+    return x.to(dtype), w.to(dtype)
 
 
 def _assert_close(name: str, got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -78,7 +80,7 @@ def check_matches_reference(device: str, dtype: torch.dtype = torch.bfloat16, ou
     repeated product shows) and with one +-1 per row of w (out[:, n] = +-x[:, j]: a wrong column
     shows, and so would fp32 operands cut to TF32's 11 bits)."""
     from lorad.workers.kernels.decode_gemv import decode_matmul
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator(device).manual_seed(3)
     out_dtype = OUT_DTYPES[out]
     for shape_name, (n, k) in (shapes or CPU_SHAPES).items():
         for kind in ("normal", "integers", "one_hot"):
@@ -105,7 +107,7 @@ def check_rows_independent_of_batch(device: str, dtype: torch.dtype = torch.bflo
     """A row's bits alone equal its bits among 5 or 16 rows, whatever the other rows hold, and
     rows past the batch in x's buffer (NaN here) are never read."""
     from lorad.workers.kernels.decode_gemv import MAX_ROWS, decode_matmul
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator(device).manual_seed(5)
     out_dtype, config = OUT_DTYPES[out], _config(tile)
     for shape_name, (n, k) in (shapes or CPU_SHAPES).items():
         x, w = _inputs(gen, MAX_ROWS, n, k, dtype, device)
@@ -118,7 +120,7 @@ def check_rows_independent_of_batch(device: str, dtype: torch.dtype = torch.bflo
                 raise AssertionError(f"{shape_name} {dtype} out {out}: the first {num_rows} "
                                      f"rows differ from the same rows among {MAX_ROWS}")
         for row in (0, 4, MAX_ROWS - 1):
-            other = torch.randn(3, k, generator=gen).to(dtype=dtype, device=device)
+            other = torch.randn(3, k, generator=gen, device=device).to(dtype)
             mixed = torch.cat([other[:1], x[row:row + 1], other[1:]])
             for got, how in ((decode_matmul(x[row:row + 1], w, out_dtype, config=config),
                               "alone"),
@@ -134,7 +136,7 @@ def check_views(device: str, dtype: torch.dtype = torch.bfloat16, n: int = 70, k
     """w as a slice of a larger matrix's rows or of its columns, and x with strided rows, give
     the bits of packed copies, within the reference's bound."""
     from lorad.workers.kernels.decode_gemv import decode_matmul
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator(device).manual_seed(7)
     config = _config(tile)
     x_wide, big = _inputs(gen, num_rows, n + 20, k + 16, dtype, device)  # [M, k+16], [n+20, k+16]
     x = x_wide[:, :k].contiguous()
