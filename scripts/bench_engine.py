@@ -4,8 +4,11 @@
 Builds lorad's model in-process at world size 1 (random weights of scripts/configs/llama3-8b by
 default, bf16, CUDA), a KV pool of random values, and the decode CUDA graphs, then times decode
 steps at several batch sizes for: the base model with no adapter loaded (`base`), the same with
-adapters loaded but every row on slot 0 (`idle`), one adapter on every row (`one`), and a distinct
-adapter per row up to --num-adapters slots (`many`; rank 16 on all seven projections). Beside
+adapters loaded but every row on slot 0 (`idle`), one adapter on every row (`one`), rows cycling
+over four adapters (`mixed4`, transformers + peft's mixture below), and a distinct adapter per
+row up to --num-adapters slots (`many`; rank 16 on all seven projections); `one` and `mixed4`
+again with the LoRA shrinks on the main stream (`serial shrink`), `base` again with cuBLAS
+instead of the decode GEMV (`cuBLAS`). Beside
 each figure the floor: the bytes a step must read (weights, the LoRA factors of the slots in the
 batch, every sequence's KV) over the device-to-device copy bandwidth measured in this run. Then
 prefill tokens/s, and transformers + peft `generate` on the same shapes (mixed adapters per row
@@ -38,6 +41,8 @@ from lorad.config.adapters import PARENTS, projection_features  # noqa: E402
 from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from lorad.workers import linear as linear_module  # noqa: E402
+from lorad.workers import lora as lora_module  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
 from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
@@ -56,7 +61,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--config", default=str(REPO / "scripts/configs/llama3-8b"),
                    help="model folder; only config.json is read (default: %(default)s)")
     p.add_argument("--batches", type=ints, default=[1, 8, 32, 64, 128])
-    p.add_argument("--cases", default="base,idle,one,many", help="subset of base,idle,one,many")
+    p.add_argument("--cases", default="base,idle,one,mixed4,many",
+                   help="subset of base,idle,one,mixed4,many")
+    p.add_argument("--cublas-batches", type=ints, default=[1, 8],
+                   help="also time base at these batches with cuBLAS for every matmul "
+                        "(linear.DECODE_GEMV off), graphs captured again; '' skips")
+    p.add_argument("--serial-shrink", type=ints, default=[32],
+                   help="also time one and mixed4 at these batches with the LoRA shrinks on the "
+                        "main stream (lora.SIDE_STREAM off), graphs captured again; '' skips")
     p.add_argument("--eager-batches", type=ints, default=[1, 32],
                    help="also time these batches without graphs (base and many)")
     p.add_argument("--context", type=int, default=512,
@@ -199,6 +211,8 @@ def slots_for(case: str, batch: int, num_adapters: int) -> list[int]:
         return [0] * batch
     if case == "one":
         return [1] * batch
+    if case == "mixed4":  # the mixture transformers+peft runs as mixed-4
+        return [1 + i % 4 for i in range(batch)]
     return [1 + i % num_adapters for i in range(batch)]
 
 
@@ -250,9 +264,10 @@ def add_row(case: str, batch, mode: str, step_s: float | None, device_s: float |
     print(json.dumps(row), flush=True)
 
 
-def bench_decode(model, graphs, floor: Floor, cases: list[str], args, blocks_per_seq) -> None:
+def bench_decode(model, graphs, floor: Floor, cases: list[str], args, blocks_per_seq,
+                 batches: list[int] | None = None, label: str = "") -> None:
     for case in cases:
-        for batch in args.batches:
+        for batch in batches or args.batches:
             slots = slots_for(case, batch, args.num_adapters)
             floor_s = floor.decode_seconds(slots, [args.context + args.warmup + args.steps // 2]
                                            * batch)
@@ -262,10 +277,11 @@ def bench_decode(model, graphs, floor: Floor, cases: list[str], args, blocks_per
                 try:
                     step_s, replay_s = time_decode(model, graphs if mode == "graph" else None,
                                                    slots, args, blocks_per_seq)
-                    add_row(case, batch, mode, step_s, replay_s, floor_s)
+                    add_row(case + label, batch, mode, step_s, replay_s, floor_s)
                 except Exception as exc:  # one failed figure must not cost the others
                     traceback.print_exc()
-                    add_row(case, batch, mode, None, note=f"failed: {type(exc).__name__}: {exc}")
+                    add_row(case + label, batch, mode, None,
+                            note=f"failed: {type(exc).__name__}: {exc}")
 
 
 def bench_prefill(model, case: str, args, flops: float, floor: Floor) -> None:
@@ -415,11 +431,12 @@ def targets() -> str:
         lines.append(f"| 64 distinct adapters, batch 64, vs the floor with their LoRA bytes | "
                      f"<= 1.15x | {ratio:.2f}x ({device(many64):.2f} vs "
                      f"{many64['floor_ms']:.2f} ms) | {verdict(ratio, 1.15, False)} |")
-    many32, peft32 = find("many", 32), find("transformers+peft mixed-4", 32, "generate")
-    if many32 and peft32:
-        ratio = many32["tok_s"] / peft32["tok_s"]
-        lines.append(f"| mixed adapters, batch 32, vs transformers+peft mixed-4 | >= 30x | "
-                     f"{ratio:.1f}x ({many32['tok_s']:,.0f} vs {peft32['tok_s']:,.0f} tok/s) | "
+    # The same mixture on both sides: rows cycling over 4 adapters.
+    mixed32, peft32 = find("mixed4", 32), find("transformers+peft mixed-4", 32, "generate")
+    if mixed32 and peft32:
+        ratio = mixed32["tok_s"] / peft32["tok_s"]
+        lines.append(f"| 4 adapters mixed, batch 32, vs transformers+peft mixed-4 | >= 30x | "
+                     f"{ratio:.1f}x ({mixed32['tok_s']:,.0f} vs {peft32['tok_s']:,.0f} tok/s) | "
                      f"{verdict(ratio, 30, True)} |")
     if len(lines) == 2:
         return "no target's rows ran"
@@ -452,6 +469,15 @@ def main() -> int:
         if args.prefill:
             bench_prefill(model, "base", args, flops, Floor(model, bandwidth))
         del graphs
+        if args.cublas_batches:
+            gc.collect()
+            torch.cuda.empty_cache()
+            linear_module.DECODE_GEMV = False
+            graphs = capture(model, args, 0)
+            bench_decode(model, graphs, Floor(model, bandwidth), ["base"], args, blocks_per_seq,
+                         batches=args.cublas_batches, label=" (cuBLAS)")
+            linear_module.DECODE_GEMV = True
+            del graphs
         gc.collect()
         torch.cuda.empty_cache()
     tmp = tempfile.TemporaryDirectory(prefix="bench_engine")
@@ -467,7 +493,18 @@ def main() -> int:
         bench_decode(model, graphs, floor, adapter_cases, args, blocks_per_seq)
         if args.prefill and "many" in adapter_cases:
             bench_prefill(model, "many", args, flops, floor)
-        del graphs, floor
+        del graphs
+        serial = [c for c in ("one", "mixed4") if c in adapter_cases]
+        if args.serial_shrink and serial:
+            gc.collect()
+            torch.cuda.empty_cache()
+            lora_module.SIDE_STREAM = False
+            graphs = capture(model, args, args.num_adapters)
+            bench_decode(model, graphs, floor, serial, args, blocks_per_seq,
+                         batches=args.serial_shrink, label=" (serial shrink)")
+            lora_module.SIDE_STREAM = True
+            del graphs
+        del floor
     peak_gib = torch.cuda.max_memory_allocated(CUDA) / 2**30
     del model
     gc.collect()
@@ -490,8 +527,10 @@ def main() -> int:
         f"{args.warmup}; step ms = inputs + forward + argmax to the host, as the worker runs "
         f"it; device ms = one graph replay; tokens/s = batch / step",
         f"cases: base = no adapter loaded; idle = {args.num_adapters} adapters loaded, rows on "
-        f"slot 0; one = adapter 1 on every row; many = row i on adapter 1 + i % "
-        f"{args.num_adapters}; rank {args.rank} on all 7 projections, fp32 tables",
+        f"slot 0; one = adapter 1 on every row; mixed4 = row i on adapter 1 + i % 4; many = row "
+        f"i on adapter 1 + i % {args.num_adapters}; (serial shrink) = LoRA shrinks on the main "
+        f"stream instead of a side stream; (cuBLAS) = every matmul through cuBLAS, "
+        f"not the decode GEMV; rank {args.rank} on all 7 projections, fp32 tables",
         "floor = (weights + LoRA factors of the batch's slots + KV) bytes / copy bandwidth; "
         "prefill: the larger of that and matmul FLOPs / matmul rate; floor/time uses device ms "
         "where there is one",

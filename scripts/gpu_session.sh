@@ -7,9 +7,10 @@
 #   run(command="bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 # Installs only the carried wheel (into /tmp/site); everything else is the image's (torch,
 # triton, transformers, peft...), and lorad is used from the checkout through PYTHONPATH.
-# Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, profile.log, bench.log,
-# bench.md). Budget, under 10 minutes in all: tests 240 s, each kernel benchmark 40 s, the decode
-# profile 90 s (LORAD_SESSION_PROFILE=0 skips it), the engine 210 s.
+# Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, bench-gemv.log,
+# profile.log, bench.log, bench.md). Budget, under 10 minutes in all: tests 240 s, each kernel
+# benchmark 40 s (the GEMV sweep 75 s; LORAD_SESSION_GEMV=0 skips it), the decode profile 90 s
+# (LORAD_SESSION_PROFILE=0 skips it), the engine 210 s.
 # Set LORAD_SESSION_QUICK=1 for a shorter engine benchmark (--quick).
 set -uo pipefail
 
@@ -61,6 +62,8 @@ if [[ ${LORAD_SESSION_MICRO:-1} == 1 ]]; then  # LORAD_SESSION_MICRO=0 skips the
   run_bench bench_lora_kernels.py bench-lora.log
   run_bench bench_paged_attention.py bench-attention.log
 fi
+# The decode GEMV's tile sweep against cuBLAS (LORAD_SESSION_GEMV=0 skips it).
+[[ ${LORAD_SESSION_GEMV:-1} == 1 ]] && run_bench bench_decode_gemv.py bench-gemv.log 75
 [[ ${LORAD_SESSION_PROFILE:-1} == 1 ]] && run_bench profile_decode.py profile.log 90
 
 say "engine benchmark"
@@ -73,7 +76,8 @@ bench_status=${PIPESTATUS[0]}
 say "summary"
 echo "--- gpu tests (exit $tests_status; 124 = timed out): $OUT/gpu-tests.log"
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)\b" "$OUT/gpu-tests.log" | tail -n 25
-for log in "$OUT/bench-lora.log" "$OUT/bench-attention.log" "$OUT/profile.log"; do
+for log in "$OUT/bench-lora.log" "$OUT/bench-attention.log" "$OUT/bench-gemv.log" \
+    "$OUT/profile.log"; do
   [[ -f $log ]] && { echo "--- $(basename "$log")"; grep -vE "^\s*$" "$log" | tail -n 30; }
 done
 echo "--- engine benchmark (exit $bench_status; 124 = timed out)"

@@ -12,13 +12,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorad.workers.lora import LoraRows, LoraSlots
+from lorad.workers.kernel_path import kernel_path
+from lorad.workers.lora import LoraRows, LoraSlots, PendingShrink, start_shrink
 from lorad.workers.parallel import TensorParallel
 
 
 def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ...]) -> None:
     if tuple(got) != tuple(want):
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(got)}, expected {want}")
+
+
+# Decode steps of up to decode_gemv.MAX_ROWS rows multiply through lorad's GEMV kernel on the
+# kernel path (False: cuBLAS for every step; scripts/bench_engine.py compares the two).
+DECODE_GEMV = True
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x weight^T on the kernel path, summed in fp32 and stored as out_dtype (None: x's dtype).
+    A decode step's few rows take the decode GEMV, which streams the weight at close to copy
+    bandwidth with no split of K and gives a row the same bits in any such batch; larger steps
+    take cuBLAS."""
+    if DECODE_GEMV and kernel_path(x.device):
+        from lorad.workers.kernels.decode_gemv import decode_matmul, supports
+        if supports(x, weight, out_dtype):
+            return decode_matmul(x, weight, out_dtype)
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, weight)
+    return torch.mm(x, weight.t(), out_dtype=out_dtype)
 
 
 def load_replicated(param: nn.Parameter, name: str, tensor_slice) -> None:
@@ -101,23 +122,45 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:
         """x: [num_rows, in_end - in_start] -> [num_rows, out_features]: the sum over ranks, not
         yet rounded to the model dtype (the model's residual add rounds it): fp32, except on
-        CUDA at world size 1, where there is nothing to add across ranks and cuBLAS rounds its
-        fp32 sum itself (its fp32-output kernels split K and add the parts in another kernel);
-        the LoRA delta is then added as peft adds it, to the rounded base output, with one more
-        rounding."""
-        if x.is_cuda and self.tp.world_size == 1 and x.dtype != torch.float32:
-            out = F.linear(x, self.weight)  # [num_rows, out_features], the model dtype
-            return out if self.lora is None else self.lora.add_delta(out, x, lora_rows)
+        CUDA at world size 1, where there is nothing to add across ranks and the matmul rounds
+        its fp32 sum itself (cuBLAS's fp32-output kernels split K and add the parts in another
+        kernel); the LoRA delta is then added as peft adds it, to the rounded base output, with
+        one more rounding."""
+        out, pending = self.forward_deferred(x, lora_rows)
+        return out if pending is None else pending.expand_into([out])[0]
+
+    def forward_deferred(self, x: torch.Tensor, lora_rows: LoraRows | None = None
+                         ) -> tuple[torch.Tensor, PendingShrink | None]:
+        """forward, except that where the output is the matmul's rounded one (world size 1 on
+        CUDA), the LoRA delta is left to whoever reads the output next: -> (output, the pending
+        shrink whose delta it still lacks, or None when it lacks none). The model's residual
+        add + RMSNorm kernel adds it as it reads the output, saving the expand's launch."""
+        # On the kernel path the shrink runs beside the matmul (a side stream); None otherwise.
+        pending = None if self.lora is None else start_shrink([self.lora], x, lora_rows)
+        # (The kernel path on CPU tensors, a test hook, takes this branch too, to check it.)
+        if (x.is_cuda or kernel_path(x.device)) and self.tp.world_size == 1 \
+                and x.dtype != torch.float32:
+            out = matmul(x, self.weight)  # [num_rows, out_features], the model dtype
+            if pending is None:  # no shrink launched: the torch path's delta, if any, is added
+                out = self._plus_delta(out, x, lora_rows, None)
+            return out, pending
         partial = self._partial_fp32(x)  # [num_rows, out_features] float32
-        if self.lora is not None:
-            partial = self.lora.add_delta(partial, x, lora_rows)  # in fp32, before the reduce
-        return self.tp.all_reduce(partial)
+        # The delta in fp32, before the reduce.
+        return self.tp.all_reduce(self._plus_delta(partial, x, lora_rows, pending)), None
+
+    def _plus_delta(self, out: torch.Tensor, x: torch.Tensor, lora_rows: LoraRows | None,
+                    pending: PendingShrink | None) -> torch.Tensor:
+        if pending is not None:
+            return pending.expand_into([out])[0]
+        return out if self.lora is None else self.lora.add_delta(out, x, lora_rows)
 
     def _partial_fp32(self, x: torch.Tensor) -> torch.Tensor:
         # The partial sums are added across ranks; rounding each to bf16 first would make the
         # result depend on the world size more than it must.
         if x.dtype == torch.float32:
             return F.linear(x, self.weight)
+        if kernel_path(x.device):
+            return matmul(x, self.weight, torch.float32)
         if x.is_cuda:
             # cuBLAS accumulates in fp32 and can hand the fp32 result back without a rounding.
             return torch.mm(x, self.weight.t(), out_dtype=torch.float32)

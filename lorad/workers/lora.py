@@ -56,11 +56,15 @@ class LoraRows:
         if use_kernels is None:
             use_kernels = kernel_path(device)
         if use_kernels:
+            num_rows = batch.row_adapter_slots.shape[0]
             if launch_always:
-                max_tiles = max_tiles_any_mixture(batch.row_adapter_slots.shape[0])
+                max_tiles = max_tiles_all = max_tiles_any_mixture(num_rows)
             else:
                 max_tiles = count_tiles(len(rows[slot]) for slot in slots)
-            tiles = LoraTiles.build(batch.row_adapter_slots, max_tiles) if max_tiles else None
+                base_rows = num_rows - sum(len(rows[slot]) for slot in slots)
+                max_tiles_all = max_tiles + count_tiles([base_rows])
+            tiles = LoraTiles.build(batch.row_adapter_slots, max_tiles, max_tiles_all) \
+                if max_tiles else None
             return cls(slots, [], tiles, launch_always)
         if launch_always:
             raise ValueError("launch_always is for the kernel path (CUDA graphs)")
@@ -154,6 +158,97 @@ class LoraSlots(nn.Module):
         return acc if acc is out else acc.to(out.dtype)
 
 
+@dataclass(frozen=True)
+class PendingShrink:
+    """The LoRA shrink of projections that share an input (q/k/v, gate/up, or one), launched
+    before their base matmul: on CUDA on a side stream, so it runs beside the matmul. Whoever
+    reads the projections' outputs next adds the deltas: the expand (`expand_into`), or a fused
+    kernel that adds them as it reads (fused_ops.py), through `table`."""
+
+    loras: tuple[LoraSlots | None, ...]  # one per output; None: no delta for it this step
+    t: torch.Tensor  # [num_edited, num_rows, num_k_chunks, width] float32, from lora_shrink
+    edited: tuple[int, ...]  # the output each table of t belongs to
+    tiles: LoraTiles
+    side: torch.cuda.Stream | None  # the stream the shrink runs on; None: the current one
+
+    def wait(self) -> None:
+        """Order what the current stream does next after the shrink."""
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
+
+    def table(self, output: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (t of this output, B, ranks, scales) for a fused kernel; an output no table edits
+        gets ranks of zeros (and the first table's t and B, never read)."""
+        lora = self.loras[output]
+        if output not in self.edited:
+            first = self.loras[self.edited[0]]
+            return self.t[0], first.lora_b, _zero_ranks(first.rank_table), first.scale_table
+        return self.t[self.edited.index(output)], lora.lora_b, lora.rank_table, lora.scale_table
+
+    def expand_into(self, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Add each edited output's delta into it, in place (the expand kernel); -> outs."""
+        from lorad.workers.kernels.lora_expand import lora_expand
+        self.wait()
+        tables = [self.loras[i] for i in self.edited]
+        lora_expand(self.t, [outs[i] for i in self.edited], [lora.lora_b for lora in tables],
+                    [lora.rank_table for lora in tables], [lora.scale_table for lora in tables],
+                    self.tiles)
+        return list(outs)
+
+
+_ZERO_RANKS: dict[tuple, torch.Tensor] = {}
+
+
+def _zero_ranks(like: torch.Tensor) -> torch.Tensor:
+    key = (like.device, like.shape[0])
+    if key not in _ZERO_RANKS:
+        _ZERO_RANKS[key] = torch.zeros_like(like)
+    return _ZERO_RANKS[key]
+
+
+# Shrinks run on a side stream on CUDA, beside the base matmul they do not depend on (False: on
+# the current stream, one after the other; scripts/bench_engine.py compares the two).
+SIDE_STREAM = True
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    if device.type != "cuda" or not SIDE_STREAM:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def start_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor,
+                 rows: LoraRows | None) -> PendingShrink | None:
+    """Launch the shrink of the projections that share the input x, on the kernel path; None
+    when none of them gets a delta this step (or on the torch path, which adds its deltas in
+    add_lora_deltas). The caller finishes with expand_into or a fused kernel."""
+    if rows is None or rows.tiles is None:
+        return None
+    edited = tuple(i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora))
+    if not edited:
+        return None
+    # Lazily: the CPU never imports triton.
+    from lorad.workers.kernels.lora_shrink import MAX_TABLES, lora_shrink
+    assert len(edited) <= MAX_TABLES, f"at most {MAX_TABLES} projections share an input"
+    tables = [loras[i] for i in edited]
+    side = _side_stream(x.device)
+    if side is None:
+        t = lora_shrink(x, [lora.lora_a for lora in tables],
+                        [lora.rank_table for lora in tables], rows.tiles)
+    else:
+        # Forked from the current stream (x is ready there); joined in wait(). Memory the shrink
+        # allocates on the side stream is freed only after a later fork, so never reused early.
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            t = lora_shrink(x, [lora.lora_a for lora in tables],
+                            [lora.rank_table for lora in tables], rows.tiles)
+    return PendingShrink(tuple(loras), t, edited, rows.tiles, side)
+
+
 def add_lora_deltas(loras: Sequence[LoraSlots | None], outs: Sequence[torch.Tensor],
                     x: torch.Tensor, rows: LoraRows | None) -> list[torch.Tensor]:
     """Each projection's output plus its delta, for projections that share the input x (q/k/v,
@@ -163,17 +258,5 @@ def add_lora_deltas(loras: Sequence[LoraSlots | None], outs: Sequence[torch.Tens
     if rows is None or rows.tiles is None:
         return [out if lora is None else lora.add_delta(out, x, rows)
                 for lora, out in zip(loras, outs)]
-    edited = [i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora)]
-    # Lazily: the CPU never imports triton.
-    from lorad.workers.kernels.lora_expand import lora_expand
-    from lorad.workers.kernels.lora_shrink import MAX_TABLES, lora_shrink
-    for start in range(0, len(edited), MAX_TABLES):
-        group = edited[start:start + MAX_TABLES]
-        tables = [loras[i] for i in group]
-        ranks = [lora.rank_table for lora in tables]
-        t = lora_shrink(x, [lora.lora_a for lora in tables], ranks, rows.tiles)
-        # In place, with one rounding of base + delta in fp32 (as on the torch path) when an
-        # output is in the model dtype.
-        lora_expand(t, [outs[i] for i in group], [lora.lora_b for lora in tables], ranks,
-                    [lora.scale_table for lora in tables], rows.tiles)
-    return list(outs)
+    pending = start_shrink(loras, x, rows)
+    return list(outs) if pending is None else pending.expand_into(outs)

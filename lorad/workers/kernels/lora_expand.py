@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorad.workers.kernels.lora_shrink import MAX_TABLES
+from lorad.workers.kernels.lora_shrink import MAX_TABLES, tile_rows
 from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
 
 
@@ -37,40 +37,67 @@ DEFAULT_CONFIG = ExpandConfig()
 
 
 @triton.jit
+def lora_delta(t_ptr, stride_t, stride_t_chunk, num_chunks, b_ptr, ranks_ptr, scales_ptr,
+               max_rank, N, slot, rows, in_tile, cols, in_n, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    """-> [BLOCK_M, BLOCK_N] fp32: scale * (t[row, :rank] B[slot, cols, :rank]^T) for a tile's
+    rows (all of `slot`), t being the sum of the shrink's chunk partials; all zeros, with nothing
+    read, when the slot does not edit this table (rank 0). Shared by the expand and the fused
+    kernels that add a delta as they read a projection's output (fused_ops.py), so each gets the
+    same arithmetic for a row."""
+    rank = tl.load(ranks_ptr + slot)
+    chunks = tl.arange(0, MAX_CHUNKS)
+    has_c = chunks < num_chunks
+    t_rows = t_ptr + rows[:, None, None] * stride_t + chunks[None, :, None] * stride_t_chunk
+    in_t = in_tile[:, None, None] & has_c[None, :, None]  # [BLOCK_M, MAX_CHUNKS, 1]
+    b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank  # [BLOCK_N, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for j0 in range(0, rank, BLOCK_R):
+        ranks_j = j0 + tl.arange(0, BLOCK_R)
+        has_j = ranks_j < rank
+        parts = tl.load(t_rows + ranks_j[None, None, :], mask=in_t & has_j[None, None, :],
+                        other=0.0)  # [BLOCK_M, MAX_CHUNKS, BLOCK_R]
+        tj = tl.sum(parts, axis=1)  # [BLOCK_M, BLOCK_R]
+        bj = tl.load(b_rows + ranks_j[None, :], mask=in_n[:, None] & has_j[None, :],
+                     other=0.0)  # [BLOCK_N, BLOCK_R]
+        acc += tl.sum(tj[:, None, :] * bj[None, :, :], axis=2)
+    return acc * tl.load(scales_ptr + slot)
+
+
+@triton.jit
+def plus_lora_delta(base, t_ptr, stride_t, stride_t_chunk, num_chunks, b_ptr, ranks_ptr,
+                    scales_ptr, max_rank, N, slot, rows, in_tile, cols, in_n,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                    MAX_CHUNKS: tl.constexpr):
+    """-> base + lora_delta(...) for a tile's [BLOCK_M, BLOCK_N] block of a projection's output,
+    with one rounding of base + delta in fp32 when base is in the model dtype (as the torch
+    path's `(out.float() + delta).to(dtype)`); base itself, bits and all, when the slot does not
+    edit this table."""
+    delta = lora_delta(t_ptr, stride_t, stride_t_chunk, num_chunks, b_ptr, ranks_ptr, scales_ptr,
+                       max_rank, N, slot, rows, in_tile, cols, in_n, BLOCK_M, BLOCK_N, BLOCK_R,
+                       MAX_CHUNKS)
+    edits = tl.load(ranks_ptr + slot) > 0
+    return tl.where(edits, (base.to(tl.float32) + delta).to(base.dtype), base)
+
+
+@triton.jit
 def _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_out, N, b_ptr,
                   ranks_ptr, scales_ptr, max_rank, block, first, slot, sorted_rows_ptr,
                   sorted_slots_ptr, num_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_R: tl.constexpr, MAX_CHUNKS: tl.constexpr):
     rank = tl.load(ranks_ptr + slot)
     if rank > 0:
-        pos = first + tl.arange(0, BLOCK_M)
-        in_tile = pos < num_rows
-        in_tile = in_tile & (tl.load(sorted_slots_ptr + pos, mask=in_tile, other=0) == slot)
-        rows = tl.load(sorted_rows_ptr + pos, mask=in_tile, other=0)
+        rows, in_tile = tile_rows(first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows,
+                                  BLOCK_M)
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         in_n = cols < N
-        chunks = tl.arange(0, MAX_CHUNKS)
-        has_c = chunks < num_chunks
-        t_rows = t_ptr + rows[:, None, None] * stride_t + chunks[None, :, None] * stride_t_chunk
-        in_t = in_tile[:, None, None] & has_c[None, :, None]  # [BLOCK_M, MAX_CHUNKS, 1]
-        b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank  # [BLOCK_N, 1]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j0 in range(0, rank, BLOCK_R):
-            ranks_j = j0 + tl.arange(0, BLOCK_R)
-            has_j = ranks_j < rank
-            parts = tl.load(t_rows + ranks_j[None, None, :], mask=in_t & has_j[None, None, :],
-                            other=0.0)  # [BLOCK_M, MAX_CHUNKS, BLOCK_R]
-            tj = tl.sum(parts, axis=1)  # [BLOCK_M, BLOCK_R]
-            bj = tl.load(b_rows + ranks_j[None, :], mask=in_n[:, None] & has_j[None, :],
-                         other=0.0)  # [BLOCK_N, BLOCK_R]
-            acc += tl.sum(tj[:, None, :] * bj[None, :, :], axis=2)
-        scale = tl.load(scales_ptr + slot)
         outs = out_ptr + rows[:, None] * stride_out + cols[None, :]
         mask = in_tile[:, None] & in_n[None, :]
-        # One rounding of base + delta: an output in the model dtype is widened, added to in
-        # fp32 and rounded back, as the torch path's `(out.float() + delta).to(dtype)`.
-        base = tl.load(outs, mask=mask).to(tl.float32)
-        tl.store(outs, (base + acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
+        base = tl.load(outs, mask=mask)
+        tl.store(outs, plus_lora_delta(base, t_ptr, stride_t, stride_t_chunk, num_chunks, b_ptr,
+                                       ranks_ptr, scales_ptr, max_rank, N, slot, rows, in_tile,
+                                       cols, in_n, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS),
+                 mask=mask)
 
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or

@@ -52,6 +52,17 @@ def num_k_chunks(in_features: int, config: ShrinkConfig = DEFAULT_CONFIG) -> int
 
 
 @triton.jit
+def tile_rows(first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows, BLOCK_M: tl.constexpr):
+    """-> (rows [BLOCK_M], in_tile [BLOCK_M]): the rows of the tile that starts at sorted
+    position `first` (those of its slot among the next BLOCK_M), and which lanes hold one."""
+    pos = first + tl.arange(0, BLOCK_M)
+    in_tile = pos < num_rows
+    in_tile = in_tile & (tl.load(sorted_slots_ptr + pos, mask=in_tile, other=0) == slot)
+    rows = tl.load(sorted_rows_ptr + pos, mask=in_tile, other=0)
+    return rows, in_tile
+
+
+@triton.jit
 def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks_ptr, max_rank,
                   block, chunk, first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -59,10 +70,8 @@ def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks
     rank = tl.load(ranks_ptr + slot)
     j0 = block * BLOCK_R
     if j0 < rank:
-        pos = first + tl.arange(0, BLOCK_M)
-        in_tile = pos < num_rows
-        in_tile = in_tile & (tl.load(sorted_slots_ptr + pos, mask=in_tile, other=0) == slot)
-        rows = tl.load(sorted_rows_ptr + pos, mask=in_tile, other=0)
+        rows, in_tile = tile_rows(first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows,
+                                  BLOCK_M)
         ranks_j = j0 + tl.arange(0, BLOCK_R)
         has_j = ranks_j < rank
         x_rows = x_ptr + rows[:, None] * stride_x  # [BLOCK_M, 1]
