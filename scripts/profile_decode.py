@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a decode step's GPU time goes: the kernels of one eager step of lorad's 8B-shaped model
-(random weights, bf16), by total time, at batch 1 on the base model and batch 32 with one adapter
-on every row. Prints a short table per case: kernel name, calls, total and mean microseconds.
+(random weights, bf16), by total time, at batch 1 on the base model, batch 32 with one adapter
+on every row and batch 64 with a distinct adapter per row. Prints a short table per case: kernel name, calls, total and mean microseconds.
 """
 
 from __future__ import annotations
@@ -31,11 +31,13 @@ def main() -> int:
     args = p.parse_args()
     config = ModelConfig.from_dir(args.config)
     blocks_per_seq = -(-600 // BLOCK_SIZE)
-    model = build_lorad(config, 32, blocks_per_seq)
+    model = build_lorad(config, 64, blocks_per_seq)
     with tempfile.TemporaryDirectory() as tmp:
-        load_adapters(model, write_adapter(Path(tmp), config, 16), 1)
-    for name, batch, slot in (("base b1", 1, 0), ("one adapter b32", 32, 1)):
-        steps = list(decode_steps([slot] * batch, 512, blocks_per_seq, 4))
+        load_adapters(model, write_adapter(Path(tmp), config, 16), 64)
+    cases = (("base b1", [0]), ("one adapter b32", [1] * 32),
+             ("64 distinct adapters b64", list(range(1, 65))))
+    for name, slots in cases:
+        steps = list(decode_steps(slots, 512, blocks_per_seq, 4))
         with torch.inference_mode():
             for chunks in steps[:3]:
                 model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, CUDA))

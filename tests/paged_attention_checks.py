@@ -89,14 +89,18 @@ def check_decode_matches_reference(device="cpu", dtype=torch.float32, group=4, s
     q_heads = group * shape.num_kv_heads
     q = randn(gen, len(contexts), q_heads, shape.head_dim, dtype=dtype)
     scale = shape.head_dim ** -0.5
-    out = torch.full((len(contexts), q_heads * shape.head_dim), float("nan"), dtype=dtype,
-                     device=device)
-    paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out,
+    # Three rows past the sequences, as a batch padded to MIN_ROWS has: written with zeros.
+    padded = torch.full((len(contexts) + 3, q_heads * shape.head_dim), float("nan"), dtype=dtype,
+                        device=device)
+    paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=padded,
                            split_size=shape.split_size, tile_size=shape.tile_size)
+    out = padded[:len(contexts)]
     want = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
     assert_close(out, want, tolerance(dtype), f"decode {dtype} group {group}")
     empty = lens == 0
     assert torch.equal(out[empty], torch.zeros_like(out[empty])), "context 0 rows not zero"
+    tail = padded[len(contexts):]
+    assert torch.equal(tail, torch.zeros_like(tail)), "rows past the sequences not zero"
 
 
 def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, group=3,

@@ -57,9 +57,8 @@ def attend_cuda(q: torch.Tensor, cache: PagedKVCache, ctx: CudaAttentionContext,
     if not ctx.is_decode:
         return paged_prefill_attention(q, cache.k, cache.v, ctx.block_tables, ctx.context_lens,
                                        ctx.query_starts, ctx.max_query_len, scale)
-    # Rows past the last sequence pad the batch to MIN_ROWS: zero, as on the CPU path.
-    alloc = torch.empty if num_rows == num_seqs else torch.zeros
-    out = alloc(num_rows, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
-    paged_decode_attention(q[:num_seqs], cache.k, cache.v, ctx.block_tables, ctx.context_lens,
-                           scale, out=out[:num_seqs])
-    return out
+    # Rows past the last sequence pad the batch to MIN_ROWS: the kernel writes them with zeros,
+    # as on the CPU path.
+    out = torch.empty(num_rows, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
+    return paged_decode_attention(q[:num_seqs], cache.k, cache.v, ctx.block_tables,
+                                  ctx.context_lens, scale, out=out)

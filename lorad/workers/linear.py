@@ -22,21 +22,28 @@ def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ..
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(got)}, expected {want}")
 
 
-# Decode steps of up to decode_gemv.MAX_ROWS rows multiply through lorad's GEMV kernel on the
-# kernel path (False: cuBLAS for every step; scripts/bench_engine.py compares the two).
+# Decode steps of up to decode_gemv.MAX_ROWS rows multiply the projections that name a GEMV tile
+# through lorad's GEMV kernel on the kernel path (False: cuBLAS for every step;
+# scripts/bench_engine.py compares the two).
 DECODE_GEMV = True
+# The GEMV's tile (outputs per program) where it beats cuBLAS. Measured on an H200 at the 8B
+# shapes, 1 to 16 rows, weights from HBM (scripts/bench_decode_gemv.py): q/k/v (6144 x 4096)
+# 15.5 us against cuBLAS's 16.0, o (4096 x 4096) 11.9 against 13.3 (cuBLAS splits K there);
+# gate/up and down stay with cuBLAS, which streams them faster (56.8 and 32.2 us against 57.0
+# and 32.9 at best).
+QKV_GEMV_BLOCK_N = 64
+O_GEMV_BLOCK_N = 32
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x weight^T on the kernel path, summed in fp32 and stored as out_dtype (None: x's dtype).
-    A decode step's few rows take the decode GEMV, which streams the weight at close to copy
-    bandwidth with no split of K and gives a row the same bits in any such batch; larger steps
-    take cuBLAS."""
-    if DECODE_GEMV and kernel_path(x.device):
-        from lorad.workers.kernels.decode_gemv import decode_matmul, supports
+def matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+           gemv_block_n: int | None = None) -> torch.Tensor:
+    """x weight^T, summed in fp32 and stored as out_dtype (None: x's dtype). With gemv_block_n,
+    a decode step's few rows on the kernel path take the decode GEMV with that tile (no split
+    of K, and a row gets the same bits in any such batch); everything else takes cuBLAS."""
+    if gemv_block_n is not None and DECODE_GEMV and kernel_path(x.device):
+        from lorad.workers.kernels.decode_gemv import GemvConfig, decode_matmul, supports
         if supports(x, weight, out_dtype):
-            return decode_matmul(x, weight, out_dtype)
+            return decode_matmul(x, weight, out_dtype, GemvConfig(block_n=gemv_block_n))
     if out_dtype is None or out_dtype == x.dtype:
         return F.linear(x, weight)
     return torch.mm(x, weight.t(), out_dtype=out_dtype)
@@ -93,8 +100,12 @@ class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W[:, in_start:in_end]^T: each rank a slice of the inputs."""
 
     def __init__(self, in_features: int, out_features: int, in_range: tuple[int, int],
-                 tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> None:
+                 tp: TensorParallel, dtype: torch.dtype, device: torch.device,
+                 gemv_block_n: int | None = None) -> None:
+        """gemv_block_n: the decode GEMV's tile for this projection (see matmul); None:
+        cuBLAS."""
         super().__init__()
+        self.gemv_block_n = gemv_block_n
         self.in_features = in_features  # the full, unsplit size
         self.out_features = out_features
         self.in_start, self.in_end = in_range
@@ -140,7 +151,8 @@ class RowParallelLinear(nn.Module):
         # (The kernel path on CPU tensors, a test hook, takes this branch too, to check it.)
         if (x.is_cuda or kernel_path(x.device)) and self.tp.world_size == 1 \
                 and x.dtype != torch.float32:
-            out = matmul(x, self.weight)  # [num_rows, out_features], the model dtype
+            # [num_rows, out_features], the model dtype
+            out = matmul(x, self.weight, gemv_block_n=self.gemv_block_n)
             if pending is None:  # no shrink launched: the torch path's delta, if any, is added
                 out = self._plus_delta(out, x, lora_rows, None)
             return out, pending
@@ -160,7 +172,7 @@ class RowParallelLinear(nn.Module):
         if x.dtype == torch.float32:
             return F.linear(x, self.weight)
         if kernel_path(x.device):
-            return matmul(x, self.weight, torch.float32)
+            return matmul(x, self.weight, torch.float32, self.gemv_block_n)
         if x.is_cuda:
             # cuBLAS accumulates in fp32 and can hand the fp32 result back without a rounding.
             return torch.mm(x, self.weight.t(), out_dtype=torch.float32)

@@ -252,9 +252,9 @@ def _rotary_kv_lora_kernel(q_ptr, stride_q, k_ptr, stride_k, v_ptr, stride_v, q_
                                  stride_t, stride_t_chunk, num_chunks, bq_ptr, rq_ptr, sq_ptr,
                                  max_rank_q, NQ, slot, HALF, BLOCK_M, BLOCK_R, MAX_CHUNKS)
             out1, out2 = _rotate(x1, x2, c1, c2, s1, s2)
-            dst = q_out_ptr + rows[:, None] * stride_q_out + head * HEAD_DIM + lo[None, :]
-            tl.store(dst, out1, mask=in_tile[:, None])
-            tl.store(dst + HALF, out2, mask=in_tile[:, None])
+            q_dst = q_out_ptr + rows[:, None] * stride_q_out + head * HEAD_DIM + lo[None, :]
+            tl.store(q_dst, out1, mask=in_tile[:, None])
+            tl.store(q_dst + HALF, out2, mask=in_tile[:, None])
         else:
             kv_head = head - NUM_Q_HEADS
             cache_slot = tl.load(slots_ptr + rows, mask=in_tile, other=-1)

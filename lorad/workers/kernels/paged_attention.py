@@ -84,14 +84,14 @@ def _decode_split_kernel(
     tl.store(part_sum_ptr + part, row_sum, mask=head_ok)
 
 
-@triton.jit(do_not_specialize=["stride_part_seq", "stride_part_head"])
+@triton.jit(do_not_specialize=["stride_part_seq", "stride_part_head", "num_seqs"])
 def _decode_reduce_kernel(
         part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out_ptr,
-        stride_part_seq, stride_part_head, stride_out_seq,
+        stride_part_seq, stride_part_head, stride_out_seq, num_seqs,
         HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0)  # an output row; rows from num_seqs on pad the batch
     head = tl.program_id(1)
-    context_len = tl.load(lens_ptr + seq)
+    context_len = tl.load(lens_ptr + seq, mask=seq < num_seqs, other=0)
     num_splits = tl.cdiv(context_len, SPLIT)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
@@ -108,7 +108,7 @@ def _decode_reduce_kernel(
                                 other=0.0)
         total += weight * tl.load(part_sum_ptr + part + split)
     # total >= 1 when there is any context (the top split's sum counts its max key once); with
-    # none, acc is 0 and so is the row: a padding row reads nothing and writes zeros.
+    # none, acc is 0 and so is the row: a padding sequence or row reads nothing, writes zeros.
     out = acc / tl.maximum(total, 1e-30)
     tl.store(out_ptr + seq.to(tl.int64) * stride_out_seq + head * HEAD_DIM + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_ok)
@@ -120,7 +120,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            tile_size: int = TILE_TOKENS) -> torch.Tensor:
     """q: [num_seqs, q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32
-    -> out [num_seqs, q_heads * head_dim] in q's dtype (zero rows where context_len is 0).
+    -> out [num_seqs, q_heads * head_dim] in q's dtype (zero rows where context_len is 0). A
+    given out may have more rows than there are sequences (a batch padded with rows): those are
+    written with zeros, which saves a fill of the whole output first.
 
     The grid covers max_blocks * block_size tokens per sequence: shapes only, so a CUDA graph
     captured with a block table of max_blocks columns serves any context up to that length."""
@@ -135,9 +137,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert split_size % tile_size == 0, "a split is whole tiles"
     if out is None:
         out = torch.empty(num_seqs, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
-    assert out.shape == (num_seqs, num_q_heads * head_dim) and out.stride(1) == 1
+    assert out.shape[0] >= num_seqs and out.shape[1] == num_q_heads * head_dim
+    assert out.stride(1) == 1
     if num_seqs == 0:
-        return out
+        return out.zero_()
     max_splits = max(1, triton.cdiv(block_tables.shape[1] * block_size, split_size))
     part_acc = torch.empty(num_seqs, num_q_heads, max_splits, head_dim, dtype=torch.float32,
                            device=q.device)
@@ -155,8 +158,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split_size,
         TILE=tile_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, DOT_PRECISION=precision, num_warps=4, num_stages=2)
-    _decode_reduce_kernel[(num_seqs, num_q_heads)](
+    _decode_reduce_kernel[(out.shape[0], num_q_heads)](
         part_acc, part_max, part_sum, context_lens, out,
-        part_max.stride(0), part_max.stride(1), out.stride(0),
+        part_max.stride(0), part_max.stride(1), out.stride(0), num_seqs,
         HEAD_DIM=head_dim, SPLIT=split_size, BLOCK_D=block_d, num_warps=1)
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lorad.config import ModelConfig
@@ -23,7 +24,8 @@ from lorad.workers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kv_cache import PagedKVCache, kv_bytes_per_block
 from lorad.workers.layers import RMSNorm, silu_and_mul
-from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear, matmul
+from lorad.workers.linear import (O_GEMV_BLOCK_N, QKV_GEMV_BLOCK_N, ColumnParallelLinear,
+                                  RowParallelLinear, matmul)
 from lorad.workers.loader import load_adapter_weights, load_random_weights, load_weights
 from lorad.workers.lora import LoraRows, PendingShrink, add_lora_deltas, start_shrink
 from lorad.workers.parallel import TensorParallel
@@ -76,7 +78,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * d, kv_range,
                                            dtype, device, storage=wv)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, hidden, q_range, tp,
-                                        dtype, device)
+                                        dtype, device, gemv_block_n=O_GEMV_BLOCK_N)
         self.kv_cache: PagedKVCache | None = None
 
     def forward(self, x: torch.Tensor, rotary: "RotaryInputs", ctx: AttentionContext,
@@ -95,7 +97,8 @@ class LlamaAttention(nn.Module):
             # One LoRA shrink for q, k and v, beside one matmul for the three; their deltas,
             # rotary and the cache write in one kernel.
             pending = start_shrink(loras, x, lora)
-            q, k, v = matmul(x, self.qkv_weight).split(self.qkv_sizes, dim=1)
+            q, k, v = matmul(x, self.qkv_weight, gemv_block_n=QKV_GEMV_BLOCK_N).split(
+                self.qkv_sizes, dim=1)
             q = rotary_write_kv(q, k, v, rotary.positions, rotary.cos_table, rotary.sin_table,
                                 ctx.slot_mapping, self.kv_cache.k, self.kv_cache.v,
                                 self.num_q_heads, self.head_dim, lora=pending)
@@ -137,7 +140,7 @@ class LlamaMLP(nn.Module):
             # One LoRA shrink for gate and up, beside one matmul for both; their deltas and
             # the activation in one kernel.
             pending = start_shrink(loras, x, lora)
-            gate, up = matmul(x, self.gate_up_weight).chunk(2, dim=1)
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=1)
             return self.down_proj.forward_deferred(silu_and_mul(gate, up, lora=pending), lora)
         gate, up = add_lora_deltas(loras, [self.gate_proj(x), self.up_proj(x)], x, lora)
         return self.down_proj.forward_deferred(silu_and_mul(gate, up), lora)
