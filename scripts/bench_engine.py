@@ -7,8 +7,7 @@ steps at several batch sizes for: the base model with no adapter loaded (`base`)
 adapters loaded but every row on slot 0 (`idle`), one adapter on every row (`one`), rows cycling
 over four adapters (`mixed4`, transformers + peft's mixture below), and a distinct adapter per
 row up to --num-adapters slots (`many`; rank 16 on all seven projections); `one` and `mixed4`
-again with the LoRA shrinks on the main stream (`serial shrink`), `base` again with cuBLAS
-instead of the decode GEMV (`cuBLAS`). Beside
+again with the LoRA shrinks on the main stream (`serial shrink`). Beside
 each figure the floor: the bytes a step must read (weights, the LoRA factors of the slots in the
 batch, every sequence's KV) over the device-to-device copy bandwidth measured in this run. Then
 prefill tokens/s, and transformers + peft `generate` on the same shapes (mixed adapters per row
@@ -41,7 +40,6 @@ from lorad.config.adapters import PARENTS, projection_features  # noqa: E402
 from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from lorad.workers import linear as linear_module  # noqa: E402
 from lorad.workers import lora as lora_module  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
 from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
@@ -63,9 +61,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", type=ints, default=[1, 8, 32, 64, 128])
     p.add_argument("--cases", default="base,idle,one,mixed4,many",
                    help="subset of base,idle,one,mixed4,many")
-    p.add_argument("--cublas-batches", type=ints, default=[1, 8],
-                   help="also time base at these batches with cuBLAS for every matmul "
-                        "(linear.DECODE_GEMV off), graphs captured again; '' skips")
     p.add_argument("--serial-shrink", type=ints, default=[32],
                    help="also time one and mixed4 at these batches with the LoRA shrinks on the "
                         "main stream (lora.SIDE_STREAM off), graphs captured again; '' skips")
@@ -469,15 +464,6 @@ def main() -> int:
         if args.prefill:
             bench_prefill(model, "base", args, flops, Floor(model, bandwidth))
         del graphs
-        if args.cublas_batches:
-            gc.collect()
-            torch.cuda.empty_cache()
-            linear_module.DECODE_GEMV = False
-            graphs = capture(model, args, 0)
-            bench_decode(model, graphs, Floor(model, bandwidth), ["base"], args, blocks_per_seq,
-                         batches=args.cublas_batches, label=" (cuBLAS)")
-            linear_module.DECODE_GEMV = True
-            del graphs
         gc.collect()
         torch.cuda.empty_cache()
     tmp = tempfile.TemporaryDirectory(prefix="bench_engine")
@@ -529,8 +515,7 @@ def main() -> int:
         f"cases: base = no adapter loaded; idle = {args.num_adapters} adapters loaded, rows on "
         f"slot 0; one = adapter 1 on every row; mixed4 = row i on adapter 1 + i % 4; many = row "
         f"i on adapter 1 + i % {args.num_adapters}; (serial shrink) = LoRA shrinks on the main "
-        f"stream instead of a side stream; (cuBLAS) = every matmul through cuBLAS, "
-        f"not the decode GEMV; rank {args.rank} on all 7 projections, fp32 tables",
+        f"stream instead of a side stream; rank {args.rank} on all 7 projections, fp32 tables",
         "floor = (weights + LoRA factors of the batch's slots + KV) bytes / copy bandwidth; "
         "prefill: the larger of that and matmul FLOPs / matmul rate; floor/time uses device ms "
         "where there is one",

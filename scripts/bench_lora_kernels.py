@@ -12,6 +12,7 @@ adapter rows, the shrink's per-chunk partial sums t written and read once. Needs
 triton; prints the conditions with the table.
 
 Usage: scripts/bench_lora_kernels.py [--layers 32] [--batches 1,8,32,64,128] [--sweep]
+       [--programs-per-sm 2,4,16]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import triton  # noqa: E402
 
 from lorad.workers.kernels import lora_expand as expand  # noqa: E402
 from lorad.workers.kernels import lora_shrink as shrink  # noqa: E402
+from lorad.workers.kernels import lora_tiles  # noqa: E402
 from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles  # noqa: E402
 from bench_engine import time_cuda  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
@@ -152,6 +154,9 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8,32,64,128")
     parser.add_argument("--sweep", action="store_true",
                         help="also time other tile configs (graph, exact tiles) at batch 1/32/128")
+    parser.add_argument("--programs-per-sm", default="",
+                        help="also time the default configs with these persistent-grid sizes "
+                             "(lora_tiles.PROGRAMS_PER_SM), e.g. 2,4,16")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_lora_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -173,6 +178,12 @@ def main() -> int:
           "sized for any mixture; GB/s: MB moved / graph us")
     print_table(bench(layers, ranks, scales, batches, shrink.DEFAULT_CONFIG,
                       expand.DEFAULT_CONFIG), args.layers)
+    for per_sm in [int(n) for n in args.programs_per_sm.split(",") if n]:
+        default_per_sm, lora_tiles.PROGRAMS_PER_SM = lora_tiles.PROGRAMS_PER_SM, per_sm
+        print(f"\n# default configs, {per_sm} programs per SM (default {default_per_sm})")
+        print_table(bench(layers, ranks, scales, batches, shrink.DEFAULT_CONFIG,
+                          expand.DEFAULT_CONFIG, eager=False), args.layers)
+        lora_tiles.PROGRAMS_PER_SM = default_per_sm
     if args.sweep:
         sweep_batches = [b for b in (1, 32, 128) if b <= max(batches)]
         for config in SWEEP_SHRINK:

@@ -8,16 +8,11 @@ and the reference those kernels are tested against.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.linear import load_replicated
-
-if TYPE_CHECKING:
-    from lorad.workers.lora import PendingShrink
 
 
 class RMSNorm(nn.Module):
@@ -40,30 +35,25 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(input_dtype)
 
-    def add_and_norm(self, delta: torch.Tensor, residual: torch.Tensor | None,
-                     lora: PendingShrink | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, delta: torch.Tensor,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden, normed): the residual stream with a layer's output added in the model
         dtype (`residual + delta.to(dtype)`, or delta alone when residual is None), and its norm.
         delta: [num_rows, hidden_size], fp32 (a row-parallel sum) or the model dtype. On CUDA
-        the residual is updated in place. lora (kernel path only): the pending shrink of the
-        projection whose output delta is, whose delta the kernel adds as it reads it."""
+        the residual is updated in place."""
         if kernel_path(delta.device):
             from lorad.workers.kernels.fused_ops import add_rms_norm
-            return add_rms_norm(delta, residual, self.weight, self.eps, lora)
-        assert lora is None, "the torch path adds LoRA deltas in the projections"
+            return add_rms_norm(delta, residual, self.weight, self.eps)
         dtype = self.weight.dtype
         hidden = delta.to(dtype) if residual is None else residual + delta.to(dtype)
         return hidden, self(hidden)
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor,
-                 lora: PendingShrink | None = None) -> torch.Tensor:
-    """silu(gate) * up, with silu in fp32 as x / (1 + exp(-x)). lora (kernel path only): the
-    pending shrink of gate/up, whose deltas the kernel adds as it reads them."""
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, with silu in fp32 as x / (1 + exp(-x))."""
     if kernel_path(gate.device):
         from lorad.workers.kernels.fused_ops import silu_and_mul as fused_silu_and_mul
-        return fused_silu_and_mul(gate, up, lora)
-    assert lora is None, "the torch path adds LoRA deltas before silu_and_mul"
+        return fused_silu_and_mul(gate, up)
     # On the CPU, F.silu (fp32) takes a scalar path for a tensor's last few elements that gives
     # other bits than its vector path, so a row's result would depend on the batch's length.
     # exp, add and divide give the same bits on both paths (measured, torch 2.13).

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorad.workers.kernel_path import kernel_path
 from lorad.workers.lora import LoraRows, LoraSlots, PendingShrink, start_shrink
 from lorad.workers.parallel import TensorParallel
 
@@ -20,33 +19,6 @@ from lorad.workers.parallel import TensorParallel
 def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ...]) -> None:
     if tuple(got) != tuple(want):
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(got)}, expected {want}")
-
-
-# Decode steps of up to decode_gemv.MAX_ROWS rows multiply the projections that name a GEMV tile
-# through lorad's GEMV kernel on the kernel path (False: cuBLAS for every step;
-# scripts/bench_engine.py compares the two).
-DECODE_GEMV = True
-# The GEMV's tile (outputs per program) where it beats cuBLAS. Measured on an H200 at the 8B
-# shapes, 1 to 16 rows, weights from HBM (scripts/bench_decode_gemv.py): q/k/v (6144 x 4096)
-# 15.5 us against cuBLAS's 16.0, o (4096 x 4096) 11.9 against 13.3 (cuBLAS splits K there);
-# gate/up and down stay with cuBLAS, which streams them faster (56.8 and 32.2 us against 57.0
-# and 32.9 at best).
-QKV_GEMV_BLOCK_N = 64
-O_GEMV_BLOCK_N = 32
-
-
-def matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-           gemv_block_n: int | None = None) -> torch.Tensor:
-    """x weight^T, summed in fp32 and stored as out_dtype (None: x's dtype). With gemv_block_n,
-    a decode step's few rows on the kernel path take the decode GEMV with that tile (no split
-    of K, and a row gets the same bits in any such batch); everything else takes cuBLAS."""
-    if gemv_block_n is not None and DECODE_GEMV and kernel_path(x.device):
-        from lorad.workers.kernels.decode_gemv import GemvConfig, decode_matmul, supports
-        if supports(x, weight, out_dtype):
-            return decode_matmul(x, weight, out_dtype, GemvConfig(block_n=gemv_block_n))
-    if out_dtype is None or out_dtype == x.dtype:
-        return F.linear(x, weight)
-    return torch.mm(x, weight.t(), out_dtype=out_dtype)
 
 
 def load_replicated(param: nn.Parameter, name: str, tensor_slice) -> None:
@@ -100,12 +72,8 @@ class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W[:, in_start:in_end]^T: each rank a slice of the inputs."""
 
     def __init__(self, in_features: int, out_features: int, in_range: tuple[int, int],
-                 tp: TensorParallel, dtype: torch.dtype, device: torch.device,
-                 gemv_block_n: int | None = None) -> None:
-        """gemv_block_n: the decode GEMV's tile for this projection (see matmul); None:
-        cuBLAS."""
+                 tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.gemv_block_n = gemv_block_n
         self.in_features = in_features  # the full, unsplit size
         self.out_features = out_features
         self.in_start, self.in_end = in_range
@@ -133,32 +101,18 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:
         """x: [num_rows, in_end - in_start] -> [num_rows, out_features]: the sum over ranks, not
         yet rounded to the model dtype (the model's residual add rounds it): fp32, except on
-        CUDA at world size 1, where there is nothing to add across ranks and the matmul rounds
-        its fp32 sum itself (cuBLAS's fp32-output kernels split K and add the parts in another
-        kernel); the LoRA delta is then added as peft adds it, to the rounded base output, with
-        one more rounding."""
-        out, pending = self.forward_deferred(x, lora_rows)
-        return out if pending is None else pending.expand_into([out])[0]
-
-    def forward_deferred(self, x: torch.Tensor, lora_rows: LoraRows | None = None
-                         ) -> tuple[torch.Tensor, PendingShrink | None]:
-        """forward, except that where the output is the matmul's rounded one (world size 1 on
-        CUDA), the LoRA delta is left to whoever reads the output next: -> (output, the pending
-        shrink whose delta it still lacks, or None when it lacks none). The model's residual
-        add + RMSNorm kernel adds it as it reads the output, saving the expand's launch."""
+        CUDA at world size 1, where there is nothing to add across ranks and cuBLAS rounds its
+        fp32 sum itself (its fp32-output kernels split K and add the parts in another kernel);
+        the LoRA delta is then added as peft adds it, to the rounded base output, with one more
+        rounding."""
         # On the kernel path the shrink runs beside the matmul (a side stream); None otherwise.
         pending = None if self.lora is None else start_shrink([self.lora], x, lora_rows)
-        # (The kernel path on CPU tensors, a test hook, takes this branch too, to check it.)
-        if (x.is_cuda or kernel_path(x.device)) and self.tp.world_size == 1 \
-                and x.dtype != torch.float32:
-            # [num_rows, out_features], the model dtype
-            out = matmul(x, self.weight, gemv_block_n=self.gemv_block_n)
-            if pending is None:  # no shrink launched: the torch path's delta, if any, is added
-                out = self._plus_delta(out, x, lora_rows, None)
-            return out, pending
+        if x.is_cuda and self.tp.world_size == 1 and x.dtype != torch.float32:
+            out = F.linear(x, self.weight)  # [num_rows, out_features], the model dtype
+            return self._plus_delta(out, x, lora_rows, pending)
         partial = self._partial_fp32(x)  # [num_rows, out_features] float32
         # The delta in fp32, before the reduce.
-        return self.tp.all_reduce(self._plus_delta(partial, x, lora_rows, pending)), None
+        return self.tp.all_reduce(self._plus_delta(partial, x, lora_rows, pending))
 
     def _plus_delta(self, out: torch.Tensor, x: torch.Tensor, lora_rows: LoraRows | None,
                     pending: PendingShrink | None) -> torch.Tensor:
@@ -171,8 +125,6 @@ class RowParallelLinear(nn.Module):
         # result depend on the world size more than it must.
         if x.dtype == torch.float32:
             return F.linear(x, self.weight)
-        if kernel_path(x.device):
-            return matmul(x, self.weight, torch.float32, self.gemv_block_n)
         if x.is_cuda:
             # cuBLAS accumulates in fp32 and can hand the fp32 result back without a rounding.
             return torch.mm(x, self.weight.t(), out_dtype=torch.float32)

@@ -56,15 +56,11 @@ class LoraRows:
         if use_kernels is None:
             use_kernels = kernel_path(device)
         if use_kernels:
-            num_rows = batch.row_adapter_slots.shape[0]
             if launch_always:
-                max_tiles = max_tiles_all = max_tiles_any_mixture(num_rows)
+                max_tiles = max_tiles_any_mixture(batch.row_adapter_slots.shape[0])
             else:
                 max_tiles = count_tiles(len(rows[slot]) for slot in slots)
-                base_rows = num_rows - sum(len(rows[slot]) for slot in slots)
-                max_tiles_all = max_tiles + count_tiles([base_rows])
-            tiles = LoraTiles.build(batch.row_adapter_slots, max_tiles, max_tiles_all) \
-                if max_tiles else None
+            tiles = LoraTiles.build(batch.row_adapter_slots, max_tiles) if max_tiles else None
             return cls(slots, [], tiles, launch_always)
         if launch_always:
             raise ValueError("launch_always is for the kernel path (CUDA graphs)")
@@ -161,9 +157,8 @@ class LoraSlots(nn.Module):
 @dataclass(frozen=True)
 class PendingShrink:
     """The LoRA shrink of projections that share an input (q/k/v, gate/up, or one), launched
-    before their base matmul: on CUDA on a side stream, so it runs beside the matmul. Whoever
-    reads the projections' outputs next adds the deltas: the expand (`expand_into`), or a fused
-    kernel that adds them as it reads (fused_ops.py), through `table`."""
+    before their base matmul: on CUDA on a side stream, so it runs beside the matmul; the expand
+    (`expand_into`) adds the deltas once the outputs exist."""
 
     loras: tuple[LoraSlots | None, ...]  # one per output; None: no delta for it this step
     t: torch.Tensor  # [num_edited, num_rows, num_k_chunks, width] float32, from lora_shrink
@@ -176,15 +171,6 @@ class PendingShrink:
         if self.side is not None:
             torch.cuda.current_stream().wait_stream(self.side)
 
-    def table(self, output: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (t of this output, B, ranks, scales) for a fused kernel; an output no table edits
-        gets ranks of zeros (and the first table's t and B, never read)."""
-        lora = self.loras[output]
-        if output not in self.edited:
-            first = self.loras[self.edited[0]]
-            return self.t[0], first.lora_b, _zero_ranks(first.rank_table), first.scale_table
-        return self.t[self.edited.index(output)], lora.lora_b, lora.rank_table, lora.scale_table
-
     def expand_into(self, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Add each edited output's delta into it, in place (the expand kernel); -> outs."""
         from lorad.workers.kernels.lora_expand import lora_expand
@@ -194,16 +180,6 @@ class PendingShrink:
                     [lora.rank_table for lora in tables], [lora.scale_table for lora in tables],
                     self.tiles)
         return list(outs)
-
-
-_ZERO_RANKS: dict[tuple, torch.Tensor] = {}
-
-
-def _zero_ranks(like: torch.Tensor) -> torch.Tensor:
-    key = (like.device, like.shape[0])
-    if key not in _ZERO_RANKS:
-        _ZERO_RANKS[key] = torch.zeros_like(like)
-    return _ZERO_RANKS[key]
 
 
 # Shrinks run on a side stream on CUDA, beside the base matmul they do not depend on (False: on
@@ -225,7 +201,7 @@ def start_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor,
                  rows: LoraRows | None) -> PendingShrink | None:
     """Launch the shrink of the projections that share the input x, on the kernel path; None
     when none of them gets a delta this step (or on the torch path, which adds its deltas in
-    add_lora_deltas). The caller finishes with expand_into or a fused kernel."""
+    add_lora_deltas). The caller finishes with expand_into."""
     if rows is None or rows.tiles is None:
         return None
     edited = tuple(i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora))
@@ -240,8 +216,9 @@ def start_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor,
         t = lora_shrink(x, [lora.lora_a for lora in tables],
                         [lora.rank_table for lora in tables], rows.tiles)
     else:
-        # Forked from the current stream (x is ready there); joined in wait(). Memory the shrink
-        # allocates on the side stream is freed only after a later fork, so never reused early.
+        # Forked from the current stream (x is ready there), joined in wait(). t, allocated on
+        # the side stream, can be reused only by a later shrink there, which is forked after
+        # the expand that reads t.
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             t = lora_shrink(x, [lora.lora_a for lora in tables],

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorad.workers.kernels.lora_shrink import MAX_TABLES, tile_rows
+from lorad.workers.kernels.lora_shrink import MAX_TABLES
 from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
 
 
@@ -37,108 +37,79 @@ DEFAULT_CONFIG = ExpandConfig()
 
 
 @triton.jit
-def lora_delta(t_ptr, stride_t, stride_t_chunk, num_chunks, b_ptr, ranks_ptr, scales_ptr,
-               max_rank, N, slot, rows, in_tile, cols, in_n, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MAX_CHUNKS: tl.constexpr):
-    """-> [BLOCK_M, BLOCK_N] fp32: scale * (t[row, :rank] B[slot, cols, :rank]^T) for a tile's
-    rows (all of `slot`), t being the sum of the shrink's chunk partials; all zeros, with nothing
-    read, when the slot does not edit this table (rank 0). Shared by the expand and the fused
-    kernels that add a delta as they read a projection's output (fused_ops.py), so each gets the
-    same arithmetic for a row."""
-    rank = tl.load(ranks_ptr + slot)
-    chunks = tl.arange(0, MAX_CHUNKS)
-    has_c = chunks < num_chunks
-    t_rows = t_ptr + rows[:, None, None] * stride_t + chunks[None, :, None] * stride_t_chunk
-    in_t = in_tile[:, None, None] & has_c[None, :, None]  # [BLOCK_M, MAX_CHUNKS, 1]
-    b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank  # [BLOCK_N, 1]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for j0 in range(0, rank, BLOCK_R):
-        ranks_j = j0 + tl.arange(0, BLOCK_R)
-        has_j = ranks_j < rank
-        parts = tl.load(t_rows + ranks_j[None, None, :], mask=in_t & has_j[None, None, :],
-                        other=0.0)  # [BLOCK_M, MAX_CHUNKS, BLOCK_R]
-        tj = tl.sum(parts, axis=1)  # [BLOCK_M, BLOCK_R]
-        bj = tl.load(b_rows + ranks_j[None, :], mask=in_n[:, None] & has_j[None, :],
-                     other=0.0)  # [BLOCK_N, BLOCK_R]
-        acc += tl.sum(tj[:, None, :] * bj[None, :, :], axis=2)
-    return acc * tl.load(scales_ptr + slot)
-
-
-@triton.jit
-def plus_lora_delta(base, t_ptr, stride_t, stride_t_chunk, num_chunks, b_ptr, ranks_ptr,
-                    scales_ptr, max_rank, N, slot, rows, in_tile, cols, in_n,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                    MAX_CHUNKS: tl.constexpr):
-    """-> base + lora_delta(...) for a tile's [BLOCK_M, BLOCK_N] block of a projection's output,
-    with one rounding of base + delta in fp32 when base is in the model dtype (as the torch
-    path's `(out.float() + delta).to(dtype)`); base itself, bits and all, when the slot does not
-    edit this table."""
-    delta = lora_delta(t_ptr, stride_t, stride_t_chunk, num_chunks, b_ptr, ranks_ptr, scales_ptr,
-                       max_rank, N, slot, rows, in_tile, cols, in_n, BLOCK_M, BLOCK_N, BLOCK_R,
-                       MAX_CHUNKS)
-    edits = tl.load(ranks_ptr + slot) > 0
-    return tl.where(edits, (base.to(tl.float32) + delta).to(base.dtype), base)
-
-
-@triton.jit
 def _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_out, N, b_ptr,
-                  ranks_ptr, scales_ptr, max_rank, block, first, slot, sorted_rows_ptr,
-                  sorted_slots_ptr, num_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  ranks_ptr, scales_ptr, max_rank, block, slot, rows, in_tile,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_R: tl.constexpr, MAX_CHUNKS: tl.constexpr):
     rank = tl.load(ranks_ptr + slot)
     if rank > 0:
-        rows, in_tile = tile_rows(first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows,
-                                  BLOCK_M)
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         in_n = cols < N
+        chunks = tl.arange(0, MAX_CHUNKS)
+        has_c = chunks < num_chunks
+        t_rows = t_ptr + rows[:, None, None] * stride_t + chunks[None, :, None] * stride_t_chunk
+        in_t = in_tile[:, None, None] & has_c[None, :, None]  # [BLOCK_M, MAX_CHUNKS, 1]
+        b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank  # [BLOCK_N, 1]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for j0 in range(0, rank, BLOCK_R):
+            ranks_j = j0 + tl.arange(0, BLOCK_R)
+            has_j = ranks_j < rank
+            parts = tl.load(t_rows + ranks_j[None, None, :], mask=in_t & has_j[None, None, :],
+                            other=0.0)  # [BLOCK_M, MAX_CHUNKS, BLOCK_R]
+            tj = tl.sum(parts, axis=1)  # [BLOCK_M, BLOCK_R]
+            bj = tl.load(b_rows + ranks_j[None, :], mask=in_n[:, None] & has_j[None, :],
+                         other=0.0)  # [BLOCK_N, BLOCK_R]
+            acc += tl.sum(tj[:, None, :] * bj[None, :, :], axis=2)
+        scale = tl.load(scales_ptr + slot)
         outs = out_ptr + rows[:, None] * stride_out + cols[None, :]
         mask = in_tile[:, None] & in_n[None, :]
-        base = tl.load(outs, mask=mask)
-        tl.store(outs, plus_lora_delta(base, t_ptr, stride_t, stride_t_chunk, num_chunks, b_ptr,
-                                       ranks_ptr, scales_ptr, max_rank, N, slot, rows, in_tile,
-                                       cols, in_n, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS),
-                 mask=mask)
+        # One rounding of base + delta: an output in the model dtype is widened, added to in
+        # fp32 and rounded back, as the torch path's `(out.float() + delta).to(dtype)`.
+        base = tl.load(outs, mask=mask).to(tl.float32)
+        tl.store(outs, (base + acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
 # divisible by 16): one binary, so one order of sums, for every batch.
-@triton.jit(do_not_specialize=["stride_t_table", "num_rows"])
+@triton.jit(do_not_specialize=["stride_t_table"])
 def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                    out0_ptr, out1_ptr, out2_ptr, stride_out0, stride_out1, stride_out2,
                    N0, N1, N2, b0_ptr, b1_ptr, b2_ptr,
                    ranks0_ptr, ranks1_ptr, ranks2_ptr, scales0_ptr, scales1_ptr, scales2_ptr,
                    max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
-                   sorted_rows_ptr, sorted_slots_ptr, tile_first_ptr, num_tiles_ptr, num_rows,
-                   NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_R: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+                   tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, NUM_TABLES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   MAX_CHUNKS: tl.constexpr):
     # Work item = (tile, block); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
     num_items = (tl.load(num_tiles_ptr) * num_blocks).to(tl.int32)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         tile = item // num_blocks
         block = item - tile * num_blocks
-        first = tl.load(tile_first_ptr + tile)
-        slot = tl.load(sorted_slots_ptr + first)
+        # The tile's slot and rows, loaded side by side (neither depends on the other).
+        slot = tl.load(tile_slot_ptr + tile)
+        rows = tl.load(tile_rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+        in_tile = rows >= 0
+        rows = tl.maximum(rows, 0)
         if block < blocks_end0:
             _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out0_ptr, stride_out0, N0,
-                          b0_ptr, ranks0_ptr, scales0_ptr, max_rank0, block, first, slot,
-                          sorted_rows_ptr, sorted_slots_ptr, num_rows,
-                          BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS)
+                          b0_ptr, ranks0_ptr, scales0_ptr, max_rank0, block, slot, rows,
+                          in_tile, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS)
         elif NUM_TABLES == 2:
             _expand_block(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks, out1_ptr,
                           stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr, max_rank1,
-                          block - blocks_end0, first, slot, sorted_rows_ptr, sorted_slots_ptr,
-                          num_rows, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS)
+                          block - blocks_end0, slot, rows, in_tile, BLOCK_M, BLOCK_N, BLOCK_R,
+                          MAX_CHUNKS)
         elif NUM_TABLES == 3:
             if block < blocks_end1:
                 _expand_block(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
                               out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr,
-                              max_rank1, block - blocks_end0, first, slot, sorted_rows_ptr,
-                              sorted_slots_ptr, num_rows, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS)
+                              max_rank1, block - blocks_end0, slot, rows, in_tile, BLOCK_M,
+                              BLOCK_N, BLOCK_R, MAX_CHUNKS)
             else:
                 _expand_block(t_ptr + 2 * stride_t_table, stride_t, stride_t_chunk, num_chunks,
                               out2_ptr, stride_out2, N2, b2_ptr, ranks2_ptr, scales2_ptr,
-                              max_rank2, block - blocks_end1, first, slot, sorted_rows_ptr,
-                              sorted_slots_ptr, num_rows, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS)
+                              max_rank2, block - blocks_end1, slot, rows, in_tile, BLOCK_M,
+                              BLOCK_N, BLOCK_R, MAX_CHUNKS)
 
 
 def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequence[torch.Tensor],
@@ -182,7 +153,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         *padded_outs, *(o.stride(0) for o in padded_outs),
         *(b.shape[1] for b in padded_b), *padded_b, *pad(rank_tables), *pad(scale_tables),
         *(b.shape[2] for b in padded_b), blocks_end[1], blocks_end[min(2, num_tables)],
-        num_blocks, tiles.sorted_rows, tiles.sorted_slots, tiles.tile_first, tiles.num_tiles,
-        t.shape[1], NUM_TABLES=num_tables, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
-        BLOCK_R=config.block_r, MAX_CHUNKS=triton.next_power_of_2(t.shape[2]),
+        num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, NUM_TABLES=num_tables,
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_R=config.block_r,
+        MAX_CHUNKS=triton.next_power_of_2(t.shape[2]),
         num_warps=config.num_warps, num_stages=config.num_stages)

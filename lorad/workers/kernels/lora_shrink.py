@@ -52,26 +52,13 @@ def num_k_chunks(in_features: int, config: ShrinkConfig = DEFAULT_CONFIG) -> int
 
 
 @triton.jit
-def tile_rows(first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows, BLOCK_M: tl.constexpr):
-    """-> (rows [BLOCK_M], in_tile [BLOCK_M]): the rows of the tile that starts at sorted
-    position `first` (those of its slot among the next BLOCK_M), and which lanes hold one."""
-    pos = first + tl.arange(0, BLOCK_M)
-    in_tile = pos < num_rows
-    in_tile = in_tile & (tl.load(sorted_slots_ptr + pos, mask=in_tile, other=0) == slot)
-    rows = tl.load(sorted_rows_ptr + pos, mask=in_tile, other=0)
-    return rows, in_tile
-
-
-@triton.jit
 def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks_ptr, max_rank,
-                  block, chunk, first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
+                  block, chunk, slot, rows, in_tile, K,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr):
     rank = tl.load(ranks_ptr + slot)
     j0 = block * BLOCK_R
     if j0 < rank:
-        rows, in_tile = tile_rows(first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows,
-                                  BLOCK_M)
         ranks_j = j0 + tl.arange(0, BLOCK_R)
         has_j = ranks_j < rank
         x_rows = x_ptr + rows[:, None] * stride_x  # [BLOCK_M, 1]
@@ -91,12 +78,12 @@ def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
 # divisible by 16): one binary, so one order of sums, for every batch.
-@triton.jit(do_not_specialize=["stride_t_table", "num_rows"])
+@triton.jit(do_not_specialize=["stride_t_table"])
 def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_chunk,
                    a0_ptr, a1_ptr, a2_ptr, ranks0_ptr, ranks1_ptr, ranks2_ptr,
                    max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
-                   num_chunks, sorted_rows_ptr, sorted_slots_ptr, tile_first_ptr, num_tiles_ptr,
-                   num_rows, K, NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   num_chunks, tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, K,
+                   NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
                    NUM_STAGES: tl.constexpr):
     # Work item = (tile, block, chunk); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
@@ -107,28 +94,30 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
         tile = item // items_per_tile
         block = (item - tile * items_per_tile) // num_chunks
         chunk = item - tile * items_per_tile - block * num_chunks
-        first = tl.load(tile_first_ptr + tile)
-        slot = tl.load(sorted_slots_ptr + first)
+        # The tile's slot and rows, loaded side by side (neither depends on the other).
+        slot = tl.load(tile_slot_ptr + tile)
+        rows = tl.load(tile_rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+        in_tile = rows >= 0
+        rows = tl.maximum(rows, 0)
         if block < blocks_end0:
             _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a0_ptr, ranks0_ptr,
-                          max_rank0, block, chunk, first, slot, sorted_rows_ptr,
-                          sorted_slots_ptr, num_rows, K,
+                          max_rank0, block, chunk, slot, rows, in_tile, K,
                           BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
         elif NUM_TABLES == 2:
             _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, stride_t_chunk,
-                          a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk, first, slot,
-                          sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
+                          a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk, slot, rows,
+                          in_tile, K,
                           BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
         elif NUM_TABLES == 3:
             if block < blocks_end1:
                 _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, stride_t_chunk,
-                              a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk, first,
-                              slot, sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
+                              a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk, slot,
+                              rows, in_tile, K,
                               BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
             else:
                 _shrink_block(x_ptr, stride_x, t_ptr + 2 * stride_t_table, stride_t,
                               stride_t_chunk, a2_ptr, ranks2_ptr, max_rank2, block - blocks_end1,
-                              chunk, first, slot, sorted_rows_ptr, sorted_slots_ptr, num_rows, K,
+                              chunk, slot, rows, in_tile, K,
                               BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
 
 
@@ -168,8 +157,8 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     _shrink_kernel[grid](
         x, x.stride(0), out, out.stride(0), out.stride(1), out.stride(2), *padded, *ranks,
         *(a.shape[1] for a in padded), blocks_end[1], blocks_end[min(2, len(a_tables))],
-        num_blocks, shape[2], tiles.sorted_rows, tiles.sorted_slots, tiles.tile_first,
-        tiles.num_tiles, num_rows, num_in, NUM_TABLES=len(a_tables), BLOCK_M=BLOCK_M,
+        num_blocks, shape[2], tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, num_in,
+        NUM_TABLES=len(a_tables), BLOCK_M=BLOCK_M,
         BLOCK_R=config.block_r, BLOCK_K=config.block_k, K_CHUNK=config.k_chunk,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps)
     return out

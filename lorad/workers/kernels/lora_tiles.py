@@ -1,10 +1,7 @@
 """Row tiles for the LoRA kernels: a step's adapter rows grouped by slot, built on the device.
 
 The rows are sorted by slot (stably; slot-0 rows last) and cut into tiles of at most BLOCK_M rows
-of one slot, so a program reads its slot's factors once for the whole tile. The shrink and expand
-take the tiles of adapter rows, which come first; the fused kernels that add a delta as they read
-a projection's output (fused_ops.py) take every tile, slot-0 rows' included, as they must write
-every row. Plain torch ops with
+of one slot, so a program reads its slot's factors once for the whole tile. Plain torch ops with
 static shapes and no host sync, so building the tiles can be captured in a CUDA graph along with
 the kernels. No triton import: the model builds tiles without touching the kernel modules.
 """
@@ -22,22 +19,21 @@ BLOCK_M = 8  # rows per tile: shrink and expand share the tiles, so they share t
 @dataclass(frozen=True)
 class LoraTiles:
     """Which rows each tile holds. Tile k's rows are sorted_rows[tile_first[k] + i] for the
-    i < BLOCK_M whose sorted_slots entry equals the tile's slot, sorted_slots[tile_first[k]]."""
+    i < BLOCK_M whose sorted_slots entry equals the tile's slot, sorted_slots[tile_first[k]];
+    the kernels read them flattened: tile_slot[k] and the BLOCK_M entries tile_rows[k] (-1 for
+    an empty lane), two loads that do not wait on each other."""
 
-    row_slots: torch.Tensor  # [num_rows] int64: each row's adapter slot, as given
     sorted_rows: torch.Tensor  # [num_rows] int64: row indices by slot, slot-0 rows last
     sorted_slots: torch.Tensor  # [num_rows] int64: the slot of each sorted row
     tile_first: torch.Tensor  # [num_rows] int64: first sorted position of each tile
-    num_tiles: torch.Tensor  # [1] int64: tiles of adapter rows, the first ones
+    num_tiles: torch.Tensor  # [1] int64: tiles of adapter rows; tile_first[num_tiles:] is unused
     max_tiles: int  # a bound on num_tiles known to Python: it sizes the kernels' grids
-    num_tiles_all: torch.Tensor  # [1] int64: tiles of every row; tile_first[num_tiles_all:] unused
-    max_tiles_all: int  # a bound on num_tiles_all known to Python
+    tile_slot: torch.Tensor  # [num_rows] int64: each tile's slot (0 past num_tiles)
+    tile_rows: torch.Tensor  # [num_rows, BLOCK_M] int64: each tile's rows, -1 for empty lanes
 
     @classmethod
-    def build(cls, row_slots: torch.Tensor, max_tiles: int,
-              max_tiles_all: int | None = None) -> "LoraTiles":
-        """row_slots: [num_rows] int64, each row's adapter slot (0: none). max_tiles_all: None
-        for the bound that holds for any mixture."""
+    def build(cls, row_slots: torch.Tensor, max_tiles: int) -> "LoraTiles":
+        """row_slots: [num_rows] int64, each row's adapter slot (0: none)."""
         num_rows = row_slots.shape[0]
         positions = torch.arange(num_rows, device=row_slots.device)
         never = torch.iinfo(torch.int64).max
@@ -47,18 +43,23 @@ class LoraTiles:
         new_slot = torch.cat([torch.ones(1, dtype=torch.bool, device=row_slots.device),
                               sorted_slots[1:] != sorted_slots[:-1]])
         slot_start = torch.cummax(torch.where(new_slot, positions, 0), 0).values
-        starts_tile = (positions - slot_start) % BLOCK_M == 0
+        starts_tile = ((positions - slot_start) % BLOCK_M == 0) & (sorted_slots != 0)
         tiles_so_far = torch.cumsum(starts_tile, 0)  # [num_rows] int64, non-decreasing
         # Tile k starts where the running count first reaches k + 1.
         tile_first = torch.searchsorted(tiles_so_far, positions + 1)
-        # Tensors of their own: a view's address would be aligned for some batch sizes only, and
+        # A tensor of its own: a view's address would be aligned for some batch sizes only, and
         # triton compiles a variant per pointer alignment.
-        num_tiles = torch.cumsum(starts_tile & (sorted_slots != 0), 0)[-1:].clone()
-        num_tiles_all = tiles_so_far[-1:].clone()
-        if max_tiles_all is None:
-            max_tiles_all = max_tiles_any_mixture(num_rows)
-        return cls(row_slots, sorted_rows, sorted_slots, tile_first, num_tiles, max_tiles,
-                   num_tiles_all, max_tiles_all)
+        num_tiles = tiles_so_far[-1:].clone()
+        # Past the last tile, tile_first is num_rows: no slot, no rows.
+        last = max(num_rows - 1, 0)
+        tile_slot = torch.where(tile_first < num_rows, sorted_slots[tile_first.clamp(max=last)], 0)
+        lanes = tile_first[:, None] + torch.arange(BLOCK_M, device=row_slots.device)
+        in_range = lanes < num_rows
+        lanes = lanes.clamp(max=last)
+        in_tile = in_range & (sorted_slots[lanes] == tile_slot[:, None]) & (tile_slot[:, None] != 0)
+        tile_rows = torch.where(in_tile, sorted_rows[lanes], -1)
+        return cls(sorted_rows, sorted_slots, tile_first, num_tiles, max_tiles, tile_slot,
+                   tile_rows)
 
 
 def count_tiles(rows_per_slot: Iterable[int]) -> int:

@@ -24,10 +24,9 @@ from lorad.workers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kv_cache import PagedKVCache, kv_bytes_per_block
 from lorad.workers.layers import RMSNorm, silu_and_mul
-from lorad.workers.linear import (O_GEMV_BLOCK_N, QKV_GEMV_BLOCK_N, ColumnParallelLinear,
-                                  RowParallelLinear, matmul)
+from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear
 from lorad.workers.loader import load_adapter_weights, load_random_weights, load_weights
-from lorad.workers.lora import LoraRows, PendingShrink, add_lora_deltas, start_shrink
+from lorad.workers.lora import LoraRows, add_lora_deltas, start_shrink
 from lorad.workers.parallel import TensorParallel
 from lorad.workers.rotary import RotaryEmbedding, apply_rotary
 
@@ -78,14 +77,13 @@ class LlamaAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * d, kv_range,
                                            dtype, device, storage=wv)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, hidden, q_range, tp,
-                                        dtype, device, gemv_block_n=O_GEMV_BLOCK_N)
+                                        dtype, device)
         self.kv_cache: PagedKVCache | None = None
 
     def forward(self, x: torch.Tensor, rotary: "RotaryInputs", ctx: AttentionContext,
-                lora: LoraRows | None) -> tuple[torch.Tensor, PendingShrink | None]:
-        """x: [num_rows, hidden] -> ([num_rows, hidden], its pending LoRA delta): o_proj's sum
-        over ranks, before its rounding to the model dtype (the residual add does it, and adds
-        the delta; see RowParallelLinear.forward_deferred)."""
+                lora: LoraRows | None) -> torch.Tensor:
+        """x: [num_rows, hidden] -> [num_rows, hidden]: o_proj's sum over ranks, before its
+        rounding to the model dtype (the residual add does it; see RowParallelLinear)."""
         num_rows = x.shape[0]
         projs = (self.q_proj, self.k_proj, self.v_proj)
         loras = [p.lora for p in projs]
@@ -94,16 +92,18 @@ class LlamaAttention(nn.Module):
             # Lazily: the CPU never imports triton.
             from lorad.workers.attention_cuda import attend_cuda
             from lorad.workers.kernels.fused_ops import rotary_write_kv
-            # One LoRA shrink for q, k and v, beside one matmul for the three; their deltas,
-            # rotary and the cache write in one kernel.
+            # One matmul for q, k and v, with one LoRA shrink for the three beside it (a side
+            # stream) and one expand after, in place on column slices of its output; rotary and
+            # the cache write in one kernel.
             pending = start_shrink(loras, x, lora)
-            q, k, v = matmul(x, self.qkv_weight, gemv_block_n=QKV_GEMV_BLOCK_N).split(
-                self.qkv_sizes, dim=1)
+            q, k, v = F.linear(x, self.qkv_weight).split(self.qkv_sizes, dim=1)
+            if pending is not None:
+                q, k, v = pending.expand_into([q, k, v])
             q = rotary_write_kv(q, k, v, rotary.positions, rotary.cos_table, rotary.sin_table,
                                 ctx.slot_mapping, self.kv_cache.k, self.kv_cache.v,
-                                self.num_q_heads, self.head_dim, lora=pending)
+                                self.num_q_heads, self.head_dim)
             attn = attend_cuda(q, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
-            return self.o_proj.forward_deferred(attn, lora)
+            return self.o_proj(attn, lora)
         q, k, v = add_lora_deltas(loras, [p(x) for p in projs], x, lora)
         q = q.view(num_rows, self.num_q_heads, self.head_dim)
         k = k.view(num_rows, self.num_kv_heads, self.head_dim)
@@ -111,7 +111,7 @@ class LlamaAttention(nn.Module):
         q = apply_rotary(q, rotary.cos, rotary.sin)
         k = apply_rotary(k, rotary.cos, rotary.sin)
         attn = paged_attention(q, k, v, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
-        return self.o_proj.forward_deferred(attn, lora)
+        return self.o_proj(attn, lora)
 
 
 class LlamaMLP(nn.Module):
@@ -130,20 +130,19 @@ class LlamaMLP(nn.Module):
                                             storage=w_up)
         self.down_proj = RowParallelLinear(inter, hidden, inter_range, tp, dtype, device)
 
-    def forward(self, x: torch.Tensor,
-                lora: LoraRows | None) -> tuple[torch.Tensor, PendingShrink | None]:
-        """x: [num_rows, hidden] -> ([num_rows, hidden], its pending LoRA delta): down_proj's
-        sum over ranks, before its rounding to the model dtype (the residual add does it, and
-        adds the delta; see RowParallelLinear.forward_deferred)."""
+    def forward(self, x: torch.Tensor, lora: LoraRows | None) -> torch.Tensor:
+        """x: [num_rows, hidden] -> [num_rows, hidden]: down_proj's sum over ranks, before its
+        rounding to the model dtype (the residual add does it; see RowParallelLinear)."""
         loras = [self.gate_proj.lora, self.up_proj.lora]
         if kernel_path(x.device):
-            # One LoRA shrink for gate and up, beside one matmul for both; their deltas and
-            # the activation in one kernel.
+            # One matmul for both, with one LoRA shrink beside it (a side stream).
             pending = start_shrink(loras, x, lora)
             gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=1)
-            return self.down_proj.forward_deferred(silu_and_mul(gate, up, lora=pending), lora)
-        gate, up = add_lora_deltas(loras, [self.gate_proj(x), self.up_proj(x)], x, lora)
-        return self.down_proj.forward_deferred(silu_and_mul(gate, up), lora)
+            if pending is not None:
+                gate, up = pending.expand_into([gate, up])
+        else:
+            gate, up = add_lora_deltas(loras, [self.gate_proj(x), self.up_proj(x)], x, lora)
+        return self.down_proj(silu_and_mul(gate, up), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -156,18 +155,16 @@ class LlamaDecoderLayer(nn.Module):
                                                 device)
         self.mlp = LlamaMLP(config, tp, dtype, device)
 
-    def forward(self, hidden: torch.Tensor | None, delta: torch.Tensor,
-                delta_lora: PendingShrink | None, rotary: "RotaryInputs", ctx: AttentionContext,
-                lora: LoraRows | None
-                ) -> tuple[torch.Tensor, torch.Tensor, PendingShrink | None]:
-        """(residual stream, what the previous layer adds to it, that addition's pending LoRA
-        delta) -> the same after this layer. hidden is None before the first layer, whose delta
-        is the embedding. The residual adds stay in the model dtype, as in transformers; each is
-        fused with the norm after it, which also adds a pending delta."""
-        hidden, x = self.input_layernorm.add_and_norm(delta, hidden, delta_lora)
-        attn, attn_lora = self.self_attn(x, rotary, ctx, lora)
-        hidden, x = self.post_attention_layernorm.add_and_norm(attn, hidden, attn_lora)
-        return (hidden, *self.mlp(x, lora))
+    def forward(self, hidden: torch.Tensor | None, delta: torch.Tensor, rotary: "RotaryInputs",
+                ctx: AttentionContext,
+                lora: LoraRows | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, what the previous layer adds to it) -> the same after this layer.
+        hidden is None before the first layer, whose delta is the embedding. The residual adds
+        stay in the model dtype, as in transformers; each is fused with the norm after it."""
+        hidden, x = self.input_layernorm.add_and_norm(delta, hidden)
+        attn = self.self_attn(x, rotary, ctx, lora)
+        hidden, x = self.post_attention_layernorm.add_and_norm(attn, hidden)
+        return hidden, self.mlp(x, lora)
 
 
 class LlamaModel(nn.Module):
@@ -256,16 +253,15 @@ class LlamaForCausalLM(nn.Module):
         assert self.block_size is not None, "allocate_kv_cache() before forward()"
         ctx = AttentionContext.build(batch, self.block_size)
         rotary = RotaryInputs.build(self.model.rotary_emb, batch.positions)
-        hidden = delta_lora = None
+        hidden = None
         delta = self.model.embed_tokens(batch.input_ids)  # [num_rows, hidden]
         lora = LoraRows.from_batch(batch, launch_always=lora_launch_always)
         for layer in self.model.layers:
-            hidden, delta, delta_lora = layer(hidden, delta, delta_lora, rotary, ctx,
-                                              lora if lora.any_delta else None)
+            hidden, delta = layer(hidden, delta, rotary, ctx, lora if lora.any_delta else None)
         if kernel_path(delta.device):
-            # The last residual add (and the last down_proj's LoRA delta) fused with the final
-            # norm, on every row (as cheap as picking the rows first, and one kernel).
-            _, normed = self.model.norm.add_and_norm(delta, hidden, delta_lora)
+            # The last residual add fused with the final norm, on every row (as cheap as
+            # picking the rows first, and one kernel).
+            _, normed = self.model.norm.add_and_norm(delta, hidden)
             normed = normed[batch.sample_rows]  # [num_sampled, hidden]
         else:
             rows = batch.sample_rows
