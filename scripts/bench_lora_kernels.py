@@ -12,7 +12,7 @@ adapter rows, the shrink's per-chunk partial sums t written and read once. Needs
 triton; prints the conditions with the table.
 
 Usage: scripts/bench_lora_kernels.py [--layers 32] [--batches 1,8,32,64,128] [--sweep]
-       [--programs-per-sm 2,4,16]
+       [--programs-per-sm 4,8,32]
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def main() -> int:
                         help="also time other tile configs (graph, exact tiles) at batch 1/32/128")
     parser.add_argument("--programs-per-sm", default="",
                         help="also time the default configs with these persistent-grid sizes "
-                             "(lora_tiles.PROGRAMS_PER_SM), e.g. 2,4,16")
+                             "(lora_tiles.PROGRAMS_PER_SM), e.g. 4,8,32")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_lora_kernels: needs a CUDA GPU", file=sys.stderr)
