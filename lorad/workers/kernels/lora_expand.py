@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorad.workers.kernels.lora_shrink import MAX_TABLES
+from lorad.workers.kernels.lora_shrink import MAX_TABLES, load_tile
 from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
 
 
@@ -85,11 +85,7 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         tile = item // num_blocks
         block = item - tile * num_blocks
-        # The tile's slot and rows, loaded side by side (neither depends on the other).
-        slot = tl.load(tile_slot_ptr + tile)
-        rows = tl.load(tile_rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-        in_tile = rows >= 0
-        rows = tl.maximum(rows, 0)
+        slot, rows, in_tile = load_tile(tile_slot_ptr, tile_rows_ptr, tile, BLOCK_M)
         if block < blocks_end0:
             _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out0_ptr, stride_out0, N0,
                           b0_ptr, ranks0_ptr, scales0_ptr, max_rank0, block, slot, rows,

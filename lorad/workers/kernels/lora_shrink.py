@@ -52,6 +52,17 @@ def num_k_chunks(in_features: int, config: ShrinkConfig = DEFAULT_CONFIG) -> int
 
 
 @triton.jit
+def load_tile(tile_slot_ptr, tile_rows_ptr, tile, BLOCK_M: tl.constexpr):
+    """-> (slot, rows [BLOCK_M], in_tile [BLOCK_M]) of row tile `tile` (LoraTiles.tile_slot and
+    tile_rows), loaded side by side: neither load waits on the other. Empty lanes get row 0,
+    masked by in_tile."""
+    slot = tl.load(tile_slot_ptr + tile)
+    rows = tl.load(tile_rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    in_tile = rows >= 0
+    return slot, tl.maximum(rows, 0), in_tile
+
+
+@triton.jit
 def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks_ptr, max_rank,
                   block, chunk, slot, rows, in_tile, K,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -94,11 +105,7 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
         tile = item // items_per_tile
         block = (item - tile * items_per_tile) // num_chunks
         chunk = item - tile * items_per_tile - block * num_chunks
-        # The tile's slot and rows, loaded side by side (neither depends on the other).
-        slot = tl.load(tile_slot_ptr + tile)
-        rows = tl.load(tile_rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-        in_tile = rows >= 0
-        rows = tl.maximum(rows, 0)
+        slot, rows, in_tile = load_tile(tile_slot_ptr, tile_rows_ptr, tile, BLOCK_M)
         if block < blocks_end0:
             _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a0_ptr, ranks0_ptr,
                           max_rank0, block, chunk, slot, rows, in_tile, K,
