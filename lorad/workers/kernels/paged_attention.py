@@ -24,6 +24,35 @@ SPLIT_SIZE = 128
 TILE_TOKENS = 64  # keys per step inside a split
 
 
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, pos_ok, kv_head, dims, dim_ok,
+                 stride_k_block, stride_k_token, stride_k_head, stride_v_block, stride_v_token,
+                 stride_v_head, BLOCK_SIZE: tl.constexpr):
+    """-> (k, v) [TILE, BLOCK_D]: one KV head's keys and values at context positions pos, read
+    through the sequence's block table (zeros where not pos_ok); shared with the prefill
+    kernel."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    kv_ok = pos_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + block[:, None] * stride_k_block + offset[:, None] * stride_k_token
+                + kv_head * stride_k_head + dims[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(v_cache_ptr + block[:, None] * stride_v_block + offset[:, None] * stride_v_token
+                + kv_head * stride_v_head + dims[None, :], mask=kv_ok, other=0.0)
+    return k, v
+
+
+@triton.jit
+def online_softmax_step(scores, v, row_max, row_sum, acc, DOT_PRECISION: tl.constexpr):
+    """One tile of keys into the fp32 online softmax: -> (row_max, row_sum, acc) updated with
+    scores [rows, TILE] (-inf where masked; each row's max must stay finite) and v [TILE, D]."""
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    correction = tl.exp(row_max - new_max)
+    probs = tl.exp(scores - new_max[:, None])
+    row_sum = row_sum * correction + tl.sum(probs, axis=1)
+    acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return new_max, row_sum, acc
+
+
 @triton.jit(do_not_specialize=["stride_table", "stride_part_seq", "stride_part_head"])
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr,
@@ -58,24 +87,15 @@ def _decode_split_kernel(
     for tile_start in range(split_start, split_end, TILE):
         pos = tile_start + tl.arange(0, TILE)
         pos_ok = pos < split_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        kv_ok = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_k_block + offset[:, None] * stride_k_token
-                    + kv_head * stride_k_head + dims[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_v_block + offset[:, None] * stride_v_token
-                    + kv_head * stride_v_head + dims[None, :], mask=kv_ok, other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, pos_ok, kv_head, dims, dim_ok,
+                            stride_k_block, stride_k_token, stride_k_head, stride_v_block,
+                            stride_v_token, stride_v_head, BLOCK_SIZE)
         # Scaled after the product, as transformers does. [BLOCK_H, TILE]
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         scores = tl.where(pos_ok[None, :], scores, float("-inf"))
-        # A split's first tile always holds a real key, so new_max is finite from then on.
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        correction = tl.exp(row_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        row_sum = row_sum * correction + tl.sum(probs, axis=1)
-        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v,
-                                                 input_precision=DOT_PRECISION)
-        row_max = new_max
+        # A split's first tile always holds a real key, so the new max is finite from then on.
+        row_max, row_sum, acc = online_softmax_step(scores, v, row_max, row_sum, acc,
+                                                    DOT_PRECISION)
 
     part = seq.to(tl.int64) * stride_part_seq + q_heads * stride_part_head + split  # [BLOCK_H]
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,

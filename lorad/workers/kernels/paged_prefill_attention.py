@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.paged_attention import load_kv_tile, online_softmax_step
+
 ROWS_PER_TILE = 64  # query tokens x query heads of one KV head per program
 TILE_TOKENS = 64  # keys per step
 
@@ -58,23 +60,14 @@ def _prefill_kernel(
     for tile_start in range(0, keys_end, TILE):
         pos = tile_start + tl.arange(0, TILE)
         pos_ok = pos < keys_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        kv_ok = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_k_block + offset[:, None] * stride_k_token
-                    + kv_head * stride_k_head + dims[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_v_block + offset[:, None] * stride_v_token
-                    + kv_head * stride_v_head + dims[None, :], mask=kv_ok, other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, pos_ok, kv_head, dims, dim_ok,
+                            stride_k_block, stride_k_token, stride_k_head, stride_v_block,
+                            stride_v_token, stride_v_head, BLOCK_SIZE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         scores = tl.where(pos[None, :] <= query_pos[:, None], scores, float("-inf"))
-        # Key 0 is in the first tile and every row may see it, so new_max is finite throughout.
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        correction = tl.exp(row_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        row_sum = row_sum * correction + tl.sum(probs, axis=1)
-        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v,
-                                                 input_precision=DOT_PRECISION)
-        row_max = new_max
+        # Key 0 is in the first tile and every row may see it, so the max is finite throughout.
+        row_max, row_sum, acc = online_softmax_step(scores, v, row_max, row_sum, acc,
+                                                    DOT_PRECISION)
 
     out = acc / row_sum[:, None]
     tl.store(out_ptr + token_row[:, None] * stride_out_token + head[:, None] * HEAD_DIM
