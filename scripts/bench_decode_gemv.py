@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Decode GEMV micro-benchmark: decode_matmul against cuBLAS (F.linear) at Llama-3-8B's projection
-shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336; bf16), batches 1, 4, 16,
-over a sweep of tile configs, with the bandwidth achieved against the weight bytes.
+shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336; bf16), batches 1, 4, 16
+and 32, over a sweep of tile configs, with the bandwidth achieved against the weight bytes.
 
-    python scripts/bench_decode_gemv.py [--batches 1,4,16] [--tp 1] [--budget-s 40]
+    python scripts/bench_decode_gemv.py [--batches 1,4,16,32] [--tp 1] [--budget-s 40]
 
 Each time is one launch of a CUDA graph of back-to-back launches, as a decode step runs them,
 so launch overhead stays out; the launches cycle over copies of the weight that hold well past
@@ -187,7 +187,7 @@ def main() -> int:
         return [int(part) for part in text.split(",")]
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=ints, default=[1, 4, 16])
+    parser.add_argument("--batches", type=ints, default=[1, 4, 16, 32])
     parser.add_argument("--tp", type=int, default=1,
                         help="time one rank's shard: N split for qkv/gate_up, K for o/down")
     parser.add_argument("--budget-s", type=float, default=40.0,

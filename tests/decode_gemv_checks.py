@@ -24,7 +24,7 @@ CPU_SHAPES = {"n40_k64": (40, 64), "n100_k192": (100, 192), "n48_k256": (48, 256
               "n70_k100": (70, 100)}
 GPU_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
               "down": (4096, 14336)}
-CPU_BATCHES = (1, 3, 16)
+CPU_BATCHES = (1, 3, 16, 32)
 OUT_DTYPES = {"model": None, "fp32": torch.float32}
 
 
@@ -102,9 +102,9 @@ def check_matches_reference(device: str, dtype: torch.dtype = torch.bfloat16, ou
 
 def check_rows_independent_of_batch(device: str, dtype: torch.dtype = torch.bfloat16,
                                     out: str = "model", shapes: dict | None = None,
-                                    batches: tuple[int, ...] = (1, 5, 16),
+                                    batches: tuple[int, ...] = (1, 5, 16, 32),
                                     tile: str = "small") -> None:
-    """A row's bits alone equal its bits among 5 or 16 rows, whatever the other rows hold, and
+    """A row's bits alone equal its bits among 5, 16 or 32 rows, whatever the other rows hold, and
     rows past the batch in x's buffer (NaN here) are never read."""
     from lorad.workers.kernels.decode_gemv import MAX_ROWS, decode_matmul
     gen = torch.Generator(device).manual_seed(5)
@@ -200,7 +200,7 @@ CHECKS = {
     "matches_reference_fp32": (check_matches_reference, dict(dtype=torch.float32)),
     "matches_reference_default_tile": (check_matches_reference,
                                        dict(dtype=torch.bfloat16, tile="default",
-                                            batches=(1, 16))),
+                                            batches=(1, 32))),
     "rows_independent_of_batch_bf16": (check_rows_independent_of_batch,
                                        dict(dtype=torch.bfloat16)),
     "rows_independent_of_batch_fp32_out": (check_rows_independent_of_batch,

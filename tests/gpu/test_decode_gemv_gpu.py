@@ -1,5 +1,5 @@
 """The decode GEMV on CUDA at Llama-3-8B's projection shapes (qkv 6144x4096, o 4096x4096, gate_up
-28672x4096, down 4096x14336; batches 1, 2, 8, 16) with the default tile: against a float64
+28672x4096, down 4096x14336; batches 1, 2, 8, 16, 32) with the default tile: against a float64
 reference (bit-exact on integer and one-hot inputs), bf16 out and fp32 out, a row's bits the same
 in every batch, weight views, and a CUDA graph replaying the eager bits. The checks are
 tests/decode_gemv_checks.py's, which the CPU interpreter runs on tiny shapes.
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                  reason="triton is not installed (the `gpu` extra)")]
 
-BATCHES = (1, 2, 8, 16)
+BATCHES = (1, 2, 8, 16, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

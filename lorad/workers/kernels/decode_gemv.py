@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # the x tile's rows: the smallest M of a tensor-core MMA tile
+# The x tile's rows: a decode step of up to 32 sequences in one tile (a multiple of the MMA's 16).
+MAX_ROWS = 32
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
