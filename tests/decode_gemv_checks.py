@@ -217,7 +217,7 @@ def check_refusals(device: str) -> None:
         raise AssertionError(f"GemvConfig took {fields}")
 
 
-def _lora_case(shape: LoraShape, gen: torch.Generator, device: str):
+def make_lora_case(shape: LoraShape, gen: torch.Generator, device: str):
     """-> (factor tables from lora_kernel_checks.make_tables, NaN beyond each slot's rank; the
     GemvLoraTables over them)."""
     from lorad.workers.kernels.decode_gemv import GemvLoraTable
@@ -228,7 +228,7 @@ def _lora_case(shape: LoraShape, gen: torch.Generator, device: str):
                          zip(tables.b, tables.ranks, tables.scales, shape.tables))
 
 
-def _shrink(x: torch.Tensor, tables, row_slots: torch.Tensor, tile: str):
+def run_shrink(x: torch.Tensor, tables, row_slots: torch.Tensor, tile: str):
     """-> (t from lora_shrink, NaN where it writes nothing; the tiles), K chunks of 64 on the
     interpreter's tile (so tiny K makes several), the default's 512 otherwise."""
     from lorad.workers.kernels.lora_shrink import DEFAULT_CONFIG, ShrinkConfig, lora_shrink
@@ -254,7 +254,7 @@ def check_lora_matches_expand(device: str, dtype: torch.dtype = torch.bfloat16,
     gen = torch.Generator().manual_seed(11)
     out_dtype, config = OUT_DTYPES[out], _config(tile)
     for shape_name, shape in (shapes or LORA_CPU_SHAPES).items():
-        tables, lora_tables = _lora_case(shape, gen, device)
+        tables, lora_tables = make_lora_case(shape, gen, device)
         x_all, w = _inputs(torch.Generator(device).manual_seed(12), max(batches), shape.n,
                            shape.k, dtype, device)
         for num_rows in batches:
@@ -269,7 +269,7 @@ def check_lora_matches_expand(device: str, dtype: torch.dtype = torch.bfloat16,
             x_buffer = torch.full_like(x_all, float("nan"))
             x_buffer[:num_rows] = x_all[:num_rows]
             x = x_buffer[:num_rows]
-            t, tiles = _shrink(x, tables, slot_buffer[:num_rows], tile)
+            t, tiles = run_shrink(x, tables, slot_buffer[:num_rows], tile)
             base = decode_matmul(x, w, out_dtype, config)
             want = base.clone()
             lora_expand(t, [want[:, s:e] for s, e, _ in shape.tables], tables.b, tables.ranks,
@@ -298,11 +298,11 @@ def check_lora_rows_independent(device: str, dtype: torch.dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(13)
     out_dtype, config = OUT_DTYPES[out], _config(tile)
     for shape_name, shape in (shapes or LORA_CPU_SHAPES).items():
-        tables, lora_tables = _lora_case(shape, gen, device)
+        tables, lora_tables = make_lora_case(shape, gen, device)
         x, w = _inputs(torch.Generator(device).manual_seed(14), MAX_ROWS, shape.n, shape.k,
                        dtype, device)
         slots = mixed_slots(MAX_ROWS, shape.num_slots, gen).to(device)
-        t, _ = _shrink(x, tables, slots, tile)
+        t, _ = run_shrink(x, tables, slots, tile)
         full = decode_matmul(x, w, out_dtype, config, GemvLora(t, slots, lora_tables))
         for num_rows in batches:
             got = decode_matmul(x[:num_rows], w, out_dtype, config,
@@ -334,11 +334,11 @@ def check_lora_refusals(device: str) -> None:
     from lorad.workers.kernels.decode_gemv import GemvLora, decode_matmul
     gen = torch.Generator().manual_seed(15)
     shape = LORA_CPU_SHAPES["qkv"]
-    tables, lora_tables = _lora_case(shape, gen, device)
+    tables, lora_tables = make_lora_case(shape, gen, device)
     x, w = _inputs(torch.Generator(device).manual_seed(16), 3, shape.n, shape.k,
                    torch.bfloat16, device)
     slots = torch.tensor([1, 0, 5], device=device)
-    t, _ = _shrink(x, tables, slots, "lora")
+    t, _ = run_shrink(x, tables, slots, "lora")
     first, *rest = lora_tables
     bad = {"a boundary off block_n": (GemvLora(t, slots, (replace(first, n_end=24, b=first.b[
                :, :24].contiguous()),) + tuple(rest)), "multiple of block_n"),
@@ -384,6 +384,9 @@ CHECKS = {
     "lora_rows_independent_bf16": (check_lora_rows_independent, dict(dtype=torch.bfloat16)),
     "lora_rows_independent_fp32_out": (check_lora_rows_independent,
                                        dict(dtype=torch.bfloat16, out="fp32")),
+    "lora_matches_expand_default_tile": (check_lora_matches_expand, dict(
+        shapes={"pair": LoraShape(96, 300, ((0, 64, 16), (64, 96, 16)), 9)}, batches=(1, 32),
+        tile="default")),
     "lora_refusals": (check_lora_refusals, dict()),
 }
 

@@ -156,7 +156,7 @@ def _lora_epilogue(acc, rows, cols, num_rows, row_slots_ptr, t_ptr, stride_t_row
     # Each row's own slot's rows of B: one adapter on every row reads the same lines (L1/L2).
     b_rows = b_ptr + (slots[:, None] * (n_end - n_start) + (cols - n_start)[None, :]) * max_rank
     in_b = edited[:, None] & (cols < n_end)[None, :]  # [BLOCK_M, BLOCK_N]
-    delta = tl.zeros(acc.shape, dtype=tl.float32)
+    delta = tl.zeros_like(acc)
     for j0 in range(0, tl.max(ranks, axis=0), BLOCK_R):
         js = j0 + tl.arange(0, BLOCK_R)
         has_j = js[None, :] < ranks[:, None]  # [BLOCK_M, BLOCK_R]: each row's own rank
