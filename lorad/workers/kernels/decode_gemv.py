@@ -100,6 +100,24 @@ def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
     w_rows = tl.minimum(cols, N - 1).to(tl.int64)
     x_ptrs = x_ptr + rows[:, None] * K + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + w_rows[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    # Table boundaries are multiples of BLOCK_N (or N): a program's outputs lie in one table or
+    # in none, picked with scalar compares; tables never overlap. Each row's slot, rank and
+    # scale are loaded before the K loop, which hides their latency.
+    if NUM_TABLES >= 1:
+        slots = tl.load(row_slots_ptr + rows, mask=rows < num_rows, other=0)  # [BLOCK_M] int64
+        ranks = tl.zeros([BLOCK_M], dtype=tl.int32)
+        scales = tl.zeros([BLOCK_M], dtype=tl.float32)
+        in0 = (n0 >= n_start0) & (n0 < n_end0)
+        if in0:
+            ranks, scales = _row_ranks(ranks0_ptr, scales0_ptr, slots)
+    if NUM_TABLES >= 2:
+        in1 = (n0 >= n_start1) & (n0 < n_end1)
+        if in1:
+            ranks, scales = _row_ranks(ranks1_ptr, scales1_ptr, slots)
+    if NUM_TABLES >= 3:
+        in2 = (n0 >= n_start2) & (n0 < n_end2)
+        if in2:
+            ranks, scales = _row_ranks(ranks2_ptr, scales2_ptr, slots)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
@@ -114,42 +132,41 @@ def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out = acc.to(out_ptr.dtype.element_ty)
-    # Table boundaries are multiples of BLOCK_N (or N): a program's outputs lie in one table or
-    # in none, picked here with scalar compares; tables never overlap, so one branch runs.
     if NUM_TABLES >= 1:
-        if (n0 >= n_start0) & (n0 < n_end0):
-            out = _lora_epilogue(acc, rows, cols, num_rows, row_slots_ptr, t_ptr, stride_t_row,
-                                 stride_t_chunk, num_chunks, b0_ptr, ranks0_ptr, scales0_ptr,
-                                 n_start0, n_end0, max_rank0, out_ptr.dtype.element_ty,
-                                 MAX_CHUNKS, BLOCK_R)
-    if NUM_TABLES >= 2:
-        if (n0 >= n_start1) & (n0 < n_end1):
-            out = _lora_epilogue(acc, rows, cols, num_rows, row_slots_ptr, t_ptr + stride_t_table,
-                                 stride_t_row, stride_t_chunk, num_chunks, b1_ptr, ranks1_ptr,
-                                 scales1_ptr, n_start1, n_end1, max_rank1,
+        if in0:
+            out = _lora_epilogue(acc, rows, cols, slots, ranks, scales, t_ptr, stride_t_row,
+                                 stride_t_chunk, num_chunks, b0_ptr, n_start0, n_end0, max_rank0,
                                  out_ptr.dtype.element_ty, MAX_CHUNKS, BLOCK_R)
+    if NUM_TABLES >= 2:
+        if in1:
+            out = _lora_epilogue(acc, rows, cols, slots, ranks, scales, t_ptr + stride_t_table,
+                                 stride_t_row, stride_t_chunk, num_chunks, b1_ptr, n_start1,
+                                 n_end1, max_rank1, out_ptr.dtype.element_ty, MAX_CHUNKS, BLOCK_R)
     if NUM_TABLES >= 3:
-        if (n0 >= n_start2) & (n0 < n_end2):
-            out = _lora_epilogue(acc, rows, cols, num_rows, row_slots_ptr,
+        if in2:
+            out = _lora_epilogue(acc, rows, cols, slots, ranks, scales,
                                  t_ptr + 2 * stride_t_table, stride_t_row, stride_t_chunk,
-                                 num_chunks, b2_ptr, ranks2_ptr, scales2_ptr, n_start2, n_end2,
-                                 max_rank2, out_ptr.dtype.element_ty, MAX_CHUNKS, BLOCK_R)
+                                 num_chunks, b2_ptr, n_start2, n_end2, max_rank2,
+                                 out_ptr.dtype.element_ty, MAX_CHUNKS, BLOCK_R)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], out, mask=in_rows & (cols[None, :] < N))
 
 
 @triton.jit
-def _lora_epilogue(acc, rows, cols, num_rows, row_slots_ptr, t_ptr, stride_t_row, stride_t_chunk,
-                   num_chunks, b_ptr, ranks_ptr, scales_ptr, n_start, n_end, max_rank,
+def _row_ranks(ranks_ptr, scales_ptr, slots):
+    """-> each row's rank and scale in one table; rank 0 for slot 0 (rows past the batch have
+    slot 0): such rows read no t and no B."""
+    ranks = tl.load(ranks_ptr + slots, mask=slots != 0, other=0)
+    return ranks, tl.load(scales_ptr + slots, mask=ranks > 0, other=0.0)
+
+
+@triton.jit
+def _lora_epilogue(acc, rows, cols, slots, ranks, scales, t_ptr, stride_t_row, stride_t_chunk,
+                   num_chunks, b_ptr, n_start, n_end, max_rank,
                    OUT_TY: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr):
     """-> acc rounded to OUT_TY, with scale * (sum_c t[row, c, :rank]) B[slot, cols, :rank]^T added
     in fp32 to the rounded value for each row its slot edits (rank > 0): lora_expand's one
     rounding of base + delta. Other rows get acc's bits as without LoRA."""
-    in_batch = rows < num_rows
-    slots = tl.load(row_slots_ptr + rows, mask=in_batch, other=0)  # [BLOCK_M] int64
-    # Rows past the batch and slot-0 rows get rank 0: they read no t and no B.
-    ranks = tl.load(ranks_ptr + slots, mask=in_batch & (slots != 0), other=0)
     edited = ranks > 0
-    scales = tl.load(scales_ptr + slots, mask=edited, other=0.0)
     chunks = tl.arange(0, MAX_CHUNKS)
     t_rows = t_ptr + rows[:, None, None] * stride_t_row + chunks[None, :, None] * stride_t_chunk
     in_t = edited[:, None, None] & (chunks < num_chunks)[None, :, None]  # [BLOCK_M, MAX_CHUNKS, 1]
