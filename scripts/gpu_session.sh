@@ -8,10 +8,12 @@
 # Installs only the carried wheel (into /tmp/site); everything else is the image's (torch,
 # triton, transformers, peft...), and lorad is used from the checkout through PYTHONPATH.
 # Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, bench-gemv.log,
-# profile.log, bench.log, bench.md). Budget, under 10 minutes in all: tests 240 s, each kernel
-# benchmark 40 s (the GEMV sweep 75 s; LORAD_SESSION_GEMV=0 skips it), the decode profile 90 s
+# bench-gemv-lora.log, bench-norm-shrink.log, profile.log, bench.log, bench.md). Budget, under
+# 10 minutes in all: tests 240 s, each kernel benchmark 40 s (the GEMV sweep 75 s; LORAD_SESSION_GEMV=0 skips it; the fused-LoRA kernels'
+# benchmarks 120 s, LORAD_SESSION_FUSED=0 skips them), the decode profile 90 s
 # (LORAD_SESSION_PROFILE=0 skips it), the engine 210 s.
-# Set LORAD_SESSION_QUICK=1 for a shorter engine benchmark (--quick).
+# Set LORAD_SESSION_QUICK=1 for a shorter engine benchmark (--quick). Everything on is more than
+# 10 minutes: switch parts off to fit.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -53,18 +55,27 @@ timeout -k 10 240 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o a
   -rfE --durations=8 2>&1 | tee "$OUT/gpu-tests.log"
 tests_status=${PIPESTATUS[0]}
 
-run_bench() {  # script, log name[, timeout s]: a micro-benchmark or profile
+run_bench() {  # log name, timeout s, script[, its arguments]: a micro-benchmark or profile
+  local log=$1 limit=$2
+  shift 2
   [[ -f scripts/$1 ]] || return 0
-  say "$1"
-  timeout -k 5 "${3:-40}" python3 "scripts/$1" 2>&1 | tee "$OUT/$2"
+  say "$*"
+  timeout -k 5 "$limit" python3 "scripts/$1" "${@:2}" 2>&1 | tee "$OUT/$log"
 }
 if [[ ${LORAD_SESSION_MICRO:-1} == 1 ]]; then  # LORAD_SESSION_MICRO=0 skips these two
-  run_bench bench_lora_kernels.py bench-lora.log
-  run_bench bench_paged_attention.py bench-attention.log
+  run_bench bench-lora.log 40 bench_lora_kernels.py
+  run_bench bench-attention.log 40 bench_paged_attention.py
 fi
 # The decode GEMV's tile sweep against cuBLAS (LORAD_SESSION_GEMV=0 skips it).
-[[ ${LORAD_SESSION_GEMV:-1} == 1 ]] && run_bench bench_decode_gemv.py bench-gemv.log 75
-[[ ${LORAD_SESSION_PROFILE:-1} == 1 ]] && run_bench profile_decode.py profile.log 90
+[[ ${LORAD_SESSION_GEMV:-1} == 1 ]] && run_bench bench-gemv.log 75 bench_decode_gemv.py
+# The kernels that would fold the LoRA launches into others, against the launches they replace:
+# the GEMV's LoRA epilogue against lora_expand, add + RMSNorm + shrink against the two
+# (LORAD_SESSION_FUSED=0 skips them).
+if [[ ${LORAD_SESSION_FUSED:-1} == 1 ]]; then
+  run_bench bench-gemv-lora.log 75 bench_decode_gemv.py --lora
+  run_bench bench-norm-shrink.log 45 bench_norm_shrink.py
+fi
+[[ ${LORAD_SESSION_PROFILE:-1} == 1 ]] && run_bench profile.log 90 profile_decode.py
 
 say "engine benchmark"
 quick=()
@@ -77,7 +88,7 @@ say "summary"
 echo "--- gpu tests (exit $tests_status; 124 = timed out): $OUT/gpu-tests.log"
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)\b" "$OUT/gpu-tests.log" | tail -n 25
 for log in "$OUT/bench-lora.log" "$OUT/bench-attention.log" "$OUT/bench-gemv.log" \
-    "$OUT/profile.log"; do
+    "$OUT/bench-gemv-lora.log" "$OUT/bench-norm-shrink.log" "$OUT/profile.log"; do
   [[ -f $log ]] && { echo "--- $(basename "$log")"; grep -vE "^\s*$" "$log" | tail -n 30; }
 done
 echo "--- engine benchmark (exit $bench_status; 124 = timed out)"
