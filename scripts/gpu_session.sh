@@ -8,10 +8,10 @@
 # Installs only the carried wheel (into /tmp/site); everything else is the image's (torch,
 # triton, transformers, peft...), and lorad is used from the checkout through PYTHONPATH.
 # Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, bench-gemv.log,
-# bench-gemv-lora.log, bench-norm-shrink.log, profile.log, bench.log, bench.md). Budget, under
-# 10 minutes in all: tests 240 s, each kernel benchmark 40 s (the GEMV sweep 75 s; LORAD_SESSION_GEMV=0 skips it; the fused-LoRA kernels'
-# benchmarks 120 s, LORAD_SESSION_FUSED=0 skips them), the decode profile 90 s
-# (LORAD_SESSION_PROFILE=0 skips it), the engine 210 s.
+# bench-gemv-lora.log, bench-norm-shrink.log, profile.log, bench.log, bench.md). Time limits:
+# tests 240 s, each kernel benchmark 40 s (the GEMV sweep 75 s, LORAD_SESSION_GEMV=0 skips it;
+# the fused-LoRA kernels' benchmarks 120 s, LORAD_SESSION_FUSED=0 skips them), the decode profile
+# 90 s (LORAD_SESSION_PROFILE=0 skips it), the engine 210 s.
 # Set LORAD_SESSION_QUICK=1 for a shorter engine benchmark (--quick). Everything on is more than
 # 10 minutes: switch parts off to fit.
 set -uo pipefail
