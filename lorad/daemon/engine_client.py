@@ -64,6 +64,17 @@ class EngineLoad:
     num_free_blocks: int = 0
 
 
+# How long a failure report waits for the exit code of a peer found dead (reaped by the child
+# watcher, its code not yet delivered to the event loop): 20 x 10 ms at most.
+PEER_EXIT_CODE_POLLS = 20
+PEER_EXIT_CODE_POLL_S = 0.01
+
+
+def exit_message(rank: int, code: int | None) -> str:
+    """What requests and the log are told when a worker's process ends on its own."""
+    return f"worker rank {rank} exited unexpectedly with code {code}"
+
+
 class EngineClient:
     def __init__(self, config: WorkerConfig,
                  step_timeout: float = DEFAULT_STEP_TIMEOUT_S) -> None:
@@ -86,6 +97,8 @@ class EngineClient:
         self.facts: EngineFacts | None = None
         self.num_failed_by_engine = 0  # open requests ended with an error by fail()
         self.on_step_result = None  # called with each StepResult (metrics.py times the steps)
+        # -> the ranks whose process has ended, (rank, exit code): Supervisor.exited_now.
+        self.exited_ranks = lambda: []
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -232,7 +245,20 @@ class EngineClient:
             elif isinstance(msg, WorkerFailed):
                 log.error("worker rank %d failed: %s", msg.rank, msg.message)
                 self._ranks.mark_ended(msg.rank, "failed")
-                self.fail(f"worker rank {msg.rank} failed: {msg.message}")
+                dead = await self._peer_death(msg.rank)
+                self.fail(exit_message(*dead) if dead
+                          else f"worker rank {msg.rank} failed: {msg.message}")
+
+    async def _peer_death(self, rank: int) -> tuple[int, int | None] | None:
+        """A rank other than `rank` whose process has ended, with its exit code: a rank whose
+        peer was killed fails on the broken connection, and the death is the cause to report,
+        though it may not have reached the supervisor's watch yet. None if all others run."""
+        for _ in range(PEER_EXIT_CODE_POLLS):
+            dead = [(r, code) for r, code in self.exited_ranks() if r != rank]
+            if not dead or dead[0][1] is not None:
+                break
+            await asyncio.sleep(PEER_EXIT_CODE_POLL_S)  # reaped: its code is on its way
+        return dead[0] if dead else None
 
     def _take_status(self, msg: RankStatus) -> None:
         refusal = self._ranks.take(msg)

@@ -26,7 +26,7 @@ from aiohttp import web
 from lorad.config import ServeConfig, WorkerConfig
 from lorad.daemon import systemd
 from lorad.daemon.admission import Admission
-from lorad.daemon.engine_client import EngineClient, EngineFacts, StartupError
+from lorad.daemon.engine_client import EngineClient, EngineFacts, StartupError, exit_message
 from lorad.daemon.metrics import Metrics
 from lorad.daemon.routes import AppState, ServedModel, build_app
 from lorad.daemon.supervisor import WORKER_COMMAND, Supervisor
@@ -79,6 +79,7 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
             return 1
         exited = asyncio.create_task(supervisor.first_exit())
         exited.add_done_callback(lambda t: t.cancelled() or engine.mark_exited(t.result()[0]))
+        engine.exited_ranks = supervisor.exited_now
         stopped = asyncio.create_task(stop.wait())
         extending = asyncio.create_task(_extend_start_timeout(engine, config))
         waits = [exited, stopped, extending]
@@ -146,8 +147,7 @@ async def _stop(state: AppState, runner: web.AppRunner, supervisor: Supervisor,
         if failure.done():
             message = failure.result()
         else:
-            rank, code = exited.result()
-            message = f"worker rank {rank} exited unexpectedly with code {code}"
+            message = exit_message(*exited.result())
         state.status = "failed"
         # A WorkerFailed message has already failed the engine (and its requests) by now.
         state.engine.fail(message)

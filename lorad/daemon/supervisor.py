@@ -19,6 +19,24 @@ log = logging.getLogger("lorad.supervisor")
 WORKER_COMMAND = (sys.executable, "-m", "lorad.workers")
 
 
+def _ended_code(pid: int) -> tuple[bool, int | None]:
+    """-> (whether a child that the event loop has not reaped yet has ended, its exit code:
+    negative for a signal, None when unknown), from /proc/PID/stat (Linux): an ended child is a
+    zombie until it is reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return True, None  # reaped meanwhile: its returncode has the code
+    if fields[0] != b"Z":
+        return False, None
+    # Field 52 (exit_code, Linux 3.5+) holds waitpid's status; this list starts at field 3.
+    if len(fields) < 50:
+        return True, None
+    status = int(fields[49])
+    return True, (-(status & 0x7F) if status & 0x7F else status >> 8)
+
+
 class Supervisor:
     def __init__(self, config: WorkerConfig, command: tuple[str, ...] = WORKER_COMMAND) -> None:
         self._config = config
@@ -48,6 +66,21 @@ class Supervisor:
         done, _ = await asyncio.wait(self._waiters, return_when=asyncio.FIRST_COMPLETED)
         rank = min(self._waiters.index(t) for t in done)
         return rank, self._procs[rank].returncode
+
+    def exited_now(self) -> list[tuple[int, int | None]]:
+        """The ranks whose process has ended by now, as (rank, exit code; negative = killed by
+        a signal; None when unknown), counting ended processes the event loop has not reaped
+        yet: when a rank is killed, its peers' reports of the broken connection can reach the
+        coordinator before first_exit() sees the death."""
+        ended = []
+        for rank, proc in enumerate(self._procs):
+            if proc.returncode is not None:
+                ended.append((rank, proc.returncode))
+                continue
+            has_ended, code = _ended_code(proc.pid)
+            if has_ended:
+                ended.append((rank, code))
+        return ended
 
     async def stop(self, grace_s: float) -> None:
         """Give workers `grace_s` to exit by themselves, then SIGTERM, then SIGKILL."""
