@@ -19,6 +19,34 @@ import triton.language as tl
 # --- residual add + RMSNorm -------------------------------------------------------------------
 
 @triton.jit
+def _add_row(delta_ptr, res_ptr, cols, mask, dtype: tl.constexpr, HAS_RES: tl.constexpr):
+    """-> hidden at `cols` of one row, in the model dtype: the layer's output (an fp32 partial sum
+    after its all-reduce, or the embedding) rounded to the model dtype, then added to the
+    residual in the model dtype, as `hidden + out.to(dtype)`."""
+    h = tl.load(delta_ptr + cols, mask=mask, other=0.0).to(dtype)
+    if HAS_RES:
+        r = tl.load(res_ptr + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    return h
+
+
+@triton.jit
+def _rms_scale(h, H, eps):
+    """-> 1 / sqrt(mean(h^2) + eps) in fp32, over a whole row h (zeros past H)."""
+    x = h.to(tl.float32)
+    variance = tl.sum(x * x, axis=0) / H
+    return tl.rsqrt(variance + eps)
+
+
+@triton.jit
+def _normed(h, w, scale, dtype: tl.constexpr):
+    """-> weight * RMSNorm(h) in the model dtype, elementwise (any piece of a row) given the
+    row's _rms_scale: the normalised value rounded, then the product rounded, as RMSNorm does."""
+    y = (h.to(tl.float32) * scale).to(dtype)
+    return (w.to(tl.float32) * y.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _add_rms_norm_kernel(delta_ptr, stride_delta, res_ptr, stride_res, res_out_ptr,
                          stride_res_out, normed_ptr, stride_normed, weight_ptr, H, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
@@ -26,19 +54,12 @@ def _add_rms_norm_kernel(delta_ptr, stride_delta, res_ptr, stride_res, res_out_p
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     dtype = res_out_ptr.dtype.element_ty
-    # The layer's output (an fp32 partial sum after its all-reduce, or the embedding) rounded to
-    # the model dtype, then added to the residual in the model dtype: `hidden + out.to(dtype)`.
-    h = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(dtype)
-    if HAS_RES:
-        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    h = _add_row(delta_ptr + row * stride_delta, res_ptr + row * stride_res, cols, mask, dtype,
+                 HAS_RES)
     tl.store(res_out_ptr + row * stride_res_out + cols, h, mask=mask)
-    x = h.to(tl.float32)
-    variance = tl.sum(x * x, axis=0) / H
-    y = (x * tl.rsqrt(variance + eps)).to(dtype)
+    scale = _rms_scale(h, H, eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(normed_ptr + row * stride_normed + cols,
-             (w.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=mask)
+    tl.store(normed_ptr + row * stride_normed + cols, _normed(h, w, scale, dtype), mask=mask)
 
 
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -63,8 +84,14 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: tor
     _add_rms_norm_kernel[(num_rows,)](
         delta, delta.stride(0), res_arg, stride_res, residual_out, residual_out.stride(0),
         normed, normed.stride(0), weight, hidden_size, eps,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        HAS_RES=residual is not None, BLOCK=block, num_warps=_norm_warps(block))
     return residual_out, normed
+
+
+def _norm_warps(block: int) -> int:
+    """Warps of a program holding a row of `block` elements. The row sum's order follows the
+    layout, so add_rms_norm and add_rms_norm_shrink must agree on it to agree on the bits."""
+    return min(16, max(1, block // 256))
 
 
 # --- rotary + KV-cache write ------------------------------------------------------------------
