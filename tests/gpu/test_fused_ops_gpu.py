@@ -1,7 +1,7 @@
 """The fused elementwise kernels on CUDA at Llama-3-8B's sizes (hidden 4096, intermediate 14336,
-32 query / 8 KV heads of 128): against the torch path, with poisoned outputs, a row alone equal
-to the row in a batch. The checks are tests/fused_ops_checks.py's, which the CPU interpreter runs
-on tiny shapes.
+32 query / 8 KV heads of 128, q/k/v LoRA tables of rank 16): against the torch path, with
+poisoned outputs, a row alone equal to the row in a batch. The checks are
+tests/fused_ops_checks.py's, which the CPU interpreter runs on tiny shapes.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import importlib.util
 import pytest
 import torch
 
-from tests.fused_ops_checks import check_add_rms_norm, check_rotary_write_kv, check_silu_and_mul
+from tests.fused_ops_checks import (check_add_rms_norm, check_add_rms_norm_shrink,
+                                    check_rotary_write_kv, check_silu_and_mul)
+from tests.lora_kernel_checks import GPU_SHAPES
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
@@ -24,6 +26,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm(dtype):
     check_add_rms_norm("cuda", DTYPES[dtype], hidden=4096, num_rows=67)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_shrink(dtype):
+    # q/k/v at rank 16 with 64 adapters; ranks 0 to 16 across slots, a mixed batch of 67 rows.
+    check_add_rms_norm_shrink("cuda", GPU_SHAPES["qkv"], DTYPES[dtype], num_rows=67)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

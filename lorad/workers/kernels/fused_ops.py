@@ -1,5 +1,6 @@
 """The decode step's elementwise work in three kernels per use instead of a dozen torch ops each:
-residual add + RMSNorm, rotary + KV-cache write, and SwiGLU's silu(gate) * up.
+residual add + RMSNorm, rotary + KV-cache write, and SwiGLU's silu(gate) * up; and residual add +
+RMSNorm fused with the LoRA shrink of its output (not wired into the model yet).
 
 Each program handles one row (or one row's head or column block) alone, with one block shape for
 every batch, so a row's bits never depend on what else the step holds. Every rounding the torch
@@ -11,12 +12,44 @@ another exp); the GPU tests compare with the torch path within a stated toleranc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.lora_shrink import MAX_TABLES
+
 
 # --- residual add + RMSNorm -------------------------------------------------------------------
+
+@triton.jit
+def _add_row(delta_ptr, res_ptr, cols, mask, dtype: tl.constexpr, HAS_RES: tl.constexpr):
+    """-> hidden at `cols` of one row, in the model dtype: the layer's output (an fp32 partial sum
+    after its all-reduce, or the embedding) rounded to the model dtype, then added to the
+    residual in the model dtype, as `hidden + out.to(dtype)`."""
+    h = tl.load(delta_ptr + cols, mask=mask, other=0.0).to(dtype)
+    if HAS_RES:
+        r = tl.load(res_ptr + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    return h
+
+
+@triton.jit
+def _rms_scale(h, H, eps):
+    """-> 1 / sqrt(mean(h^2) + eps) in fp32, over a whole row h (zeros past H)."""
+    x = h.to(tl.float32)
+    variance = tl.sum(x * x, axis=0) / H
+    return tl.rsqrt(variance + eps)
+
+
+@triton.jit
+def _normed(h, w, scale, dtype: tl.constexpr):
+    """-> weight * RMSNorm(h) in the model dtype, elementwise (any piece of a row) given the
+    row's _rms_scale: the normalised value rounded, then the product rounded, as RMSNorm does."""
+    y = (h.to(tl.float32) * scale).to(dtype)
+    return (w.to(tl.float32) * y.to(tl.float32)).to(dtype)
+
 
 @triton.jit
 def _add_rms_norm_kernel(delta_ptr, stride_delta, res_ptr, stride_res, res_out_ptr,
@@ -26,19 +59,12 @@ def _add_rms_norm_kernel(delta_ptr, stride_delta, res_ptr, stride_res, res_out_p
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     dtype = res_out_ptr.dtype.element_ty
-    # The layer's output (an fp32 partial sum after its all-reduce, or the embedding) rounded to
-    # the model dtype, then added to the residual in the model dtype: `hidden + out.to(dtype)`.
-    h = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(dtype)
-    if HAS_RES:
-        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    h = _add_row(delta_ptr + row * stride_delta, res_ptr + row * stride_res, cols, mask, dtype,
+                 HAS_RES)
     tl.store(res_out_ptr + row * stride_res_out + cols, h, mask=mask)
-    x = h.to(tl.float32)
-    variance = tl.sum(x * x, axis=0) / H
-    y = (x * tl.rsqrt(variance + eps)).to(dtype)
+    scale = _rms_scale(h, H, eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(normed_ptr + row * stride_normed + cols,
-             (w.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=mask)
+    tl.store(normed_ptr + row * stride_normed + cols, _normed(h, w, scale, dtype), mask=mask)
 
 
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -63,8 +89,150 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: tor
     _add_rms_norm_kernel[(num_rows,)](
         delta, delta.stride(0), res_arg, stride_res, residual_out, residual_out.stride(0),
         normed, normed.stride(0), weight, hidden_size, eps,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        HAS_RES=residual is not None, BLOCK=block, num_warps=_norm_warps(block))
     return residual_out, normed
+
+
+def _norm_warps(block: int) -> int:
+    """Warps of a program holding a row of `block` elements. The row sum's order follows the
+    layout, so add_rms_norm and add_rms_norm_shrink must agree on it to agree on the bits."""
+    return min(16, max(1, block // 256))
+
+
+# --- residual add + RMSNorm + the LoRA shrink of the normed row --------------------------------
+
+NORM_SHRINK_BLOCK_R = 4  # ranks per program: q/k/v at rank 16 and batch 32 give 384 programs
+# Inputs per step of the shrink's sweep over the row. At H 4096 (16 warps, bf16) ptxas gives 40
+# registers a thread with 512 (3 programs an SM: batch 32's 384 q/k/v programs in one wave on an
+# H200's 132 SMs) against 50 with 1024 (2 an SM); counted from the sm_90 build, not yet timed.
+NORM_SHRINK_BLOCK_K = 512
+
+
+@triton.jit
+def _norm_shrink_block(delta_row, res_row, weight_ptr, hidden_row, normed_row, t_row, a_ptr,
+                       ranks_ptr, max_rank, slot, block, stores_norm, H, eps,
+                       BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    rank = tl.load(ranks_ptr + slot)
+    j0 = block * BLOCK_R
+    shrinks = (slot != 0) & (j0 < rank)
+    if shrinks | stores_norm:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        dtype = hidden_row.dtype.element_ty
+        # The whole row exactly as _add_rms_norm_kernel: the same ops on the same layout, and
+        # nothing else reads h, so the compiler has no reason to lay the row sum out otherwise.
+        h = _add_row(delta_row, res_row, cols, mask, dtype, True)
+        if stores_norm:
+            tl.store(hidden_row + cols, h, mask=mask)
+        scale = _rms_scale(h, H, eps)
+        if stores_norm:
+            w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+            tl.store(normed_row + cols, _normed(h, w, scale, dtype), mask=mask)
+        if shrinks:
+            ranks_j = j0 + tl.arange(0, BLOCK_R)
+            has_j = ranks_j < rank  # rank padding is never read
+            a_rows = a_ptr + (slot * max_rank + ranks_j)[:, None] * H  # [BLOCK_R, 1]
+            acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+            # The normed row again, piece by piece from reloaded inputs: elementwise, so the
+            # same bits as the stored row whatever the pieces' layout.
+            for k0 in range(0, H, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                in_k = ks < H
+                hk = _add_row(delta_row, res_row, ks, in_k, dtype, True)
+                wk = tl.load(weight_ptr + ks, mask=in_k, other=0.0)
+                nk = _normed(hk, wk, scale, dtype).to(tl.float32)
+                ak = tl.load(a_rows + ks[None, :], mask=has_j[:, None] & in_k[None, :], other=0.0)
+                acc += nk[None, :] * ak
+            tl.store(t_row + ranks_j, tl.sum(acc, axis=1), mask=has_j)
+
+
+# The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
+# divisible by 16): one binary, so one order of sums, for every batch.
+@triton.jit(do_not_specialize=["stride_t_table"])
+def _add_rms_norm_shrink_kernel(delta_ptr, stride_delta, res_ptr, stride_res, hidden_ptr,
+                                stride_hidden, normed_ptr, stride_normed, weight_ptr, H, eps,
+                                row_slots_ptr, t_ptr, stride_t_table, stride_t,
+                                a0_ptr, a1_ptr, a2_ptr, ranks0_ptr, ranks1_ptr, ranks2_ptr,
+                                max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1,
+                                NUM_TABLES: tl.constexpr, BLOCK: tl.constexpr,
+                                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program (row, block); table i owns blocks [blocks_end{i-1}, blocks_end{i}). Every program
+    # with ranks to shrink norms its row itself; block 0's also stores hidden and normed, which
+    # is why hidden is not written over the residual that the others read.
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    slot = tl.load(row_slots_ptr + row)
+    delta_row = delta_ptr + row * stride_delta
+    res_row = res_ptr + row * stride_res
+    hidden_row = hidden_ptr + row * stride_hidden
+    normed_row = normed_ptr + row * stride_normed
+    t_row = t_ptr + row * stride_t
+    if block < blocks_end0:
+        _norm_shrink_block(delta_row, res_row, weight_ptr, hidden_row, normed_row, t_row,
+                           a0_ptr, ranks0_ptr, max_rank0, slot, block, block == 0, H, eps,
+                           BLOCK, BLOCK_R, BLOCK_K)
+    elif NUM_TABLES == 2:
+        _norm_shrink_block(delta_row, res_row, weight_ptr, hidden_row, normed_row,
+                           t_row + stride_t_table, a1_ptr, ranks1_ptr, max_rank1, slot,
+                           block - blocks_end0, False, H, eps, BLOCK, BLOCK_R, BLOCK_K)
+    elif NUM_TABLES == 3:
+        if block < blocks_end1:
+            _norm_shrink_block(delta_row, res_row, weight_ptr, hidden_row, normed_row,
+                               t_row + stride_t_table, a1_ptr, ranks1_ptr, max_rank1, slot,
+                               block - blocks_end0, False, H, eps, BLOCK, BLOCK_R, BLOCK_K)
+        else:
+            _norm_shrink_block(delta_row, res_row, weight_ptr, hidden_row, normed_row,
+                               t_row + 2 * stride_t_table, a2_ptr, ranks2_ptr, max_rank2, slot,
+                               block - blocks_end1, False, H, eps, BLOCK, BLOCK_R, BLOCK_K)
+
+
+def add_rms_norm_shrink(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float, a_tables: Sequence[torch.Tensor],
+                        rank_tables: Sequence[torch.Tensor], row_slots: torch.Tensor,
+                        out: torch.Tensor | None = None,
+                        block_k: int = NORM_SHRINK_BLOCK_K
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm and the LoRA shrink of its normed rows in one launch -> (hidden, normed, t).
+
+    hidden and normed have add_rms_norm's bits, but hidden is a new tensor: the residual is left
+    as it was. t: [num_tables, num_rows, 1, max(max_rank_i)] float32, lora_shrink's t with one K
+    chunk (lora_expand reads it as is): t[i, row, 0, :rank] = normed[row] A_i[slot, :rank]^T in
+    fp32, written only where rank = rank_tables[i][slot] > 0 and slot != 0.
+
+    delta: [num_rows, H] fp32 or model dtype; residual: [num_rows, H] model dtype; a_tables[i]:
+    [num_slots, max_rank_i, H] fp32, contiguous; rank_tables[i]: [num_slots] int32; row_slots:
+    [num_rows] int64, each row's adapter slot (0: none); out: t, to write into."""
+    num_tables = len(a_tables)
+    if not 1 <= num_tables <= MAX_TABLES or len(rank_tables) != num_tables:
+        raise ValueError(f"1 to {MAX_TABLES} tables, each with its ranks")
+    num_rows, hidden_size = delta.shape
+    dtype = weight.dtype
+    assert weight.shape == (hidden_size,) and delta.stride(1) == 1
+    assert residual.shape == delta.shape and residual.dtype == dtype and residual.stride(1) == 1
+    assert row_slots.shape == (num_rows,) and row_slots.dtype == torch.int64
+    for a in a_tables:
+        assert a.dtype == torch.float32 and a.is_contiguous() and a.shape[2] == hidden_size
+    shape = (num_tables, num_rows, 1, max(a.shape[1] for a in a_tables))
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=delta.device)
+    assert out.shape == shape and out.stride(3) == 1
+    hidden = torch.empty(num_rows, hidden_size, dtype=dtype, device=delta.device)
+    normed = torch.empty(num_rows, hidden_size, dtype=dtype, device=delta.device)
+    if num_rows == 0:
+        return hidden, normed, out
+    blocks_end = [0]
+    for a in a_tables:
+        blocks_end.append(blocks_end[-1] + triton.cdiv(a.shape[1], NORM_SHRINK_BLOCK_R))
+    block = triton.next_power_of_2(hidden_size)
+    padded = list(a_tables) + [a_tables[0]] * (MAX_TABLES - num_tables)
+    ranks = list(rank_tables) + [rank_tables[0]] * (MAX_TABLES - num_tables)
+    _add_rms_norm_shrink_kernel[(num_rows, blocks_end[-1])](
+        delta, delta.stride(0), residual, residual.stride(0), hidden, hidden.stride(0), normed,
+        normed.stride(0), weight, hidden_size, eps, row_slots, out, out.stride(0), out.stride(1),
+        *padded, *ranks, *(a.shape[1] for a in padded), blocks_end[1],
+        blocks_end[min(2, num_tables)], NUM_TABLES=num_tables, BLOCK=block,
+        BLOCK_R=NORM_SHRINK_BLOCK_R, BLOCK_K=min(block_k, block), num_warps=_norm_warps(block))
+    return hidden, normed, out
 
 
 # --- rotary + KV-cache write ------------------------------------------------------------------
