@@ -63,7 +63,6 @@ def bench(num_layers: int, batches: list[int], device: torch.device) -> list[tup
                 two = time_graph(two_launches) / num_layers
                 one = time_graph(one_launch) / num_layers
                 rows.append((group, num_rows, mixture, two, one))
-        del layers
     return rows
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where a decode step's GPU time goes: the kernels of one eager step of lorad's 8B-shaped model
 (random weights, bf16), by total time, at batch 1 on the base model, batch 32 with one adapter
-on every row and batch 64 with a distinct adapter per row. Prints a short table per case: kernel name, calls, total and mean microseconds.
+on every row and batch 64 with a distinct adapter per row. Prints a short table per case: kernel
+name, calls, total and mean microseconds.
 """
 
 from __future__ import annotations
