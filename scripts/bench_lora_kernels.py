@@ -12,7 +12,7 @@ adapter rows, the shrink's per-chunk partial sums t written and read once. Needs
 triton; prints the conditions with the table.
 
 Usage: scripts/bench_lora_kernels.py [--layers 32] [--batches 1,8,32,64,128] [--sweep]
-       [--programs-per-sm 4,8,32]
+       [--sweep-batches 1,32,128] [--sweep-kernels shrink,expand] [--programs-per-sm 4,8,32]
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ SWEEP_SHRINK = [shrink.ShrinkConfig(4, 256, 256, 4, 1), shrink.ShrinkConfig(4, 2
                 shrink.ShrinkConfig(16, 64, 256, 4, 2), shrink.ShrinkConfig(4, 256, 512, 8, 2),
                 shrink.ShrinkConfig(2, 512, 14336, 4, 3)]
 SWEEP_EXPAND = [expand.ExpandConfig(32, 16, 4, 1), expand.ExpandConfig(128, 16, 8, 1),
+                expand.ExpandConfig(128, 16, 4, 1), expand.ExpandConfig(256, 16, 8, 1),
                 expand.ExpandConfig(64, 16, 2, 1), expand.ExpandConfig(64, 16, 4, 2)]
 
 
@@ -153,7 +154,10 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--batches", default="1,8,32,64,128")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time other tile configs (graph, exact tiles) at batch 1/32/128")
+                        help="also time other tile configs (graph, exact tiles)")
+    parser.add_argument("--sweep-batches", default="1,32,128", help="the sweep's batches")
+    parser.add_argument("--sweep-kernels", default="shrink,expand",
+                        help="which kernel's configs the sweep varies")
     parser.add_argument("--programs-per-sm", default="",
                         help="also time the default configs with these persistent-grid sizes "
                              "(lora_tiles.PROGRAMS_PER_SM), e.g. 4,8,32")
@@ -185,12 +189,15 @@ def main() -> int:
                           expand.DEFAULT_CONFIG, eager=False), args.layers)
         lora_tiles.PROGRAMS_PER_SM = default_per_sm
     if args.sweep:
-        sweep_batches = [b for b in (1, 32, 128) if b <= max(batches)]
-        for config in SWEEP_SHRINK:
+        sweep_batches = [int(b) for b in args.sweep_batches.split(",") if b]
+        if max(sweep_batches) > max(batches):
+            layers = make_layers(args.layers, max(sweep_batches), device)
+        kernels = args.sweep_kernels.split(",")
+        for config in SWEEP_SHRINK if "shrink" in kernels else []:
             print(f"\n# shrink {config}, expand default")
             print_table(bench(layers, ranks, scales, sweep_batches, config,
                               expand.DEFAULT_CONFIG, eager=False), args.layers)
-        for config in SWEEP_EXPAND:
+        for config in SWEEP_EXPAND if "expand" in kernels else []:
             print(f"\n# shrink default, expand {config}")
             print_table(bench(layers, ranks, scales, sweep_batches, shrink.DEFAULT_CONFIG,
                               config, eager=False), args.layers)
