@@ -104,7 +104,8 @@ def _norm_warps(block: int) -> int:
 NORM_SHRINK_BLOCK_R = 4  # ranks per program: q/k/v at rank 16 and batch 32 give 384 programs
 # Inputs per step of the shrink's sweep over the row. At H 4096 (16 warps, bf16) ptxas gives 40
 # registers a thread with 512 (3 programs an SM: batch 32's 384 q/k/v programs in one wave on an
-# H200's 132 SMs) against 50 with 1024 (2 an SM); counted from the sm_90 build, not yet timed.
+# H200's 132 SMs) against 50 with 1024 (2 an SM), counted from the sm_90 build; the kernel's
+# timings on the H200 are in docs/benchmarks.md.
 NORM_SHRINK_BLOCK_K = 512
 
 
