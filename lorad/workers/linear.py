@@ -8,6 +8,8 @@ owns its LoRA slots (lora.py), sharded the same way as its weight, and adds the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,18 @@ from lorad.workers.parallel import TensorParallel
 def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ...]) -> None:
     if tuple(got) != tuple(want):
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(got)}, expected {want}")
+
+
+def fused_projection(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int],
+                     loras: Sequence[LoraSlots | None],
+                     lora_rows: LoraRows | None) -> list[torch.Tensor]:
+    """The kernel path's product of projections whose weights are rows of one matrix (q/k/v,
+    gate/up): x weight^T in one matmul, split into the projections' outputs (column slices of
+    one tensor), each with its LoRA delta. One shrink for them all runs beside the matmul (a side
+    stream), one expand after it adds into the slices in place."""
+    pending = start_shrink(loras, x, lora_rows)
+    outs = list(F.linear(x, weight).split(sizes, dim=1))
+    return outs if pending is None else pending.expand_into(outs)
 
 
 def load_replicated(param: nn.Parameter, name: str, tensor_slice) -> None:

@@ -10,6 +10,7 @@ which give each row a fixed order of fp32 sums (cuBLAS would pick kernels by bat
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -212,17 +213,14 @@ def start_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor,
     assert len(edited) <= MAX_TABLES, f"at most {MAX_TABLES} projections share an input"
     tables = [loras[i] for i in edited]
     side = _side_stream(x.device)
-    if side is None:
-        t = lora_shrink(x, [lora.lora_a for lora in tables],
-                        [lora.rank_table for lora in tables], rows.tiles)
-    else:
+    if side is not None:
         # Forked from the current stream (x is ready there), joined in wait(). t, allocated on
         # the side stream, can be reused only by a later shrink there, which is forked after
         # the expand that reads t.
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            t = lora_shrink(x, [lora.lora_a for lora in tables],
-                            [lora.rank_table for lora in tables], rows.tiles)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        t = lora_shrink(x, [lora.lora_a for lora in tables],
+                        [lora.rank_table for lora in tables], rows.tiles)
     return PendingShrink(tuple(loras), t, edited, rows.tiles, side)
 
 

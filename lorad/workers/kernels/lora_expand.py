@@ -126,7 +126,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
                                                   == len(scale_tables) == num_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its output, ranks and scales")
     assert t.dim() == 4 and t.shape[0] == num_tables and t.stride(3) == 1
-    assert tiles.sorted_rows.shape[0] == t.shape[1], "tiles of another batch"
+    assert tiles.num_rows == t.shape[1], "tiles of another batch"
     for out, b in zip(outs, b_tables):
         assert out.dtype in (torch.float32, torch.bfloat16, torch.float16)
         assert out.stride(1) == 1

@@ -142,7 +142,7 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     if not 1 <= len(a_tables) <= MAX_TABLES or len(rank_tables) != len(a_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its ranks")
     num_rows, num_in = x.shape
-    assert tiles.sorted_rows.shape[0] == num_rows, "tiles of another batch"
+    assert tiles.num_rows == num_rows, "tiles of another batch"
     for a in a_tables:
         assert a.dtype == torch.float32 and a.is_contiguous() and a.shape[2] == num_in
     x = x if x.stride(1) == 1 else x.contiguous()

@@ -18,18 +18,19 @@ BLOCK_M = 8  # rows per tile: shrink and expand share the tiles, so they share t
 
 @dataclass(frozen=True)
 class LoraTiles:
-    """Which rows each tile holds. Tile k's rows are sorted_rows[tile_first[k] + i] for the
-    i < BLOCK_M whose sorted_slots entry equals the tile's slot, sorted_slots[tile_first[k]];
-    the kernels read them flattened: tile_slot[k] and the BLOCK_M entries tile_rows[k] (-1 for
-    an empty lane), two loads that do not wait on each other."""
+    """Which rows each tile holds, as the kernels read them: tile k's slot, tile_slot[k], and its
+    BLOCK_M entries of tile_rows (-1 for an empty lane), two loads that do not wait on each
+    other. The tiles of adapter rows are the first num_tiles."""
 
-    sorted_rows: torch.Tensor  # [num_rows] int64: row indices by slot, slot-0 rows last
-    sorted_slots: torch.Tensor  # [num_rows] int64: the slot of each sorted row
-    tile_first: torch.Tensor  # [num_rows] int64: first sorted position of each tile
-    num_tiles: torch.Tensor  # [1] int64: tiles of adapter rows; tile_first[num_tiles:] is unused
-    max_tiles: int  # a bound on num_tiles known to Python: it sizes the kernels' grids
     tile_slot: torch.Tensor  # [num_rows] int64: each tile's slot (0 past num_tiles)
     tile_rows: torch.Tensor  # [num_rows, BLOCK_M] int64: each tile's rows, -1 for empty lanes
+    num_tiles: torch.Tensor  # [1] int64: tiles of adapter rows; later entries are unused
+    max_tiles: int  # a bound on num_tiles known to Python: it sizes the kernels' grids
+
+    @property
+    def num_rows(self) -> int:
+        """The rows of the batch the tiles were built for."""
+        return self.tile_rows.shape[0]
 
     @classmethod
     def build(cls, row_slots: torch.Tensor, max_tiles: int) -> "LoraTiles":
@@ -45,21 +46,19 @@ class LoraTiles:
         slot_start = torch.cummax(torch.where(new_slot, positions, 0), 0).values
         starts_tile = ((positions - slot_start) % BLOCK_M == 0) & (sorted_slots != 0)
         tiles_so_far = torch.cumsum(starts_tile, 0)  # [num_rows] int64, non-decreasing
-        # Tile k starts where the running count first reaches k + 1.
+        # Tile k starts at sorted position tile_first[k], where the running count first reaches
+        # k + 1; past the last tile that is num_rows: no slot, no rows.
         tile_first = torch.searchsorted(tiles_so_far, positions + 1)
         # A tensor of its own: a view's address would be aligned for some batch sizes only, and
         # triton compiles a variant per pointer alignment.
         num_tiles = tiles_so_far[-1:].clone()
-        # Past the last tile, tile_first is num_rows: no slot, no rows.
         last = max(num_rows - 1, 0)
         tile_slot = torch.where(tile_first < num_rows, sorted_slots[tile_first.clamp(max=last)], 0)
+        # A tile's rows: the next BLOCK_M sorted positions that still hold its slot.
         lanes = tile_first[:, None] + torch.arange(BLOCK_M, device=row_slots.device)
-        in_range = lanes < num_rows
-        lanes = lanes.clamp(max=last)
-        in_tile = in_range & (sorted_slots[lanes] == tile_slot[:, None]) & (tile_slot[:, None] != 0)
-        tile_rows = torch.where(in_tile, sorted_rows[lanes], -1)
-        return cls(sorted_rows, sorted_slots, tile_first, num_tiles, max_tiles, tile_slot,
-                   tile_rows)
+        in_tile = (lanes < num_rows) & (sorted_slots[lanes.clamp(max=last)] == tile_slot[:, None])
+        tile_rows = torch.where(in_tile, sorted_rows[lanes.clamp(max=last)], -1)
+        return cls(tile_slot, tile_rows, num_tiles, max_tiles)
 
 
 def count_tiles(rows_per_slot: Iterable[int]) -> int:

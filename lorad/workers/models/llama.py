@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lorad.config import ModelConfig
@@ -24,9 +23,9 @@ from lorad.workers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kv_cache import PagedKVCache, kv_bytes_per_block
 from lorad.workers.layers import RMSNorm, silu_and_mul
-from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear
+from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear, fused_projection
 from lorad.workers.loader import load_adapter_weights, load_random_weights, load_weights
-from lorad.workers.lora import LoraRows, add_lora_deltas, start_shrink
+from lorad.workers.lora import LoraRows, add_lora_deltas
 from lorad.workers.parallel import TensorParallel
 from lorad.workers.rotary import RotaryEmbedding, apply_rotary
 
@@ -92,13 +91,9 @@ class LlamaAttention(nn.Module):
             # Lazily: the CPU never imports triton.
             from lorad.workers.attention_cuda import attend_cuda
             from lorad.workers.kernels.fused_ops import rotary_write_kv
-            # One matmul for q, k and v, with one LoRA shrink for the three beside it (a side
-            # stream) and one expand after, in place on column slices of its output; rotary and
-            # the cache write in one kernel.
-            pending = start_shrink(loras, x, lora)
-            q, k, v = F.linear(x, self.qkv_weight).split(self.qkv_sizes, dim=1)
-            if pending is not None:
-                q, k, v = pending.expand_into([q, k, v])
+            # One matmul and one LoRA shrink/expand pair for q, k and v; rotary and the cache
+            # write in one kernel.
+            q, k, v = fused_projection(x, self.qkv_weight, self.qkv_sizes, loras, lora)
             q = rotary_write_kv(q, k, v, rotary.positions, rotary.cos_table, rotary.sin_table,
                                 ctx.slot_mapping, self.kv_cache.k, self.kv_cache.v,
                                 self.num_q_heads, self.head_dim)
@@ -122,6 +117,7 @@ class LlamaMLP(nn.Module):
         inter_range = balanced_split(inter, tp.world_size)[tp.rank]
         num_local = inter_range[1] - inter_range[0]
         # Like q/k/v: two modules whose weights are the halves of one matrix.
+        self.gate_up_sizes = (num_local, num_local)
         self.gate_up_weight = torch.empty(2 * num_local, hidden, dtype=dtype, device=device)
         w_gate, w_up = self.gate_up_weight.split(num_local)
         self.gate_proj = ColumnParallelLinear(hidden, inter, inter_range, dtype, device,
@@ -134,12 +130,8 @@ class LlamaMLP(nn.Module):
         """x: [num_rows, hidden] -> [num_rows, hidden]: down_proj's sum over ranks, before its
         rounding to the model dtype (the residual add does it; see RowParallelLinear)."""
         loras = [self.gate_proj.lora, self.up_proj.lora]
-        if kernel_path(x.device):
-            # One matmul for both, with one LoRA shrink beside it (a side stream).
-            pending = start_shrink(loras, x, lora)
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=1)
-            if pending is not None:
-                gate, up = pending.expand_into([gate, up])
+        if kernel_path(x.device):  # one matmul and one LoRA shrink/expand pair for both
+            gate, up = fused_projection(x, self.gate_up_weight, self.gate_up_sizes, loras, lora)
         else:
             gate, up = add_lora_deltas(loras, [self.gate_proj(x), self.up_proj(x)], x, lora)
         return self.down_proj(silu_and_mul(gate, up), lora)
