@@ -41,6 +41,7 @@ from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lorad.workers import lora as lora_module  # noqa: E402
+from lorad.workers.kernels import lora_tiles  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
 from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
@@ -64,6 +65,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--serial-shrink", type=ints, default=[32],
                    help="also time one and mixed4 at these batches with the LoRA shrinks on the "
                         "main stream (lora.SIDE_STREAM off), graphs captured again; '' skips")
+    p.add_argument("--programs-per-sm", type=ints, default=[],
+                   help="also time one and mixed4 at the --serial-shrink batches with the LoRA "
+                        "kernels' persistent grids at these programs per SM "
+                        "(lora_tiles.PROGRAMS_PER_SM), graphs captured again")
     p.add_argument("--eager-batches", type=ints, default=[1, 32],
                    help="also time these batches without graphs (base and many)")
     p.add_argument("--context", type=int, default=512,
@@ -490,6 +495,16 @@ def main() -> int:
                          batches=args.serial_shrink, label=" (serial shrink)")
             lora_module.SIDE_STREAM = True
             del graphs
+        default_per_sm = lora_tiles.PROGRAMS_PER_SM
+        for per_sm in args.programs_per_sm if serial else []:
+            gc.collect()
+            torch.cuda.empty_cache()
+            lora_tiles.PROGRAMS_PER_SM = per_sm
+            graphs = capture(model, args, args.num_adapters)
+            bench_decode(model, graphs, floor, serial, args, blocks_per_seq,
+                         batches=args.serial_shrink or [32], label=f" ({per_sm}/SM)")
+            lora_tiles.PROGRAMS_PER_SM = default_per_sm
+            del graphs
         del floor
     peak_gib = torch.cuda.max_memory_allocated(CUDA) / 2**30
     del model
@@ -515,7 +530,9 @@ def main() -> int:
         f"cases: base = no adapter loaded; idle = {args.num_adapters} adapters loaded, rows on "
         f"slot 0; one = adapter 1 on every row; mixed4 = row i on adapter 1 + i % 4; many = row "
         f"i on adapter 1 + i % {args.num_adapters}; (serial shrink) = LoRA shrinks on the main "
-        f"stream instead of a side stream; rank {args.rank} on all 7 projections, fp32 tables",
+        f"stream instead of a side stream; (N/SM) = the LoRA kernels' grids at N programs per "
+        f"SM (default {lora_tiles.PROGRAMS_PER_SM}); rank {args.rank} on all 7 projections, fp32 "
+        f"tables",
         "floor = (weights + LoRA factors of the batch's slots + KV) bytes / copy bandwidth; "
         "prefill: the larger of that and matmul FLOPs / matmul rate; floor/time uses device ms "
         "where there is one",

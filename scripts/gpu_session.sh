@@ -12,7 +12,8 @@
 # tests 240 s, each kernel benchmark 40 s (the GEMV sweep 75 s, LORAD_SESSION_GEMV=0 skips it;
 # the fused-LoRA kernels' benchmarks 120 s, LORAD_SESSION_FUSED=0 skips them), the decode profile
 # 90 s (LORAD_SESSION_PROFILE=0 skips it), the engine 210 s.
-# Set LORAD_SESSION_QUICK=1 for a shorter engine benchmark (--quick). Everything on is more than
+# Set LORAD_SESSION_QUICK=1 for a shorter engine benchmark (--quick), LORAD_SESSION_ENGINE_ARGS
+# for more of its options. Everything on is more than
 # 10 minutes: switch parts off to fit.
 set -uo pipefail
 
@@ -80,7 +81,10 @@ fi
 say "engine benchmark"
 quick=()
 [[ ${LORAD_SESSION_QUICK:-0} == 1 ]] && quick=(--quick)
-timeout -k 10 210 python3 scripts/bench_engine.py "${quick[@]}" --table-out "$OUT/bench.md" \
+# LORAD_SESSION_ENGINE_ARGS: more bench_engine.py options, split on spaces.
+read -ra extra <<<"${LORAD_SESSION_ENGINE_ARGS:-}"
+timeout -k 10 210 python3 scripts/bench_engine.py "${quick[@]}" "${extra[@]}" \
+  --table-out "$OUT/bench.md" \
   2>&1 | tee "$OUT/bench.log"
 bench_status=${PIPESTATUS[0]}
 
