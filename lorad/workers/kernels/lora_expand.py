@@ -9,7 +9,8 @@ sum before the all-reduce). Every row gets the same arithmetic whatever shares i
 shrink's K-chunk partials summed by one reduction of fixed shape [BLOCK_M, MAX_CHUNKS, BLOCK_R]
 (so every program reading a row gets the same bits, and the sum needs no launch of its own),
 rank chunks of BLOCK_R in order, each reduced the same way, with one tile shape for every table;
-no atomics. Rows of slot 0 and slots a table does not edit are neither read nor written.
+no atomics. Rows of slot 0 are neither read nor written; rows of a slot the table does not edit
+are read (no load waits on the rank) but not written.
 """
 
 from __future__ import annotations
@@ -41,32 +42,42 @@ def _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_o
                   ranks_ptr, scales_ptr, max_rank, block, slot, rows, in_tile,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_R: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    # No load waits on the slot's rank: t, B, the scale and the base output are all requested
+    # once the tile is known, and the rank only masks what they bring (a chain of one load
+    # instead of three). So the rank loop runs over the table's padding (one pass at rank <= 16);
+    # passes past the slot's rank add exact zeros, and nothing past it is used: t there was never
+    # written, B is padding.
     rank = tl.load(ranks_ptr + slot)
-    if rank > 0:
-        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_n = cols < N
-        chunks = tl.arange(0, MAX_CHUNKS)
-        has_c = chunks < num_chunks
-        t_rows = t_ptr + rows[:, None, None] * stride_t + chunks[None, :, None] * stride_t_chunk
-        in_t = in_tile[:, None, None] & has_c[None, :, None]  # [BLOCK_M, MAX_CHUNKS, 1]
-        b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank  # [BLOCK_N, 1]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j0 in range(0, rank, BLOCK_R):
-            ranks_j = j0 + tl.arange(0, BLOCK_R)
-            has_j = ranks_j < rank
-            parts = tl.load(t_rows + ranks_j[None, None, :], mask=in_t & has_j[None, None, :],
-                            other=0.0)  # [BLOCK_M, MAX_CHUNKS, BLOCK_R]
-            tj = tl.sum(parts, axis=1)  # [BLOCK_M, BLOCK_R]
-            bj = tl.load(b_rows + ranks_j[None, :], mask=in_n[:, None] & has_j[None, :],
-                         other=0.0)  # [BLOCK_N, BLOCK_R]
-            acc += tl.sum(tj[:, None, :] * bj[None, :, :], axis=2)
-        scale = tl.load(scales_ptr + slot)
-        outs = out_ptr + rows[:, None] * stride_out + cols[None, :]
-        mask = in_tile[:, None] & in_n[None, :]
-        # One rounding of base + delta: an output in the model dtype is widened, added to in
-        # fp32 and rounded back, as the torch path's `(out.float() + delta).to(dtype)`.
-        base = tl.load(outs, mask=mask).to(tl.float32)
-        tl.store(outs, (base + acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
+    scale = tl.load(scales_ptr + slot)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = cols < N
+    chunks = tl.arange(0, MAX_CHUNKS)
+    has_c = chunks < num_chunks
+    outs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    mask = in_tile[:, None] & in_n[None, :]
+    base = tl.load(outs, mask=mask)
+    t_rows = t_ptr + rows[:, None, None] * stride_t + chunks[None, :, None] * stride_t_chunk
+    in_t = in_tile[:, None, None] & has_c[None, :, None]  # [BLOCK_M, MAX_CHUNKS, 1]
+    b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank  # [BLOCK_N, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for j0 in range(0, max_rank, BLOCK_R):
+        ranks_j = j0 + tl.arange(0, BLOCK_R)
+        in_r = ranks_j < max_rank
+        parts = tl.load(t_rows + ranks_j[None, None, :], mask=in_t & in_r[None, None, :],
+                        other=0.0)  # [BLOCK_M, MAX_CHUNKS, BLOCK_R]
+        bj = tl.load(b_rows + ranks_j[None, :], mask=in_n[:, None] & in_r[None, :],
+                     other=0.0)  # [BLOCK_N, BLOCK_R]
+        has_j = ranks_j < rank
+        tj = tl.where(has_j[None, :], tl.sum(parts, axis=1), 0.0)  # [BLOCK_M, BLOCK_R]
+        bj = tl.where(has_j[None, :], bj, 0.0)
+        acc += tl.sum(tj[:, None, :] * bj[None, :, :], axis=2)
+    # One rounding of base + delta: an output in the model dtype is widened, added to in fp32
+    # and rounded back, as the torch path's `(out.float() + delta).to(dtype)`. Slots the table
+    # does not edit (rank 0) are not written; that test is a block, since triton 3.9's
+    # interpreter rejects a mask with a scalar in it.
+    edited = tl.zeros([BLOCK_M], tl.int32) < rank
+    tl.store(outs, (base.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
+             mask=mask & edited[:, None])
 
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or

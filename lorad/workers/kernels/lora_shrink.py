@@ -8,8 +8,9 @@ projection at batch 1 with 8 programs, each waiting on one load after another. E
 same arithmetic whatever shares its step: products accumulated per (row, rank, lane) over its
 chunk in BLOCK_K steps, then one reduction over the lanes, with one tile shape and one chunk size
 for every table and batch; each chunk's partial sum has its own place in t, so no atomics. Rows
-of slot 0, ranks at or past a slot's rank and slots a table does not edit (rank 0) are neither
-read nor written.
+of slot 0 are neither read nor written; ranks at or past a slot's rank (all of them for a slot
+the table does not edit) are read with the rest, so that no load waits on the rank, but not
+written.
 """
 
 from __future__ import annotations
@@ -67,24 +68,25 @@ def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks
                   block, chunk, slot, rows, in_tile, K,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # No load waits on the slot's rank: x and A are requested once the tile is known, and the
+    # rank only masks the store (a chain of one load instead of two). A's rows past the rank are
+    # padding; their lanes are summed apart from the others and never stored.
     rank = tl.load(ranks_ptr + slot)
-    j0 = block * BLOCK_R
-    if j0 < rank:
-        ranks_j = j0 + tl.arange(0, BLOCK_R)
-        has_j = ranks_j < rank
-        x_rows = x_ptr + rows[:, None] * stride_x  # [BLOCK_M, 1]
-        a_rows = a_ptr + (slot * max_rank + ranks_j)[:, None] * K  # [BLOCK_R, 1]
-        acc = tl.zeros([BLOCK_M, BLOCK_R, BLOCK_K], dtype=tl.float32)
-        k_start = chunk * K_CHUNK
-        for k0 in tl.range(k_start, k_start + K_CHUNK, BLOCK_K, num_stages=NUM_STAGES):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            in_k = cols < K
-            xk = tl.load(x_rows + cols[None, :], mask=in_tile[:, None] & in_k[None, :], other=0.0)
-            ak = tl.load(a_rows + cols[None, :], mask=has_j[:, None] & in_k[None, :], other=0.0)
-            acc += xk.to(tl.float32)[:, None, :] * ak[None, :, :]
-        t = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_R]
-        tl.store(t_ptr + rows[:, None] * stride_t + chunk * stride_t_chunk + ranks_j[None, :], t,
-                 mask=in_tile[:, None] & has_j[None, :])
+    ranks_j = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_r = ranks_j < max_rank
+    x_rows = x_ptr + rows[:, None] * stride_x  # [BLOCK_M, 1]
+    a_rows = a_ptr + (slot * max_rank + ranks_j)[:, None] * K  # [BLOCK_R, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_R, BLOCK_K], dtype=tl.float32)
+    k_start = chunk * K_CHUNK
+    for k0 in tl.range(k_start, k_start + K_CHUNK, BLOCK_K, num_stages=NUM_STAGES):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        in_k = cols < K
+        xk = tl.load(x_rows + cols[None, :], mask=in_tile[:, None] & in_k[None, :], other=0.0)
+        ak = tl.load(a_rows + cols[None, :], mask=in_r[:, None] & in_k[None, :], other=0.0)
+        acc += xk.to(tl.float32)[:, None, :] * ak[None, :, :]
+    t = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_R]
+    tl.store(t_ptr + rows[:, None] * stride_t + chunk * stride_t_chunk + ranks_j[None, :], t,
+             mask=in_tile[:, None] & (ranks_j < rank)[None, :])
 
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
