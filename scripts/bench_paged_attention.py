@@ -5,6 +5,7 @@ and 4096, with the bandwidth achieved against the K and V bytes read.
 
     python scripts/bench_paged_attention.py [--split-sizes 256] [--batches 1,8,32,64,128]
                                             [--contexts 1024,4096] [--iters 50]
+                                            [--table-tokens 8192] [--split-programs 0,16]
 
 Each row times one kernel pair (split + reduce) replayed from a CUDA graph, as a decode step runs
 it, and also launched eagerly. Block tables are shuffled; consecutive calls read different blocks
@@ -23,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lorad.workers.kernels.paged_attention import SPLIT_SIZE, paged_decode_attention  # noqa: E402
+from lorad.workers.kernels.paged_attention import (  # noqa: E402
+    SPLIT_PROGRAMS, SPLIT_SIZE, paged_decode_attention)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -47,13 +49,16 @@ def time_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: int) -> dict:
+def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: int,
+          table_tokens: int, split_programs: int) -> dict:
     device = k_cache.device
     blocks_per_seq = context // BLOCK_SIZE
+    width = max(blocks_per_seq, table_tokens // BLOCK_SIZE)  # a graph's table: the longest context
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
     num_sets = max(1, min(L2_FLUSH_BYTES // kv_bytes, k_cache.shape[0] // (batch * blocks_per_seq)))
     perm = torch.randperm(k_cache.shape[0], device=device)[:num_sets * batch * blocks_per_seq]
-    tables = perm.view(num_sets, batch, blocks_per_seq).to(torch.int32)
+    tables = torch.zeros(num_sets, batch, width, dtype=torch.int32, device=device)
+    tables[:, :, :blocks_per_seq] = perm.view(num_sets, batch, blocks_per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
     out = torch.empty(batch, NUM_Q_HEADS * HEAD_DIM, device=device, dtype=DTYPE)
@@ -61,7 +66,7 @@ def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: in
 
     def call(i: int) -> None:
         paged_decode_attention(q, k_cache, v_cache, tables[i], lens, scale, out=out,
-                               split_size=split_size)
+                               split_size=split_size, split_programs=split_programs)
 
     for i in range(num_sets):  # compile, and touch every set once
         call(i)
@@ -82,6 +87,12 @@ def main() -> int:
     parser.add_argument("--batches", type=ints, default=[1, 8, 32, 64, 128])
     parser.add_argument("--contexts", type=ints, default=[1024, 4096])
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--table-tokens", type=int, default=0,
+                        help="block table width in tokens, as a CUDA graph holds it for the "
+                             "longest context (lorad: --max-model-len); default: the context")
+    parser.add_argument("--split-programs", type=ints, default=[SPLIT_PROGRAMS],
+                        help="programs per sequence and KV head (0: one per split of the "
+                             "table's width)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_paged_attention: needs a CUDA GPU", file=sys.stderr)
@@ -99,16 +110,18 @@ def main() -> int:
           f"torch {torch.__version__}, triton {triton.__version__}")
     print(f"# {NUM_Q_HEADS} query / {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, blocks of "
           f"{BLOCK_SIZE}, {DTYPE}, KV pool {2 * k_cache.nbytes / 2**30:.1f} GiB; "
-          "GB/s = K+V bytes read / graph time")
-    header = (f"{'split':>5} {'batch':>5} {'context':>7} {'splits':>6} {'KV MiB':>8} "
+          f"GB/s = K+V bytes read / graph time; block tables {args.table_tokens or 'context'} "
+          "tokens wide; progs = split programs per sequence and KV head (0: one per split)")
+    header = (f"{'split':>5} {'progs':>5} {'batch':>5} {'context':>7} {'splits':>6} {'KV MiB':>8} "
               f"{'graph us':>9} {'eager us':>9} {'GB/s':>7} {'sets':>4}")
     print(header)
     print("-" * len(header))
-    for split_size in args.split_sizes:
+    for split_size, programs in [(s, p) for s in args.split_sizes for p in args.split_programs]:
         for context in args.contexts:
             for batch in args.batches:
-                r = bench(k_cache, v_cache, batch, context, split_size, args.iters)
-                print(f"{split_size:>5} {batch:>5} {context:>7} {r['splits']:>6} "
+                r = bench(k_cache, v_cache, batch, context, split_size, args.iters,
+                          args.table_tokens, programs)
+                print(f"{split_size:>5} {programs:>5} {batch:>5} {context:>7} {r['splits']:>6} "
                       f"{r['kv_mb']:>8.1f} {r['graph_us']:>9.1f} {r['eager_us']:>9.1f} "
                       f"{r['gbps']:>7.0f} {r['sets']:>4}", flush=True)
     return 0

@@ -107,7 +107,8 @@ def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, gr
                                            shape=TINY, contexts=TINY_CONTEXTS,
                                            batch_sizes=(3,), seed=1) -> None:
     """A row has the same bits alone, in batches of other sizes and orders, beside padding rows,
-    and beside a longer neighbour that widens the block table (and so the grid)."""
+    beside a longer neighbour that widens the block table (and so the grid), and with its splits
+    taken by fewer programs, each looping over several."""
     from lorad.workers.kernels.paged_attention import paged_decode_attention
 
     gen, rng = torch.Generator(device).manual_seed(seed), random.Random(seed)
@@ -120,7 +121,7 @@ def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, gr
     q = randn(gen, len(all_contexts), group * shape.num_kv_heads, shape.head_dim, dtype=dtype)
     scale = shape.head_dim ** -0.5
 
-    def run(rows: list[int], pad: int = 0) -> torch.Tensor:
+    def run(rows: list[int], pad: int = 0, split_programs: int | None = None) -> torch.Tensor:
         # Only as many table columns as this batch needs: the grid changes with the batch.
         width = max(-(-all_contexts[r] // shape.block_size) for r in rows)
         batch_tables = torch.cat([tables[rows, :width],
@@ -128,7 +129,8 @@ def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, gr
         batch_lens = torch.cat([lens[rows], torch.zeros(pad, dtype=torch.int32, device=device)])
         batch_q = torch.cat([q[rows], randn(gen, pad, *q.shape[1:], dtype=dtype)])
         return paged_decode_attention(batch_q, k_cache, v_cache, batch_tables, batch_lens, scale,
-                                      split_size=shape.split_size, tile_size=shape.tile_size)
+                                      split_size=shape.split_size, tile_size=shape.tile_size,
+                                      split_programs=split_programs)
 
     everyone = list(range(len(all_contexts)))
     reference = run(everyone)
@@ -138,11 +140,14 @@ def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, gr
         order = everyone[:]
         rng.shuffle(order)
         batches += [order[i:i + size] for i in range(0, len(order), size)]
+    # None: the default; 0: one program per split; 1 and 2: programs looping over splits.
+    programs = [None, 0, 1, 2]
     for i, rows in enumerate(batches):
-        got = run(rows, pad=i % 3)
+        got = run(rows, pad=i % 3, split_programs=programs[i % 4])
         for j, r in enumerate(rows):
-            assert torch.equal(got[j], reference[r]), \
-                f"decode row of context {all_contexts[r]} differs in batch {rows}"
+            assert torch.equal(got[j], reference[r]), (
+                f"decode row of context {all_contexts[r]} differs in batch {rows} "
+                f"(split programs {programs[i % 4]})")
 
 
 def check_prefill_matches_reference(device="cpu", dtype=torch.float32, group=4, shape=TINY,

@@ -22,6 +22,10 @@ import triton.language as tl
 # the kernel was latency-bound: 8.8 us per layer on an H200).
 SPLIT_SIZE = 128
 TILE_TOKENS = 64  # keys per step inside a split
+# Programs per (sequence, KV head) of the split kernel, each taking every SPLIT_PROGRAMS-th split
+# of its context. A graph's grid is sized for the longest context its block table holds (8192
+# tokens: 64 splits), so one program per split would launch mostly programs with nothing to do.
+SPLIT_PROGRAMS = 16
 
 
 @triton.jit
@@ -65,13 +69,29 @@ def _decode_split_kernel(
         DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     context_len = tl.load(lens_ptr + seq)
-    split_start = split * SPLIT
-    if split_start >= context_len:
-        return  # past this sequence's context (or a padding row): the reduce never reads it
-    split_end = tl.minimum(split_start + SPLIT, context_len)
+    # Program p takes splits p, p + num_programs(2), ... of this sequence's context (none for a
+    # padding row); splits past it are never read by the reduce. A split's arithmetic is the
+    # same whichever program takes it.
+    for split in range(tl.program_id(2), tl.cdiv(context_len, SPLIT), tl.num_programs(2)):
+        _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, part_acc_ptr, part_max_ptr,
+                      part_sum_ptr, scale, seq, kv_head, split, context_len, stride_q_seq,
+                      stride_q_head, stride_k_block, stride_k_token, stride_k_head,
+                      stride_v_block, stride_v_token, stride_v_head, stride_table,
+                      stride_part_seq, stride_part_head, GROUP, HEAD_DIM, BLOCK_SIZE, SPLIT, TILE,
+                      BLOCK_H, BLOCK_D, DOT_PRECISION)
 
+
+@triton.jit
+def _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, part_acc_ptr, part_max_ptr,
+                  part_sum_ptr, scale, seq, kv_head, split, context_len, stride_q_seq,
+                  stride_q_head, stride_k_block, stride_k_token, stride_k_head, stride_v_block,
+                  stride_v_token, stride_v_head, stride_table, stride_part_seq, stride_part_head,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  SPLIT: tl.constexpr, TILE: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    split_start = split * SPLIT
+    split_end = tl.minimum(split_start + SPLIT, context_len)
     heads = tl.arange(0, BLOCK_H)  # this KV head's query heads, padded up to a dot's 16 rows
     dims = tl.arange(0, BLOCK_D)
     head_ok = heads < GROUP
@@ -137,7 +157,8 @@ def _decode_reduce_kernel(
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, split_size: int = SPLIT_SIZE,
-                           tile_size: int = TILE_TOKENS) -> torch.Tensor:
+                           tile_size: int = TILE_TOKENS,
+                           split_programs: int | None = None) -> torch.Tensor:
     """q: [num_seqs, q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32
     -> out [num_seqs, q_heads * head_dim] in q's dtype (zero rows where context_len is 0). A
@@ -145,7 +166,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     written with zeros, which saves a fill of the whole output first.
 
     The grid covers max_blocks * block_size tokens per sequence: shapes only, so a CUDA graph
-    captured with a block table of max_blocks columns serves any context up to that length."""
+    captured with a block table of max_blocks columns serves any context up to that length.
+    split_programs: programs per (sequence, KV head), each looping over splits (default
+    SPLIT_PROGRAMS; 0: one per split of the widest context the table holds)."""
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -170,7 +193,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = triton.next_power_of_2(head_dim)
     # fp32 stays fp32 (no tf32 rounding of q and k): it is compared with the CPU path.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _decode_split_kernel[(num_seqs, num_kv_heads, max_splits)](
+    if split_programs is None:
+        split_programs = SPLIT_PROGRAMS
+    _decode_split_kernel[(num_seqs, num_kv_heads, min(max_splits, split_programs or max_splits))](
         q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
