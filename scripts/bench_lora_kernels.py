@@ -144,9 +144,10 @@ SWEEP_SHRINK = [shrink.ShrinkConfig(4, 256, 256, 4, 1), shrink.ShrinkConfig(4, 2
                 shrink.ShrinkConfig(2, 512, 512, 4, 1), shrink.ShrinkConfig(8, 128, 512, 4, 2),
                 shrink.ShrinkConfig(16, 64, 256, 4, 2), shrink.ShrinkConfig(4, 256, 512, 8, 2),
                 shrink.ShrinkConfig(2, 512, 14336, 4, 3)]
-SWEEP_EXPAND = [expand.ExpandConfig(32, 16, 4, 1), expand.ExpandConfig(128, 16, 8, 1),
-                expand.ExpandConfig(128, 16, 4, 1), expand.ExpandConfig(256, 16, 8, 1),
-                expand.ExpandConfig(64, 16, 2, 1), expand.ExpandConfig(64, 16, 4, 2)]
+SWEEP_EXPAND = [expand.ExpandConfig(64, 16, 4, 1), expand.ExpandConfig(64, 16, 1, 1),
+                expand.ExpandConfig(32, 16, 1, 1), expand.ExpandConfig(32, 16, 2, 1),
+                expand.ExpandConfig(128, 16, 2, 1), expand.ExpandConfig(128, 16, 4, 1),
+                expand.ExpandConfig(256, 16, 4, 1)]
 
 
 def main() -> int:

@@ -90,9 +90,10 @@ def main() -> int:
     parser.add_argument("--table-tokens", type=int, default=0,
                         help="block table width in tokens, as a CUDA graph holds it for the "
                              "longest context (lorad: --max-model-len); default: the context")
-    parser.add_argument("--split-programs", type=ints, default=[SPLIT_PROGRAMS],
+    parser.add_argument("--split-programs", type=ints, default=[-1],
                         help="programs per sequence and KV head (0: one per split of the "
-                             "table's width)")
+                             f"table's width, -1: the kernel's choice, {SPLIT_PROGRAMS} past "
+                             "small grids)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_paged_attention: needs a CUDA GPU", file=sys.stderr)
@@ -111,7 +112,8 @@ def main() -> int:
     print(f"# {NUM_Q_HEADS} query / {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, blocks of "
           f"{BLOCK_SIZE}, {DTYPE}, KV pool {2 * k_cache.nbytes / 2**30:.1f} GiB; "
           f"GB/s = K+V bytes read / graph time; block tables {args.table_tokens or 'context'} "
-          "tokens wide; progs = split programs per sequence and KV head (0: one per split)")
+          "tokens wide; progs = split programs per sequence and KV head (0: one per split, -1: "
+          "the kernel's choice)")
     header = (f"{'split':>5} {'progs':>5} {'batch':>5} {'context':>7} {'splits':>6} {'KV MiB':>8} "
               f"{'graph us':>9} {'eager us':>9} {'GB/s':>7} {'sets':>4}")
     print(header)
@@ -120,7 +122,7 @@ def main() -> int:
         for context in args.contexts:
             for batch in args.batches:
                 r = bench(k_cache, v_cache, batch, context, split_size, args.iters,
-                          args.table_tokens, programs)
+                          args.table_tokens, None if programs < 0 else programs)
                 print(f"{split_size:>5} {programs:>5} {batch:>5} {context:>7} {r['splits']:>6} "
                       f"{r['kv_mb']:>8.1f} {r['graph_us']:>9.1f} {r['eager_us']:>9.1f} "
                       f"{r['gbps']:>7.0f} {r['sets']:>4}", flush=True)

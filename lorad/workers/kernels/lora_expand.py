@@ -30,7 +30,10 @@ from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
 class ExpandConfig:
     block_n: int = 64
     block_r: int = 16  # rank chunk: adapters of rank <= 16 take one pass
-    num_warps: int = 4
+    # 2 warps: on an H200 (scripts/bench_lora_kernels.py --sweep) a decode step's LoRA kernels
+    # took 1,617 us at batch 32 with one adapter and 12,487 at batch 64 with distinct ones,
+    # against 1,737 and 14,532 with 4; batch 1 the same.
+    num_warps: int = 2
     num_stages: int = 1  # the rank loop is one pass at rank <= 16: nothing to pipeline
 
 
