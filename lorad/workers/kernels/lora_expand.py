@@ -30,10 +30,12 @@ from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
 class ExpandConfig:
     block_n: int = 64
     block_r: int = 16  # rank chunk: adapters of rank <= 16 take one pass
-    # 2 warps: on an H200 (scripts/bench_lora_kernels.py --sweep) a decode step's LoRA kernels
-    # took 1,617 us at batch 32 with one adapter and 12,487 at batch 64 with distinct ones,
-    # against 1,737 and 14,532 with 4; batch 1 the same.
-    num_warps: int = 2
+    # One warp: on an H200 (scripts/bench_lora_kernels.py --sweep, graph us per decode step of
+    # LoRA kernels) batch 64 with a distinct adapter per row took 10,889 against 12,523 with 2
+    # warps and 14,559 with 4, batch 32 5,938 / 6,649 / 7,694; one adapter at batch 32 1,628 /
+    # 1,624 / 1,743. It costs batch 1: 1,225 against 1,113 with 2 or 4. The warps set the order
+    # of the rank sum, so one count serves every batch.
+    num_warps: int = 1
     num_stages: int = 1  # the rank loop is one pass at rank <= 16: nothing to pipeline
 
 
