@@ -5,7 +5,7 @@ and 4096, with the bandwidth achieved against the K and V bytes read.
 
     python scripts/bench_paged_attention.py [--split-sizes 256] [--batches 1,8,32,64,128]
                                             [--contexts 1024,4096] [--iters 50]
-                                            [--table-tokens 8192] [--split-programs 0,16]
+                                            [--table-tokens 8192] [--split-programs=-1,0]
 
 Each row times one kernel pair (split + reduce) replayed from a CUDA graph, as a decode step runs
 it, and also launched eagerly. Block tables are shuffled; consecutive calls read different blocks
@@ -92,8 +92,8 @@ def main() -> int:
                              "longest context (lorad: --max-model-len); default: the context")
     parser.add_argument("--split-programs", type=ints, default=[-1],
                         help="programs per sequence and KV head (0: one per split of the "
-                             f"table's width, -1: the kernel's choice, {SPLIT_PROGRAMS} past "
-                             "small grids)")
+                             f"table's width, -1: the kernel's default, {SPLIT_PROGRAMS}; write "
+                             "--split-programs=-1,0)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_paged_attention: needs a CUDA GPU", file=sys.stderr)
@@ -113,7 +113,7 @@ def main() -> int:
           f"{BLOCK_SIZE}, {DTYPE}, KV pool {2 * k_cache.nbytes / 2**30:.1f} GiB; "
           f"GB/s = K+V bytes read / graph time; block tables {args.table_tokens or 'context'} "
           "tokens wide; progs = split programs per sequence and KV head (0: one per split, -1: "
-          "the kernel's choice)")
+          "the kernel's default)")
     header = (f"{'split':>5} {'progs':>5} {'batch':>5} {'context':>7} {'splits':>6} {'KV MiB':>8} "
               f"{'graph us':>9} {'eager us':>9} {'GB/s':>7} {'sets':>4}")
     print(header)

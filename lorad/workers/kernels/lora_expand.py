@@ -30,12 +30,13 @@ from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
 class ExpandConfig:
     block_n: int = 64
     block_r: int = 16  # rank chunk: adapters of rank <= 16 take one pass
-    # One warp: on an H200 (scripts/bench_lora_kernels.py --sweep, graph us per decode step of
-    # LoRA kernels) batch 64 with a distinct adapter per row took 10,889 against 12,523 with 2
-    # warps and 14,559 with 4, batch 32 5,938 / 6,649 / 7,694; one adapter at batch 32 1,628 /
-    # 1,624 / 1,743. It costs batch 1: 1,225 against 1,113 with 2 or 4. The warps set the order
-    # of the rank sum, so one count serves every batch.
-    num_warps: int = 1
+    # Two warps. On an H200 (scripts/bench_lora_kernels.py --sweep, graph us of a decode step's
+    # LoRA kernels) batch 64 with a distinct adapter per row took 12,523 against 14,559 with 4
+    # warps, batch 32 6,649 against 7,694, one adapter at batch 32 1,624 against 1,743; batch 1
+    # the same. One warp was faster still there (10,889 at batch 64) but slowed prompts with
+    # adapters: bench_engine's 2x512 prefill with distinct adapters took 73.0 ms against 45.9
+    # with 2 (51.0 with 4). The warps set the order of the rank sum, so one count serves all.
+    num_warps: int = 2
     num_stages: int = 1  # the rank loop is one pass at rank <= 16: nothing to pipeline
 
 

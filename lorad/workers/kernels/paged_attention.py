@@ -26,10 +26,8 @@ TILE_TOKENS = 64  # keys per step inside a split
 # of its context. A graph's grid is sized for the longest context its block table holds (8192
 # tokens: 64 splits), so one program per split launches mostly programs with nothing to do: on an
 # H200 at 512 tokens of context (scripts/bench_paged_attention.py --table-tokens 8192) batch 32
-# took 32.7 us that way and 28.0 with 16, batch 64 61.0 and 48.1. A grid of at most
-# ONE_PER_SPLIT_UP_TO programs keeps one per split: batch 1 took 8.5 us so, 9.2 with 16.
+# took 33.5 us that way and 28.0 with 16, batch 64 61.0 and 48.1; batch 1 and 2 the same.
 SPLIT_PROGRAMS = 16
-ONE_PER_SPLIT_UP_TO = 512
 
 
 @triton.jit
@@ -171,9 +169,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     The grid covers max_blocks * block_size tokens per sequence: shapes only, so a CUDA graph
     captured with a block table of max_blocks columns serves any context up to that length.
-    split_programs: programs per (sequence, KV head), each looping over splits (0: one per split
-    of the widest context the table holds; default: that for small grids, else SPLIT_PROGRAMS).
-    Which program takes a split does not change its arithmetic."""
+    split_programs: programs per (sequence, KV head), each looping over splits (default
+    SPLIT_PROGRAMS; 0: one per split of the widest context the table holds). Which program takes
+    a split does not change its arithmetic."""
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -199,8 +197,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # fp32 stays fp32 (no tf32 rounding of q and k): it is compared with the CPU path.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if split_programs is None:
-        one_per_split = num_seqs * num_kv_heads * max_splits <= ONE_PER_SPLIT_UP_TO
-        split_programs = 0 if one_per_split else SPLIT_PROGRAMS
+        split_programs = SPLIT_PROGRAMS
     _decode_split_kernel[(num_seqs, num_kv_heads, min(max_splits, split_programs or max_splits))](
         q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
