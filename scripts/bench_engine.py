@@ -86,12 +86,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-repeats", type=int, default=3,
                    help="transformers' times are each the fastest of this many runs")
     p.add_argument("--quick", action="store_true",
-                   help="batches 1,32,64, 5 steps, prefill 2x512, transformers at batch 32 "
+                   help="batches 1,32,64, prefill 2x512, transformers at batch 32 "
                         "(every target of the GPU issue, in about a minute)")
     p.add_argument("--table-out", help="also write the markdown table to this file")
     args = p.parse_args()
     if args.quick:
-        args.batches, args.steps, args.prefill, args.hf_batches = [1, 32, 64], 5, "2x512", [32]
+        args.batches, args.prefill, args.hf_batches = [1, 32, 64], "2x512", [32]
         args.eager_batches = [1]
     return args
 
@@ -232,8 +232,8 @@ def decode_steps(slots: list[int], context: int, blocks_per_seq: int, num_steps:
 
 def time_decode(model, graphs: DecodeGraphs | None, slots: list[int], args,
                 blocks_per_seq: int) -> tuple[float, float | None]:
-    """-> (seconds per step as the worker runs it: inputs, forward, argmax to the host;
-    seconds per graph replay alone, or None eagerly)."""
+    """-> (median seconds per step as the worker runs it: inputs, forward, argmax to the host;
+    median seconds per graph replay alone, or None eagerly)."""
     steps = list(decode_steps(slots, args.context, blocks_per_seq, args.warmup + args.steps))
 
     def step(chunks):
@@ -246,10 +246,13 @@ def time_decode(model, graphs: DecodeGraphs | None, slots: list[int], args,
     for chunks in steps[:args.warmup]:
         step(chunks)
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    times = []
     for chunks in steps[args.warmup:]:
+        start = time.perf_counter()
         step(chunks)
-    per_step = (time.perf_counter() - start) / args.steps
+        times.append(time.perf_counter() - start)
+    # The median: the host's share of a step (inputs, launch, the sync) jumps now and then.
+    per_step = statistics.median(times)
     replay = None
     if graphs is not None:
         replay = time_cuda(graphs.graph_for(len(slots), any(slots)).replay, args.steps, warmup=1)
@@ -532,7 +535,8 @@ def main() -> int:
         f"lorad peak memory {peak_gib:.1f} GiB",
         f"decode: {args.context} tokens of KV per sequence, {args.steps} timed steps after "
         f"{args.warmup}; step ms = inputs + forward + argmax to the host, as the worker runs "
-        f"it; device ms = one graph replay; tokens/s = batch / step",
+        f"it, the median step; device ms = one graph replay, the median of as many; tokens/s = "
+        f"batch / step",
         f"cases: base = no adapter loaded; idle = {args.num_adapters} adapters loaded, rows on "
         f"slot 0; one = adapter 1 on every row; mixed4 = row i on adapter 1 + i % 4; many = row "
         f"i on adapter 1 + i % {args.num_adapters}; (serial shrink) = LoRA shrinks on the main "
