@@ -9,12 +9,13 @@
 # triton, transformers, peft...), and lorad is used from the checkout through PYTHONPATH.
 # Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, bench-gemv.log,
 # bench-gemv-lora.log, bench-norm-shrink.log, profile.log, bench.log, bench.md). Time limits:
-# tests 240 s, each kernel benchmark 40 s (the GEMV sweep 75 s, LORAD_SESSION_GEMV=0 skips it;
-# the fused-LoRA kernels' benchmarks 120 s, LORAD_SESSION_FUSED=0 skips them), the decode profile
-# 90 s (LORAD_SESSION_PROFILE=0 skips it), the engine 210 s.
-# Set LORAD_SESSION_QUICK=1 for a shorter engine benchmark (--quick), LORAD_SESSION_ENGINE_ARGS
-# for more of its options. Everything on is more than
-# 10 minutes: switch parts off to fit.
+# tests 240 s, the LoRA kernels 120 s and attention 60 s (LORAD_SESSION_MICRO=0 skips both), the
+# GEMV sweep 75 s (LORAD_SESSION_GEMV=0 skips it), the fused-LoRA kernels' benchmarks 120 s
+# (LORAD_SESSION_FUSED=0 skips them), the decode profile 90 s (LORAD_SESSION_PROFILE=0 skips
+# it), the engine 210 s. LORAD_SESSION_QUICK=1 makes the engine benchmark shorter (--quick);
+# LORAD_SESSION_ENGINE_ARGS, LORAD_SESSION_LORA_ARGS and LORAD_SESSION_ATTENTION_ARGS pass more
+# options to the engine, LoRA and attention benchmarks. Everything on is more than 10 minutes:
+# switch parts off to fit.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -64,8 +65,12 @@ run_bench() {  # log name, timeout s, script[, its arguments]: a micro-benchmark
   timeout -k 5 "$limit" python3 "scripts/$1" "${@:2}" 2>&1 | tee "$OUT/$log"
 }
 if [[ ${LORAD_SESSION_MICRO:-1} == 1 ]]; then  # LORAD_SESSION_MICRO=0 skips these two
-  run_bench bench-lora.log 40 bench_lora_kernels.py
-  run_bench bench-attention.log 40 bench_paged_attention.py
+  # Options split on spaces, e.g. LORAD_SESSION_LORA_ARGS="--sweep --sweep-kernels expand",
+  # LORAD_SESSION_ATTENTION_ARGS="--table-tokens 8192 --split-programs=0,16".
+  read -ra lora_args <<<"${LORAD_SESSION_LORA_ARGS:-}"
+  read -ra attention_args <<<"${LORAD_SESSION_ATTENTION_ARGS:-}"
+  run_bench bench-lora.log 120 bench_lora_kernels.py "${lora_args[@]}"
+  run_bench bench-attention.log 60 bench_paged_attention.py "${attention_args[@]}"
 fi
 # The decode GEMV's tile sweep against cuBLAS (LORAD_SESSION_GEMV=0 skips it).
 [[ ${LORAD_SESSION_GEMV:-1} == 1 ]] && run_bench bench-gemv.log 75 bench_decode_gemv.py
@@ -81,7 +86,6 @@ fi
 say "engine benchmark"
 quick=()
 [[ ${LORAD_SESSION_QUICK:-0} == 1 ]] && quick=(--quick)
-# LORAD_SESSION_ENGINE_ARGS: more bench_engine.py options, split on spaces.
 read -ra extra <<<"${LORAD_SESSION_ENGINE_ARGS:-}"
 timeout -k 10 210 python3 scripts/bench_engine.py "${quick[@]}" "${extra[@]}" \
   --table-out "$OUT/bench.md" \
