@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.lora_shrink import MAX_TABLES
+
 # The x tile's rows: a decode step of up to 32 sequences in one tile (a multiple of the MMA's 16).
 MAX_ROWS = 32
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -56,7 +58,6 @@ class GemvConfig:
 
 
 DEFAULT_CONFIG = GemvConfig()
-MAX_TABLES = 3  # q/k/v share one weight; gate/up share one
 
 
 @dataclass(frozen=True)

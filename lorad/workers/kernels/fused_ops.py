@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorad.workers.kernels.lora_shrink import MAX_TABLES
+from lorad.workers.kernels.lora_shrink import MAX_TABLES, pad_tables, table_block_ends
 
 
 # --- residual add + RMSNorm -------------------------------------------------------------------
@@ -221,16 +221,13 @@ def add_rms_norm_shrink(delta: torch.Tensor, residual: torch.Tensor, weight: tor
     normed = torch.empty(num_rows, hidden_size, dtype=dtype, device=delta.device)
     if num_rows == 0:
         return hidden, normed, out
-    blocks_end = [0]
-    for a in a_tables:
-        blocks_end.append(blocks_end[-1] + triton.cdiv(a.shape[1], NORM_SHRINK_BLOCK_R))
+    blocks_end = table_block_ends([a.shape[1] for a in a_tables], NORM_SHRINK_BLOCK_R)
     block = triton.next_power_of_2(hidden_size)
-    padded = list(a_tables) + [a_tables[0]] * (MAX_TABLES - num_tables)
-    ranks = list(rank_tables) + [rank_tables[0]] * (MAX_TABLES - num_tables)
+    padded = pad_tables(a_tables)
     _add_rms_norm_shrink_kernel[(num_rows, blocks_end[-1])](
         delta, delta.stride(0), residual, residual.stride(0), hidden, hidden.stride(0), normed,
         normed.stride(0), weight, hidden_size, eps, row_slots, out, out.stride(0), out.stride(1),
-        *padded, *ranks, *(a.shape[1] for a in padded), blocks_end[1],
+        *padded, *pad_tables(rank_tables), *(a.shape[1] for a in padded), blocks_end[1],
         blocks_end[min(2, num_tables)], NUM_TABLES=num_tables, BLOCK=block,
         BLOCK_R=NORM_SHRINK_BLOCK_R, BLOCK_K=min(block_k, block), num_warps=_norm_warps(block))
     return hidden, normed, out

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorad.workers.kernels.lora_shrink import MAX_TABLES, load_tile
+from lorad.workers.kernels.lora_shrink import MAX_TABLES, load_tile, pad_tables, table_block_ends
 from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
 
 
@@ -151,20 +151,15 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         assert b.dtype == torch.float32 and b.is_contiguous() and b.shape[2] <= t.shape[3]
     if tiles.max_tiles == 0:
         return
-    blocks_end = [0]
-    for b in b_tables:
-        blocks_end.append(blocks_end[-1] + triton.cdiv(b.shape[1], config.block_n))
+    blocks_end = table_block_ends([b.shape[1] for b in b_tables], config.block_n)
     num_blocks = blocks_end[-1]
     grid = (min(tiles.max_tiles * num_blocks, num_programs or max_programs(t.device)),)
-
-    def pad(tables: Sequence) -> list:
-        return list(tables) + [tables[0]] * (MAX_TABLES - num_tables)
-
-    padded_outs, padded_b = pad(outs), pad(b_tables)
+    padded_outs, padded_b = pad_tables(outs), pad_tables(b_tables)
     _expand_kernel[grid](
         t, t.stride(0), t.stride(1), t.stride(2), t.shape[2],
         *padded_outs, *(o.stride(0) for o in padded_outs),
-        *(b.shape[1] for b in padded_b), *padded_b, *pad(rank_tables), *pad(scale_tables),
+        *(b.shape[1] for b in padded_b), *padded_b, *pad_tables(rank_tables),
+        *pad_tables(scale_tables),
         *(b.shape[2] for b in padded_b), blocks_end[1], blocks_end[min(2, num_tables)],
         num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, NUM_TABLES=num_tables,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_R=config.block_r,

@@ -27,6 +27,21 @@ from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
 MAX_TABLES = 3  # q/k/v share an input; gate/up share one
 
 
+def pad_tables(tables: Sequence) -> list:
+    """1 to MAX_TABLES per-table arguments, padded to MAX_TABLES with the first: the kernels
+    take MAX_TABLES of each and read only the first NUM_TABLES."""
+    return list(tables) + [tables[0]] * (MAX_TABLES - len(tables))
+
+
+def table_block_ends(sizes: Sequence[int], block: int) -> list[int]:
+    """[0, e_0, e_1, ...]: table i owns the kernel's blocks [e_{i-1}, e_i) of `block` each,
+    sizes[i] being its ranks or outputs."""
+    ends = [0]
+    for size in sizes:
+        ends.append(ends[-1] + triton.cdiv(size, block))
+    return ends
+
+
 @dataclass(frozen=True)
 class ShrinkConfig:
     # Ranks and inputs per work item. Decode rows are few, so ranks and K chunks give the
@@ -153,18 +168,16 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=x.device)
     assert out.shape == shape and out.stride(3) == 1
-    blocks_end = [0]
-    for a in a_tables:
-        blocks_end.append(blocks_end[-1] + triton.cdiv(a.shape[1], config.block_r))
+    blocks_end = table_block_ends([a.shape[1] for a in a_tables], config.block_r)
     num_blocks = blocks_end[-1]
     if tiles.max_tiles == 0:
         return out
     num_items = tiles.max_tiles * num_blocks * shape[2]
     grid = (min(num_items, num_programs or max_programs(x.device)),)
-    padded = list(a_tables) + [a_tables[0]] * (MAX_TABLES - len(a_tables))
-    ranks = list(rank_tables) + [rank_tables[0]] * (MAX_TABLES - len(rank_tables))
+    padded = pad_tables(a_tables)
     _shrink_kernel[grid](
-        x, x.stride(0), out, out.stride(0), out.stride(1), out.stride(2), *padded, *ranks,
+        x, x.stride(0), out, out.stride(0), out.stride(1), out.stride(2), *padded,
+        *pad_tables(rank_tables),
         *(a.shape[1] for a in padded), blocks_end[1], blocks_end[min(2, len(a_tables))],
         num_blocks, shape[2], tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, num_in,
         NUM_TABLES=len(a_tables), BLOCK_M=BLOCK_M,
