@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,9 @@ from lorad.workers.kernels.decode_gemv import (DEFAULT_CONFIG, MAX_ROWS,  # noqa
 from lorad.workers.kernels.lora_expand import lora_expand  # noqa: E402
 from lorad.workers.kernels.lora_shrink import num_k_chunks  # noqa: E402
 from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles  # noqa: E402
+# scripts/ is on sys.path as the script's folder
+from bench_engine import copy_bandwidth  # noqa: E402
+from bench_lora_kernels import time_graph  # noqa: E402
 
 # name -> (N, K, split by tensor parallelism along N (column-parallel) or K (row-parallel))
 SHAPES = {"qkv": (6144, 4096, "N"), "o": (4096, 4096, "K"), "gate_up": (28672, 4096, "N"),
@@ -68,41 +70,10 @@ SWEEP = [DEFAULT_CONFIG] + sorted(
 
 def time_per_launch(launch, num_copies: int) -> float:
     """Seconds per launch(i) (i: the weight copy), replayed from a graph of LAUNCHES launches."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        launch(0)  # compiles and warms outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def launches() -> None:
         for i in range(LAUNCHES):
             launch(i % num_copies)
-    for _ in range(2):
-        graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times) / LAUNCHES
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 1 GiB device copy, read + write counted."""
-    src = torch.randn(1 << 29, device="cuda", dtype=DTYPE)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 10 * 2 * src.numel() * src.element_size() / (start.elapsed_time(end) / 1e3)
+    return time_graph(launches, REPLAYS) / LAUNCHES
 
 
 class Problem:

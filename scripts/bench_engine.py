@@ -113,13 +113,17 @@ def time_cuda(fn, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def measure_ceilings() -> tuple[float, float]:
-    """-> (copy bandwidth in bytes/s, read + write counted; bf16 matmul FLOP/s), on random data."""
-    src = torch.randn(1 << 30, device=CUDA, dtype=torch.bfloat16)  # 2 GiB
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, read + write counted (the median of 10)."""
+    src = torch.randn(1 << 30, device=CUDA, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     seconds = time_cuda(lambda: dst.copy_(src), 10)
-    bandwidth = 2 * src.numel() * src.element_size() / seconds
-    src = dst = None  # 4 GiB back before the matmuls
+    return 2 * src.numel() * src.element_size() / seconds  # 4 GiB back on return
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """-> (copy bandwidth in bytes/s, read + write counted; bf16 matmul FLOP/s), on random data."""
+    bandwidth = copy_bandwidth()
     a = torch.randn(8192, 8192, device=CUDA, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=CUDA, dtype=torch.bfloat16)
     seconds = time_cuda(lambda: a @ b, 10)
