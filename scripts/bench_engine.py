@@ -235,9 +235,10 @@ def decode_steps(slots: list[int], context: int, blocks_per_seq: int, num_steps:
 
 
 def time_decode(model, graphs: DecodeGraphs | None, slots: list[int], args,
-                blocks_per_seq: int) -> tuple[float, float | None]:
+                blocks_per_seq: int) -> tuple[float, float | None, str]:
     """-> (median seconds per step as the worker runs it: inputs, forward, argmax to the host;
-    median seconds per graph replay alone, or None eagerly)."""
+    median seconds per graph replay alone, or None eagerly; the host's fill and launch times
+    as a note, or "" eagerly)."""
     steps = list(decode_steps(slots, args.context, blocks_per_seq, args.warmup + args.steps))
 
     def step(chunks):
@@ -251,16 +252,57 @@ def time_decode(model, graphs: DecodeGraphs | None, slots: list[int], args,
         step(chunks)
     torch.cuda.synchronize()
     times = []
-    for chunks in steps[args.warmup:]:
-        start = time.perf_counter()
-        step(chunks)
-        times.append(time.perf_counter() - start)
+    with HostClock(graphs) as clock:
+        for chunks in steps[args.warmup:]:
+            start = time.perf_counter()
+            step(chunks)
+            times.append(time.perf_counter() - start)
     # The median: the host's share of a step (inputs, launch, the sync) jumps now and then.
     per_step = statistics.median(times)
     replay = None
     if graphs is not None:
         replay = time_cuda(graphs.graph_for(len(slots), any(slots)).replay, args.steps, warmup=1)
-    return per_step, replay
+    return per_step, replay, clock.summary()
+
+
+class HostClock:
+    """Times, on the host, the two parts of a graph step that run before the GPU has work: the
+    inputs' fill (DecodeInputs.fill) and the replay call (the graph's launch), by wrapping both
+    for the duration of a `with`; summary() -> their medians, or "" eagerly."""
+
+    def __init__(self, graphs: DecodeGraphs | None) -> None:
+        self.graphs = graphs
+        self.fill: list[float] = []
+        self.launch: list[float] = []
+
+    @staticmethod
+    def _timed(fn, into: list[float]):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                into.append(time.perf_counter() - start)
+        return timed
+
+    def __enter__(self) -> "HostClock":
+        if self.graphs is not None:
+            self.graphs.inputs.fill = self._timed(self.graphs.inputs.fill, self.fill)
+            for graph in self.graphs._graphs.values():
+                graph.replay = self._timed(graph.replay, self.launch)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.graphs is not None:  # back to the methods
+            del self.graphs.inputs.fill
+            for graph in self.graphs._graphs.values():
+                del graph.replay
+
+    def summary(self) -> str:
+        if not self.fill or not self.launch:
+            return ""
+        return (f"host: fill {statistics.median(self.fill) * 1e3:.3f} ms, launch "
+                f"{statistics.median(self.launch) * 1e3:.3f} ms")
 
 
 def add_row(case: str, batch, mode: str, step_s: float | None, device_s: float | None = None,
@@ -284,9 +326,9 @@ def bench_decode(model, graphs, floor: Floor, cases: list[str], args, blocks_per
                     ["eager"] if graphs and batch in args.eager_batches
                     and case in ("base", "many") else []):
                 try:
-                    step_s, replay_s = time_decode(model, graphs if mode == "graph" else None,
-                                                   slots, args, blocks_per_seq)
-                    add_row(case + label, batch, mode, step_s, replay_s, floor_s)
+                    step_s, replay_s, host = time_decode(
+                        model, graphs if mode == "graph" else None, slots, args, blocks_per_seq)
+                    add_row(case + label, batch, mode, step_s, replay_s, floor_s, note=host)
                 except Exception as exc:  # one failed figure must not cost the others
                     traceback.print_exc()
                     add_row(case + label, batch, mode, None,

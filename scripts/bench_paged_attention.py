@@ -3,7 +3,8 @@
 (32 query / 8 KV heads, head_dim 128, blocks of 16 tokens, bf16), batch 1 to 128 at contexts 1024
 and 4096, with the bandwidth achieved against the K and V bytes read.
 
-    python scripts/bench_paged_attention.py [--split-sizes 256] [--batches 1,8,32,64,128]
+    python scripts/bench_paged_attention.py [--split-sizes 256] [--tile-sizes 64,128]
+                                            [--warps 4,8] [--batches 1,8,32,64,128]
                                             [--contexts 1024,4096] [--iters 50]
                                             [--table-tokens 8192] [--split-programs=-1,0]
 
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lorad.workers.kernels.paged_attention import (  # noqa: E402
-    SPLIT_PROGRAMS, SPLIT_SIZE, paged_decode_attention)
+    SPLIT_PROGRAMS, SPLIT_SIZE, SPLIT_WARPS, TILE_TOKENS, paged_decode_attention)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -50,7 +51,7 @@ def time_ms(fn, iters: int) -> float:
 
 
 def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: int,
-          table_tokens: int, split_programs: int) -> dict:
+          table_tokens: int, split_programs: int, tile_size: int, num_warps: int) -> dict:
     device = k_cache.device
     blocks_per_seq = context // BLOCK_SIZE
     width = max(blocks_per_seq, table_tokens // BLOCK_SIZE)  # a graph's table: the longest context
@@ -66,7 +67,8 @@ def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: in
 
     def call(i: int) -> None:
         paged_decode_attention(q, k_cache, v_cache, tables[i], lens, scale, out=out,
-                               split_size=split_size, split_programs=split_programs)
+                               split_size=split_size, split_programs=split_programs,
+                               tile_size=tile_size, num_warps=num_warps)
 
     for i in range(num_sets):  # compile, and touch every set once
         call(i)
@@ -84,6 +86,10 @@ def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: in
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--split-sizes", type=ints, default=[SPLIT_SIZE])
+    parser.add_argument("--tile-sizes", type=ints, default=[TILE_TOKENS],
+                        help="keys per step inside a split (sizes above a split are skipped)")
+    parser.add_argument("--warps", type=ints, default=[SPLIT_WARPS],
+                        help="the split kernel's warps")
     parser.add_argument("--batches", type=ints, default=[1, 8, 32, 64, 128])
     parser.add_argument("--contexts", type=ints, default=[1024, 4096])
     parser.add_argument("--iters", type=int, default=50)
@@ -114,18 +120,21 @@ def main() -> int:
           f"GB/s = K+V bytes read / graph time; block tables {args.table_tokens or 'context'} "
           "tokens wide; progs = split programs per sequence and KV head (0: one per split, -1: "
           "the kernel's default)")
-    header = (f"{'split':>5} {'progs':>5} {'batch':>5} {'context':>7} {'splits':>6} {'KV MiB':>8} "
-              f"{'graph us':>9} {'eager us':>9} {'GB/s':>7} {'sets':>4}")
+    header = (f"{'split':>5} {'tile':>4} {'warps':>5} {'progs':>5} {'batch':>5} {'context':>7} "
+              f"{'splits':>6} {'KV MiB':>8} {'graph us':>9} {'eager us':>9} {'GB/s':>7} "
+              f"{'sets':>4}")
     print(header)
     print("-" * len(header))
-    for split_size, programs in [(s, p) for s in args.split_sizes for p in args.split_programs]:
+    configs = [(s, t, w, p) for s in args.split_sizes for t in args.tile_sizes if t <= s
+               for w in args.warps for p in args.split_programs]
+    for split_size, tile_size, warps, programs in configs:
         for context in args.contexts:
             for batch in args.batches:
                 r = bench(k_cache, v_cache, batch, context, split_size, args.iters,
-                          args.table_tokens, None if programs < 0 else programs)
-                print(f"{split_size:>5} {programs:>5} {batch:>5} {context:>7} {r['splits']:>6} "
-                      f"{r['kv_mb']:>8.1f} {r['graph_us']:>9.1f} {r['eager_us']:>9.1f} "
-                      f"{r['gbps']:>7.0f} {r['sets']:>4}", flush=True)
+                          args.table_tokens, None if programs < 0 else programs, tile_size, warps)
+                print(f"{split_size:>5} {tile_size:>4} {warps:>5} {programs:>5} {batch:>5} "
+                      f"{context:>7} {r['splits']:>6} {r['kv_mb']:>8.1f} {r['graph_us']:>9.1f} "
+                      f"{r['eager_us']:>9.1f} {r['gbps']:>7.0f} {r['sets']:>4}", flush=True)
     return 0
 
 

@@ -73,12 +73,20 @@ class DecodeInputs:
         # A decode step gives sequence i row i, and samples every row, whatever the batch.
         self.query_starts = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
         self.sample_rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
-        # Pinned staging, so the copies to the device do not wait for the step before.
+        # Pinned staging, so the copies to the device do not wait for the step before; filled
+        # through numpy views of the same memory (a torch op per field costs microseconds each,
+        # and the GPU waits for the whole fill).
         pin = device.type == "cuda"
         self._host_rows = torch.zeros(self.rows.shape, dtype=torch.int64, pin_memory=pin)
         self._host_context_lens = torch.zeros(max_seqs, dtype=torch.int32, pin_memory=pin)
         self._host_block_tables = torch.zeros(self.block_tables.shape, dtype=torch.int32,
                                               pin_memory=pin)
+        self._rows_np = self._host_rows.numpy()
+        self._context_lens_np = self._host_context_lens.numpy()
+        self._block_tables_np = self._host_block_tables.numpy()
+        # What each staging row of the block tables holds, so that an unchanged table (a decode
+        # sequence's grows by one block every block_size steps) is not written again.
+        self._tables: list[list[int] | None] = [None] * max_seqs
         self._copied: torch.cuda.Event | None = None  # recorded after the last step's copies
 
     def batch(self, bucket: int, seqs: list[SeqChunk]) -> ForwardBatch:
@@ -89,28 +97,53 @@ class DecodeInputs:
                             bucket, self.block_tables[:bucket], self.context_lens[:bucket],
                             self.query_starts[:bucket + 1])
 
-    def fill(self, chunks: list[Chunk], bucket: int) -> list[SeqChunk]:
-        """Copy a decode step into bucket `bucket`'s part of the buffers, padding the rest.
-        -> the step's sequences, then one padding sequence per spare slot of the bucket."""
-        step = ForwardBatch.build(chunks, self.block_size, "cpu", min_rows=rows_of(bucket))
-        num_seqs, num_rows = len(step.seqs), rows_of(bucket)
+    def fill(self, chunks: list[Chunk], bucket: int) -> None:
+        """Copy a decode step (see is_decode_step) into bucket `bucket`'s part of the buffers,
+        padding the rest: row i is chunk i's token, the rows past them pad (token 0, KV slot -1,
+        adapter slot 0), and the sequences past them have context length 0."""
+        num_seqs, num_rows, block_size = len(chunks), rows_of(bucket), self.block_size
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free once that copy ran
-        for i, name in enumerate(ROW_FIELDS):  # build() already padded the rows
-            self._host_rows[i, :num_rows] = getattr(step, name)
-        self._host_context_lens[:num_seqs] = step.context_lens
-        self._host_context_lens[num_seqs:bucket] = 0
+        ids, positions, kv_slots, adapters = [], [], [], []
+        for (token,), pos, table, _, adapter in chunks:
+            ids.append(token)
+            positions.append(pos)
+            kv_slots.append(table[pos // block_size] * block_size + pos % block_size)
+            adapters.append(adapter)
+        rows = self._rows_np
+        for i, values in enumerate((ids, positions, kv_slots, adapters)):  # ROW_FIELDS' order
+            rows[i, :num_seqs] = values
+        rows[:, num_seqs:num_rows] = 0
+        rows[2, num_seqs:num_rows] = -1  # padding rows write no KV
+        context_lens = self._context_lens_np
+        context_lens[:num_seqs] = positions
+        context_lens[:num_seqs] += 1
+        context_lens[num_seqs:bucket] = 0
         # Columns past a sequence's own blocks keep older ids: they are never read, since the
         # context length bounds what attention reads, and any id there is a valid block.
-        self._host_block_tables[:num_seqs, :step.block_tables.shape[1]] = step.block_tables
-        self._host_block_tables[num_seqs:bucket] = 0
+        tables, written = self._block_tables_np, self._tables
+        for i, (_, _, table, _, _) in enumerate(chunks):
+            if written[i] != table:
+                tables[i, :len(table)] = table
+                written[i] = list(table)  # a copy: the caller may grow its list in place
+        for i in range(num_seqs, bucket):
+            if written[i] != []:
+                tables[i] = 0
+                written[i] = []
         self.rows.copy_(self._host_rows, non_blocking=True)
         self.context_lens[:bucket].copy_(self._host_context_lens[:bucket], non_blocking=True)
         self.block_tables[:bucket].copy_(self._host_block_tables[:bucket], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return step.seqs + [SeqChunk(i, 1, 0, [], 0) for i in range(num_seqs, bucket)]
+
+    @staticmethod
+    def seqs(chunks: list[Chunk], bucket: int) -> list[SeqChunk]:
+        """The sequences fill() wrote, for eager code: the step's, then one padding sequence per
+        spare slot of the bucket."""
+        real = [SeqChunk(i, 1, pos + 1, list(table), adapter)
+                for i, (_, pos, table, _, adapter) in enumerate(chunks)]
+        return real + [SeqChunk(i, 1, 0, [], 0) for i in range(len(chunks), bucket)]
 
 
 class SegmentedGraph:
@@ -197,11 +230,12 @@ class DecodeGraphs:
         """-> [len(chunks), vocab] float32 logits of a decode step (see can_run)."""
         num_seqs = len(chunks)
         bucket = self.bucket_for(num_seqs)
-        seqs = self.inputs.fill(chunks, bucket)
+        self.inputs.fill(chunks, bucket)
         key = (bucket, any(slot != 0 for *_, slot in chunks))
         graph = self._graphs.get(key)
         if graph is None:
-            return self.model.forward(self.inputs.batch(bucket, seqs))[:num_seqs]
+            batch = self.inputs.batch(bucket, self.inputs.seqs(chunks, bucket))
+            return self.model.forward(batch)[:num_seqs]
         graph.replay()
         # A copy: the static logits are overwritten by the next replay of any graph.
         return self._logits[key][:num_seqs].clone()

@@ -72,7 +72,8 @@ def test_static_inputs_are_padded(model):
     # A step of 7 first, so that the smaller step after it must overwrite what it left.
     inputs.fill([([9], 5, [1, 2], True, 1)] * 7, 8)
     chunks = [([11], 5, [3, 4], True, 2), ([12], 0, [5], True, 0), ([13], 8, [6, 7, 8], True, 3)]
-    seqs = inputs.fill(chunks, 4)
+    inputs.fill(chunks, 4)
+    seqs = inputs.seqs(chunks, 4)
     batch = inputs.batch(4, seqs)
     assert batch.input_ids.tolist() == [11, 12, 13, 0, 0, 0, 0, 0]
     assert batch.positions.tolist() == [5, 0, 8, 0, 0, 0, 0, 0]
@@ -91,6 +92,30 @@ def test_static_inputs_are_padded(model):
     for name in ("input_ids", "positions", "slot_mapping", "row_adapter_slots"):
         assert torch.equal(getattr(batch, name), getattr(plain, name)), name
     assert torch.equal(batch.context_lens[:3], plain.context_lens)
+
+
+def test_block_tables_follow_tables_grown_in_place(model):
+    """fill() skips a staging row whose table is unchanged; a table the caller grows in place
+    (the same list object, one block longer) and a row that changes sequence are written."""
+    graphs = DecodeGraphs(model, max_num_seqs=4, max_model_len=MAX_LEN, block_size=BLOCK_SIZE,
+                          num_adapters=3)
+    inputs = graphs.inputs
+    table_a, table_b = [3], [7, 8]
+    for pos, grow in ((2, None), (3, None), (4, 5), (5, None), (8, 6)):
+        if grow is not None:
+            table_a.append(grow)  # in place, as a sequence's block list grows
+        inputs.fill([([1], pos, table_a, True, 0), ([2], 5, table_b, True, 1)], 2)
+        assert inputs.block_tables[0, :len(table_a)].tolist() == table_a
+        assert inputs.block_tables[1, :2].tolist() == [7, 8]
+        assert inputs.context_lens[:2].tolist() == [pos + 1, 6]
+        assert inputs.rows[2, 0].item() == table_a[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    # Other sequences in the same rows, then one sequence: the spare row's table is zeroed.
+    inputs.fill([([1], 1, [9], True, 0), ([2], 1, [10], True, 0)], 2)
+    assert inputs.block_tables[:2, 0].tolist() == [9, 10]
+    inputs.fill([([1], 1, [11], True, 0)], 2)
+    assert inputs.block_tables[0, 0].item() == 11
+    assert inputs.block_tables[1].tolist() == [0] * graphs.max_blocks_per_seq
+    assert inputs.context_lens[:2].tolist() == [2, 0]
 
 
 def _kv_snapshot(model) -> list[torch.Tensor]:

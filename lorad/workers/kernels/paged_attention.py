@@ -28,6 +28,7 @@ TILE_TOKENS = 64  # keys per step inside a split
 # H200 at 512 tokens of context (scripts/bench_paged_attention.py --table-tokens 8192) batch 32
 # took 33.5 us that way and 28.0 with 16, batch 64 61.0 and 48.1; batch 1 and 2 the same.
 SPLIT_PROGRAMS = 16
+SPLIT_WARPS = 4  # the split kernel's warps (scripts/bench_paged_attention.py --warps sweeps it)
 
 
 @triton.jit
@@ -160,7 +161,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, split_size: int = SPLIT_SIZE,
                            tile_size: int = TILE_TOKENS,
-                           split_programs: int | None = None) -> torch.Tensor:
+                           split_programs: int | None = None,
+                           num_warps: int = SPLIT_WARPS) -> torch.Tensor:
     """q: [num_seqs, q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32
     -> out [num_seqs, q_heads * head_dim] in q's dtype (zero rows where context_len is 0). A
@@ -171,7 +173,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     captured with a block table of max_blocks columns serves any context up to that length.
     split_programs: programs per (sequence, KV head), each looping over splits (default
     SPLIT_PROGRAMS; 0: one per split of the widest context the table holds). Which program takes
-    a split does not change its arithmetic."""
+    a split does not change its arithmetic; neither does num_warps, the split kernel's warps
+    (split_size and tile_size do)."""
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -205,7 +208,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_max.stride(0), part_max.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split_size,
         TILE=tile_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, DOT_PRECISION=precision, num_warps=4, num_stages=2)
+        BLOCK_D=block_d, DOT_PRECISION=precision, num_warps=num_warps, num_stages=2)
     _decode_reduce_kernel[(out.shape[0], num_q_heads)](
         part_acc, part_max, part_sum, context_lens, out,
         part_max.stride(0), part_max.stride(1), out.stride(0), num_seqs,
