@@ -7,15 +7,15 @@
 #   run(command="bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 # Installs only the carried wheel (into /tmp/site); everything else is the image's (torch,
 # triton, transformers, peft...), and lorad is used from the checkout through PYTHONPATH.
-# Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, bench-gemv.log,
-# bench-gemv-lora.log, bench-norm-shrink.log, profile.log, bench.log, bench.md). Time limits:
-# tests 320 s, the LoRA kernels 120 s and attention 60 s (LORAD_SESSION_MICRO=0 skips both), the
-# GEMV sweep 75 s (LORAD_SESSION_GEMV=0 skips it), the fused-LoRA kernels' benchmarks 120 s
-# (LORAD_SESSION_FUSED=0 skips them), the decode profile 90 s (LORAD_SESSION_PROFILE=0 skips
-# it), the engine 210 s. LORAD_SESSION_QUICK=1 makes the engine benchmark shorter (--quick);
-# LORAD_SESSION_ENGINE_ARGS, LORAD_SESSION_LORA_ARGS and LORAD_SESSION_ATTENTION_ARGS pass more
-# options to the engine, LoRA and attention benchmarks. Everything on is more than 10 minutes:
-# switch parts off to fit.
+# Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, bench-sampler.log,
+# bench-gemv.log, bench-gemv-lora.log, bench-norm-shrink.log, profile.log, bench.log, bench.md).
+# Time limits: tests 320 s, the LoRA kernels 120 s, attention and the sampler 60 s each
+# (LORAD_SESSION_MICRO=0 skips the three), the GEMV sweep 75 s (LORAD_SESSION_GEMV=0 skips it),
+# the fused-LoRA kernels' benchmarks 120 s (LORAD_SESSION_FUSED=0 skips them), the decode
+# profile 90 s (LORAD_SESSION_PROFILE=0 skips it), the engine 210 s. LORAD_SESSION_QUICK=1 makes
+# the engine benchmark shorter (--quick); LORAD_SESSION_ENGINE_ARGS, LORAD_SESSION_LORA_ARGS and
+# LORAD_SESSION_ATTENTION_ARGS pass more options to the engine, LoRA and attention benchmarks.
+# Everything on is more than 10 minutes: switch parts off to fit.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -71,6 +71,7 @@ if [[ ${LORAD_SESSION_MICRO:-1} == 1 ]]; then  # LORAD_SESSION_MICRO=0 skips the
   read -ra attention_args <<<"${LORAD_SESSION_ATTENTION_ARGS:-}"
   run_bench bench-lora.log 120 bench_lora_kernels.py "${lora_args[@]}"
   run_bench bench-attention.log 60 bench_paged_attention.py "${attention_args[@]}"
+  run_bench bench-sampler.log 60 bench_sampler.py --device cuda
 fi
 # The decode GEMV's tile sweep against cuBLAS (LORAD_SESSION_GEMV=0 skips it).
 [[ ${LORAD_SESSION_GEMV:-1} == 1 ]] && run_bench bench-gemv.log 75 bench_decode_gemv.py
@@ -95,7 +96,8 @@ bench_status=${PIPESTATUS[0]}
 say "summary"
 echo "--- gpu tests (exit $tests_status; 124 = timed out): $OUT/gpu-tests.log"
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)\b" "$OUT/gpu-tests.log" | tail -n 25
-for log in "$OUT/bench-lora.log" "$OUT/bench-attention.log" "$OUT/bench-gemv.log" \
+for log in "$OUT/bench-lora.log" "$OUT/bench-attention.log" "$OUT/bench-sampler.log" \
+    "$OUT/bench-gemv.log" \
     "$OUT/bench-gemv-lora.log" "$OUT/bench-norm-shrink.log" "$OUT/profile.log"; do
   [[ -f $log ]] && { echo "--- $(basename "$log")"; grep -vE "^\s*$" "$log" | tail -n 30; }
 done

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""The leader's sampler alone: milliseconds per step to pick one token per row from [batch, vocab]
+fp32 logits, greedy and with the warpers, on the CPU or a GPU.
+
+    python scripts/bench_sampler.py [--device cuda] [--batches 1,8,32,64] [--vocab 128256]
+
+Every row of a step uses the same parameters; each figure is the median of --repeats steps
+(after one untimed), the ids back on the host as the worker needs them; each batch twice, the
+rows warped and drawn together (what a GPU does) and one by one (what the CPU does). Prints a
+table and the conditions; a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lorad.protocol.messages import SamplingParams  # noqa: E402
+from lorad.workers.sampler import Sampler  # noqa: E402
+
+CASES = {  # name -> (temperature, top_k, top_p)
+    "greedy": (0.0, 0, 1.0),
+    "temperature 1": (1.0, 0, 1.0),
+    "top-k 50": (1.0, 50, 1.0),
+    "top-p 0.9, t 0.8": (0.8, 0, 0.9),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--vocab", type=int, default=128256, help="Llama 3's by default")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (lorad: 1)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"# sampler, {datetime.date.today()}, {name}, torch {torch.__version__}, vocab "
+          f"{args.vocab}, {args.threads} CPU thread(s); ms per step, median of {args.repeats}")
+    print(f"{'batch':>5} {'rows':>10} " + " ".join(f"{case:>17}" for case in CASES))
+    for batch, together in [(b, t) for b in batches for t in (True, False)]:
+        gen = torch.Generator().manual_seed(batch)
+        logits = (torch.randn(batch, args.vocab, generator=gen) * 3).to(device)
+        ids = [f"r{i}" for i in range(batch)]
+        sampler = Sampler(rows_together=together)
+        for i, rid in enumerate(ids):
+            sampler.add(rid, i)
+        figures = []
+        for temperature, top_k, top_p in CASES.values():
+            params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=0,
+                                     max_tokens=1, stop_token_ids=[], ignore_eos=False)] * batch
+            sampler.sample(logits, ids, params)
+            times = []
+            for _ in range(args.repeats):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                sampler.sample(logits, ids, params)  # ends with .tolist(): a sync
+                times.append(time.perf_counter() - start)
+            figures.append(statistics.median(times) * 1e3)
+        mode = "together" if together else "one by one"
+        print(f"{batch:>5} {mode:>10} " + " ".join(f"{ms:>17.2f}" for ms in figures), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
