@@ -5,9 +5,8 @@ fp32 logits, greedy and with the warpers, on the CPU or a GPU.
     python scripts/bench_sampler.py [--device cuda] [--batches 1,8,32,64] [--vocab 128256]
 
 Every row of a step uses the same parameters; each figure is the median of --repeats steps
-(after one untimed), the ids back on the host as the worker needs them; each batch twice, the
-rows warped and drawn together (what a GPU does) and one by one (what the CPU does). Prints a
-table and the conditions; a benchmark, not a test.
+(after one untimed), the ids back on the host as the worker needs them. Prints a table and the
+conditions; a benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -48,12 +47,12 @@ def main() -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"# sampler, {datetime.date.today()}, {name}, torch {torch.__version__}, vocab "
           f"{args.vocab}, {args.threads} CPU thread(s); ms per step, median of {args.repeats}")
-    print(f"{'batch':>5} {'rows':>10} " + " ".join(f"{case:>17}" for case in CASES))
-    for batch, together in [(b, t) for b in batches for t in (True, False)]:
+    print(f"{'batch':>5} " + " ".join(f"{case:>17}" for case in CASES))
+    for batch in batches:
         gen = torch.Generator().manual_seed(batch)
         logits = (torch.randn(batch, args.vocab, generator=gen) * 3).to(device)
         ids = [f"r{i}" for i in range(batch)]
-        sampler = Sampler(rows_together=together)
+        sampler = Sampler()
         for i, rid in enumerate(ids):
             sampler.add(rid, i)
         figures = []
@@ -69,8 +68,7 @@ def main() -> int:
                 sampler.sample(logits, ids, params)  # ends with .tolist(): a sync
                 times.append(time.perf_counter() - start)
             figures.append(statistics.median(times) * 1e3)
-        mode = "together" if together else "one by one"
-        print(f"{batch:>5} {mode:>10} " + " ".join(f"{ms:>17.2f}" for ms in figures), flush=True)
+        print(f"{batch:>5} " + " ".join(f"{ms:>17.2f}" for ms in figures), flush=True)
     return 0
 
 

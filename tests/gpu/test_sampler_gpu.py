@@ -1,6 +1,7 @@
-"""The sampler on the GPU: a step's rows warped and drawn together give each row the bits and the
-token it gets taken alone, one row at a time (both on the GPU), with mixed parameters, ties and
-neighbours that come and go."""
+"""The sampler on the GPU, at Llama 3's vocabulary: a seeded request draws the same tokens when the
+same logits come again (torch scans a one-row tensor with a device-wide CUB scan, whose float sums
+must come out the same each time), and a row's token does not depend on the rows beside it; with
+mixed parameters, ties and neighbours that come and go."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import pytest
 import torch
 
 from lorad.protocol.messages import SamplingParams
-from lorad.workers.sampler import Sampler, warp_rows
+from lorad.workers.sampler import Sampler, warp
 
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda", 0)
-VOCAB = 128256  # Llama 3's: the sort and the scans run at the size they serve
+VOCAB = 128256
 
 
 def sp(temperature=1.0, top_p=1.0, top_k=0) -> SamplingParams:
@@ -26,25 +27,41 @@ PARAMS = [sp(temperature=0.0), sp(temperature=0.7, top_p=0.9), sp(top_k=50),
           sp(temperature=0.6, top_p=0.95), sp(temperature=1.0, top_p=0.999, top_k=1)]
 
 
-@pytest.mark.parametrize("ties", [False, True])
-def test_rows_together_equal_rows_one_by_one(ties):
+def samplers(count: int) -> list[Sampler]:
+    made = [Sampler() for _ in range(count)]
+    for sampler in made:
+        for i in range(len(PARAMS)):
+            sampler.add(f"r{i}", 500 + i)
+    return made
+
+
+def steps(ties: bool):
     gen = torch.Generator().manual_seed(21)
-    together, one_by_one = Sampler(rows_together=True), Sampler(rows_together=False)
-    ids = [f"r{i}" for i in range(len(PARAMS))]
-    for i, rid in enumerate(ids):
-        together.add(rid, 500 + i)
-        one_by_one.add(rid, 500 + i)
     for step in range(8):
         logits = torch.randn(len(PARAMS), VOCAB, generator=gen) * 4
         if ties:
             logits = (logits * 4).round() / 4
-        logits = logits.to(CUDA)
-        live = list(range(len(PARAMS)))[step % 3:]  # neighbours come and go
-        rows = [i for i in live if PARAMS[i].temperature != 0]
-        warped = warp_rows(logits[rows], [PARAMS[i] for i in rows])
-        for j, i in enumerate(rows):
-            alone = warp_rows(logits[i:i + 1], [PARAMS[i]])[0]
-            assert torch.equal(warped[j], alone), (step, i)
-        step_ids, step_params = [ids[i] for i in live], [PARAMS[i] for i in live]
-        assert together.sample(logits[live], step_ids, step_params) == \
-            one_by_one.sample(logits[live], step_ids, step_params), step
+        yield step, logits.to(CUDA), list(range(len(PARAMS)))[step % 3:]
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_seeded_draws_repeat(ties):
+    first, second = samplers(2)
+    for step, logits, live in steps(ties):
+        ids, params = [f"r{i}" for i in live], [PARAMS[i] for i in live]
+        assert first.sample(logits[live], ids, params) == \
+            second.sample(logits[live], ids, params), step
+        for i in live:
+            if PARAMS[i].temperature:
+                p = PARAMS[i]
+                probs = torch.softmax(warp(logits[i], p.temperature, p.top_k, p.top_p), dim=-1)
+                assert torch.equal(probs.cumsum(dim=-1), probs.cumsum(dim=-1)), (step, i)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_a_row_does_not_depend_on_its_neighbours(ties):
+    crowd, alone = samplers(2)
+    for step, logits, live in steps(ties):
+        together = crowd.sample(logits[live], [f"r{i}" for i in live], [PARAMS[i] for i in live])
+        one_each = [alone.sample(logits[i:i + 1], [f"r{i}"], [PARAMS[i]])[0] for i in live]
+        assert together == one_each, step

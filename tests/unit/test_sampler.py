@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from lorad.protocol.messages import SamplingParams
-from lorad.workers.sampler import Sampler, warp, warp_rows
+from lorad.workers.sampler import Sampler, warp
 
 
 def sp(temperature=1.0, top_p=1.0, top_k=0, seed=0) -> SamplingParams:
@@ -27,17 +27,16 @@ def test_greedy_is_argmax():
         logits.argmax(dim=-1).tolist()
 
 
-@pytest.mark.parametrize("rows_together", [True, False])
-def test_same_seed_same_tokens_whatever_the_neighbours(rows_together):
+def test_same_seed_same_tokens_whatever_the_neighbours():
     gen = torch.Generator().manual_seed(2)
     steps = [torch.randn(4, 40, generator=gen) for _ in range(12)]  # [rows, vocab] per step
     params = sp(temperature=0.9, top_p=0.95, top_k=20, seed=1234)
 
-    alone = Sampler(rows_together)
+    alone = Sampler()
     alone.add("a", 1234)
     solo = [alone.sample(step[:1], ["a"], [params])[0] for step in steps]
 
-    crowded = Sampler(rows_together)
+    crowded = Sampler()
     for rid, seed in (("x", 1), ("a", 1234), ("y", 1234), ("z", 9)):
         crowded.add(rid, seed)
     mixed = []
@@ -118,80 +117,22 @@ def test_removed_request_forgets_its_generator():
     assert first == again
 
 
-# --- the batched sampler against one row at a time ------------------------------------------
-
-def row_by_row_warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float):
-    """What the sampler did before it warped a step's rows together: one row, op by op."""
-    row = row / temperature
-    if 0 < top_k < row.shape[-1]:
-        kth = torch.topk(row, top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=False, stable=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= (1 - top_p)
-        remove[-1] = False
-        row = row.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    return row
-
-
-def row_by_row_sample(generators: dict, logits, request_ids, params) -> list[int]:
-    chosen = []
-    for row, rid, p in zip(logits.float(), request_ids, params):
-        if p.temperature == 0:
-            chosen.append(int(torch.argmax(row)))
-            continue
-        probs = torch.softmax(row_by_row_warp(row, p.temperature, p.top_k, p.top_p), dim=-1)
-        u = torch.rand((), generator=generators[rid], dtype=torch.float32)
-        cdf = probs.cumsum(dim=-1)
-        chosen.append(min(int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True)),
-                          probs.shape[-1] - 1))
-    return chosen
-
-
-MIXED = [sp(temperature=0.0), sp(temperature=0.7, top_p=0.9), sp(temperature=1.0, top_k=5),
-         sp(temperature=1.3, top_k=40, top_p=0.5), sp(temperature=0.7), sp(temperature=0.0),
-         sp(temperature=1.0, top_p=0.999, top_k=1)]
-
-
-@pytest.mark.parametrize("rows_together", [True, False])
-@pytest.mark.parametrize("ties", [False, True])
-def test_batched_rows_equal_row_by_row(ties, rows_together):
-    """Whole steps of mixed parameters: the batched warp gives each row the bits of warping it
-    alone, and the sampler, taking the rows together (as on a GPU) or one by one (as on the
-    CPU), draws the tokens the row-by-row reference draws from the same seeds. With ties
-    (logits rounded to a coarse grid, as bf16 logits often tie) too."""
-    gen = torch.Generator().manual_seed(11)
-    sampler = Sampler(rows_together)
-    generators = {}
-    ids = [f"r{i}" for i in range(len(MIXED))]
+def test_greedy_and_drawn_rows_in_one_step():
+    """Greedy rows (one argmax for the step) and drawn rows (one at a time) keep their places,
+    each row's token as if it were sampled alone; all-greedy, all-drawn and empty steps too."""
+    logits = torch.randn(5, 60, generator=torch.Generator().manual_seed(4))
+    params = [sp(temperature=0.0), sp(temperature=0.8, top_k=10), sp(temperature=0.0),
+              sp(top_p=0.7), sp(temperature=2.0)]
+    ids = [f"r{i}" for i in range(5)]
+    crowd, alone = Sampler(), Sampler()
     for i, rid in enumerate(ids):
-        sampler.add(rid, 100 + i)
-        generators[rid] = torch.Generator().manual_seed(100 + i)
-    for step in range(6):
-        logits = torch.randn(len(MIXED), 300, generator=gen) * 3
-        if ties:
-            logits = (logits * 2).round() / 2
-        rows = [i for i in range(len(MIXED)) if MIXED[i].temperature != 0]
-        batched = warp_rows(logits[rows], [MIXED[i] for i in rows])
-        for j, i in enumerate(rows):
-            p = MIXED[i]
-            assert torch.equal(batched[j], row_by_row_warp(logits[i], p.temperature, p.top_k,
-                                                           p.top_p)), (step, i)
-        assert sampler.sample(logits, ids, MIXED) == \
-            row_by_row_sample(generators, logits, ids, MIXED), step
-
-
-@pytest.mark.parametrize("rows_together", [True, False])
-def test_all_greedy_and_all_drawn_steps(rows_together):
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
-    sampler = Sampler(rows_together)
-    for rid in ("a", "b", "c"):
-        sampler.add(rid, 5)
-    assert sampler.sample(logits, ["a", "b", "c"], [sp(temperature=0.0)] * 3) == \
-        logits.argmax(dim=-1).tolist()
-    generators = {rid: torch.Generator().manual_seed(5) for rid in ("a", "b", "c")}
-    drawn = [sp(temperature=0.8, top_k=10), sp(top_p=0.7), sp(temperature=2.0)]
-    assert sampler.sample(logits, ["a", "b", "c"], drawn) == \
-        row_by_row_sample(generators, logits, ["a", "b", "c"], drawn)
-    assert sampler.sample(logits[:0], [], []) == []
+        crowd.add(rid, 40 + i)
+        alone.add(rid, 40 + i)
+    for rows in ([0, 1, 2, 3, 4], [1, 3, 4], [0, 2], [3]):
+        step = crowd.sample(logits[rows], [ids[i] for i in rows], [params[i] for i in rows])
+        solo = [alone.sample(logits[i:i + 1], [ids[i]], [params[i]])[0] for i in rows]
+        assert step == solo, rows
+        for i, token in zip(rows, step):
+            if params[i].temperature == 0:
+                assert token == int(logits[i].argmax())
+    assert crowd.sample(logits[:0], [], []) == []
