@@ -8,6 +8,7 @@ Never decodes by class name, never pickles.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 import typing
 from functools import cache
@@ -52,48 +53,88 @@ def decode(frame: bytes, accept: tuple[type, ...]) -> object:
 
 
 def _to_wire(value):
-    if dataclasses.is_dataclass(value):
-        return [_to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if type(value) in _PLAIN:
+        return value
+    fields = _field_getter(type(value))
+    if fields is not None:
+        return [_to_wire(v) for v in fields(value)]
     if isinstance(value, (list, tuple)):
+        if all(type(v) in _PLAIN for v in value):
+            return value  # token ids and the like: msgpack packs them as they are
         return [_to_wire(v) for v in value]
     return value
 
 
+_PLAIN = frozenset({int, float, str, bool, bytes, type(None)})
+
+
 @cache
-def _hints(cls: type) -> list[tuple[str, object]]:
+def _field_getter(cls: type):
+    """-> getter(value): a dataclass's field values as a tuple in wire order; None for any other
+    type. Built once per type: every step's result passes through here once per sequence."""
+    if not dataclasses.is_dataclass(cls):
+        return None
+    names = [f.name for f in dataclasses.fields(cls)]
+    if len(names) == 1:  # attrgetter of one name returns the value itself
+        return lambda value: (getattr(value, names[0]),)
+    return operator.attrgetter(*names)
+
+
+@cache
+def _fields(cls: type) -> tuple[tuple[str, object], ...]:
+    """A message class's (field name, checker) pairs in wire order, built once per class."""
     hints = typing.get_type_hints(cls)
-    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+    return tuple((f.name, _checker(hints[f.name])) for f in dataclasses.fields(cls))
 
 
 def _from_wire(cls: type, body):
-    fields = _hints(cls)
+    fields = _fields(cls)
     if not isinstance(body, list) or len(body) != len(fields):
         raise ProtocolError(f"{cls.__name__}: expected {len(fields)} fields")
-    values = {name: _check(tp, value, f"{cls.__name__}.{name}")
-              for (name, tp), value in zip(fields, body)}
+    values = {name: check(value, f"{cls.__name__}.{name}")
+              for (name, check), value in zip(fields, body)}
     return cls(**values)
 
 
-def _check(tp, value, where: str):
+@cache
+def _checker(tp):
+    """-> check(value, where): the value as the field holds it, or ProtocolError naming `where`.
+    Built once per type hint, so decoding does no typing introspection per value."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
+        optional = type(None) in typing.get_args(tp)
         (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _check(inner, value, where)
+        check_inner = _checker(inner)
+
+        def check_union(value, where: str):
+            if value is None and optional:
+                return None
+            return check_inner(value, where)
+        return check_union
     if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list")
         (inner,) = typing.get_args(tp)
-        return [_check(inner, v, where) for v in value]
+        check_item = _checker(inner)
+
+        def check_list(value, where: str):
+            if not isinstance(value, list):
+                raise ProtocolError(f"{where}: expected a list")
+            if inner is int and all(type(v) is int for v in value):
+                return value  # token ids: msgpack gives plain ints
+            return [check_item(v, where) for v in value]
+        return check_list
     if dataclasses.is_dataclass(tp):
-        return _from_wire(tp, value)
+        return lambda value, where: _from_wire(tp, value)
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"{where}: expected a number")
-        return float(value)
-    if tp is int and isinstance(value, bool):
-        raise ProtocolError(f"{where}: expected an integer")
-    if not isinstance(value, tp):
-        raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-    return value
+        def check_float(value, where: str):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ProtocolError(f"{where}: expected a number")
+            return float(value)
+        return check_float
+
+    def check_plain(value, where: str):
+        if tp is int and isinstance(value, bool):
+            raise ProtocolError(f"{where}: expected an integer")
+        if not isinstance(value, tp):
+            raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+        return value
+    return check_plain

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Protocol
@@ -69,12 +70,15 @@ def to_int64(digest: bytes) -> int:
 
 
 def live_digest(live: Iterable[Sequence]) -> int:
-    """sha256 of the live set in arrival order: ids, adapter slot and key, token positions."""
+    """sha256 of the live set in arrival order: ids, adapter slot and key, token positions and
+    KV blocks. Every step, on every rank: the strings go in length-prefixed, the block table
+    as raw int64s (a JSON text per sequence cost 7 us each, 0.45 ms a step at 64 sequences)."""
     h = hashlib.sha256()
     for seq in live:
-        h.update(json.dumps([seq.request_id, seq.arrival, seq.adapter_slot, seq.adapter_key,
-                             seq.status.value, seq.num_tokens, seq.num_computed,
-                             seq.block_table]).encode())
+        h.update(f"{len(seq.request_id)}:{seq.request_id}{len(seq.adapter_key)}:"
+                 f"{seq.adapter_key}{seq.arrival},{seq.adapter_slot},{seq.status.value},"
+                 f"{seq.num_tokens},{seq.num_computed},{len(seq.block_table)};".encode())
+        h.update(array("q", seq.block_table).tobytes())
     return to_int64(h.digest())
 
 

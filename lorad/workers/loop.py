@@ -95,7 +95,9 @@ class WorkerLoop:
         # did on each rank (a refused adapter, say) is compared before the model runs on it.
         if self._apply_messages(self._agreed_watermark):
             return True
-        agreed = agree_step(self.engine.tp, self.inbox.watermark, live_digest(self.planner.live()))
+        # A lone rank has no one to disagree with: no digest to compute.
+        digest = live_digest(self.planner.live()) if self.engine.tp.world_size > 1 else 0
+        agreed = agree_step(self.engine.tp, self.inbox.watermark, digest)
         self._agreed_watermark = agreed.watermark
         if not agreed.digests_agree:
             self._fail_step(agreed)

@@ -122,10 +122,11 @@ class Planner:
                 budget -= 1
             else:
                 self._preempt(seq, preempted)
+        decoding = {id(s) for s, _ in scheduled}  # a set: this pass is per step and per sequence
         for seq in list(self.running):  # 2. partially prefilled prompts continue
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING or any(s is seq for s, _ in scheduled):
+            if seq.status is not SeqStatus.RUNNING or id(seq) in decoding:
                 continue
             num = self._reserve_chunk(seq, min(seq.num_pending, budget), scheduled, preempted)
             if num:

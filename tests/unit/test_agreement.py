@@ -39,7 +39,8 @@ def test_live_digest_sees_ids_adapters_and_positions():
     base = live()
     assert base == live()
     for change in ({"request_id": "s"}, {"adapter_slot": 2}, {"adapter_key": "k2"},
-                   {"num_computed": 1}, {"output_ids": [5]}):
+                   {"num_computed": 1}, {"output_ids": [5]}, {"arrival": 2},
+                   {"block_table": [7]}, {"request_id": "r1", "adapter_key": "ey"}):
         assert live(**change) != base, change
 
 
