@@ -122,7 +122,7 @@ class Planner:
                 budget -= 1
             else:
                 self._preempt(seq, preempted)
-        decoding = {id(s) for s, _ in scheduled}  # a set: this pass is per step and per sequence
+        decoding = {id(s) for s, _ in scheduled}  # a set: a scan per sequence was quadratic
         for seq in list(self.running):  # 2. partially prefilled prompts continue
             if budget == 0:
                 break
