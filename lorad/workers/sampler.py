@@ -46,12 +46,17 @@ class Sampler:
         # launches, but torch's CUDA cumulative sum scans one row and several rows with different
         # kernels (a device-wide scan, and a per-row kernel whose layout depends on the number
         # of rows), so a row's sums, and with them its token, could change with its neighbours.
-        for i, (row, request_id, p) in enumerate(zip(logits, request_ids, params)):
-            if not drawn[i]:
-                continue
-            probs = torch.softmax(warp(row, p.temperature, p.top_k, p.top_p), dim=-1)
-            u = torch.rand((), generator=self._generators[request_id], dtype=torch.float32)
-            chosen[i] = draw(probs, u.to(probs.device))
+        # Their uniforms (one per row from its request's generator) reach the device in one
+        # copy: torch's blocking copy from host memory syncs the stream, so a copy per row could
+        # make each row wait for the rows before it to finish on the GPU.
+        rows = [i for i, d in enumerate(drawn) if d]
+        uniforms = torch.stack([
+            torch.rand((), generator=self._generators[request_ids[i]], dtype=torch.float32)
+            for i in rows]).to(logits.device)  # [num_drawn]
+        for i, u in zip(rows, uniforms):
+            p = params[i]
+            probs = torch.softmax(warp(logits[i], p.temperature, p.top_k, p.top_p), dim=-1)
+            chosen[i] = draw(probs, u)
         return torch.stack(chosen).tolist()
 
 
