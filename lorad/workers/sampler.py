@@ -11,8 +11,14 @@ from __future__ import annotations
 import torch
 
 from lorad.protocol.messages import SamplingParams
+from lorad.workers.kernel_path import kernel_path
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are unsigned 64-bit; any int from the wire maps into it
+# On CUDA, rows with a temperature and no top-k or top-p (the API's defaults) drawn by one Triton
+# launch (kernels/temperature_draw.py) instead of a handful of torch ops each. Off until a GPU run
+# has passed tests/gpu/test_temperature_draw_gpu.py and measured it (scripts/bench_sampler.py
+# --temperature-kernel); its draws follow the same distribution with other rounding.
+TEMPERATURE_KERNEL = False
 
 
 class Sampler:
@@ -53,7 +59,21 @@ class Sampler:
         uniforms = torch.stack([
             torch.rand((), generator=self._generators[request_ids[i]], dtype=torch.float32)
             for i in rows]).to(logits.device)  # [num_drawn]
+        vocab = logits.shape[1]
+        use_kernel = TEMPERATURE_KERNEL and kernel_path(logits.device)
+        plain = [j for j, i in enumerate(rows) if use_kernel
+                 and not 0 < params[i].top_k < vocab and params[i].top_p >= 1.0]
+        if plain:  # temperature only: one launch for all of them
+            from lorad.workers.kernels.temperature_draw import temperature_draw
+            temperatures = torch.tensor([params[rows[j]].temperature for j in plain],
+                                        dtype=torch.float32, device=logits.device)
+            picked = temperature_draw(logits[[rows[j] for j in plain]], temperatures,
+                                      uniforms[plain])
+            for j, token in zip(plain, picked.unbind()):
+                chosen[rows[j]] = token
         for i, u in zip(rows, uniforms):
+            if chosen[i] is not None:
+                continue
             p = params[i]
             probs = torch.softmax(warp(logits[i], p.temperature, p.top_k, p.top_p), dim=-1)
             chosen[i] = draw(probs, u)
