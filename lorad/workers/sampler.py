@@ -48,17 +48,23 @@ class Sampler:
             best = logits[greedy].argmax(dim=-1)  # [num_greedy]
             for i, token in zip(greedy, best.unbind()):
                 chosen[i] = token
-        # Drawn rows one at a time, each a 1-D row: the whole step at once would be fewer
-        # launches, but torch's CUDA cumulative sum scans one row and several rows with different
-        # kernels (a device-wide scan, and a per-row kernel whose layout depends on the number
-        # of rows), so a row's sums, and with them its token, could change with its neighbours.
-        # Their uniforms (one per row from its request's generator) reach the device in one
-        # copy: torch's blocking copy from host memory syncs the stream, so a copy per row could
-        # make each row wait for the rows before it to finish on the GPU.
-        rows = [i for i, d in enumerate(drawn) if d]
+        self._draw([i for i, d in enumerate(drawn) if d], logits, request_ids, params, chosen)
+        return torch.stack(chosen).tolist()
+
+    def _draw(self, rows: list[int], logits: torch.Tensor, request_ids: list[str],
+              params: list[SamplingParams], chosen: list) -> None:
+        """Draw rows `rows` of logits into `chosen`: temperature-only rows in one launch of the
+        kernel when TEMPERATURE_KERNEL is on, the others one at a time, each a 1-D row. The
+        whole step at once through torch would be fewer launches, but its CUDA cumulative sum
+        scans one row and
+        several rows with different kernels (a device-wide scan, and a per-row kernel whose
+        layout depends on the number of rows), so a row's sums, and with them its token, could
+        change with its neighbours. Their uniforms (one per row from its request's generator)
+        reach the device in one copy: torch's blocking copy from host memory syncs the stream,
+        so a copy per row could make each row wait for the rows before it to finish."""
         uniforms = torch.stack([
             torch.rand((), generator=self._generators[request_ids[i]], dtype=torch.float32)
-            for i in rows]).to(logits.device)  # [num_drawn]
+            for i in rows]).to(logits.device)  # [len(rows)]
         vocab = logits.shape[1]
         use_kernel = TEMPERATURE_KERNEL and kernel_path(logits.device)
         plain = [j for j, i in enumerate(rows) if use_kernel
@@ -72,12 +78,10 @@ class Sampler:
             for j, token in zip(plain, picked.unbind()):
                 chosen[rows[j]] = token
         for i, u in zip(rows, uniforms):
-            if chosen[i] is not None:
-                continue
-            p = params[i]
-            probs = torch.softmax(warp(logits[i], p.temperature, p.top_k, p.top_p), dim=-1)
-            chosen[i] = draw(probs, u)
-        return torch.stack(chosen).tolist()
+            if chosen[i] is None:
+                p = params[i]
+                probs = torch.softmax(warp(logits[i], p.temperature, p.top_k, p.top_p), dim=-1)
+                chosen[i] = draw(probs, u)
 
 
 def warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
