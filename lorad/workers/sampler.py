@@ -56,12 +56,12 @@ class Sampler:
         """Draw rows `rows` of logits into `chosen`: temperature-only rows in one launch of the
         kernel when TEMPERATURE_KERNEL is on, the others one at a time, each a 1-D row. The
         whole step at once through torch would be fewer launches, but its CUDA cumulative sum
-        scans one row and
-        several rows with different kernels (a device-wide scan, and a per-row kernel whose
-        layout depends on the number of rows), so a row's sums, and with them its token, could
-        change with its neighbours. Their uniforms (one per row from its request's generator)
-        reach the device in one copy: torch's blocking copy from host memory syncs the stream,
-        so a copy per row could make each row wait for the rows before it to finish."""
+        scans one row and several rows with different kernels (a device-wide scan, and a
+        per-row kernel whose layout depends on the number of rows), so a row's sums, and with
+        them its token, could change with its neighbours. The uniforms (one per row from its
+        request's generator) reach the device in one copy: torch's blocking copy from host
+        memory syncs the stream, so a copy per row could make each row wait for the rows before
+        it to finish."""
         uniforms = torch.stack([
             torch.rand((), generator=self._generators[request_ids[i]], dtype=torch.float32)
             for i in rows]).to(logits.device)  # [len(rows)]
