@@ -137,13 +137,11 @@ class DecodeInputs:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-    @staticmethod
-    def seqs(chunks: list[Chunk], bucket: int) -> list[SeqChunk]:
-        """The sequences fill() wrote, for eager code: the step's, then one padding sequence per
-        spare slot of the bucket."""
-        real = [SeqChunk(i, 1, pos + 1, list(table), adapter)
-                for i, (_, pos, table, _, adapter) in enumerate(chunks)]
-        return real + [SeqChunk(i, 1, 0, [], 0) for i in range(len(chunks), bucket)]
+    def seqs(self, chunks: list[Chunk], bucket: int) -> list[SeqChunk]:
+        """The sequences fill() wrote, for eager code (never on a graph's path): the step's, as
+        ForwardBatch.build describes them, then one padding sequence per spare slot."""
+        step = ForwardBatch.build(chunks, self.block_size, "cpu", min_rows=rows_of(bucket))
+        return step.seqs + [SeqChunk(i, 1, 0, [], 0) for i in range(len(chunks), bucket)]
 
 
 class SegmentedGraph:
