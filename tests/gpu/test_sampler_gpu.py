@@ -1,7 +1,8 @@
 """The sampler on the GPU, at Llama 3's vocabulary: a seeded request draws the same tokens when the
 same logits come again (torch scans a one-row tensor with a device-wide CUB scan, whose float sums
 must come out the same each time), and a row's token does not depend on the rows beside it; with
-mixed parameters, ties and neighbours that come and go."""
+mixed parameters, ties and neighbours that come and go, and with the temperature-only rows drawn
+by the torch ops or by the Triton draw (sampler.TEMPERATURE_KERNEL)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from lorad.protocol.messages import SamplingParams
+from lorad.workers import sampler as sampler_module
 from lorad.workers.sampler import Sampler, warp
 
 pytestmark = pytest.mark.gpu
@@ -44,8 +46,14 @@ def steps(ties: bool):
         yield step, logits.to(CUDA), list(range(len(PARAMS)))[step % 3:]
 
 
+@pytest.fixture(params=[False, True], ids=["torch", "temperature_kernel"])
+def kernel(request, monkeypatch):
+    monkeypatch.setattr(sampler_module, "TEMPERATURE_KERNEL", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("ties", [False, True])
-def test_seeded_draws_repeat(ties):
+def test_seeded_draws_repeat(ties, kernel):
     first, second = samplers(2)
     for step, logits, live in steps(ties):
         ids, params = [f"r{i}" for i in live], [PARAMS[i] for i in live]
@@ -59,7 +67,7 @@ def test_seeded_draws_repeat(ties):
 
 
 @pytest.mark.parametrize("ties", [False, True])
-def test_a_row_does_not_depend_on_its_neighbours(ties):
+def test_a_row_does_not_depend_on_its_neighbours(ties, kernel):
     crowd, alone = samplers(2)
     for step, logits, live in steps(ties):
         together = crowd.sample(logits[live], [f"r{i}" for i in live], [PARAMS[i] for i in live])
