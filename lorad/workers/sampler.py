@@ -16,8 +16,9 @@ from lorad.workers.kernel_path import kernel_path
 _SEED_MASK = (1 << 64) - 1  # torch seeds are unsigned 64-bit; any int from the wire maps into it
 # On CUDA, rows with a temperature and no top-k or top-p (the API's defaults) drawn by one Triton
 # launch (kernels/temperature_draw.py) instead of a handful of torch ops each. Off until a GPU run
-# has passed tests/gpu/test_temperature_draw_gpu.py and measured it (scripts/bench_sampler.py
-# --temperature-kernel); its draws follow the same distribution with other rounding.
+# has passed tests/gpu/test_temperature_draw_gpu.py and test_sampler_gpu.py and measured it
+# (scripts/bench_sampler.py --temperature-kernel); its draws follow the same distribution with
+# other rounding.
 TEMPERATURE_KERNEL = False
 
 
