@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The leader's sampler alone: milliseconds per step to pick one token per row from [batch, vocab]
-fp32 logits, greedy and with the warpers, on the CPU or a GPU.
+fp32 logits, greedy and with the warpers, on the CPU (torch's ops) or a GPU (the Triton draw).
 
     python scripts/bench_sampler.py [--device cuda] [--batches 1,8,32,64] [--vocab 128256]
 
@@ -23,7 +23,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lorad.protocol.messages import SamplingParams  # noqa: E402
-from lorad.workers import sampler as sampler_module  # noqa: E402
 from lorad.workers.sampler import Sampler  # noqa: E402
 
 CASES = {  # name -> (temperature, top_k, top_p)
@@ -41,9 +40,6 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=128256, help="Llama 3's by default")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (lorad: 1)")
-    parser.add_argument("--temperature-kernel", action="store_true",
-                        help="also time each batch with sampler.TEMPERATURE_KERNEL on (CUDA: "
-                             "temperature-only rows in one Triton launch)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -51,10 +47,8 @@ def main() -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"# sampler, {datetime.date.today()}, {name}, torch {torch.__version__}, vocab "
           f"{args.vocab}, {args.threads} CPU thread(s); ms per step, median of {args.repeats}")
-    print(f"{'batch':>5} {'kernel':>6} " + " ".join(f"{case:>17}" for case in CASES))
-    for batch, kernel in [(b, k) for b in batches
-                          for k in ((False, True) if args.temperature_kernel else (False,))]:
-        sampler_module.TEMPERATURE_KERNEL = kernel
+    print(f"{'batch':>5} " + " ".join(f"{case:>17}" for case in CASES))
+    for batch in batches:
         gen = torch.Generator().manual_seed(batch)
         logits = (torch.randn(batch, args.vocab, generator=gen) * 3).to(device)
         ids = [f"r{i}" for i in range(batch)]
@@ -74,8 +68,7 @@ def main() -> int:
                 sampler.sample(logits, ids, params)  # ends with .tolist(): a sync
                 times.append(time.perf_counter() - start)
             figures.append(statistics.median(times) * 1e3)
-        print(f"{batch:>5} {'on' if kernel else 'off':>6} "
-              + " ".join(f"{ms:>17.2f}" for ms in figures), flush=True)
+        print(f"{batch:>5} " + " ".join(f"{ms:>17.2f}" for ms in figures), flush=True)
     return 0
 
 

@@ -71,7 +71,7 @@ if [[ ${LORAD_SESSION_MICRO:-1} == 1 ]]; then  # LORAD_SESSION_MICRO=0 skips the
   read -ra attention_args <<<"${LORAD_SESSION_ATTENTION_ARGS:-}"
   run_bench bench-lora.log 120 bench_lora_kernels.py "${lora_args[@]}"
   run_bench bench-attention.log 60 bench_paged_attention.py "${attention_args[@]}"
-  run_bench bench-sampler.log 60 bench_sampler.py --device cuda --temperature-kernel
+  run_bench bench-sampler.log 60 bench_sampler.py --device cuda
 fi
 # The decode GEMV's tile sweep against cuBLAS (LORAD_SESSION_GEMV=0 skips it).
 [[ ${LORAD_SESSION_GEMV:-1} == 1 ]] && run_bench bench-gemv.log 75 bench_decode_gemv.py

@@ -14,12 +14,6 @@ from lorad.protocol.messages import SamplingParams
 from lorad.workers.kernel_path import kernel_path
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are unsigned 64-bit; any int from the wire maps into it
-# On CUDA, rows with a temperature and no top-k or top-p (the API's defaults) drawn by one Triton
-# launch (kernels/temperature_draw.py) instead of a handful of torch ops each. Off until a GPU run
-# has passed tests/gpu/test_temperature_draw_gpu.py and test_sampler_gpu.py and measured it
-# (scripts/bench_sampler.py --temperature-kernel); its draws follow the same distribution with
-# other rounding.
-TEMPERATURE_KERNEL = False
 
 
 class Sampler:
@@ -54,35 +48,36 @@ class Sampler:
 
     def _draw(self, rows: list[int], logits: torch.Tensor, request_ids: list[str],
               params: list[SamplingParams], chosen: list) -> None:
-        """Draw rows `rows` of logits into `chosen`: temperature-only rows in one launch of the
-        kernel when TEMPERATURE_KERNEL is on, the others one at a time, each a 1-D row. The
-        whole step at once through torch would be fewer launches, but its CUDA cumulative sum
-        scans one row and several rows with different kernels (a device-wide scan, and a
-        per-row kernel whose layout depends on the number of rows), so a row's sums, and with
-        them its token, could change with its neighbours. The uniforms (one per row from its
-        request's generator) reach the device in one copy: torch's blocking copy from host
-        memory syncs the stream, so a copy per row could make each row wait for the rows before
-        it to finish."""
-        uniforms = torch.stack([
-            torch.rand((), generator=self._generators[request_ids[i]], dtype=torch.float32)
-            for i in rows]).to(logits.device)  # [len(rows)]
-        vocab = logits.shape[1]
-        use_kernel = TEMPERATURE_KERNEL and kernel_path(logits.device)
-        plain = [j for j, i in enumerate(rows) if use_kernel
-                 and not 0 < params[i].top_k < vocab and params[i].top_p >= 1.0]
-        if plain:  # temperature only: one launch for all of them
-            from lorad.workers.kernels.temperature_draw import temperature_draw
-            temperatures = torch.tensor([params[rows[j]].temperature for j in plain],
-                                        dtype=torch.float32, device=logits.device)
-            picked = temperature_draw(logits[[rows[j] for j in plain]], temperatures,
-                                      uniforms[plain])
-            for j, token in zip(plain, picked.unbind()):
-                chosen[rows[j]] = token
-        for i, u in zip(rows, uniforms):
-            if chosen[i] is None:
+        """Draw rows `rows` of logits into `chosen`, each with one uniform from its request's
+        generator. On the kernel path (CUDA) the whole step's drawn rows take one draw
+        (kernels/token_draw.py), after top-k/top-p rows are warped one at a time: torch's CUDA
+        cumulative sum is not repeatable, so neither is a draw made with it. On the CPU, torch's
+        ops row by row. The uniforms (and temperatures) reach the device in one copy: torch's
+        blocking copy from host memory syncs the stream, so a copy per row could make each row
+        wait for the rows before it to finish."""
+        uniforms = [torch.rand((), generator=self._generators[request_ids[i]],
+                               dtype=torch.float32) for i in rows]
+        if not kernel_path(logits.device):
+            for i, u in zip(rows, uniforms):
                 p = params[i]
                 probs = torch.softmax(warp(logits[i], p.temperature, p.top_k, p.top_p), dim=-1)
                 chosen[i] = draw(probs, u)
+            return
+        from lorad.workers.kernels.token_draw import draw_tokens
+        vocab = logits.shape[1]
+        batch = logits[rows]  # [num_drawn, vocab], a copy
+        temperatures = []
+        for j, i in enumerate(rows):
+            p = params[i]
+            if 0 < p.top_k < vocab or p.top_p < 1.0:
+                batch[j] = warp(batch[j], p.temperature, p.top_k, p.top_p)  # scaled already
+                temperatures.append(1.0)
+            else:
+                temperatures.append(p.temperature)
+        host = torch.stack([torch.stack(uniforms), torch.tensor(temperatures)])  # [2, num_drawn]
+        uniforms_dev, temperatures_dev = host.to(logits.device).unbind()
+        for i, token in zip(rows, draw_tokens(batch, temperatures_dev, uniforms_dev).unbind()):
+            chosen[i] = token
 
 
 def warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -92,16 +87,27 @@ def warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tor
         kth = torch.topk(row, top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))  # ties with the k-th stay, as in HF
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=False)  # [vocab], ascending
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Stable, so tied tokens at the cutoff go the same way each time.
+        sorted_logits, order = torch.sort(row, descending=False, stable=True)  # [vocab]
+        cumulative = running_sum(sorted_logits.softmax(dim=-1))
         remove = cumulative <= (1 - top_p)
         remove[-1] = False  # keep at least the most likely token
         row = row.masked_fill(remove.scatter(0, order, remove), float("-inf"))
     return row
 
 
+def running_sum(row: torch.Tensor) -> torch.Tensor:
+    """row: [length] fp32 -> its cumulative sum, repeatable on the kernel path (torch's CUDA scan
+    of one row is not)."""
+    if kernel_path(row.device):
+        from lorad.workers.kernels.token_draw import cumulative_sum
+        return cumulative_sum(row.contiguous().unsqueeze(0)).squeeze(0)
+    return row.cumsum(dim=-1)
+
+
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw: probs [vocab] fp32, u a scalar in [0, 1) -> the chosen index (scalar).
+    """Inverse-CDF draw, the CPU path's: probs [vocab] fp32, u a scalar in [0, 1) -> the chosen
+    index (scalar).
 
     The first index whose cumulative mass exceeds u * total always has non-zero probability, so
     a removed token can never be drawn.

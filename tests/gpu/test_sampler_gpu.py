@@ -1,8 +1,8 @@
 """The sampler on the GPU, at Llama 3's vocabulary: a seeded request draws the same tokens when the
-same logits come again (torch scans a one-row tensor with a device-wide CUB scan, whose float sums
-must come out the same each time), and a row's token does not depend on the rows beside it; with
-mixed parameters, ties and neighbours that come and go, and with the temperature-only rows drawn
-by the torch ops or by the Triton draw (sampler.TEMPERATURE_KERNEL)."""
+same logits come again, its warped row (top-k, top-p) comes out with the same bits, and a row's
+token does not depend on the rows beside it; with mixed parameters, ties and neighbours that come
+and go. (torch's own CUDA cumulative sum of one row failed the bit check on the H200, which is why
+the sampler does not use it there: kernels/token_draw.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from lorad.protocol.messages import SamplingParams
-from lorad.workers import sampler as sampler_module
 from lorad.workers.sampler import Sampler, warp
 
 pytestmark = pytest.mark.gpu
@@ -46,14 +45,8 @@ def steps(ties: bool):
         yield step, logits.to(CUDA), list(range(len(PARAMS)))[step % 3:]
 
 
-@pytest.fixture(params=[False, True], ids=["torch", "temperature_kernel"])
-def kernel(request, monkeypatch):
-    monkeypatch.setattr(sampler_module, "TEMPERATURE_KERNEL", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("ties", [False, True])
-def test_seeded_draws_repeat(ties, kernel):
+def test_seeded_draws_repeat(ties):
     first, second = samplers(2)
     for step, logits, live in steps(ties):
         ids, params = [f"r{i}" for i in live], [PARAMS[i] for i in live]
@@ -62,12 +55,12 @@ def test_seeded_draws_repeat(ties, kernel):
         for i in live:
             if PARAMS[i].temperature:
                 p = PARAMS[i]
-                probs = torch.softmax(warp(logits[i], p.temperature, p.top_k, p.top_p), dim=-1)
-                assert torch.equal(probs.cumsum(dim=-1), probs.cumsum(dim=-1)), (step, i)
+                assert torch.equal(warp(logits[i], p.temperature, p.top_k, p.top_p),
+                                   warp(logits[i], p.temperature, p.top_k, p.top_p)), (step, i)
 
 
 @pytest.mark.parametrize("ties", [False, True])
-def test_a_row_does_not_depend_on_its_neighbours(ties, kernel):
+def test_a_row_does_not_depend_on_its_neighbours(ties):
     crowd, alone = samplers(2)
     for step, logits, live in steps(ties):
         together = crowd.sample(logits[live], [f"r{i}" for i in live], [PARAMS[i] for i in live])

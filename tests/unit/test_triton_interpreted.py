@@ -17,7 +17,7 @@ Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3
   inputs), row bits across batches, weight views, refused inputs; a tiny tile and the default.
 - tests/model_kernel_checks.py: the whole model's kernel path (LORAD_TEST_KERNELS_ON_CPU) against
   its torch path on the same weights and steps, with three adapters.
-- tests/temperature_draw_checks.py: the temperature-only draw against a float64 reference, rows
+- tests/token_draw_checks.py: the sampler's draw and running sum against float64 references, rows
   across batches, removed tokens, the distribution, and the sampler's use of it.
 """
 
@@ -28,7 +28,7 @@ import importlib.util
 import pytest
 
 from tests import (decode_gemv_checks, fused_ops_checks, lora_kernel_checks, model_kernel_checks,
-                   paged_attention_checks, temperature_draw_checks)
+                   paged_attention_checks, token_draw_checks)
 from tests.triton_interpreter import interpret_in_subprocess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 MODULES = {module.__name__: module.CHECKS for module in (
     lora_kernel_checks, paged_attention_checks, fused_ops_checks, decode_gemv_checks,
-    model_kernel_checks, temperature_draw_checks)}
+    model_kernel_checks, token_draw_checks)}
 _results: dict[str, dict | str] = {}  # module -> its results, or why its run failed
 
 
