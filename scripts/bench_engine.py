@@ -41,7 +41,7 @@ from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lorad.workers import lora as lora_module  # noqa: E402
-from lorad.workers.kernels import lora_tiles  # noqa: E402
+from lorad.workers.kernels import lora_tiles, pdl  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
 from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
@@ -88,6 +88,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="batches 1,32,64, prefill 2x512, transformers at batch 32 "
                         "(every target of the GPU issue, in about a minute)")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch lorad's Triton kernels without programmatic dependent launch "
+                        "(kernels/pdl.py), to measure what it saves")
     p.add_argument("--table-out", help="also write the markdown table to this file")
     args = p.parse_args()
     if args.quick:
@@ -500,6 +503,7 @@ def targets() -> str:
 
 def main() -> int:
     args = parse_args()
+    pdl.ENABLED = not args.no_pdl
     if not torch.cuda.is_available():
         print("bench_engine.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -577,7 +581,8 @@ def main() -> int:
         f"measured here: device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write), "
         f"bf16 matmul {flops / 1e12:.0f} TFLOP/s (8192^3, random data)",
         f"model {Path(args.config).name}: random weights, bf16, world size 1, graphs captured "
-        f"for up to {max(args.batches)} sequences and --max-model-len {args.max_model_len}; "
+        f"for up to {max(args.batches)} sequences and --max-model-len {args.max_model_len}, "
+        f"programmatic dependent launch {'off' if args.no_pdl else f'up to {pdl.MAX_ROWS} rows'}; "
         f"lorad peak memory {peak_gib:.1f} GiB",
         f"decode: {args.context} tokens of KV per sequence, {args.steps} timed steps after "
         f"{args.warmup}; step ms = inputs + forward + argmax to the host, as the worker runs "

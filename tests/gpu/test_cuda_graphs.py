@@ -10,6 +10,7 @@ import torch
 
 from lorad.workers.batch import ForwardBatch
 from lorad.workers.cuda_graph import DecodeGraphs
+from lorad.workers.kernels import pdl
 from tests.model_steps import build_model, make_streams
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
@@ -98,6 +99,25 @@ def test_padding_writes_no_kv(decode_run):
     for num_seqs, _, _, _, written, expected in decode_run:
         assert written <= expected, (num_seqs, sorted(written - expected))
         assert written, num_seqs  # the real rows did write
+
+
+def test_programmatic_dependent_launch_changes_no_bit(model, monkeypatch):
+    """A graph captured with the kernels launched under PDL (kernels/pdl.py) gives the bits of
+    the same padded step with them launched plainly, eagerly."""
+    if not pdl.use_pdl(CUDA, MAX_NUM_SEQS):
+        pytest.skip("PDL needs compute capability 9.0 (and steps of at most pdl.MAX_ROWS rows)")
+    graphs = DecodeGraphs(model, MAX_NUM_SEQS, MAX_LEN, BLOCK_SIZE, num_adapters=3)
+    graphs.capture()
+    plain = DecodeGraphs(model, MAX_NUM_SEQS, MAX_LEN, BLOCK_SIZE, num_adapters=3)
+    streams = make_streams(SLOTS, PROMPT_LENS, MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=3)
+    model.forward(ForwardBatch.build([s.prefill_chunk() for s in streams], BLOCK_SIZE, CUDA))
+    for num_seqs, token in ((16, 40), (5, 7), (1, 300)):
+        chunks = [s.decode_chunk(token) for s in streams[:num_seqs]]
+        replayed = graphs.run(chunks)
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        launched_plainly = plain.run(chunks)
+        monkeypatch.setattr(pdl, "ENABLED", True)
+        assert torch.equal(replayed, launched_plainly), num_seqs
 
 
 def test_graphs_serve_any_adapter_mixture(model):

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.lora_shrink import MAX_TABLES, pad_tables, table_block_ends
+from lorad.workers.kernels.pdl import use_pdl, wait_for_previous
 
 
 # --- residual add + RMSNorm -------------------------------------------------------------------
@@ -54,7 +55,8 @@ def _normed(h, w, scale, dtype: tl.constexpr):
 @triton.jit
 def _add_rms_norm_kernel(delta_ptr, stride_delta, res_ptr, stride_res, res_out_ptr,
                          stride_res_out, normed_ptr, stride_normed, weight_ptr, H, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -86,10 +88,12 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: tor
     if num_rows == 0:
         return residual_out, normed
     block = triton.next_power_of_2(hidden_size)
+    pdl = use_pdl(delta.device, num_rows)
     _add_rms_norm_kernel[(num_rows,)](
         delta, delta.stride(0), res_arg, stride_res, residual_out, residual_out.stride(0),
         normed, normed.stride(0), weight, hidden_size, eps,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=_norm_warps(block))
+        HAS_RES=residual is not None, BLOCK=block, PDL=pdl, num_warps=_norm_warps(block),
+        launch_pdl=pdl)
     return residual_out, normed
 
 
@@ -258,7 +262,8 @@ def _rotate(x_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr):
 def _rotary_kv_kernel(q_ptr, stride_q, k_ptr, stride_k, v_ptr, stride_v, q_out_ptr,
                       stride_q_out, cos_ptr, sin_ptr, stride_table, positions_ptr, slots_ptr,
                       k_cache_ptr, v_cache_ptr, stride_cache_slot, NUM_Q_HEADS,
-                      HEAD_DIM: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -307,10 +312,12 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     q_out = torch.empty(num_rows, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_rows == 0:
         return q_out
+    pdl = use_pdl(q.device, num_rows)
     _rotary_kv_kernel[(num_rows, num_q_heads + num_kv_heads)](
         q, q.stride(0), k, k.stride(0), v, v.stride(0), q_out, q_out.stride(0), cos_table,
         sin_table, cos_table.stride(0), positions, slot_mapping, k_cache, v_cache,
-        num_kv_heads * head_dim, num_q_heads, HEAD_DIM=head_dim, num_warps=1,
+        num_kv_heads * head_dim, num_q_heads, HEAD_DIM=head_dim, PDL=pdl, num_warps=1,
+        launch_pdl=pdl,
         # No fused multiply-add: in fp32 it would skip the product's rounding that torch does.
         enable_fp_fusion=False)
     return q_out
@@ -323,7 +330,8 @@ SILU_BLOCK = 1024
 
 @triton.jit
 def _silu_mul_kernel(gate_ptr, stride_gate, up_ptr, stride_up, out_ptr, stride_out, N,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -344,7 +352,8 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_rows, n, dtype=gate.dtype, device=gate.device)
     if num_rows == 0:
         return out
+    pdl = use_pdl(gate.device, num_rows)
     _silu_mul_kernel[(num_rows, triton.cdiv(n, SILU_BLOCK))](
         gate, gate.stride(0), up, up.stride(0), out, out.stride(0), n, BLOCK=SILU_BLOCK,
-        num_warps=4)
+        PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out

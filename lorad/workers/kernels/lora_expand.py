@@ -24,6 +24,7 @@ import triton.language as tl
 
 from lorad.workers.kernels.lora_shrink import MAX_TABLES, load_tile, pad_tables, table_block_ends
 from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
+from lorad.workers.kernels.pdl import use_pdl, wait_for_previous
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                    max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
                    tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, NUM_TABLES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   MAX_CHUNKS: tl.constexpr):
+                   MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     # Work item = (tile, block); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
     num_items = (tl.load(num_tiles_ptr) * num_blocks).to(tl.int32)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
@@ -155,6 +157,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     num_blocks = blocks_end[-1]
     grid = (min(tiles.max_tiles * num_blocks, num_programs or max_programs(t.device)),)
     padded_outs, padded_b = pad_tables(outs), pad_tables(b_tables)
+    pdl = use_pdl(t.device, tiles.num_rows)
     _expand_kernel[grid](
         t, t.stride(0), t.stride(1), t.stride(2), t.shape[2],
         *padded_outs, *(o.stride(0) for o in padded_outs),
@@ -164,4 +167,4 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, NUM_TABLES=num_tables,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_R=config.block_r,
         MAX_CHUNKS=triton.next_power_of_2(t.shape[2]),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)

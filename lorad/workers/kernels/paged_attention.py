@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.pdl import use_pdl, wait_for_previous
+
 # Context tokens per split. Larger splits write fewer partial results (fp32 [head_dim] per query
 # head and split); smaller ones give short batches more programs. Fixed: the split bounds are part
 # of a row's arithmetic.
@@ -69,7 +71,8 @@ def _decode_split_kernel(
         stride_part_seq, stride_part_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, TILE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(lens_ptr + seq)
@@ -131,7 +134,8 @@ def _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, part_acc_ptr, par
 def _decode_reduce_kernel(
         part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out_ptr,
         stride_part_seq, stride_part_head, stride_out_seq, num_seqs,
-        HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
+        HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     seq = tl.program_id(0)  # an output row; rows from num_seqs on pad the batch
     head = tl.program_id(1)
     context_len = tl.load(lens_ptr + seq, mask=seq < num_seqs, other=0)
@@ -201,6 +205,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if split_programs is None:
         split_programs = SPLIT_PROGRAMS
+    pdl = use_pdl(q.device, out.shape[0])
     _decode_split_kernel[(num_seqs, num_kv_heads, min(max_splits, split_programs or max_splits))](
         q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -208,9 +213,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_max.stride(0), part_max.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split_size,
         TILE=tile_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, DOT_PRECISION=precision, num_warps=num_warps, num_stages=2)
+        BLOCK_D=block_d, DOT_PRECISION=precision, PDL=pdl, num_warps=num_warps, num_stages=2,
+        launch_pdl=pdl)
     _decode_reduce_kernel[(out.shape[0], num_q_heads)](
         part_acc, part_max, part_sum, context_lens, out,
         part_max.stride(0), part_max.stride(1), out.stride(0), num_seqs,
-        HEAD_DIM=head_dim, SPLIT=split_size, BLOCK_D=block_d, num_warps=1)
+        HEAD_DIM=head_dim, SPLIT=split_size, BLOCK_D=block_d, PDL=pdl, num_warps=1,
+        launch_pdl=pdl)
     return out

@@ -1,0 +1,45 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels, on Hopper and later.
+
+A kernel launched with launch_pdl=True may be put on the GPU while the kernel before it in the
+stream is still finishing. Each of ours first tells its own dependants they may launch, then
+waits (griddepcontrol.wait) until the kernel before it has completed and its writes are
+visible; nothing is read or written before that wait, so the arithmetic and every result are
+the same with PDL on or off, and only the gap between launches shrinks. In a CUDA graph the
+launches keep that relation. scripts/bench_pdl.py measured the gap it saves on an H200.
+ENABLED off (scripts/bench_engine.py --no-pdl) launches them plainly, as do steps of more than
+MAX_ROWS rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ENABLED = True
+# The most rows a step may have for its kernels to launch with PDL. On the H200 (bench_engine.py,
+# 2026-11-30, two runs each way, graph replay) PDL took batch 1 from 4.77-4.79 to 4.70 ms and
+# batch 32 with one adapter from 7.07 to 6.96-6.97, but batch 64 from 6.38-6.40 to 6.47 (base).
+MAX_ROWS = 32
+_CAPABLE: dict[int, bool] = {}
+
+
+def use_pdl(device: torch.device, num_rows: int) -> bool:
+    """Whether a kernel over num_rows rows on `device` launches with PDL: CUDA compute capability
+    9.0 or later, and a step of at most MAX_ROWS rows."""
+    if not ENABLED or device.type != "cuda" or num_rows > MAX_ROWS:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _CAPABLE[index]
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """At a PDL kernel's start, before any load or store: let the next kernel launch, then wait
+    for the one before to complete."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
