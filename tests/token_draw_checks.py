@@ -200,6 +200,18 @@ def check_the_sampler_uses_it(device: str, vocab: int = CPU_VOCAB,
             expected = _draw(warped, temperatures, u.to(device), None).cpu().tolist()
             assert [tokens[i] for i in drawn_rows] == expected, (tokens, expected)
             assert tokens[1] == int(logits[1].argmax())
+        # Temperature-only rows alone: drawn from the logits themselves, not a copy.
+        plain_rows = [0, 3, 5]
+        sampler = sampler_module.Sampler()
+        for i in plain_rows:
+            sampler.add(ids[i], 13)
+        tokens = sampler.sample(logits[plain_rows], [ids[i] for i in plain_rows],
+                                [params[i] for i in plain_rows])
+        u = torch.stack([torch.rand((), generator=torch.Generator().manual_seed(13),
+                                    dtype=torch.float32) for _ in plain_rows])
+        expected = _draw(logits[plain_rows], torch.tensor([0.8, 1.3, 1.0], device=device),
+                         u.to(device), None).cpu().tolist()
+        assert tokens == expected, (tokens, expected)
     finally:
         if previous is None:
             os.environ.pop(KERNELS_ON_CPU_ENV, None)

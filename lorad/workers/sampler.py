@@ -34,50 +34,53 @@ class Sampler:
         if not request_ids:
             return []
         logits = logits.float()
-        drawn = [p.temperature != 0 for p in params]
-        if not any(drawn):  # one argmax for the step: one launch on a GPU, not one per row
+        drawn = [i for i, p in enumerate(params) if p.temperature != 0]
+        if not drawn:  # one argmax for the step: one launch on a GPU, not one per row
             return logits.argmax(dim=-1).tolist()
-        chosen: list[torch.Tensor | None] = [None] * len(params)
-        if not all(drawn):
-            greedy = [i for i, d in enumerate(drawn) if not d]
-            best = logits[greedy].argmax(dim=-1)  # [num_greedy]
-            for i, token in zip(greedy, best.unbind()):
-                chosen[i] = token
-        self._draw([i for i, d in enumerate(drawn) if d], logits, request_ids, params, chosen)
-        return torch.stack(chosen).tolist()
+        tokens = self._draw(drawn, logits, request_ids, params)
+        if len(drawn) == len(params):
+            return tokens
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+        chosen = [0] * len(params)
+        for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+            chosen[i] = token
+        for i, token in zip(drawn, tokens):
+            chosen[i] = token
+        return chosen
 
     def _draw(self, rows: list[int], logits: torch.Tensor, request_ids: list[str],
-              params: list[SamplingParams], chosen: list) -> None:
-        """Draw rows `rows` of logits into `chosen`, each with one uniform from its request's
-        generator. On the kernel path (CUDA) the whole step's drawn rows take one draw
-        (kernels/token_draw.py), after top-k/top-p rows are warped one at a time: torch's CUDA
-        cumulative sum is not repeatable, so neither is a draw made with it. On the CPU, torch's
-        ops row by row. The uniforms (and temperatures) reach the device in one copy: torch's
-        blocking copy from host memory syncs the stream, so a copy per row could make each row
-        wait for the rows before it to finish."""
+              params: list[SamplingParams]) -> list[int]:
+        """-> the tokens drawn for rows `rows` of logits, in that order, each with one uniform
+        from its request's generator. On the kernel path (CUDA) the whole step's drawn rows
+        take one draw (kernels/token_draw.py), after top-k/top-p rows are warped one at a time:
+        torch's CUDA cumulative sum is not repeatable, so neither is a draw made with it. On the
+        CPU, torch's ops row by row. The uniforms (and temperatures) reach the device in one
+        copy: torch's blocking copy from host memory syncs the stream, so a copy per row could
+        make each row wait for the rows before it to finish."""
         uniforms = [torch.rand((), generator=self._generators[request_ids[i]],
                                dtype=torch.float32) for i in rows]
         if not kernel_path(logits.device):
+            tokens = []
             for i, u in zip(rows, uniforms):
                 p = params[i]
                 probs = torch.softmax(warp(logits[i], p.temperature, p.top_k, p.top_p), dim=-1)
-                chosen[i] = draw(probs, u)
-            return
+                tokens.append(int(draw(probs, u)))
+            return tokens
         from lorad.workers.kernels.token_draw import draw_tokens
         vocab = logits.shape[1]
-        batch = logits[rows]  # [num_drawn, vocab], a copy
-        temperatures = []
-        for j, i in enumerate(rows):
-            p = params[i]
-            if 0 < p.top_k < vocab or p.top_p < 1.0:
-                batch[j] = warp(batch[j], p.temperature, p.top_k, p.top_p)  # scaled already
-                temperatures.append(1.0)
-            else:
-                temperatures.append(p.temperature)
+        warped = {j for j, i in enumerate(rows)
+                  if 0 < params[i].top_k < vocab or params[i].top_p < 1.0}
+        batch = logits  # [num_drawn, vocab]: the logits themselves when nothing changes them
+        if warped or len(rows) < logits.shape[0] or logits.stride(1) != 1:
+            batch = logits[rows]  # a copy: logits may be the caller's tensor
+        for j in warped:
+            p = params[rows[j]]
+            batch[j] = warp(batch[j], p.temperature, p.top_k, p.top_p)  # scaled already
+        temperatures = [1.0 if j in warped else params[i].temperature
+                        for j, i in enumerate(rows)]
         host = torch.stack([torch.stack(uniforms), torch.tensor(temperatures)])  # [2, num_drawn]
         uniforms_dev, temperatures_dev = host.to(logits.device).unbind()
-        for i, token in zip(rows, draw_tokens(batch, temperatures_dev, uniforms_dev).unbind()):
-            chosen[i] = token
+        return draw_tokens(batch, temperatures_dev, uniforms_dev).tolist()
 
 
 def warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
