@@ -154,6 +154,47 @@ def check_cumulative_sum(device: str, vocab: int = CPU_VOCAB,
                            together[i]), i
 
 
+def check_warp_rows(device: str, vocab: int = CPU_VOCAB,
+                    chunk: int | None = CPU_CHUNK) -> None:
+    """The kernel path's warp of a step's rows: each row's bits the same alone and among others,
+    and the tokens it keeps those that float64 top-k and top-p keep (the CPU path's warp agrees;
+    ties at the k-th value stay)."""
+    from lorad.workers import sampler as sampler_module
+    temperatures = [0.7, 1.0, 1.3, 0.9, 1.0, 0.5, 1.0]
+    top_ks = [0, 40, 5, 0, 1, vocab, 0]  # vocab: none
+    top_ps = [0.9, 1.0, 0.5, 0.95, 1.0, 0.8, 1.0]
+    logits, _ = _inputs(len(top_ks), vocab, device, seed=9)
+    logits[1, :3] = logits[1].max()  # three tokens tied at the top of a top-k row
+    logits[6, 7] = -300.0  # its exp underflows to 0, but with neither top-k nor top-p it stays
+    args = (torch.tensor(temperatures, device=device), torch.tensor(top_ks, device=device),
+            torch.tensor(top_ps, device=device))
+    together = sampler_module.warp_rows(logits, *args, 40, True)
+    for i in range(len(top_ks)):
+        alone = sampler_module.warp_rows(logits[i:i + 1], *(a[i:i + 1] for a in args),
+                                         max(top_ks[i] if top_ks[i] < vocab else 0, 0),
+                                         top_ps[i] < 1.0)
+        assert torch.equal(alone[0], together[i]), i
+        row = logits[i].cpu().double() / temperatures[i]
+        keep = torch.ones(vocab, dtype=torch.bool)
+        if 0 < top_ks[i] < vocab:
+            keep &= row >= torch.topk(row, top_ks[i]).values[-1]
+        if top_ps[i] < 1.0:
+            masked = row.masked_fill(~keep, float("-inf"))
+            ordered = torch.sort(masked, descending=True)
+            probs = torch.softmax(ordered.values, dim=0)
+            before = probs.cumsum(dim=0) - probs
+            kept = torch.zeros(vocab, dtype=torch.bool)
+            kept[ordered.indices[before < top_ps[i]]] = True
+            keep &= kept
+        got = torch.isfinite(together[i].cpu())
+        assert torch.equal(got, keep), (i, int(got.sum()), int(keep.sum()))
+        cpu = sampler_module.warp(logits[i].cpu(), temperatures[i], top_ks[i], top_ps[i])
+        assert torch.equal(torch.isfinite(cpu), keep), i
+        finite = together[i].cpu()[got]
+        assert torch.equal(finite, (logits[i].cpu() / temperatures[i])[got]), i
+    assert int(torch.isfinite(together[1]).sum()) == 40  # the tie at the top: still 40
+
+
 def check_the_sampler_uses_it(device: str, vocab: int = CPU_VOCAB,
                               chunk: int | None = CPU_CHUNK) -> None:
     """On the kernel path a step's drawn rows take one draw with their uniforms in row order, the
@@ -178,9 +219,10 @@ def check_the_sampler_uses_it(device: str, vocab: int = CPU_VOCAB,
     os.environ[KERNELS_ON_CPU_ENV] = "1"  # the kernel path on CPU tensors, as the checks run
     try:
         warped = logits[drawn_rows].clone()
-        for j, i in ((1, 2), (3, 4)):
-            p = params[i]
-            warped[j] = sampler_module.warp(logits[i], p.temperature, p.top_k, p.top_p)
+        warped[[1, 3]] = sampler_module.warp_rows(
+            logits[[2, 4]], torch.tensor([1.0, 0.7], device=device),
+            torch.tensor([20, 0], device=device), torch.tensor([1.0, 0.9], device=device), 20,
+            True)
         top_k = torch.topk(logits[2].cpu(), 20).indices
         ordered = torch.sort(logits[4].cpu().double() / 0.7, descending=True)
         before = torch.softmax(ordered.values, dim=0).cumsum(dim=0) - \
@@ -225,6 +267,7 @@ CHECKS = {
     "never_draws_a_removed_token": (check_never_draws_a_removed_token, {}),
     "follows_the_distribution": (check_follows_the_distribution, {}),
     "cumulative_sum": (check_cumulative_sum, {}),
+    "warp_rows": (check_warp_rows, {}),
     "the_sampler_uses_it": (check_the_sampler_uses_it, {}),
 }
 

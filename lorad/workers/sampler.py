@@ -52,9 +52,9 @@ class Sampler:
               params: list[SamplingParams]) -> list[int]:
         """-> the tokens drawn for rows `rows` of logits, in that order, each with one uniform
         from its request's generator. On the kernel path (CUDA) the whole step's drawn rows
-        take one draw (kernels/token_draw.py), after top-k/top-p rows are warped one at a time:
-        torch's CUDA cumulative sum is not repeatable, so neither is a draw made with it. On the
-        CPU, torch's ops row by row. The uniforms (and temperatures) reach the device in one
+        take one draw (kernels/token_draw.py), after the top-k/top-p rows are warped together
+        (warp_rows): torch's CUDA cumulative sum is not repeatable, so neither is a draw made
+        with it. On the CPU, torch's ops row by row. What the device needs reaches it in one
         copy: torch's blocking copy from host memory syncs the stream, so a copy per row could
         make each row wait for the rows before it to finish."""
         uniforms = [torch.rand((), generator=self._generators[request_ids[i]],
@@ -68,23 +68,37 @@ class Sampler:
             return tokens
         from lorad.workers.kernels.token_draw import draw_tokens
         vocab = logits.shape[1]
-        warped = {j for j, i in enumerate(rows)
-                  if 0 < params[i].top_k < vocab or params[i].top_p < 1.0}
+        warped = [j for j, i in enumerate(rows)
+                  if 0 < params[i].top_k < vocab or params[i].top_p < 1.0]
         batch = logits  # [num_drawn, vocab]: the logits themselves when nothing changes them
         if warped or len(rows) < logits.shape[0] or logits.stride(1) != 1:
             batch = logits[rows]  # a copy: logits may be the caller's tensor
-        for j in warped:
+        # Everything the device needs in one copy: [6, num_drawn] fp32 (ints below 2**24 are
+        # exact): the uniforms, the draw's temperatures (1 for warped rows, already scaled),
+        # then, in the first len(warped) columns, the warped rows' temperature, top-k, top-p
+        # and position in the batch.
+        host = torch.zeros(6, len(rows))
+        host[0] = torch.stack(uniforms)
+        for j, i in enumerate(rows):
+            host[1, j] = params[i].temperature
+        for n, j in enumerate(warped):
             p = params[rows[j]]
-            batch[j] = warp(batch[j], p.temperature, p.top_k, p.top_p)  # scaled already
-        temperatures = [1.0 if j in warped else params[i].temperature
-                        for j, i in enumerate(rows)]
-        host = torch.stack([torch.stack(uniforms), torch.tensor(temperatures)])  # [2, num_drawn]
-        uniforms_dev, temperatures_dev = host.to(logits.device).unbind()
-        return draw_tokens(batch, temperatures_dev, uniforms_dev).tolist()
+            host[1, j] = 1.0
+            host[2:, n] = torch.tensor([p.temperature, p.top_k, p.top_p, j])
+        device = host.to(logits.device)
+        if warped:
+            num = len(warped)
+            index = device[5, :num].long()
+            top_ks = [params[rows[j]].top_k for j in warped]
+            batch[index] = warp_rows(batch[index], device[2, :num], device[3, :num].long(),
+                                     device[4, :num], max(k if k < vocab else 0 for k in top_ks),
+                                     any(params[rows[j]].top_p < 1.0 for j in warped))
+        return draw_tokens(batch, device[1], device[0]).tolist()
 
 
 def warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """row: [vocab] fp32 logits -> [vocab] logits with the removed tokens at -inf."""
+    """The CPU path's warp: row [vocab] fp32 logits -> [vocab] logits / temperature with the
+    removed tokens at -inf."""
     row = row / temperature
     if 0 < top_k < row.shape[-1]:
         kth = torch.topk(row, top_k).values[-1]
@@ -92,20 +106,41 @@ def warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tor
     if top_p < 1.0:
         # Stable, so tied tokens at the cutoff go the same way each time.
         sorted_logits, order = torch.sort(row, descending=False, stable=True)  # [vocab]
-        cumulative = running_sum(sorted_logits.softmax(dim=-1))
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         remove = cumulative <= (1 - top_p)
         remove[-1] = False  # keep at least the most likely token
         row = row.masked_fill(remove.scatter(0, order, remove), float("-inf"))
     return row
 
 
-def running_sum(row: torch.Tensor) -> torch.Tensor:
-    """row: [length] fp32 -> its cumulative sum, repeatable on the kernel path (torch's CUDA scan
-    of one row is not)."""
-    if kernel_path(row.device):
-        from lorad.workers.kernels.token_draw import cumulative_sum
-        return cumulative_sum(row.contiguous().unsqueeze(0)).squeeze(0)
-    return row.cumsum(dim=-1)
+def warp_rows(rows: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+              top_ps: torch.Tensor, max_top_k: int, any_top_p: bool) -> torch.Tensor:
+    """The kernel path's warp, a step's rows at once: rows [n, vocab] fp32; temperatures, top_ps
+    [n] fp32 and top_ks [n] int64 on the rows' device (top-k <= 0 or >= vocab: none; top-p 1:
+    none); max_top_k, any_top_p: what the host knows of them -> [n, vocab] rows / temperature
+    with the removed tokens at -inf, in the CPU path's order (top-k, then top-p keeping at least
+    the most likely token). Nothing here sums across a row but token_draw's running sum (the
+    others are exact: top-k's k-th value, a stable sort, the row's max, elementwise ops), so a
+    row's result depends on that row alone and repeats bit for bit. Top-p compares the running
+    mass of exp(x - max) with (1 - p) times its total, where the CPU path normalises first."""
+    from lorad.workers.kernels.token_draw import cumulative_sum
+    vocab = rows.shape[1]
+    rows = rows / temperatures[:, None]
+    if 0 < max_top_k:
+        has_k = (top_ks > 0) & (top_ks < vocab)  # [n]
+        largest = torch.topk(rows, min(max_top_k, vocab), dim=-1).values  # [n, k], descending
+        kth = largest.gather(1, (top_ks.clamp(1, largest.shape[1]) - 1)[:, None])  # [n, 1]
+        kth = torch.where(has_k[:, None], kth, float("-inf"))
+        rows = rows.masked_fill(rows < kth, float("-inf"))  # ties with the k-th stay, as in HF
+    if any_top_p:
+        ascending, order = torch.sort(rows, dim=-1, stable=True)  # [n, vocab]
+        running = cumulative_sum(torch.exp(ascending - ascending[:, -1:]))  # [n, vocab]
+        remove = running <= (1 - top_ps)[:, None] * running[:, -1:]
+        # Rows without top-p lose nothing, not even tokens whose exp underflows to 0.
+        remove &= (top_ps < 1.0)[:, None]
+        remove[:, -1] = False  # keep at least the most likely token
+        rows = rows.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    return rows
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The sampler on the GPU, at Llama 3's vocabulary: a seeded request draws the same tokens when the
-same logits come again, its warped row (top-k, top-p) comes out with the same bits, and a row's
-token does not depend on the rows beside it; with mixed parameters, ties and neighbours that come
-and go. (torch's own CUDA cumulative sum of one row failed the bit check on the H200, which is why
-the sampler does not use it there: kernels/token_draw.py.)"""
+same logits come again, its warped row (top-k, top-p: warp_rows) comes out with the same bits,
+and a row's token does not depend on the rows beside it; with mixed parameters, ties and
+neighbours that come and go. (torch's own CUDA cumulative sum of one row failed the bit check on
+the H200, which is why the sampler does not use it there: kernels/token_draw.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lorad.protocol.messages import SamplingParams
-from lorad.workers.sampler import Sampler, warp
+from lorad.workers.sampler import Sampler, warp_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -55,8 +55,11 @@ def test_seeded_draws_repeat(ties):
         for i in live:
             if PARAMS[i].temperature:
                 p = PARAMS[i]
-                assert torch.equal(warp(logits[i], p.temperature, p.top_k, p.top_p),
-                                   warp(logits[i], p.temperature, p.top_k, p.top_p)), (step, i)
+                args = (torch.tensor([p.temperature], device=CUDA),
+                        torch.tensor([p.top_k], device=CUDA),
+                        torch.tensor([p.top_p], device=CUDA), p.top_k, p.top_p < 1.0)
+                assert torch.equal(warp_rows(logits[i:i + 1], *args),
+                                   warp_rows(logits[i:i + 1], *args)), (step, i)
 
 
 @pytest.mark.parametrize("ties", [False, True])
