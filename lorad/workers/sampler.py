@@ -76,15 +76,16 @@ class Sampler:
         # Everything the device needs in one copy: [6, num_drawn] fp32 (ints below 2**24 are
         # exact): the uniforms, the draw's temperatures (1 for warped rows, already scaled),
         # then, in the first len(warped) columns, the warped rows' temperature, top-k, top-p
-        # and position in the batch.
-        host = torch.zeros(6, len(rows))
-        host[0] = torch.stack(uniforms)
-        for j, i in enumerate(rows):
-            host[1, j] = params[i].temperature
+        # and position in the batch. Built as lists: assigning a tensor's items one by one
+        # costs microseconds each.
+        temperatures = [params[i].temperature for i in rows]
+        of_warped = [[0.0] * len(rows) for _ in range(4)]
         for n, j in enumerate(warped):
             p = params[rows[j]]
-            host[1, j] = 1.0
-            host[2:, n] = torch.tensor([p.temperature, p.top_k, p.top_p, j])
+            temperatures[j] = 1.0
+            for field, value in zip(of_warped, (p.temperature, p.top_k, p.top_p, j)):
+                field[n] = value
+        host = torch.cat([torch.stack(uniforms)[None], torch.tensor([temperatures, *of_warped])])
         device = host.to(logits.device)
         if warped:
             num = len(warped)
