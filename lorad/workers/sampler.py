@@ -1,7 +1,10 @@
 """Next-token sampling on the leader: greedy, or temperature/top-k/top-p with a per-request seed.
 
-Each request owns a CPU torch.Generator seeded at admission and draws exactly one uniform number
-per sampled token, row by row, so its tokens never depend on which requests share the batch.
+Each request owns a CPU torch.Generator seeded at admission and uses exactly one uniform number per
+sampled token, the generator's float32 stream in order, so its tokens never depend on which
+requests share the batch. The uniforms are taken UNIFORMS_AT_ONCE at a time (torch's CPU
+generator gives a block the same values as as many single draws; tests/unit/test_sampler.py
+checks it): a torch op per row per step cost more host time than the rest of a step's sampling.
 Warping follows transformers' order (temperature, then top-k, then top-p keeping at least one
 token), in fp32. Grammar masks are not applied here yet.
 """
@@ -14,19 +17,31 @@ from lorad.protocol.messages import SamplingParams
 from lorad.workers.kernel_path import kernel_path
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are unsigned 64-bit; any int from the wire maps into it
+UNIFORMS_AT_ONCE = 64
 
 
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._uniforms: dict[str, list[float]] = {}  # each request's next ones, last first
 
     def add(self, request_id: str, seed: int) -> None:
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed & _SEED_MASK)
         self._generators[request_id] = gen
+        self._uniforms[request_id] = []
 
     def remove(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._uniforms.pop(request_id, None)
+
+    def _next_uniform(self, request_id: str) -> float:
+        left = self._uniforms[request_id]
+        if not left:
+            drawn = torch.rand(UNIFORMS_AT_ONCE, generator=self._generators[request_id],
+                               dtype=torch.float32)
+            left.extend(reversed(drawn.tolist()))
+        return left.pop()
 
     def sample(self, logits: torch.Tensor, request_ids: list[str],
                params: list[SamplingParams]) -> list[int]:
@@ -57,8 +72,7 @@ class Sampler:
         with it. On the CPU, torch's ops row by row. What the device needs reaches it in one
         copy: torch's blocking copy from host memory syncs the stream, so a copy per row could
         make each row wait for the rows before it to finish."""
-        uniforms = [torch.rand((), generator=self._generators[request_ids[i]],
-                               dtype=torch.float32) for i in rows]
+        uniforms = [self._next_uniform(request_ids[i]) for i in rows]  # float32 values
         if not kernel_path(logits.device):
             tokens = []
             for i, u in zip(rows, uniforms):
@@ -85,7 +99,7 @@ class Sampler:
             temperatures[j] = 1.0
             for field, value in zip(of_warped, (p.temperature, p.top_k, p.top_p, j)):
                 field[n] = value
-        host = torch.cat([torch.stack(uniforms)[None], torch.tensor([temperatures, *of_warped])])
+        host = torch.tensor([uniforms, temperatures, *of_warped])
         device = host.to(logits.device)
         if warped:
             num = len(warped)
@@ -144,9 +158,9 @@ def warp_rows(rows: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tens
     return rows
 
 
-def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw, the CPU path's: probs [vocab] fp32, u a scalar in [0, 1) -> the chosen
-    index (scalar).
+def draw(probs: torch.Tensor, u: float) -> torch.Tensor:
+    """Inverse-CDF draw, the CPU path's: probs [vocab] fp32, u in [0, 1) (a float32 value) -> the
+    chosen index (scalar).
 
     The first index whose cumulative mass exceeds u * total always has non-zero probability, so
     a removed token can never be drawn.

@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from lorad.protocol.messages import SamplingParams
-from lorad.workers.sampler import Sampler, warp
+from lorad.workers.sampler import UNIFORMS_AT_ONCE, Sampler, draw, warp
 
 
 def sp(temperature=1.0, top_p=1.0, top_k=0, seed=0) -> SamplingParams:
@@ -105,6 +105,33 @@ def test_samples_stay_in_the_kept_set_and_follow_the_distribution():
     probs = torch.softmax(row[:4], dim=-1).tolist()
     for count, prob in zip(counts, probs):
         assert abs(count / 3000 - prob) < 4 * math.sqrt(prob * (1 - prob) / 3000) + 1e-3
+
+
+def test_a_block_of_uniforms_is_the_generators_single_draws():
+    """What the sampler relies on when it takes UNIFORMS_AT_ONCE uniforms at a time."""
+    for seed in (0, 7, 2**63 + 5):
+        block, single = torch.Generator(), torch.Generator()
+        block.manual_seed(seed)
+        single.manual_seed(seed)
+        blocks = torch.cat([torch.rand(UNIFORMS_AT_ONCE, generator=block) for _ in range(3)])
+        singles = torch.stack([torch.rand((), generator=single)
+                               for _ in range(3 * UNIFORMS_AT_ONCE)])
+        assert torch.equal(blocks, singles), seed
+
+
+def test_a_request_uses_its_uniforms_in_order_across_refills():
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(8))
+    sampler = Sampler()
+    sampler.add("r", 99)
+    single = torch.Generator().manual_seed(99)
+    probs = torch.softmax(warp(logits[0], 0.7, 0, 1.0), dim=-1)
+    tokens, expected = [], []
+    for _ in range(2 * UNIFORMS_AT_ONCE + 5):
+        u = float(torch.rand((), generator=single, dtype=torch.float32))
+        expected.append(int(draw(probs, u)))
+        tokens += sampler.sample(logits, ["r"], [sp(temperature=0.7)])
+    assert tokens == expected
+    assert len(set(tokens)) > 20  # the uniforms really moved the draws
 
 
 def test_removed_request_forgets_its_generator():
