@@ -99,16 +99,16 @@ class Sampler:
             temperatures[j] = 1.0
             for field, value in zip(of_warped, (p.temperature, p.top_k, p.top_p, j)):
                 field[n] = value
-        host = torch.tensor([uniforms, temperatures, *of_warped])
-        device = host.to(logits.device)
+        values = torch.tensor([uniforms, temperatures, *of_warped], dtype=torch.float32)
+        values = values.to(logits.device)  # [6, num_drawn]
         if warped:
             num = len(warped)
-            index = device[5, :num].long()
+            index = values[5, :num].long()
             top_ks = [params[rows[j]].top_k for j in warped]
-            batch[index] = warp_rows(batch[index], device[2, :num], device[3, :num].long(),
-                                     device[4, :num], max(k if k < vocab else 0 for k in top_ks),
+            batch[index] = warp_rows(batch[index], values[2, :num], values[3, :num].long(),
+                                     values[4, :num], max(k if k < vocab else 0 for k in top_ks),
                                      any(params[rows[j]].top_p < 1.0 for j in warped))
-        return draw_tokens(batch, device[1], device[0]).tolist()
+        return draw_tokens(batch, values[1], values[0]).tolist()
 
 
 def warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
