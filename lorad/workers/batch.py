@@ -66,7 +66,7 @@ class ForwardBatch:
                 pos = start + i
                 ids.append(token)
                 positions.append(pos)
-                slots.append(block_table[pos // block_size] * block_size + pos % block_size)
+                slots.append(kv_slot(block_table, pos, block_size))
                 row_adapters.append(adapter_slot)
             if wants_sample:
                 sample_rows.append(len(ids) - 1)
@@ -88,3 +88,9 @@ class ForwardBatch:
                    tensor(tables, torch.int32).reshape(len(seqs), max_blocks),
                    tensor([s.context_len for s in seqs], torch.int32),
                    tensor(starts, torch.int32))
+
+
+def kv_slot(block_table: list[int], pos: int, block_size: int) -> int:
+    """The KV cache slot of position `pos` of a sequence with these blocks: its block's id *
+    block_size + the offset inside it (the caches are [num_blocks, block_size, ...])."""
+    return block_table[pos // block_size] * block_size + pos % block_size

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from lorad.workers.batch import MIN_ROWS, ForwardBatch, SeqChunk
+from lorad.workers.batch import MIN_ROWS, ForwardBatch, SeqChunk, kv_slot
 
 log = logging.getLogger("lorad.worker")
 
@@ -108,7 +108,7 @@ class DecodeInputs:
         for (token,), pos, table, _, adapter in chunks:
             ids.append(token)
             positions.append(pos)
-            kv_slots.append(table[pos // block_size] * block_size + pos % block_size)
+            kv_slots.append(kv_slot(table, pos, block_size))
             adapters.append(adapter)
         rows = self._rows_np
         for i, values in enumerate((ids, positions, kv_slots, adapters)):  # ROW_FIELDS' order
