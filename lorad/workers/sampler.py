@@ -93,9 +93,9 @@ class Sampler:
         # and position in the batch. Built as lists: assigning a tensor's items one by one
         # costs microseconds each.
         temperatures = [params[i].temperature for i in rows]
+        warped_params = [params[rows[j]] for j in warped]
         of_warped = [[0.0] * len(rows) for _ in range(4)]
-        for n, j in enumerate(warped):
-            p = params[rows[j]]
+        for n, (j, p) in enumerate(zip(warped, warped_params)):
             temperatures[j] = 1.0
             for field, value in zip(of_warped, (p.temperature, p.top_k, p.top_p, j)):
                 field[n] = value
@@ -104,10 +104,10 @@ class Sampler:
         if warped:
             num = len(warped)
             index = values[5, :num].long()
-            top_ks = [params[rows[j]].top_k for j in warped]
             batch[index] = warp_rows(batch[index], values[2, :num], values[3, :num].long(),
-                                     values[4, :num], max(k if k < vocab else 0 for k in top_ks),
-                                     any(params[rows[j]].top_p < 1.0 for j in warped))
+                                     values[4, :num],
+                                     max(p.top_k if p.top_k < vocab else 0 for p in warped_params),
+                                     any(p.top_p < 1.0 for p in warped_params))
         return draw_tokens(batch, values[1], values[0]).tolist()
 
 
