@@ -65,11 +65,12 @@ def rest_of_stream(resp: http.client.HTTPResponse) -> list[bytes]:
 
 
 def wait_idle(daemon, timeout_s: float = 3.0) -> dict:
-    """/health once no sequence runs and every KV block is free again."""
+    """/health once no request is open, no sequence runs and every KV block is free again."""
     deadline = time.monotonic() + timeout_s
     while True:
         health = daemon.health()
-        idle = (health["running"] == 0 and health["waiting"] == 0
+        idle = (health["open_requests"] == 0 and health["running"] == 0
+                and health["waiting"] == 0
                 and health["kv_blocks"]["free"] == health["kv_blocks"]["total"])
         if idle or time.monotonic() > deadline:
             return health
