@@ -3,10 +3,12 @@
 fp32 logits, greedy and with the warpers, on the CPU (torch's ops) or a GPU (the Triton draw).
 
     python scripts/bench_sampler.py [--device cuda] [--batches 1,8,32,64] [--vocab 128256]
+        [--profile "top-k 50"]
 
 Every row of a step uses the same parameters; each figure is the median of --repeats steps
 (after one untimed), the ids back on the host as the worker needs them. Prints a table and the
-conditions; a benchmark, not a test.
+conditions; a benchmark, not a test. --profile CASE then prints, for each batch, torch's
+profile of one more step of that case: host and device time per op, the host's first.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=128256, help="Llama 3's by default")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (lorad: 1)")
+    parser.add_argument("--profile", choices=sorted(CASES), help="profile one step of this case")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -69,7 +72,30 @@ def main() -> int:
                 times.append(time.perf_counter() - start)
             figures.append(statistics.median(times) * 1e3)
         print(f"{batch:>5} " + " ".join(f"{ms:>17.2f}" for ms in figures), flush=True)
+    if args.profile:
+        for batch in batches:
+            profile_step(device, batch, args.vocab, CASES[args.profile], args.profile)
     return 0
+
+
+def profile_step(device: torch.device, batch: int, vocab: int, case: tuple, name: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    temperature, top_k, top_p = case
+    logits = (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch)) * 3)
+    logits = logits.to(device)
+    ids = [f"r{i}" for i in range(batch)]
+    sampler = Sampler()
+    for i, rid in enumerate(ids):
+        sampler.add(rid, i)
+    params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=0,
+                             max_tokens=1, stop_token_ids=[], ignore_eos=False)] * batch
+    sampler.sample(logits, ids, params)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        sampler.sample(logits, ids, params)
+    print(f"\n# profile: {name}, batch {batch}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
 if __name__ == "__main__":

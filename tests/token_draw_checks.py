@@ -218,6 +218,7 @@ def check_the_sampler_uses_it(device: str, vocab: int = CPU_VOCAB,
     previous = os.environ.get(KERNELS_ON_CPU_ENV)
     os.environ[KERNELS_ON_CPU_ENV] = "1"  # the kernel path on CPU tensors, as the checks run
     try:
+        sampler_module.warm_up(logits)  # the engine's, on this path (it must not raise)
         warped = logits[drawn_rows].clone()
         warped[[1, 3]] = sampler_module.warp_rows(
             logits[[2, 4]], torch.tensor([1.0, 0.7], device=device),
@@ -254,6 +255,22 @@ def check_the_sampler_uses_it(device: str, vocab: int = CPU_VOCAB,
         expected = _draw(logits[plain_rows], torch.tensor([0.8, 1.3, 1.0], device=device),
                          u.to(device), None).cpu().tolist()
         assert tokens == expected, (tokens, expected)
+        # Every drawn row warped (warp_rows on the rows themselves, no scatter), alone and with a
+        # greedy row beside them; each row's token as in the mixed step above.
+        for step_rows in ([2, 4], [2, 1, 4]):
+            sampler = sampler_module.Sampler()
+            for i in step_rows:
+                sampler.add(ids[i], 14)
+            tokens = sampler.sample(logits[step_rows], [ids[i] for i in step_rows],
+                                    [params[i] for i in step_rows])
+            u = torch.stack([torch.rand((), generator=torch.Generator().manual_seed(14),
+                                        dtype=torch.float32) for _ in range(2)])
+            expected = _draw(warped[[1, 3]], torch.ones(2, device=device), u.to(device),
+                             None).cpu().tolist()
+            drawn = [token for i, token in zip(step_rows, tokens) if i != 1]
+            assert drawn == expected, (step_rows, tokens, expected)
+            if 1 in step_rows:
+                assert tokens[step_rows.index(1)] == int(logits[1].argmax())
     finally:
         if previous is None:
             os.environ.pop(KERNELS_ON_CPU_ENV, None)

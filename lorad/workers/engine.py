@@ -26,6 +26,7 @@ from lorad.workers.cuda_graph import DecodeGraphs
 from lorad.workers.models.llama import LlamaForCausalLM
 from lorad.workers.parallel import TensorParallel, init_tensor_parallel
 from lorad.workers.planner import StepPlan
+from lorad.workers.sampler import warm_up as warm_up_sampler
 
 log = logging.getLogger("lorad.worker")
 
@@ -118,15 +119,18 @@ class Engine:
     def warm_up(self) -> None:
         """Run one eager step through every layer and collective before the rank says Ready: a
         rank that cannot compute fails here, at start, not on a first request, and the kernels
-        a first request needs (prefill, decode, LoRA when adapters are loaded) are compiled.
-        Every KV slot is -1, so nothing is written to the pool, and no block is taken; the
-        attention reads whatever block 0 holds, and the logits are dropped."""
+        a first request needs (prefill, decode, LoRA when adapters are loaded, the leader's
+        sampling) are compiled. Every KV slot is -1, so nothing is written to the pool, and no
+        block is taken; the attention reads whatever block 0 holds, and the logits are dropped
+        (the leader samples from zeros of their shape)."""
         started = time.monotonic()
         slot = 1 if self.adapters else 0
         chunks = [([0, 0], 0, [0], True, slot), ([0], 0, [0], True, 0)]  # a prefill, a decode
         batch = ForwardBatch.build(chunks, self.block_size, self.tp.device, min_rows=MIN_ROWS)
         batch = dataclasses.replace(batch, slot_mapping=torch.full_like(batch.slot_mapping, -1))
         logits = self.model.forward(batch)  # [2, vocab]
+        if self.tp.rank == 0:  # the leader samples: its draw kernels compile now too
+            warm_up_sampler(torch.zeros_like(logits))
         if self.tp.device.type == "cuda":
             torch.cuda.synchronize(self.tp.device)
         log.info("warm-up step ran in %.0f ms (logits %s)", (time.monotonic() - started) * 1000,

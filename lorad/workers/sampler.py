@@ -18,6 +18,7 @@ from lorad.workers.kernel_path import kernel_path
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are unsigned 64-bit; any int from the wire maps into it
 UNIFORMS_AT_ONCE = 64
+ALIGN_FLOATS = 4  # 16 bytes of fp32: the alignment triton specializes its pointers on
 
 
 class Sampler:
@@ -84,9 +85,10 @@ class Sampler:
         vocab = logits.shape[1]
         warped = [j for j, i in enumerate(rows)
                   if 0 < params[i].top_k < vocab or params[i].top_p < 1.0]
-        batch = logits  # [num_drawn, vocab]: the logits themselves when nothing changes them
-        if warped or len(rows) < logits.shape[0] or logits.stride(1) != 1:
-            batch = logits[rows]  # a copy: logits may be the caller's tensor
+        every_row = len(rows) == logits.shape[0] and logits.stride(1) == 1
+        # [num_drawn, vocab]: the logits themselves when nothing writes into them (no warp, or
+        # every row warped: warp_rows returns new rows); else a copy of the drawn rows.
+        batch = logits if every_row and len(warped) in (0, len(rows)) else logits[rows]
         # Everything the device needs in one copy: [6, num_drawn] fp32 (ints below 2**24 are
         # exact): the uniforms, the draw's temperatures (1 for warped rows, already scaled),
         # then, in the first len(warped) columns, the warped rows' temperature, top-k, top-p
@@ -99,16 +101,43 @@ class Sampler:
             temperatures[j] = 1.0
             for field, value in zip(of_warped, (p.temperature, p.top_k, p.top_p, j)):
                 field[n] = value
-        values = torch.tensor([uniforms, temperatures, *of_warped], dtype=torch.float32)
-        values = values.to(logits.device)  # [6, num_drawn]
+        values = device_columns([uniforms, temperatures, *of_warped], logits.device)
         if warped:
             num = len(warped)
-            index = values[5, :num].long()
-            batch[index] = warp_rows(batch[index], values[2, :num], values[3, :num].long(),
-                                     values[4, :num],
-                                     max(p.top_k if p.top_k < vocab else 0 for p in warped_params),
-                                     any(p.top_p < 1.0 for p in warped_params))
+            max_top_k = max(p.top_k if p.top_k < vocab else 0 for p in warped_params)
+            any_top_p = any(p.top_p < 1.0 for p in warped_params)
+            if num == len(rows):  # every drawn row, in order: no gather, no scatter
+                batch = warp_rows(batch, values[2], values[3].long(), values[4], max_top_k,
+                                  any_top_p)
+            else:
+                index = values[5, :num].long()
+                batch[index] = warp_rows(batch[index], values[2, :num], values[3, :num].long(),
+                                         values[4, :num], max_top_k, any_top_p)
         return draw_tokens(batch, values[1], values[0]).tolist()
+
+
+def device_columns(columns: list[list[float]], device: torch.device) -> torch.Tensor:
+    """-> [len(columns), n] fp32 on `device`, in one copy, each row starting on a 16-byte
+    boundary: triton compiles a kernel once per alignment of its pointers, so rows at n * 4
+    bytes apart would make odd batch sizes compile variants of the draw mid-serving."""
+    num = len(columns[0])
+    pad = [0.0] * (-num % ALIGN_FLOATS)
+    return torch.tensor([column + pad for column in columns], dtype=torch.float32).to(
+        device)[:, :num]
+
+
+def warm_up(logits: torch.Tensor) -> None:
+    """Sample once from `logits` ([2 or more, vocab], the step's device) with a throwaway Sampler,
+    one row plain and one with top-k and top-p: on the kernel path, the draw and top-p's running
+    sum compile here, at start, rather than in the step of the first request that samples."""
+    sampler = Sampler()
+    params = [SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k, seed=0, max_tokens=1,
+                             stop_token_ids=[], ignore_eos=False)
+              for top_k, top_p in ((0, 1.0), (40, 0.9))]
+    ids = ["warm-up plain", "warm-up warped"]
+    for request_id in ids:
+        sampler.add(request_id, 0)
+    sampler.sample(logits[:2], ids, params)
 
 
 def warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lorad.protocol.messages import SamplingParams
-from lorad.workers.sampler import Sampler, warp_rows
+from lorad.workers.sampler import Sampler, warm_up, warp_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -69,3 +69,33 @@ def test_a_row_does_not_depend_on_its_neighbours(ties):
         together = crowd.sample(logits[live], [f"r{i}" for i in live], [PARAMS[i] for i in live])
         one_each = [alone.sample(logits[i:i + 1], [f"r{i}"], [PARAMS[i]])[0] for i in live]
         assert together == one_each, step
+
+
+def test_after_the_warm_up_no_step_compiles_a_draw_kernel():
+    """The engine's warm-up (sampler.warm_up) compiles every variant of the draw kernels a step
+    needs: steps of 1 to 9 rows, plain, warped and mixed, compile nothing after it (triton
+    compiles a variant per pointer alignment; each row of the step's device values starts on 16
+    bytes)."""
+    from lorad.workers.kernels import token_draw
+    kernels = (token_draw._chunk_stats_kernel, token_draw._pick_kernel,
+               token_draw._cumulative_sum_kernel)
+    for kernel in kernels:  # forget what earlier tests compiled (the disk cache stays)
+        kernel.device_caches.clear()
+
+    def compiled() -> list[int]:
+        return [sum(len(caches[0]) for caches in kernel.device_caches.values())
+                for kernel in kernels]
+
+    warm_up(torch.zeros(2, VOCAB, device=CUDA))
+    assert compiled() == [1, 1, 1]
+    sampler = Sampler()
+    gen = torch.Generator().manual_seed(4)
+    for num in range(1, 10):
+        ids = [f"n{num}-{i}" for i in range(num)]
+        for request_id in ids:
+            sampler.add(request_id, num)
+        logits = (torch.randn(num, VOCAB, generator=gen) * 4).to(CUDA)
+        for params in ([PARAMS[i % len(PARAMS)] for i in range(num)], [PARAMS[5]] * num,
+                       [PARAMS[1]] * num, [PARAMS[2]] * num):
+            sampler.sample(logits, ids, params)
+            assert compiled() == [1, 1, 1], (num, params[0])

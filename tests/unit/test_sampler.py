@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from lorad.protocol.messages import SamplingParams
-from lorad.workers.sampler import UNIFORMS_AT_ONCE, Sampler, draw, warp
+from lorad.workers.sampler import UNIFORMS_AT_ONCE, Sampler, device_columns, draw, warp
 
 
 def sp(temperature=1.0, top_p=1.0, top_k=0, seed=0) -> SamplingParams:
@@ -163,3 +163,13 @@ def test_greedy_and_drawn_rows_in_one_step():
             if params[i].temperature == 0:
                 assert token == int(logits[i].argmax())
     assert crowd.sample(logits[:0], [], []) == []
+
+
+@pytest.mark.parametrize("num", range(1, 10))
+def test_device_columns_start_each_row_on_16_bytes(num):
+    columns = [[float(10 * row + i) for i in range(num)] for row in range(6)]
+    values = device_columns(columns, torch.device("cpu"))
+    assert values.shape == (6, num) and values.dtype == torch.float32
+    assert values.tolist() == columns
+    assert all(values[row].data_ptr() % 16 == 0 for row in range(6))
+
