@@ -193,6 +193,49 @@ def drive(engine: Engine, requests: list[tuple[str, list[int], int, int]],
     return logits_of, num_graph_steps
 
 
+def _compiled_variants(forget: bool = False) -> dict[str, int]:
+    """Each of lorad's triton kernels -> the variants compiled for it in this process (none after
+    `forget`, which drops them: they compile again, from triton's disk cache)."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import lorad.workers.kernels as package
+    counts = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, kernel in vars(module).items():
+            if isinstance(kernel, triton.runtime.JITFunction) and \
+                    kernel.__module__ == module.__name__:
+                if forget:
+                    kernel.device_caches.clear()
+                counts[f"{info.name}.{name}"] = sum(len(caches[0])
+                                                    for caches in kernel.device_caches.values())
+    return counts
+
+
+def test_serving_compiles_no_kernel_after_the_start(tiny, tmp_path):
+    """Everything a step can launch is compiled before the rank says Ready (the warm-up step,
+    the graph capture, the sampler's warm-up): prompts of other lengths, chunked prompts, decode
+    steps in and out of graphs and every adapter mixture compile no further variant (triton
+    compiles one per pointer alignment, and per int argument equal to 1 or divisible by 16)."""
+    checkpoint, adapters = tiny
+    _compiled_variants(forget=True)  # as a fresh process: nothing from earlier tests
+    engine = start_engine(checkpoint, adapters, tmp_path)
+    started = _compiled_variants()
+    assert sum(started.values()) > 0
+    gen = torch.Generator().manual_seed(13)
+    lengths = [1, 2, 16, 17, 5, 32, 3, 13]
+    requests = [(f"c{i}", torch.randint(3, 384, (n,), generator=gen).tolist(), i % 4, i // 2)
+                for i, n in enumerate(lengths)]
+    _, num_graph_steps = drive(engine, requests)
+    assert num_graph_steps > 0
+    after = _compiled_variants()
+    assert after == started, {name: (started[name], after[name]) for name in after
+                              if after[name] != started[name]}
+
+
 def test_mixed_burst_equals_each_streams_solo_run(tiny, tmp_path):
     checkpoint, adapters = tiny
     engine = start_engine(checkpoint, adapters, tmp_path)
