@@ -8,12 +8,14 @@
 # Installs only the carried wheel (into /tmp/site); everything else is the image's (torch,
 # triton, transformers, peft...), and lorad is used from the checkout through PYTHONPATH.
 # Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, bench-sampler.log,
-# bench-gemv.log, bench-gemv-lora.log, bench-norm-shrink.log, profile.log, bench.log, bench.md).
-# Time limits: tests 320 s, the LoRA kernels 120 s, attention and the sampler 60 s each
-# (LORAD_SESSION_MICRO=0 skips the three), the GEMV sweep 75 s (LORAD_SESSION_GEMV=0 skips it),
-# the fused-LoRA kernels' benchmarks 120 s (LORAD_SESSION_FUSED=0 skips them), the decode
-# profile 90 s (LORAD_SESSION_PROFILE=0 skips it), the engine 210 s. LORAD_SESSION_QUICK=1 makes
-# the engine benchmark shorter (--quick); LORAD_SESSION_ENGINE_ARGS, LORAD_SESSION_LORA_ARGS and
+# sampler-profile.log, bench-gemv.log, bench-gemv-lora.log, bench-norm-shrink.log, profile.log,
+# bench.log, bench.md).
+# Time limits: tests 320 s and the sampler's unit tests 60 s, the LoRA kernels 120 s, attention
+# and the sampler 60 s each, the sampler's profile 45 s (LORAD_SESSION_MICRO=0 skips these
+# four), the GEMV sweep 75 s (LORAD_SESSION_GEMV=0 skips it), the fused-LoRA kernels'
+# benchmarks 120 s (LORAD_SESSION_FUSED=0 skips them), the decode profile 90 s
+# (LORAD_SESSION_PROFILE=0 skips it), the engine 210 s. LORAD_SESSION_QUICK=1 makes the engine
+# benchmark shorter (--quick); LORAD_SESSION_ENGINE_ARGS, LORAD_SESSION_LORA_ARGS and
 # LORAD_SESSION_ATTENTION_ARGS pass more options to the engine, LoRA and attention benchmarks.
 # Everything on is more than 10 minutes: switch parts off to fit.
 set -uo pipefail
@@ -56,6 +58,12 @@ say "gpu tests"
 timeout -k 10 320 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" \
   -rfE --durations=8 2>&1 | tee "$OUT/gpu-tests.log"
 tests_status=${PIPESTATUS[0]}
+# CPU tests that depend on the torch version: the sampler's uniforms come from torch's CPU
+# generator in blocks, which must give single draws' values on this image's torch too.
+timeout -k 10 60 python3 -m pytest tests/unit/test_sampler.py -q -p no:cacheprovider \
+  -o addopts="" -rfE 2>&1 | tee -a "$OUT/gpu-tests.log"
+unit_status=${PIPESTATUS[0]}
+(( tests_status == 0 )) && tests_status=$unit_status
 
 run_bench() {  # log name, timeout s, script[, its arguments]: a micro-benchmark or profile
   local log=$1 limit=$2
@@ -64,7 +72,7 @@ run_bench() {  # log name, timeout s, script[, its arguments]: a micro-benchmark
   say "$*"
   timeout -k 5 "$limit" python3 "scripts/$1" "${@:2}" 2>&1 | tee "$OUT/$log"
 }
-if [[ ${LORAD_SESSION_MICRO:-1} == 1 ]]; then  # LORAD_SESSION_MICRO=0 skips these two
+if [[ ${LORAD_SESSION_MICRO:-1} == 1 ]]; then  # LORAD_SESSION_MICRO=0 skips these four
   # Options split on spaces, e.g. LORAD_SESSION_LORA_ARGS="--sweep --sweep-kernels expand",
   # LORAD_SESSION_ATTENTION_ARGS="--table-tokens 8192 --split-programs=0,16".
   read -ra lora_args <<<"${LORAD_SESSION_LORA_ARGS:-}"
@@ -72,6 +80,9 @@ if [[ ${LORAD_SESSION_MICRO:-1} == 1 ]]; then  # LORAD_SESSION_MICRO=0 skips the
   run_bench bench-lora.log 120 bench_lora_kernels.py "${lora_args[@]}"
   run_bench bench-attention.log 60 bench_paged_attention.py "${attention_args[@]}"
   run_bench bench-sampler.log 60 bench_sampler.py --device cuda
+  # Where a lone top-k row's time goes (host and device per op).
+  run_bench sampler-profile.log 45 bench_sampler.py --device cuda --batches 1 --repeats 3 \
+    --profile "top-k 50"
 fi
 # The decode GEMV's tile sweep against cuBLAS (LORAD_SESSION_GEMV=0 skips it).
 [[ ${LORAD_SESSION_GEMV:-1} == 1 ]] && run_bench bench-gemv.log 75 bench_decode_gemv.py
@@ -97,7 +108,7 @@ say "summary"
 echo "--- gpu tests (exit $tests_status; 124 = timed out): $OUT/gpu-tests.log"
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)\b" "$OUT/gpu-tests.log" | tail -n 25
 for log in "$OUT/bench-lora.log" "$OUT/bench-attention.log" "$OUT/bench-sampler.log" \
-    "$OUT/bench-gemv.log" \
+    "$OUT/sampler-profile.log" "$OUT/bench-gemv.log" \
     "$OUT/bench-gemv-lora.log" "$OUT/bench-norm-shrink.log" "$OUT/profile.log"; do
   [[ -f $log ]] && { echo "--- $(basename "$log")"; grep -vE "^\s*$" "$log" | tail -n 30; }
 done
