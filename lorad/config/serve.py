@@ -78,6 +78,9 @@ class ServeConfig:
         _choice("--load-format", self.load_format, LOAD_FORMATS)
         _choice("--device", self.device, DEVICES)
         _choice("--dist-backend", self.dist_backend, DIST_BACKENDS)
+        if self.device == "cpu" and self.dist_backend == "nccl":
+            raise ConfigError("--dist-backend nccl needs CUDA, and --device cpu was given: use "
+                              "--dist-backend gloo (or auto)")
         _positive("--max-model-len", self.max_model_len, allow_none=True)
         _positive("--max-num-seqs", self.max_num_seqs)
         _positive("--max-num-batched-tokens", self.max_num_batched_tokens)

@@ -2,7 +2,8 @@
 
 Sets up logging, threads and the parent-death signal, connects the sockets, starts the status
 thread (status.py: reports from the first second on, through loading), starts the engine and runs
-the loop; any exception becomes a WorkerFailed message and a non-zero exit.
+the loop; any exception becomes a WorkerFailed message and a non-zero exit (a ConfigError, a
+setting or file lorad refuses, its one line without a traceback).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from lorad.config import WorkerConfig
+from lorad.config import ConfigError, WorkerConfig
 from lorad.protocol import WorkerFailed, encode
 from lorad.protocol.sockets import connect_pusher, connect_subscriber
 from lorad.workers.status import LoopProgress, StatusThread
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     status.start()
     try:
         code = _serve(cfg, args.rank, sub, push, status.progress)
+    except ConfigError as exc:  # a setting or file lorad refuses: its one line says it all
+        log.error("%s", exc)
+        push.send(encode(WorkerFailed(args.rank, str(exc))))
+        code = 1
     except Exception as exc:  # a failure is data: tell the coordinator, then exit non-zero
         log.exception("worker failed")
         push.send(encode(WorkerFailed(args.rank, f"{type(exc).__name__}: {exc}")))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lorad.config import ModelConfig, WorkerConfig
+from lorad.config import ConfigError, ModelConfig, WorkerConfig
 from lorad.config.adapters import AdapterSpec, load_adapter
 from lorad.workers.agreement import RegistryDigest, agree_min, check_registry
 from lorad.workers.batch import MIN_ROWS, ForwardBatch
@@ -41,7 +41,7 @@ def resolve_device(name: str, rank: int) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was asked for but CUDA is not available")
+            raise ConfigError("--device cuda: CUDA is not available here (torch sees no GPU)")
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
 
@@ -57,6 +57,9 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
 def resolve_backend(name: str, device: torch.device) -> str:
     if name == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
+    if name == "nccl" and device.type != "cuda":
+        raise ConfigError(f"--dist-backend nccl needs CUDA, and the workers run on {device.type}: "
+                          "use --dist-backend gloo (or auto)")
     return name
 
 
@@ -78,7 +81,7 @@ class Engine:
         dtype = resolve_dtype(cfg.dtype, model_config, device)
         backend = resolve_backend(cfg.dist_backend, device)
         if backend == "nccl" and cfg.parallel > max(1, torch.cuda.device_count()):
-            raise RuntimeError(f"--parallel {cfg.parallel} with nccl needs a GPU per rank, and "
+            raise ConfigError(f"--parallel {cfg.parallel} with nccl needs a GPU per rank, and "
                                f"{torch.cuda.device_count()} are visible; --dist-backend gloo "
                                "lets ranks share GPUs")
         log.info("device %s, dtype %s, backend %s, world size %d", device, dtype, backend,
@@ -105,8 +108,9 @@ class Engine:
         num_blocks = agree_min(tp, own)  # every rank must address the same block ids
         needed = -(-cfg.max_model_len // cfg.block_size)
         if num_blocks < needed:
-            raise RuntimeError(f"the KV pool has {num_blocks} blocks of {cfg.block_size} tokens; "
-                               f"one sequence of max_model_len {cfg.max_model_len} needs {needed}")
+            raise ConfigError(f"the KV pool has {num_blocks} blocks of {cfg.block_size} tokens; "
+                              f"one sequence of --max-model-len {cfg.max_model_len} needs "
+                              f"{needed} (see --kv-cache-blocks, --kv-cache-memory)")
         model.allocate_kv_cache(num_blocks, cfg.block_size)
         log.info("weights and %d adapters loaded; KV pool of %d blocks of %d tokens (this rank "
                  "could hold %d)", len(adapters), num_blocks, cfg.block_size, own)

@@ -121,3 +121,20 @@ def test_worker_failed_ends_open_streams_and_exits_nonzero(start_lorad, fake_ent
     assert sum(b'"error"' in e for e in events) == 1  # exactly one terminal event
     assert daemon.proc.wait(30) == 1
     daemon.assert_cleaned_up(pids)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--dist-backend", "nccl"],  # --device auto: the CPU here, which the workers find out
+     "--dist-backend nccl needs CUDA, and the workers run on cpu: use --dist-backend gloo"),
+    (["--kv-cache-blocks", "3", "--max-model-len", "64", "--block-size", "16"],
+     "the KV pool has 3 blocks of 16 tokens; one sequence of --max-model-len 64 needs 4"),
+])
+def test_a_setting_the_workers_refuse_is_one_line_and_exit_1(start_lorad, flags, message):
+    """Real workers refusing a setting at start: the daemon exits 1, saying what is wrong in one
+    line, from every rank and the coordinator alike, with no traceback."""
+    daemon = start_lorad("--parallel", "2", *flags, wait=False)
+    assert daemon.proc.wait(120) == 1, daemon.log()
+    log = daemon.log()
+    assert "start-up failed: worker rank" in log and message in log, log
+    assert "Traceback" not in log, log
+    daemon.assert_cleaned_up([])

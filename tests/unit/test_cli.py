@@ -56,6 +56,7 @@ def test_byte_sizes(text, expected):
     (["--dtype", "int4"], "--dtype"),
     (["--device", "tpu"], "--device"),
     (["--dist-backend", "mpi"], "--dist-backend"),
+    (["--device", "cpu", "--dist-backend", "nccl"], "--dist-backend nccl needs CUDA"),
     (["--max-model-len", "0"], "--max-model-len"),
     (["--max-num-seqs", "1.5"], "--max-num-seqs"),
     (["--max-num-batched-tokens", ""], "--max-num-batched-tokens"),
