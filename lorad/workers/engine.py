@@ -11,6 +11,7 @@ sequences or sampling; the loop hands it a step plan.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -97,6 +98,7 @@ class Engine:
         if problem is not None:
             raise RuntimeError(problem)
         check_coordinator_keys(cfg, adapters)
+        check_weights_fit(cfg.model_dir, model_config, tp, dtype)
         model = LlamaForCausalLM(model_config, tp, dtype, device)
         if cfg.load_format == "random":
             model.load_random_weights(RANDOM_WEIGHTS_SEED)
@@ -182,6 +184,46 @@ def check_coordinator_keys(cfg: WorkerConfig, adapters: tuple[AdapterSpec, ...])
                 f"adapter {spec.name!r} ({spec.path}): the workers compute identity key "
                 f"{spec.key[:16]}..., the coordinator {entry['key'][:16]}...; its files changed "
                 "after the coordinator read them")
+
+
+def weight_bytes(model_config: ModelConfig, rank: int, world_size: int,
+                 dtype: torch.dtype) -> int:
+    """The bytes of the model's weights and buffers that `rank` holds: the model built on the
+    meta device, which allocates nothing."""
+    meta = torch.device("meta")
+    model = LlamaForCausalLM(model_config, TensorParallel(rank, world_size, meta), dtype, meta)
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for this process on `device` now: the GPU's free memory, or the host's
+    MemAvailable; None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def check_weights_fit(model_dir: str, model_config: ModelConfig, tp: TensorParallel,
+                      dtype: torch.dtype) -> None:
+    """Refuse a model whose weights alone exceed what is free on this rank's device, before
+    allocating any: loading it would end in an out-of-memory error or the OOM killer. Ranks
+    that share a device check one after another as they load, each against what is left."""
+    need = weight_bytes(model_config, tp.rank, tp.world_size, dtype)
+    free = available_bytes(tp.device)
+    if free is not None and need > free:
+        hint = "a smaller --dtype (bfloat16), " if dtype == torch.float32 else ""
+        raise ConfigError(f"--model {model_dir}: its weights take {need / 2**30:.1f} GiB on rank "
+                          f"{tp.rank} ({str(dtype).removeprefix('torch.')}, --parallel "
+                          f"{tp.world_size}), more than the {free / 2**30:.1f} GiB free on "
+                          f"{tp.device}; use {hint}more --parallel or a bigger device")
 
 
 def _own_kv_blocks(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParallel,

@@ -10,7 +10,9 @@ argument `main()` takes besides argv); everything else is the real daemon.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -137,4 +139,28 @@ def test_a_setting_the_workers_refuse_is_one_line_and_exit_1(start_lorad, flags,
     log = daemon.log()
     assert "start-up failed: worker rank" in log and message in log, log
     assert "Traceback" not in log, log
+    daemon.assert_cleaned_up([])
+
+
+def test_weights_that_cannot_fit_are_refused_before_loading(start_lorad, tiny_model, tmp_path):
+    """A model whose weights alone exceed the memory free on the device (here ~1.7 TB in fp32,
+    --load-format random so no checkpoint is needed): each rank says so in one line, before it
+    allocates anything, and the daemon exits 1 within seconds instead of meeting the OOM killer."""
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tiny_model / name, huge / name)
+    config = json.loads((tiny_model / "config.json").read_text())
+    config.update(hidden_size=16384, intermediate_size=65536, num_hidden_layers=100,
+                  num_attention_heads=128, num_key_value_heads=8, head_dim=128)
+    (huge / "config.json").write_text(json.dumps(config))
+    started = time.monotonic()
+    daemon = start_lorad("--parallel", "2", "--load-format", "random", "--dtype", "float32",
+                         model_dir=huge, wait=False)
+    assert daemon.proc.wait(120) == 1, daemon.log()
+    log = daemon.log()
+    assert "its weights take" in log and "GiB free on cpu" in log, log
+    assert "use a smaller --dtype (bfloat16), more --parallel or a bigger device" in log, log
+    assert "Traceback" not in log, log
+    assert time.monotonic() - started < 60
     daemon.assert_cleaned_up([])
