@@ -113,6 +113,7 @@ class Engine:
             raise ConfigError(f"the KV pool has {num_blocks} blocks of {cfg.block_size} tokens; "
                               f"one sequence of --max-model-len {cfg.max_model_len} needs "
                               f"{needed} (see --kv-cache-blocks, --kv-cache-memory)")
+        check_kv_pool_fits(cfg, model_config, tp, dtype, num_blocks)
         model.allocate_kv_cache(num_blocks, cfg.block_size)
         log.info("weights and %d adapters loaded; KV pool of %d blocks of %d tokens (this rank "
                  "could hold %d)", len(adapters), num_blocks, cfg.block_size, own)
@@ -224,6 +225,24 @@ def check_weights_fit(model_dir: str, model_config: ModelConfig, tp: TensorParal
                           f"{tp.rank} ({str(dtype).removeprefix('torch.')}, --parallel "
                           f"{tp.world_size}), more than the {free / 2**30:.1f} GiB free on "
                           f"{tp.device}; use {hint}more --parallel or a bigger device")
+
+
+def check_kv_pool_fits(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParallel,
+                       dtype: torch.dtype, num_blocks: int) -> None:
+    """Refuse a KV pool larger than what is free on this rank's device once its weights are
+    loaded (a --kv-cache-blocks or --kv-cache-memory beyond it), before allocating it."""
+    per_block = LlamaForCausalLM.kv_cache_bytes_per_block(model_config, tp.rank, tp.world_size,
+                                                          cfg.block_size, dtype)
+    need = num_blocks * per_block
+    free = available_bytes(tp.device)
+    if free is not None and need > free:
+        given = (f"--kv-cache-blocks {cfg.kv_cache_blocks}" if cfg.kv_cache_blocks is not None
+                 else f"--kv-cache-memory {cfg.kv_cache_memory / 2**30:g}GiB"
+                 if cfg.kv_cache_memory is not None else "the default KV pool size")
+        raise ConfigError(f"{given}: the KV pool of {num_blocks} blocks takes "
+                          f"{need / 2**30:.1f} GiB on rank {tp.rank}, more than the "
+                          f"{free / 2**30:.1f} GiB free on {tp.device} after the weights; "
+                          "give fewer blocks (--kv-cache-blocks, --kv-cache-memory)")
 
 
 def _own_kv_blocks(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParallel,

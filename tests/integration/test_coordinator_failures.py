@@ -130,6 +130,7 @@ def test_worker_failed_ends_open_streams_and_exits_nonzero(start_lorad, fake_ent
      "--dist-backend nccl needs CUDA, and the workers run on cpu: use --dist-backend gloo"),
     (["--kv-cache-blocks", "3", "--max-model-len", "64", "--block-size", "16"],
      "the KV pool has 3 blocks of 16 tokens; one sequence of --max-model-len 64 needs 4"),
+    (["--kv-cache-memory", "64TiB"], "the KV pool of "),
 ])
 def test_a_setting_the_workers_refuse_is_one_line_and_exit_1(start_lorad, flags, message):
     """Real workers refusing a setting at start: the daemon exits 1, saying what is wrong in one
