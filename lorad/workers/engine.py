@@ -24,6 +24,7 @@ from lorad.config.adapters import AdapterSpec, load_adapter
 from lorad.workers.agreement import RegistryDigest, agree_min, check_registry
 from lorad.workers.batch import MIN_ROWS, ForwardBatch
 from lorad.workers.cuda_graph import DecodeGraphs
+from lorad.workers.loader import add_adapter_tables
 from lorad.workers.models.llama import LlamaForCausalLM
 from lorad.workers.parallel import TensorParallel, init_tensor_parallel
 from lorad.workers.planner import StepPlan
@@ -98,7 +99,7 @@ class Engine:
         if problem is not None:
             raise RuntimeError(problem)
         check_coordinator_keys(cfg, adapters)
-        check_weights_fit(cfg.model_dir, model_config, tp, dtype)
+        check_weights_fit(cfg.model_dir, model_config, tp, dtype, adapters)
         model = LlamaForCausalLM(model_config, tp, dtype, device)
         if cfg.load_format == "random":
             model.load_random_weights(RANDOM_WEIGHTS_SEED)
@@ -187,12 +188,13 @@ def check_coordinator_keys(cfg: WorkerConfig, adapters: tuple[AdapterSpec, ...])
                 "after the coordinator read them")
 
 
-def weight_bytes(model_config: ModelConfig, rank: int, world_size: int,
-                 dtype: torch.dtype) -> int:
-    """The bytes of the model's weights and buffers that `rank` holds: the model built on the
-    meta device, which allocates nothing."""
+def weight_bytes(model_config: ModelConfig, rank: int, world_size: int, dtype: torch.dtype,
+                 adapters: tuple[AdapterSpec, ...] = ()) -> int:
+    """The bytes of the model's weights and buffers that `rank` holds, the adapters' slot tables
+    included: the model and its tables built on the meta device, which allocates nothing."""
     meta = torch.device("meta")
     model = LlamaForCausalLM(model_config, TensorParallel(rank, world_size, meta), dtype, meta)
+    add_adapter_tables(model.lora_target, adapters)
     tensors = itertools.chain(model.parameters(), model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -213,15 +215,17 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_weights_fit(model_dir: str, model_config: ModelConfig, tp: TensorParallel,
-                      dtype: torch.dtype) -> None:
-    """Refuse a model whose weights alone exceed what is free on this rank's device, before
-    allocating any: loading it would end in an out-of-memory error or the OOM killer. Ranks
-    that share a device check one after another as they load, each against what is left."""
-    need = weight_bytes(model_config, tp.rank, tp.world_size, dtype)
+                      dtype: torch.dtype, adapters: tuple[AdapterSpec, ...]) -> None:
+    """Refuse a model whose weights and adapter tables alone exceed what is free on this rank's
+    device, before allocating any: loading them would end in an out-of-memory error or the OOM
+    killer. Ranks that share a device check as they load, each against what is left."""
+    need = weight_bytes(model_config, tp.rank, tp.world_size, dtype, adapters)
     free = available_bytes(tp.device)
     if free is not None and need > free:
+        what = f"weights and {len(adapters)} adapters' tables" if adapters else "weights"
         hint = "a smaller --dtype (bfloat16), " if dtype == torch.float32 else ""
-        raise ConfigError(f"--model {model_dir}: its weights take {need / 2**30:.1f} GiB on rank "
+        hint += "fewer adapters, " if adapters else ""
+        raise ConfigError(f"--model {model_dir}: its {what} take {need / 2**30:.1f} GiB on rank "
                           f"{tp.rank} ({str(dtype).removeprefix('torch.')}, --parallel "
                           f"{tp.world_size}), more than the {free / 2**30:.1f} GiB free on "
                           f"{tp.device}; use {hint}more --parallel or a bigger device")

@@ -95,10 +95,10 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: tuple[str, ...] 
                           f"the model needs: {shown}")
 
 
-def load_adapter_weights(target_of: Callable[[int, str], nn.Module],
-                         specs: tuple[AdapterSpec, ...]) -> None:
+def add_adapter_tables(target_of: Callable[[int, str], nn.Module],
+                       specs: tuple[AdapterSpec, ...]) -> dict:
     """Allocate slot tables on every projection some adapter edits (slots 0..K, ranks padded to
-    the largest rank any adapter gives that projection) and fill each adapter's slot.
+    the largest rank any adapter gives that projection) -> {(layer, module): its LoraSlots}.
 
     target_of(layer, module) is the projection; it has `add_lora_slots(num_slots, max_rank)`."""
     for i, spec in enumerate(specs):
@@ -108,8 +108,14 @@ def load_adapter_weights(target_of: Callable[[int, str], nn.Module],
     for spec in specs:
         for m in spec.modules:
             max_rank[(m.layer, m.module)] = max(max_rank.get((m.layer, m.module), 0), m.rank)
-    tables = {where: target_of(*where).add_lora_slots(len(specs) + 1, rank)
-              for where, rank in sorted(max_rank.items())}
+    return {where: target_of(*where).add_lora_slots(len(specs) + 1, rank)
+            for where, rank in sorted(max_rank.items())}
+
+
+def load_adapter_weights(target_of: Callable[[int, str], nn.Module],
+                         specs: tuple[AdapterSpec, ...]) -> None:
+    """add_adapter_tables, then fill each adapter's slot with this rank's factor shards."""
+    tables = add_adapter_tables(target_of, specs)
     for spec in specs:
         with safe_open(spec.weights_file, framework="pt", device="cpu") as f:
             for m in spec.modules:
