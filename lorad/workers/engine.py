@@ -84,8 +84,8 @@ class Engine:
         backend = resolve_backend(cfg.dist_backend, device)
         if backend == "nccl" and cfg.parallel > max(1, torch.cuda.device_count()):
             raise ConfigError(f"--parallel {cfg.parallel} with nccl needs a GPU per rank, and "
-                               f"{torch.cuda.device_count()} are visible; --dist-backend gloo "
-                               "lets ranks share GPUs")
+                              f"{torch.cuda.device_count()} are visible; --dist-backend gloo "
+                              "lets ranks share GPUs")
         log.info("device %s, dtype %s, backend %s, world size %d", device, dtype, backend,
                  cfg.parallel)
         tp = init_tensor_parallel(rank, cfg.parallel, cfg.dist_init_method, backend, device)
