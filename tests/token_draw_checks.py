@@ -233,39 +233,35 @@ def check_the_sampler_uses_it(device: str, vocab: int = CPU_VOCAB,
             assert torch.equal(torch.isfinite(warped[j].cpu()).nonzero().flatten(),
                                kept.sort().values), j
         temperatures = torch.tensor([0.8, 1.0, 1.3, 1.0, 1.0], device=device)
-        for seed in (11, 12):
+        def fresh_step(step_rows, seed):
+            """A new sampler's step over logits[step_rows], every request seeded `seed` ->
+            (its tokens, the uniform a drawn row uses: any request's first, as all share the
+            seed)."""
             sampler = sampler_module.Sampler()
-            for rid in ids:
-                sampler.add(rid, seed)
-            tokens = sampler.sample(logits, ids, params)
-            u = torch.stack([torch.rand((), generator=torch.Generator().manual_seed(seed),
-                                        dtype=torch.float32) for _ in drawn_rows])
-            expected = _draw(warped, temperatures, u.to(device), None).cpu().tolist()
+            for i in step_rows:
+                sampler.add(ids[i], seed)
+            tokens = sampler.sample(logits[step_rows], [ids[i] for i in step_rows],
+                                    [params[i] for i in step_rows])
+            first = torch.rand((), generator=torch.Generator().manual_seed(seed),
+                               dtype=torch.float32)
+            return tokens, first.to(device)
+
+        for seed in (11, 12):
+            tokens, u = fresh_step(list(range(len(params))), seed)
+            expected = _draw(warped, temperatures, u.repeat(len(drawn_rows)), None).cpu().tolist()
             assert [tokens[i] for i in drawn_rows] == expected, (tokens, expected)
             assert tokens[1] == int(logits[1].argmax())
         # Temperature-only rows alone: drawn from the logits themselves, not a copy.
         plain_rows = [0, 3, 5]
-        sampler = sampler_module.Sampler()
-        for i in plain_rows:
-            sampler.add(ids[i], 13)
-        tokens = sampler.sample(logits[plain_rows], [ids[i] for i in plain_rows],
-                                [params[i] for i in plain_rows])
-        u = torch.stack([torch.rand((), generator=torch.Generator().manual_seed(13),
-                                    dtype=torch.float32) for _ in plain_rows])
+        tokens, u = fresh_step(plain_rows, 13)
         expected = _draw(logits[plain_rows], torch.tensor([0.8, 1.3, 1.0], device=device),
-                         u.to(device), None).cpu().tolist()
+                         u.repeat(3), None).cpu().tolist()
         assert tokens == expected, (tokens, expected)
         # Every drawn row warped (warp_rows on the rows themselves, no scatter), alone and with a
         # greedy row beside them; each row's token as in the mixed step above.
         for step_rows in ([2, 4], [2, 1, 4]):
-            sampler = sampler_module.Sampler()
-            for i in step_rows:
-                sampler.add(ids[i], 14)
-            tokens = sampler.sample(logits[step_rows], [ids[i] for i in step_rows],
-                                    [params[i] for i in step_rows])
-            u = torch.stack([torch.rand((), generator=torch.Generator().manual_seed(14),
-                                        dtype=torch.float32) for _ in range(2)])
-            expected = _draw(warped[[1, 3]], torch.ones(2, device=device), u.to(device),
+            tokens, u = fresh_step(step_rows, 14)
+            expected = _draw(warped[[1, 3]], torch.ones(2, device=device), u.repeat(2),
                              None).cpu().tolist()
             drawn = [token for i, token in zip(step_rows, tokens) if i != 1]
             assert drawn == expected, (step_rows, tokens, expected)
