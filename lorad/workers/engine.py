@@ -99,7 +99,7 @@ class Engine:
         if problem is not None:
             raise RuntimeError(problem)
         check_coordinator_keys(cfg, adapters)
-        check_weights_fit(cfg.model_dir, model_config, tp, dtype, adapters)
+        num_weight_bytes = check_weights_fit(cfg.model_dir, model_config, tp, dtype, adapters)
         model = LlamaForCausalLM(model_config, tp, dtype, device)
         if cfg.load_format == "random":
             model.load_random_weights(RANDOM_WEIGHTS_SEED)
@@ -114,10 +114,11 @@ class Engine:
             raise ConfigError(f"the KV pool has {num_blocks} blocks of {cfg.block_size} tokens; "
                               f"one sequence of --max-model-len {cfg.max_model_len} needs "
                               f"{needed} (see --kv-cache-blocks, --kv-cache-memory)")
-        check_kv_pool_fits(cfg, model_config, tp, dtype, num_blocks)
+        num_kv_bytes = check_kv_pool_fits(cfg, model_config, tp, dtype, num_blocks)
         model.allocate_kv_cache(num_blocks, cfg.block_size)
-        log.info("weights and %d adapters loaded; KV pool of %d blocks of %d tokens (this rank "
-                 "could hold %d)", len(adapters), num_blocks, cfg.block_size, own)
+        log.info("weights and %d adapters loaded (%.2f GiB); KV pool of %d blocks of %d tokens "
+                 "(%.2f GiB; this rank could hold %d)", len(adapters), num_weight_bytes / 2**30,
+                 num_blocks, cfg.block_size, num_kv_bytes / 2**30, own)
         graphs = _capture_decode_graphs(cfg, model, tp, len(adapters))
         engine = cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters,
                      graphs)
@@ -215,10 +216,11 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_weights_fit(model_dir: str, model_config: ModelConfig, tp: TensorParallel,
-                      dtype: torch.dtype, adapters: tuple[AdapterSpec, ...]) -> None:
-    """Refuse a model whose weights and adapter tables alone exceed what is free on this rank's
-    device, before allocating any: loading them would end in an out-of-memory error or the OOM
-    killer. Ranks that share a device check as they load, each against what is left."""
+                      dtype: torch.dtype, adapters: tuple[AdapterSpec, ...]) -> int:
+    """-> the bytes of this rank's weights and adapter tables. Refuses them when they exceed
+    what is free on its device, before allocating any: loading them would end in an
+    out-of-memory error or the OOM killer. Ranks that share a device check as they load, each
+    against what is left."""
     need = weight_bytes(model_config, tp.rank, tp.world_size, dtype, adapters)
     free = available_bytes(tp.device)
     if free is not None and need > free:
@@ -229,12 +231,14 @@ def check_weights_fit(model_dir: str, model_config: ModelConfig, tp: TensorParal
                           f"{tp.rank} ({str(dtype).removeprefix('torch.')}, --parallel "
                           f"{tp.world_size}), more than the {free / 2**30:.1f} GiB free on "
                           f"{tp.device}; use {hint}more --parallel or a bigger device")
+    return need
 
 
 def check_kv_pool_fits(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParallel,
-                       dtype: torch.dtype, num_blocks: int) -> None:
-    """Refuse a KV pool larger than what is free on this rank's device once its weights are
-    loaded (a --kv-cache-blocks or --kv-cache-memory beyond it), before allocating it."""
+                       dtype: torch.dtype, num_blocks: int) -> int:
+    """-> the bytes of this rank's KV pool of num_blocks. Refuses a pool larger than what is
+    free on its device once the weights are loaded (a --kv-cache-blocks or --kv-cache-memory
+    beyond it), before allocating it."""
     per_block = LlamaForCausalLM.kv_cache_bytes_per_block(model_config, tp.rank, tp.world_size,
                                                           cfg.block_size, dtype)
     need = num_blocks * per_block
@@ -247,6 +251,7 @@ def check_kv_pool_fits(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorP
                           f"{need / 2**30:.1f} GiB on rank {tp.rank}, more than the "
                           f"{free / 2**30:.1f} GiB free on {tp.device} after the weights; "
                           "give fewer blocks (--kv-cache-blocks, --kv-cache-memory)")
+    return need
 
 
 def _own_kv_blocks(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParallel,
