@@ -215,23 +215,43 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
+def ranks_sharing_device(tp: TensorParallel) -> list[int]:
+    """The ranks whose memory comes from the same pool as this rank's: every rank on the CPU
+    (the workers run on one host), the ranks placed on this rank's GPU on CUDA (resolve_device
+    places rank r on GPU r % the device count)."""
+    if tp.device.type != "cuda":
+        return list(range(tp.world_size))
+    num_gpus = torch.cuda.device_count()
+    return [r for r in range(tp.world_size) if r % num_gpus == tp.rank % num_gpus]
+
+
 def check_weights_fit(model_dir: str, model_config: ModelConfig, tp: TensorParallel,
                       dtype: torch.dtype, adapters: tuple[AdapterSpec, ...]) -> int:
-    """-> the bytes of this rank's weights and adapter tables. Refuses them when they exceed
-    what is free on its device, before allocating any: loading them would end in an
-    out-of-memory error or the OOM killer. Ranks that share a device check as they load, each
-    against what is left."""
-    need = weight_bytes(model_config, tp.rank, tp.world_size, dtype, adapters)
+    """-> the bytes of this rank's weights and adapter tables. Refuses them when, with those of
+    the ranks sharing its device, they exceed what is free there, before any rank allocates:
+    loading them would end in an out-of-memory error or the OOM killer."""
+    sharing = ranks_sharing_device(tp)
+    need = {r: weight_bytes(model_config, r, tp.world_size, dtype, adapters) for r in sharing}
+    if tp.world_size > 1:  # every rank measures before any allocates
+        dist.barrier(group=tp.cpu_group)
     free = available_bytes(tp.device)
-    if free is not None and need > free:
+    if tp.world_size > 1:
+        dist.barrier(group=tp.cpu_group)
+    total = sum(need.values())
+    if free is not None and total > free:
         what = f"weights and {len(adapters)} adapters' tables" if adapters else "weights"
-        hint = "a smaller --dtype (bfloat16), " if dtype == torch.float32 else ""
-        hint += "fewer adapters, " if adapters else ""
-        raise ConfigError(f"--model {model_dir}: its {what} take {need / 2**30:.1f} GiB on rank "
-                          f"{tp.rank} ({str(dtype).removeprefix('torch.')}, --parallel "
-                          f"{tp.world_size}), more than the {free / 2**30:.1f} GiB free on "
-                          f"{tp.device}; use {hint}more --parallel or a bigger device")
-    return need
+        shared = (f", {total / 2**30:.1f} GiB for the {len(sharing)} ranks on {tp.device}"
+                  if len(sharing) > 1 else "")
+        hints = (["a smaller --dtype (bfloat16)"] if dtype == torch.float32 else []) + \
+            (["fewer adapters"] if adapters else []) + \
+            (["more GPUs (--parallel)", "a bigger GPU"] if tp.device.type == "cuda"
+             else ["a bigger machine"])
+        options = f"{', '.join(hints[:-1])} or {hints[-1]}" if len(hints) > 1 else hints[0]
+        raise ConfigError(f"--model {model_dir}: its {what} take {need[tp.rank] / 2**30:.1f} GiB "
+                          f"on rank {tp.rank}{shared} ({str(dtype).removeprefix('torch.')}, "
+                          f"--parallel {tp.world_size}), more than the {free / 2**30:.1f} GiB "
+                          f"free on {tp.device}; use {options}")
+    return need[tp.rank]
 
 
 def check_kv_pool_fits(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParallel,
@@ -269,8 +289,7 @@ def _own_kv_blocks(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParal
             # Ranks may share a GPU (gloo, fewer GPUs than ranks): measure once every rank has
             # loaded its weights, and split what is free between the ranks on this device.
             dist.barrier(group=tp.cpu_group)
-        num_gpus = torch.cuda.device_count()
-        sharing = sum(1 for r in range(tp.world_size) if r % num_gpus == tp.rank % num_gpus)
+        sharing = len(ranks_sharing_device(tp))
         free_bytes, _ = torch.cuda.mem_get_info(tp.device)
         cap = int(free_bytes * CUDA_KV_FRACTION / sharing)
     else:

@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -143,25 +144,46 @@ def test_a_setting_the_workers_refuse_is_one_line_and_exit_1(start_lorad, flags,
     daemon.assert_cleaned_up([])
 
 
-def test_weights_that_cannot_fit_are_refused_before_loading(start_lorad, tiny_model, tmp_path):
-    """A model whose weights alone exceed the memory free on the device (here ~1.7 TB in fp32,
-    --load-format random so no checkpoint is needed): each rank says so in one line, before it
-    allocates anything, and the daemon exits 1 within seconds instead of meeting the OOM killer."""
-    huge = tmp_path / "huge"
-    huge.mkdir()
+def _config_dir(tiny_model: Path, where: Path, **sizes) -> Path:
+    """The tiny model's tokenizer with a config.json of other sizes (for --load-format random)."""
+    where.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(tiny_model / name, huge / name)
+        shutil.copy(tiny_model / name, where / name)
     config = json.loads((tiny_model / "config.json").read_text())
-    config.update(hidden_size=16384, intermediate_size=65536, num_hidden_layers=100,
-                  num_attention_heads=128, num_key_value_heads=8, head_dim=128)
-    (huge / "config.json").write_text(json.dumps(config))
+    config.update(sizes)
+    (where / "config.json").write_text(json.dumps(config))
+    return where
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo", encoding="ascii") as meminfo:
+        return next(int(line.split()[1]) * 1024 for line in meminfo
+                    if line.startswith("MemAvailable:"))
+
+
+@pytest.mark.parametrize("case", ["far too big", "each half fits, not both"])
+def test_weights_that_cannot_fit_are_refused_before_loading(start_lorad, tiny_model, tmp_path,
+                                                            case):
+    """A model whose weights exceed the memory free on the device (--load-format random, so no
+    checkpoint is needed): each rank says so in one line before any rank allocates, and the
+    daemon exits 1 at once instead of meeting the OOM killer. Ranks on one device count
+    together: with 2 ranks on the CPU, weights whose halves fit one at a time but not side by
+    side are refused too."""
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128)
+    per_layer = 4 * (4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336)  # fp32 bytes
+    if case == "far too big":
+        layers, expected = 2000, "GiB for the 2 ranks on cpu"
+    else:  # 1.5x what is free: each rank's half is 0.75x
+        layers, expected = int(1.5 * _mem_available() / per_layer) + 1, "for the 2 ranks on cpu"
+    model = _config_dir(tiny_model, tmp_path / "big", num_hidden_layers=layers, **shape)
     started = time.monotonic()
     daemon = start_lorad("--parallel", "2", "--load-format", "random", "--dtype", "float32",
-                         model_dir=huge, wait=False)
+                         model_dir=model, wait=False)
     assert daemon.proc.wait(120) == 1, daemon.log()
     log = daemon.log()
-    assert "its weights take" in log and "GiB free on cpu" in log, log
-    assert "use a smaller --dtype (bfloat16), more --parallel or a bigger device" in log, log
+    assert "its weights take" in log and expected in log and "GiB free on cpu" in log, log
+    assert "use a smaller --dtype (bfloat16) or a bigger machine" in log, log
     assert "Traceback" not in log, log
     assert time.monotonic() - started < 60
     daemon.assert_cleaned_up([])
