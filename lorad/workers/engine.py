@@ -232,16 +232,11 @@ def check_weights_fit(model_dir: str, model_config: ModelConfig, tp: TensorParal
     loading them would end in an out-of-memory error or the OOM killer."""
     sharing = ranks_sharing_device(tp)
     need = {r: weight_bytes(model_config, r, tp.world_size, dtype, adapters) for r in sharing}
-    if tp.world_size > 1:  # every rank measures before any allocates
-        dist.barrier(group=tp.cpu_group)
-    free = available_bytes(tp.device)
-    if tp.world_size > 1:
-        dist.barrier(group=tp.cpu_group)
+    free = _free_while_no_rank_allocates(tp)
     total = sum(need.values())
     if free is not None and total > free:
         what = f"weights and {len(adapters)} adapters' tables" if adapters else "weights"
-        shared = (f", {total / 2**30:.1f} GiB for the {len(sharing)} ranks on {tp.device}"
-                  if len(sharing) > 1 else "")
+        shared = _shared_part(total, sharing, tp.device)
         hints = (["a smaller --dtype (bfloat16)"] if dtype == torch.float32 else []) + \
             (["fewer adapters"] if adapters else []) + \
             (["more GPUs (--parallel)", "a bigger GPU"] if tp.device.type == "cuda"
@@ -259,19 +254,37 @@ def check_kv_pool_fits(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorP
     """-> the bytes of this rank's KV pool of num_blocks. Refuses a pool larger than what is
     free on its device once the weights are loaded (a --kv-cache-blocks or --kv-cache-memory
     beyond it), before allocating it."""
-    per_block = LlamaForCausalLM.kv_cache_bytes_per_block(model_config, tp.rank, tp.world_size,
-                                                          cfg.block_size, dtype)
-    need = num_blocks * per_block
-    free = available_bytes(tp.device)
-    if free is not None and need > free:
+    sharing = ranks_sharing_device(tp)
+    need = {r: num_blocks * LlamaForCausalLM.kv_cache_bytes_per_block(
+        model_config, r, tp.world_size, cfg.block_size, dtype) for r in sharing}
+    free = _free_while_no_rank_allocates(tp)
+    total = sum(need.values())
+    if free is not None and total > free:
         given = (f"--kv-cache-blocks {cfg.kv_cache_blocks}" if cfg.kv_cache_blocks is not None
                  else f"--kv-cache-memory {cfg.kv_cache_memory / 2**30:g}GiB"
                  if cfg.kv_cache_memory is not None else "the default KV pool size")
         raise ConfigError(f"{given}: the KV pool of {num_blocks} blocks takes "
-                          f"{need / 2**30:.1f} GiB on rank {tp.rank}, more than the "
+                          f"{need[tp.rank] / 2**30:.1f} GiB on rank {tp.rank}"
+                          f"{_shared_part(total, sharing, tp.device)}, more than the "
                           f"{free / 2**30:.1f} GiB free on {tp.device} after the weights; "
                           "give fewer blocks (--kv-cache-blocks, --kv-cache-memory)")
-    return need
+    return need[tp.rank]
+
+
+def _free_while_no_rank_allocates(tp: TensorParallel) -> int | None:
+    """available_bytes of this rank's device, measured between two barriers at world size > 1:
+    no rank allocates while the others measure."""
+    if tp.world_size > 1:
+        dist.barrier(group=tp.cpu_group)
+    free = available_bytes(tp.device)
+    if tp.world_size > 1:
+        dist.barrier(group=tp.cpu_group)
+    return free
+
+
+def _shared_part(total: int, sharing: list[int], device: torch.device) -> str:
+    return f", {total / 2**30:.1f} GiB for the {len(sharing)} ranks on {device}" \
+        if len(sharing) > 1 else ""
 
 
 def _own_kv_blocks(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParallel,
