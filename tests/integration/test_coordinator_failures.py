@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -172,18 +171,14 @@ def test_weights_that_cannot_fit_are_refused_before_loading(start_lorad, tiny_mo
     shape = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                  num_key_value_heads=8, head_dim=128)
     per_layer = 4 * (4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336)  # fp32 bytes
-    if case == "far too big":
-        layers, expected = 2000, "GiB for the 2 ranks on cpu"
-    else:  # 1.5x what is free: each rank's half is 0.75x
-        layers, expected = int(1.5 * _mem_available() / per_layer) + 1, "for the 2 ranks on cpu"
+    # 1.5x what is free: each rank's half is 0.75x
+    layers = 2000 if case == "far too big" else int(1.5 * _mem_available() / per_layer) + 1
     model = _config_dir(tiny_model, tmp_path / "big", num_hidden_layers=layers, **shape)
-    started = time.monotonic()
     daemon = start_lorad("--parallel", "2", "--load-format", "random", "--dtype", "float32",
                          model_dir=model, wait=False)
     assert daemon.proc.wait(120) == 1, daemon.log()
     log = daemon.log()
-    assert "its weights take" in log and expected in log and "GiB free on cpu" in log, log
-    assert "use a smaller --dtype (bfloat16) or a bigger machine" in log, log
+    assert "its weights take" in log and "GiB for the 2 ranks on cpu" in log, log
+    assert "GiB free on cpu; use a smaller --dtype (bfloat16) or a bigger machine" in log, log
     assert "Traceback" not in log, log
-    assert time.monotonic() - started < 60
     daemon.assert_cleaned_up([])
