@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.lora_shrink import MAX_TABLES, pad_tables, table_block_ends
-from lorad.workers.kernels.pdl import use_pdl, wait_for_previous
+from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
 
 # --- residual add + RMSNorm -------------------------------------------------------------------
@@ -88,12 +88,11 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: tor
     if num_rows == 0:
         return residual_out, normed
     block = triton.next_power_of_2(hidden_size)
-    pdl = use_pdl(delta.device, num_rows)
     _add_rms_norm_kernel[(num_rows,)](
         delta, delta.stride(0), res_arg, stride_res, residual_out, residual_out.stride(0),
         normed, normed.stride(0), weight, hidden_size, eps,
-        HAS_RES=residual is not None, BLOCK=block, PDL=pdl, num_warps=_norm_warps(block),
-        launch_pdl=pdl)
+        HAS_RES=residual is not None, BLOCK=block, num_warps=_norm_warps(block),
+        **launch_options(delta.device, num_rows))
     return residual_out, normed
 
 
@@ -312,12 +311,11 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     q_out = torch.empty(num_rows, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_rows == 0:
         return q_out
-    pdl = use_pdl(q.device, num_rows)
     _rotary_kv_kernel[(num_rows, num_q_heads + num_kv_heads)](
         q, q.stride(0), k, k.stride(0), v, v.stride(0), q_out, q_out.stride(0), cos_table,
         sin_table, cos_table.stride(0), positions, slot_mapping, k_cache, v_cache,
-        num_kv_heads * head_dim, num_q_heads, HEAD_DIM=head_dim, PDL=pdl, num_warps=1,
-        launch_pdl=pdl,
+        num_kv_heads * head_dim, num_q_heads, HEAD_DIM=head_dim, num_warps=1,
+        **launch_options(q.device, num_rows),
         # No fused multiply-add: in fp32 it would skip the product's rounding that torch does.
         enable_fp_fusion=False)
     return q_out
@@ -352,8 +350,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_rows, n, dtype=gate.dtype, device=gate.device)
     if num_rows == 0:
         return out
-    pdl = use_pdl(gate.device, num_rows)
     _silu_mul_kernel[(num_rows, triton.cdiv(n, SILU_BLOCK))](
         gate, gate.stride(0), up, up.stride(0), out, out.stride(0), n, BLOCK=SILU_BLOCK,
-        PDL=pdl, num_warps=4, launch_pdl=pdl)
+        num_warps=4, **launch_options(gate.device, num_rows))
     return out

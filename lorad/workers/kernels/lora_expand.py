@@ -24,7 +24,7 @@ import triton.language as tl
 
 from lorad.workers.kernels.lora_shrink import MAX_TABLES, load_tile, pad_tables, table_block_ends
 from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
-from lorad.workers.kernels.pdl import use_pdl, wait_for_previous
+from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,6 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     num_blocks = blocks_end[-1]
     grid = (min(tiles.max_tiles * num_blocks, num_programs or max_programs(t.device)),)
     padded_outs, padded_b = pad_tables(outs), pad_tables(b_tables)
-    pdl = use_pdl(t.device, tiles.num_rows)
     _expand_kernel[grid](
         t, t.stride(0), t.stride(1), t.stride(2), t.shape[2],
         *padded_outs, *(o.stride(0) for o in padded_outs),
@@ -167,4 +166,5 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, NUM_TABLES=num_tables,
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_R=config.block_r,
         MAX_CHUNKS=triton.next_power_of_2(t.shape[2]),
-        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        **launch_options(t.device, tiles.num_rows))

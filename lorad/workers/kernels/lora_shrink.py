@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
-from lorad.workers.kernels.pdl import use_pdl, wait_for_previous
+from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
 MAX_TABLES = 3  # q/k/v share an input; gate/up share one
 
@@ -177,7 +177,6 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     num_items = tiles.max_tiles * num_blocks * shape[2]
     grid = (min(num_items, num_programs or max_programs(x.device)),)
     padded = pad_tables(a_tables)
-    pdl = use_pdl(x.device, num_rows)
     _shrink_kernel[grid](
         x, x.stride(0), out, out.stride(0), out.stride(1), out.stride(2), *padded,
         *pad_tables(rank_tables),
@@ -185,5 +184,6 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
         num_blocks, shape[2], tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, num_in,
         NUM_TABLES=len(a_tables), BLOCK_M=BLOCK_M,
         BLOCK_R=config.block_r, BLOCK_K=config.block_k, K_CHUNK=config.k_chunk,
-        NUM_STAGES=config.num_stages, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl)
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        **launch_options(x.device, num_rows))
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorad.workers.kernels.pdl import use_pdl, wait_for_previous
+from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
 # Context tokens per split. Larger splits write fewer partial results (fp32 [head_dim] per query
 # head and split); smaller ones give short batches more programs. Fixed: the split bounds are part
@@ -205,7 +205,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if split_programs is None:
         split_programs = SPLIT_PROGRAMS
-    pdl = use_pdl(q.device, out.shape[0])
+    pdl = launch_options(q.device, out.shape[0])
     _decode_split_kernel[(num_seqs, num_kv_heads, min(max_splits, split_programs or max_splits))](
         q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -213,11 +213,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_max.stride(0), part_max.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split_size,
         TILE=tile_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, DOT_PRECISION=precision, PDL=pdl, num_warps=num_warps, num_stages=2,
-        launch_pdl=pdl)
+        BLOCK_D=block_d, DOT_PRECISION=precision, num_warps=num_warps, num_stages=2, **pdl)
     _decode_reduce_kernel[(out.shape[0], num_q_heads)](
         part_acc, part_max, part_sum, context_lens, out,
         part_max.stride(0), part_max.stride(1), out.stride(0), num_seqs,
-        HEAD_DIM=head_dim, SPLIT=split_size, BLOCK_D=block_d, PDL=pdl, num_warps=1,
-        launch_pdl=pdl)
+        HEAD_DIM=head_dim, SPLIT=split_size, BLOCK_D=block_d, num_warps=1, **pdl)
     return out

@@ -36,6 +36,13 @@ def use_pdl(device: torch.device, num_rows: int) -> bool:
     return _CAPABLE[index]
 
 
+def launch_options(device: torch.device, num_rows: int) -> dict[str, bool]:
+    """The launch's keyword arguments for a kernel that starts with wait_for_previous(PDL): its
+    PDL constexpr and triton's launch_pdl, both use_pdl(device, num_rows)."""
+    pdl = use_pdl(device, num_rows)
+    return {"PDL": pdl, "launch_pdl": pdl}
+
+
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """At a PDL kernel's start, before any load or store: let the next kernel launch, then wait
