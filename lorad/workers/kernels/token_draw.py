@@ -68,6 +68,11 @@ def _pick_kernel(logits_ptr, stride_row, temperatures_ptr, uniforms_ptr, peaks_p
     tl.store(out_ptr + row, tl.where(inside < vocab, inside, last_inside).to(tl.int64))
 
 
+def _warps(chunk: int) -> int:
+    """Warps for a program over one chunk: one per 512 entries, 1 to 8."""
+    return max(1, min(8, chunk // 512))
+
+
 def draw_tokens(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor,
                 chunk: int = CHUNK) -> torch.Tensor:
     """logits: [n, vocab] float32, rows contiguous (-inf for removed tokens, at least one finite
@@ -83,7 +88,7 @@ def draw_tokens(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torc
     num_chunks = triton.cdiv(vocab, chunk)
     peaks = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     masses = torch.empty_like(peaks)
-    warps = max(1, min(8, chunk // 512))
+    warps = _warps(chunk)
     _chunk_stats_kernel[(num_rows, num_chunks)](
         logits, logits.stride(0), temperatures, peaks, masses, vocab, num_chunks, CHUNK=chunk,
         num_warps=warps)
@@ -114,5 +119,5 @@ def cumulative_sum(x: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     out = torch.empty_like(x)
     if x.numel():
         _cumulative_sum_kernel[(x.shape[0], triton.cdiv(x.shape[1], chunk))](
-            x, out, x.shape[1], CHUNK=chunk, num_warps=max(1, min(8, chunk // 512)))
+            x, out, x.shape[1], CHUNK=chunk, num_warps=_warps(chunk))
     return out
