@@ -52,16 +52,10 @@ def main() -> int:
           f"{args.vocab}, {args.threads} CPU thread(s); ms per step, median of {args.repeats}")
     print(f"{'batch':>5} " + " ".join(f"{case:>17}" for case in CASES))
     for batch in batches:
-        gen = torch.Generator().manual_seed(batch)
-        logits = (torch.randn(batch, args.vocab, generator=gen) * 3).to(device)
-        ids = [f"r{i}" for i in range(batch)]
-        sampler = Sampler()
-        for i, rid in enumerate(ids):
-            sampler.add(rid, i)
+        sampler, logits, ids = step_inputs(device, batch, args.vocab)
         figures = []
-        for temperature, top_k, top_p in CASES.values():
-            params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=0,
-                                     max_tokens=1, stop_token_ids=[], ignore_eos=False)] * batch
+        for case in CASES.values():
+            params = case_params(case, batch)
             sampler.sample(logits, ids, params)
             times = []
             for _ in range(args.repeats):
@@ -78,17 +72,28 @@ def main() -> int:
     return 0
 
 
-def profile_step(device: torch.device, batch: int, vocab: int, case: tuple, name: str) -> None:
-    from torch.profiler import ProfilerActivity, profile
-    temperature, top_k, top_p = case
-    logits = (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch)) * 3)
-    logits = logits.to(device)
+def step_inputs(device: torch.device, batch: int,
+                vocab: int) -> tuple[Sampler, torch.Tensor, list[str]]:
+    """-> a sampler holding `batch` requests, their [batch, vocab] logits and their ids."""
+    gen = torch.Generator().manual_seed(batch)
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(device)
     ids = [f"r{i}" for i in range(batch)]
     sampler = Sampler()
     for i, rid in enumerate(ids):
         sampler.add(rid, i)
-    params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=0,
-                             max_tokens=1, stop_token_ids=[], ignore_eos=False)] * batch
+    return sampler, logits, ids
+
+
+def case_params(case: tuple, batch: int) -> list[SamplingParams]:
+    temperature, top_k, top_p = case
+    return [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=0,
+                           max_tokens=1, stop_token_ids=[], ignore_eos=False)] * batch
+
+
+def profile_step(device: torch.device, batch: int, vocab: int, case: tuple, name: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    sampler, logits, ids = step_inputs(device, batch, vocab)
+    params = case_params(case, batch)
     sampler.sample(logits, ids, params)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if device.type == "cuda" else [])
