@@ -25,6 +25,7 @@ from lorad.workers.cuda_graph import DecodeGraphs
 from lorad.workers.engine import Engine
 from lorad.workers.planner import Planner, PlannerLimits
 from lorad.workers.sequence import Sequence
+from tests.compiled_variants import forget_compiled, num_compiled
 from tests.model_steps import Stream, build_model, make_streams, scenario_steps
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
@@ -209,9 +210,8 @@ def _compiled_variants(forget: bool = False) -> dict[str, int]:
             if isinstance(kernel, triton.runtime.JITFunction) and \
                     kernel.__module__ == module.__name__:
                 if forget:
-                    kernel.device_caches.clear()
-                counts[f"{info.name}.{name}"] = sum(len(caches[0])
-                                                    for caches in kernel.device_caches.values())
+                    forget_compiled(kernel)
+                counts[f"{info.name}.{name}"] = num_compiled(kernel)
     return counts
 
 

@@ -11,6 +11,7 @@ import torch
 
 from lorad.protocol.messages import SamplingParams
 from lorad.workers.sampler import Sampler, warm_up, warp_rows
+from tests.compiled_variants import forget_compiled, num_compiled
 
 pytestmark = pytest.mark.gpu
 
@@ -79,12 +80,11 @@ def test_after_the_warm_up_no_step_compiles_a_draw_kernel():
     from lorad.workers.kernels import token_draw
     kernels = (token_draw._chunk_stats_kernel, token_draw._pick_kernel,
                token_draw._cumulative_sum_kernel)
-    for kernel in kernels:  # forget what earlier tests compiled (the disk cache stays)
-        kernel.device_caches.clear()
+    for kernel in kernels:  # forget what earlier tests compiled
+        forget_compiled(kernel)
 
     def compiled() -> list[int]:
-        return [sum(len(caches[0]) for caches in kernel.device_caches.values())
-                for kernel in kernels]
+        return [num_compiled(kernel) for kernel in kernels]
 
     warm_up(torch.zeros(2, VOCAB, device=CUDA))
     assert compiled() == [1, 1, 1]
