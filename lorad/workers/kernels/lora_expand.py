@@ -24,7 +24,7 @@ import triton.language as tl
 
 from lorad.workers.kernels.lora_shrink import MAX_TABLES, load_tile, pad_tables, table_block_ends
 from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
-from lorad.workers.kernels.pdl import launch_options, let_next_launch, wait_previous
+from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
 
 @dataclass(frozen=True)
@@ -87,39 +87,6 @@ def _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_o
              mask=mask & edited[:, None])
 
 
-@triton.jit
-def _expand_item(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
-                 out0_ptr, out1_ptr, out2_ptr, stride_out0, stride_out1, stride_out2,
-                 N0, N1, N2, b0_ptr, b1_ptr, b2_ptr,
-                 ranks0_ptr, ranks1_ptr, ranks2_ptr, scales0_ptr, scales1_ptr, scales2_ptr,
-                 max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
-                 item, slot, rows, in_tile, NUM_TABLES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                 MAX_CHUNKS: tl.constexpr):
-    # Work item = (tile, block); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
-    block = item - (item // num_blocks) * num_blocks
-    if block < blocks_end0:
-        _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out0_ptr, stride_out0, N0,
-                      b0_ptr, ranks0_ptr, scales0_ptr, max_rank0, block, slot, rows,
-                      in_tile, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS)
-    elif NUM_TABLES == 2:
-        _expand_block(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks, out1_ptr,
-                      stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr, max_rank1,
-                      block - blocks_end0, slot, rows, in_tile, BLOCK_M, BLOCK_N, BLOCK_R,
-                      MAX_CHUNKS)
-    elif NUM_TABLES == 3:
-        if block < blocks_end1:
-            _expand_block(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
-                          out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr,
-                          max_rank1, block - blocks_end0, slot, rows, in_tile, BLOCK_M,
-                          BLOCK_N, BLOCK_R, MAX_CHUNKS)
-        else:
-            _expand_block(t_ptr + 2 * stride_t_table, stride_t, stride_t_chunk, num_chunks,
-                          out2_ptr, stride_out2, N2, b2_ptr, ranks2_ptr, scales2_ptr,
-                          max_rank2, block - blocks_end1, slot, rows, in_tile, BLOCK_M,
-                          BLOCK_N, BLOCK_R, MAX_CHUNKS)
-
-
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
 # divisible by 16): one binary, so one order of sums, for every batch.
 @triton.jit(do_not_specialize=["stride_t_table"])
@@ -131,31 +98,33 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                    tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, NUM_TABLES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                    MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr):
-    let_next_launch(PDL)
-    # The tile count and the first item's tile are read before the wait, side by side, as in
-    # lora_shrink.
-    first = tl.program_id(0)
-    slot, rows, in_tile = load_tile(tile_slot_ptr, tile_rows_ptr, first // num_blocks, BLOCK_M)
+    wait_for_previous(PDL)
+    # Work item = (tile, block); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
     num_items = (tl.load(num_tiles_ptr) * num_blocks).to(tl.int32)
-    wait_previous(PDL)
-    if first < num_items:
-        _expand_item(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
-                     out0_ptr, out1_ptr, out2_ptr, stride_out0, stride_out1, stride_out2,
-                     N0, N1, N2, b0_ptr, b1_ptr, b2_ptr,
-                     ranks0_ptr, ranks1_ptr, ranks2_ptr, scales0_ptr, scales1_ptr, scales2_ptr,
-                     max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
-                     first, slot, rows, in_tile, NUM_TABLES, BLOCK_M, BLOCK_N, BLOCK_R,
-                     MAX_CHUNKS)
-    for item in range(tl.program_id(0) + tl.num_programs(0), num_items, tl.num_programs(0)):
-        slot, rows, in_tile = load_tile(tile_slot_ptr, tile_rows_ptr, item // num_blocks,
-                                        BLOCK_M)
-        _expand_item(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
-                     out0_ptr, out1_ptr, out2_ptr, stride_out0, stride_out1, stride_out2,
-                     N0, N1, N2, b0_ptr, b1_ptr, b2_ptr,
-                     ranks0_ptr, ranks1_ptr, ranks2_ptr, scales0_ptr, scales1_ptr, scales2_ptr,
-                     max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
-                     item, slot, rows, in_tile, NUM_TABLES, BLOCK_M, BLOCK_N, BLOCK_R,
-                     MAX_CHUNKS)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        tile = item // num_blocks
+        block = item - tile * num_blocks
+        slot, rows, in_tile = load_tile(tile_slot_ptr, tile_rows_ptr, tile, BLOCK_M)
+        if block < blocks_end0:
+            _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out0_ptr, stride_out0, N0,
+                          b0_ptr, ranks0_ptr, scales0_ptr, max_rank0, block, slot, rows,
+                          in_tile, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS)
+        elif NUM_TABLES == 2:
+            _expand_block(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks, out1_ptr,
+                          stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr, max_rank1,
+                          block - blocks_end0, slot, rows, in_tile, BLOCK_M, BLOCK_N, BLOCK_R,
+                          MAX_CHUNKS)
+        elif NUM_TABLES == 3:
+            if block < blocks_end1:
+                _expand_block(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
+                              out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr,
+                              max_rank1, block - blocks_end0, slot, rows, in_tile, BLOCK_M,
+                              BLOCK_N, BLOCK_R, MAX_CHUNKS)
+            else:
+                _expand_block(t_ptr + 2 * stride_t_table, stride_t, stride_t_chunk, num_chunks,
+                              out2_ptr, stride_out2, N2, b2_ptr, ranks2_ptr, scales2_ptr,
+                              max_rank2, block - blocks_end1, slot, rows, in_tile, BLOCK_M,
+                              BLOCK_N, BLOCK_R, MAX_CHUNKS)
 
 
 def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequence[torch.Tensor],

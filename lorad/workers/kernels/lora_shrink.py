@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
-from lorad.workers.kernels.pdl import launch_options, let_next_launch, wait_previous
+from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
 MAX_TABLES = 3  # q/k/v share an input; gate/up share one
 
@@ -105,36 +105,6 @@ def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks
              mask=in_tile[:, None] & (ranks_j < rank)[None, :])
 
 
-@triton.jit
-def _shrink_item(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_chunk,
-                 a0_ptr, a1_ptr, a2_ptr, ranks0_ptr, ranks1_ptr, ranks2_ptr,
-                 max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_chunks,
-                 items_per_tile, item, slot, rows, in_tile, K,
-                 NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr):
-    # Work item = (tile, block, chunk); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
-    tile = item // items_per_tile
-    block = (item - tile * items_per_tile) // num_chunks
-    chunk = item - tile * items_per_tile - block * num_chunks
-    if block < blocks_end0:
-        _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a0_ptr, ranks0_ptr,
-                      max_rank0, block, chunk, slot, rows, in_tile, K,
-                      BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
-    elif NUM_TABLES == 2:
-        _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, stride_t_chunk,
-                      a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk, slot, rows,
-                      in_tile, K, BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
-    elif NUM_TABLES == 3:
-        if block < blocks_end1:
-            _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, stride_t_chunk,
-                          a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk, slot,
-                          rows, in_tile, K, BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
-        else:
-            _shrink_block(x_ptr, stride_x, t_ptr + 2 * stride_t_table, stride_t, stride_t_chunk,
-                          a2_ptr, ranks2_ptr, max_rank2, block - blocks_end1, chunk, slot, rows,
-                          in_tile, K, BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
-
-
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
 # divisible by 16): one binary, so one order of sums, for every batch.
 @triton.jit(do_not_specialize=["stride_t_table"])
@@ -145,31 +115,36 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
                    NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
                    NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
-    let_next_launch(PDL)
+    wait_for_previous(PDL)
+    # Work item = (tile, block, chunk); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
     # Chunks vary fastest, so neighbouring programs read neighbouring parts of the same A rows.
     items_per_tile = num_blocks * num_chunks
-    # The tile count and the first item's tile are read before the wait, side by side: the
-    # tiles are step inputs (pdl.py: what may be read before the wait). The grid never exceeds
-    # max_tiles * items_per_tile, so that tile is inside the tile arrays.
-    first = tl.program_id(0)
-    slot, rows, in_tile = load_tile(tile_slot_ptr, tile_rows_ptr, first // items_per_tile,
-                                    BLOCK_M)
     num_items = (tl.load(num_tiles_ptr) * items_per_tile).to(tl.int32)
-    wait_previous(PDL)
-    if first < num_items:
-        _shrink_item(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_chunk,
-                     a0_ptr, a1_ptr, a2_ptr, ranks0_ptr, ranks1_ptr, ranks2_ptr,
-                     max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_chunks,
-                     items_per_tile, first, slot, rows, in_tile, K,
-                     NUM_TABLES, BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
-    for item in range(tl.program_id(0) + tl.num_programs(0), num_items, tl.num_programs(0)):
-        slot, rows, in_tile = load_tile(tile_slot_ptr, tile_rows_ptr, item // items_per_tile,
-                                        BLOCK_M)
-        _shrink_item(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_chunk,
-                     a0_ptr, a1_ptr, a2_ptr, ranks0_ptr, ranks1_ptr, ranks2_ptr,
-                     max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_chunks,
-                     items_per_tile, item, slot, rows, in_tile, K,
-                     NUM_TABLES, BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        tile = item // items_per_tile
+        block = (item - tile * items_per_tile) // num_chunks
+        chunk = item - tile * items_per_tile - block * num_chunks
+        slot, rows, in_tile = load_tile(tile_slot_ptr, tile_rows_ptr, tile, BLOCK_M)
+        if block < blocks_end0:
+            _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a0_ptr, ranks0_ptr,
+                          max_rank0, block, chunk, slot, rows, in_tile, K,
+                          BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
+        elif NUM_TABLES == 2:
+            _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, stride_t_chunk,
+                          a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk, slot, rows,
+                          in_tile, K,
+                          BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
+        elif NUM_TABLES == 3:
+            if block < blocks_end1:
+                _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, stride_t_chunk,
+                              a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk, slot,
+                              rows, in_tile, K,
+                              BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
+            else:
+                _shrink_block(x_ptr, stride_x, t_ptr + 2 * stride_t_table, stride_t,
+                              stride_t_chunk, a2_ptr, ranks2_ptr, max_rank2, block - blocks_end1,
+                              chunk, slot, rows, in_tile, K,
+                              BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
 
 
 def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
@@ -182,10 +157,7 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     rank_tables[i][slot] > 0), nothing else.
 
     x: [num_rows, in_features] (bf16, fp16 or fp32); a_tables[i]: [num_slots, max_rank_i,
-    in_features] fp32, contiguous; rank_tables[i]: [num_slots] int32. With PDL (pdl.py) the
-    kernel reads its first tile before it waits for the kernel before it, so the tiles must be
-    built before a plain launch that precedes this one (the model builds them before the
-    embedding lookup); lora_expand the same."""
+    in_features] fp32, contiguous; rank_tables[i]: [num_slots] int32."""
     if not 1 <= len(a_tables) <= MAX_TABLES or len(rank_tables) != len(a_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its ranks")
     num_rows, num_in = x.shape

@@ -3,14 +3,9 @@
 A kernel launched with launch_pdl=True may be put on the GPU while the kernel before it in the
 stream is still finishing. Each of ours first tells its own dependants they may launch, then
 waits (griddepcontrol.wait) until the kernel before it has completed and its writes are
-visible. Before that wait a kernel may read only what was written before some plain launch
-(torch's, cuBLAS's) that comes before it in the stream, since a plain launch starts once
-everything before it has completed and its writes are visible: weights and adapter tables; the
-LoRA row tiles, which the model builds before the embedding lookup, a plain launch (the LoRA
-kernels read their first tile there). No kernel writes anything before the wait, so the
-arithmetic and every result are the same with PDL on or off, and only the gap between launches
-shrinks. In a CUDA graph the launches keep that relation.
-scripts/bench_pdl.py measured the gap it saves on an H200.
+visible; nothing is read or written before that wait, so the arithmetic and every result are
+the same with PDL on or off, and only the gap between launches shrinks. In a CUDA graph the
+launches keep that relation. scripts/bench_pdl.py measured the gap it saves on an H200.
 ENABLED off (scripts/bench_engine.py --no-pdl) launches them plainly, as do steps of more than
 MAX_ROWS rows.
 """
@@ -42,8 +37,7 @@ def use_pdl(device: torch.device, num_rows: int) -> bool:
 
 
 def launch_options(device: torch.device, num_rows: int) -> dict[str, bool]:
-    """The launch's keyword arguments for a kernel that starts with wait_for_previous(PDL) (or
-    its two halves, reading only what the module docstring allows between them): its
+    """The launch's keyword arguments for a kernel that starts with wait_for_previous(PDL): its
     PDL constexpr and triton's launch_pdl, both use_pdl(device, num_rows)."""
     pdl = use_pdl(device, num_rows)
     return {"PDL": pdl, "launch_pdl": pdl}
@@ -53,20 +47,6 @@ def launch_options(device: torch.device, num_rows: int) -> dict[str, bool]:
 def wait_for_previous(PDL: tl.constexpr):
     """At a PDL kernel's start, before any load or store: let the next kernel launch, then wait
     for the one before to complete."""
-    let_next_launch(PDL)
-    wait_previous(PDL)
-
-
-@triton.jit
-def let_next_launch(PDL: tl.constexpr):
-    """wait_for_previous's first half, for a kernel that reads step inputs before it waits."""
     if PDL:
         gdc_launch_dependents()
-
-
-@triton.jit
-def wait_previous(PDL: tl.constexpr):
-    """wait_for_previous's second half: past it, the kernel before has completed and its writes
-    are visible."""
-    if PDL:
         gdc_wait()

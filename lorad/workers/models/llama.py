@@ -246,10 +246,8 @@ class LlamaForCausalLM(nn.Module):
         ctx = AttentionContext.build(batch, self.block_size)
         rotary = RotaryInputs.build(self.model.rotary_emb, batch.positions)
         hidden = None
-        # The LoRA row tiles before the embedding: the LoRA kernels read them before their PDL
-        # wait, which a plain launch between makes safe (kernels/pdl.py).
-        lora = LoraRows.from_batch(batch, launch_always=lora_launch_always)
         delta = self.model.embed_tokens(batch.input_ids)  # [num_rows, hidden]
+        lora = LoraRows.from_batch(batch, launch_always=lora_launch_always)
         for layer in self.model.layers:
             hidden, delta = layer(hidden, delta, rotary, ctx, lora if lora.any_delta else None)
         if kernel_path(delta.device):
