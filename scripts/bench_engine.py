@@ -7,7 +7,8 @@ steps at several batch sizes for: the base model with no adapter loaded (`base`)
 adapters loaded but every row on slot 0 (`idle`), one adapter on every row (`one`), rows cycling
 over four adapters (`mixed4`, transformers + peft's mixture below), and a distinct adapter per
 row up to --num-adapters slots (`many`; rank 16 on all seven projections); `one` and `mixed4`
-again with the LoRA shrinks on the main stream (`serial shrink`). Beside
+again with the LoRA shrinks on the main stream (`serial shrink`), and with other LoRA kernel
+tile configs (`--lora-configs`). Beside
 each figure the floor: the bytes a step must read (weights, the LoRA factors of the slots in the
 batch, every sequence's KV) over the device-to-device copy bandwidth measured in this run. Then
 prefill tokens/s, and transformers + peft `generate` on the same shapes (mixed adapters per row
@@ -17,6 +18,7 @@ through `adapter_names`). Prints the conditions and a markdown table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -41,7 +43,7 @@ from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lorad.workers import lora as lora_module  # noqa: E402
-from lorad.workers.kernels import lora_tiles, pdl  # noqa: E402
+from lorad.workers.kernels import lora_expand, lora_shrink, lora_tiles, pdl  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
 from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
@@ -65,6 +67,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--serial-shrink", type=ints, default=[32],
                    help="also time one and mixed4 at these batches with the LoRA shrinks on the "
                         "main stream (lora.SIDE_STREAM off), graphs captured again; '' skips")
+    p.add_argument("--lora-configs", default="",
+                   help="';'-separated LoRA kernel configs, each timed for mixed4 and many at "
+                        "--lora-config-batches (and the many prefill) with graphs captured "
+                        "again: shrink=BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES and/or "
+                        "expand=BLOCK_N,BLOCK_R,WARPS joined by '+', e.g. "
+                        "'expand=64,4,2;shrink=4,128,512,4,2+expand=64,4,2'")
+    p.add_argument("--lora-config-batches", type=ints, default=[32, 64])
     p.add_argument("--programs-per-sm", type=ints, default=[],
                    help="also time one and mixed4 at the --serial-shrink batches with the LoRA "
                         "kernels' persistent grids at these programs per SM "
@@ -338,7 +347,7 @@ def bench_decode(model, graphs, floor: Floor, cases: list[str], args, blocks_per
                             note=f"failed: {type(exc).__name__}: {exc}")
 
 
-def bench_prefill(model, case: str, args, flops: float, floor: Floor) -> None:
+def bench_prefill(model, case: str, args, flops: float, floor: Floor, label: str = "") -> None:
     num_seqs, length = (int(x) for x in args.prefill.split("x"))
     slots = slots_for("many" if case == "many" else "base", num_seqs, args.num_adapters)
     gen = torch.Generator().manual_seed(2)
@@ -351,11 +360,11 @@ def bench_prefill(model, case: str, args, flops: float, floor: Floor) -> None:
         seconds = time_cuda(lambda: model.forward(batch), 3, warmup=1)
     except Exception as exc:
         traceback.print_exc()
-        add_row(f"prefill {case}", args.prefill, "eager", None, note=f"failed: {exc}")
+        add_row(f"prefill {case}{label}", args.prefill, "eager", None, note=f"failed: {exc}")
         return
     floor_s = max(floor.prefill_flops(slots, length) / flops,
                   floor.decode_seconds(slots, [length] * num_seqs))
-    add_row(f"prefill {case}", args.prefill, "eager", seconds, None, floor_s,
+    add_row(f"prefill {case}{label}", args.prefill, "eager", seconds, None, floor_s,
             tokens=num_seqs * length)
 
 
@@ -416,6 +425,25 @@ def bench_transformers(config_dir: str, adapter_folder: Path, args) -> None:
 
 
 # --- the run ----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def lora_configs(variant: str):
+    """The LoRA kernels' default configs as --lora-configs names them, for the block."""
+    saved = lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG
+    for part in variant.split("+"):
+        kernel, _, values = part.partition("=")
+        numbers = [int(v) for v in values.split(",")]
+        if kernel == "shrink" and len(numbers) == 5:
+            lora_shrink.DEFAULT_CONFIG = lora_shrink.ShrinkConfig(*numbers)
+        elif kernel == "expand" and len(numbers) == 3:
+            lora_expand.DEFAULT_CONFIG = lora_expand.ExpandConfig(*numbers, num_stages=1)
+        else:
+            raise SystemExit(f"--lora-configs: cannot read {part!r}")
+    try:
+        yield
+    finally:
+        lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG = saved
+
 
 def capture(model, args, num_adapters: int) -> DecodeGraphs | None:
     graphs = DecodeGraphs(model, max(args.batches), args.max_model_len, BLOCK_SIZE, num_adapters)
@@ -554,6 +582,17 @@ def main() -> int:
                          batches=args.serial_shrink, label=" (serial shrink)")
             lora_module.SIDE_STREAM = True
             del graphs
+        for variant in [v for v in args.lora_configs.split(";") if v]:
+            gc.collect()
+            torch.cuda.empty_cache()
+            with lora_configs(variant):
+                graphs = capture(model, args, args.num_adapters)
+                cases = [c for c in ("mixed4", "many") if c in adapter_cases]
+                bench_decode(model, graphs, floor, cases, args, blocks_per_seq,
+                             batches=args.lora_config_batches, label=f" ({variant})")
+                if args.prefill and "many" in adapter_cases:
+                    bench_prefill(model, "many", args, flops, floor, label=f" ({variant})")
+            del graphs
         default_per_sm = lora_tiles.PROGRAMS_PER_SM
         for per_sm in args.programs_per_sm if serial else []:
             gc.collect()
@@ -591,7 +630,8 @@ def main() -> int:
         f"cases: base = no adapter loaded; idle = {args.num_adapters} adapters loaded, rows on "
         f"slot 0; one = adapter 1 on every row; mixed4 = row i on adapter 1 + i % 4; many = row "
         f"i on adapter 1 + i % {args.num_adapters}; (serial shrink) = LoRA shrinks on the main "
-        f"stream instead of a side stream; (N/SM) = the LoRA kernels' grids at N programs per "
+        f"stream instead of a side stream; (shrink=..., expand=...) = --lora-configs' tile "
+        f"configs; (N/SM) = the LoRA kernels' grids at N programs per "
         f"SM (default {lora_tiles.PROGRAMS_PER_SM}); rank {args.rank} on all 7 projections, fp32 "
         f"tables",
         "floor = (weights + LoRA factors of the batch's slots + KV) bytes / copy bandwidth; "

@@ -130,7 +130,7 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
 def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequence[torch.Tensor],
                 rank_tables: Sequence[torch.Tensor], scale_tables: Sequence[torch.Tensor],
                 tiles: LoraTiles, num_programs: int | None = None,
-                config: ExpandConfig = DEFAULT_CONFIG) -> None:
+                config: ExpandConfig | None = None) -> None:
     """outs[i][row] += scale * (sum_c t[i, row, c, :rank] B_i[slot, :, :rank]^T), in place, for
     each row whose slot table i edits (rank = rank_tables[i][slot] > 0); no other element is
     touched.
@@ -144,6 +144,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     if not 1 <= num_tables <= MAX_TABLES or not (len(outs) == len(rank_tables)
                                                   == len(scale_tables) == num_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its output, ranks and scales")
+    config = config or DEFAULT_CONFIG  # read at the call: benchmarks swap it
     assert t.dim() == 4 and t.shape[0] == num_tables and t.stride(3) == 1
     assert tiles.num_rows == t.shape[1], "tiles of another batch"
     for out, b in zip(outs, b_tables):

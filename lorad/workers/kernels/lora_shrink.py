@@ -63,9 +63,10 @@ class ShrinkConfig:
 DEFAULT_CONFIG = ShrinkConfig()
 
 
-def num_k_chunks(in_features: int, config: ShrinkConfig = DEFAULT_CONFIG) -> int:
-    """The partial sums per row and rank that lora_shrink writes for this input width."""
-    return triton.cdiv(in_features, config.k_chunk)
+def num_k_chunks(in_features: int, config: ShrinkConfig | None = None) -> int:
+    """The partial sums per row and rank that lora_shrink writes for this input width (config
+    None: DEFAULT_CONFIG, read at the call)."""
+    return triton.cdiv(in_features, (config or DEFAULT_CONFIG).k_chunk)
 
 
 @triton.jit
@@ -150,7 +151,7 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
 def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
                 rank_tables: Sequence[torch.Tensor], tiles: LoraTiles,
                 out: torch.Tensor | None = None, num_programs: int | None = None,
-                config: ShrinkConfig = DEFAULT_CONFIG) -> torch.Tensor:
+                config: ShrinkConfig | None = None) -> torch.Tensor:
     """-> t: [num_tables, num_rows, num_k_chunks(in_features), max(max_rank)] float32, the
     partial sums of each chunk of K (their sum in chunk order is x A^T; lora_expand adds them);
     t[i, row, :, :rank] is written for each row whose slot table i edits (rank =
@@ -160,6 +161,7 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     in_features] fp32, contiguous; rank_tables[i]: [num_slots] int32."""
     if not 1 <= len(a_tables) <= MAX_TABLES or len(rank_tables) != len(a_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its ranks")
+    config = config or DEFAULT_CONFIG  # read at the call: benchmarks swap it
     num_rows, num_in = x.shape
     assert tiles.num_rows == num_rows, "tiles of another batch"
     for a in a_tables:

@@ -1,0 +1,51 @@
+"""scripts/kernel_resources.py, the offline register report, runs here without a GPU: it compiles
+lorad's kernels for sm_90 with the installed triton and reads each one's registers back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (the `gpu` extra)")
+
+LINE = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(.+)$")
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts/kernel_resources.py"), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_reports_the_expand_at_each_config():
+    done = run("--only", "lora expand", "--expand", "64,4,2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [LINE.match(line) for line in done.stdout.splitlines()]
+    rows = [m for m in rows if m]
+    # The default config and the one asked for, each with 3 tables and with 1.
+    names = [m.group(5) for m in rows]
+    assert len(rows) == 4, done.stdout
+    assert sum("block_r=16" in n for n in names) == 2 and sum("block_r=4," in n for n in names) == 2
+    for m in rows:
+        registers, _, _, programs = (int(m.group(i)) for i in range(1, 5))
+        assert 16 <= registers <= 255 and programs >= 1, m.group(0)
+    by_name = {m.group(5): int(m.group(1)) for m in rows}
+    # A rank block of 4 holds a quarter of the products: fewer registers than 16.
+    one_table = {n: r for n, r in by_name.items() if "1 table" in n}
+    small = next(r for n, r in one_table.items() if "block_r=4," in n)
+    default = next(r for n, r in one_table.items() if "block_r=16" in n)
+    assert small < default, done.stdout
+
+
+def test_refuses_a_config_it_cannot_read():
+    done = run("--only", "lora expand", "--expand", "64,4")
+    assert done.returncode != 0
+    assert "expected 3 comma-separated integers" in done.stdout + done.stderr
