@@ -70,9 +70,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lora-configs", default="",
                    help="';'-separated LoRA kernel configs, each timed for mixed4 and many at "
                         "--lora-config-batches (and the many prefill) with graphs captured "
-                        "again: shrink=BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES and/or "
-                        "expand=BLOCK_N,BLOCK_R,WARPS joined by '+', e.g. "
-                        "'expand=64,4,2;shrink=4,128,512,4,2+expand=64,4,2'")
+                        "again: shrink=BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES, "
+                        "expand=BLOCK_N,BLOCK_R,WARPS and tiles=ROWS (rows per tile, a power "
+                        "of two to 16) joined by '+', e.g. "
+                        "'expand=64,4,2;tiles=1;shrink=4,128,512,4,2+expand=64,4,2'")
     p.add_argument("--lora-config-batches", type=ints, default=[32, 64])
     p.add_argument("--programs-per-sm", type=ints, default=[],
                    help="also time one and mixed4 at the --serial-shrink batches with the LoRA "
@@ -429,20 +430,22 @@ def bench_transformers(config_dir: str, adapter_folder: Path, args) -> None:
 @contextlib.contextmanager
 def lora_configs(variant: str):
     """The LoRA kernels' default configs as --lora-configs names them, for the block."""
-    saved = lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG
+    saved = lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG, lora_tiles.BLOCK_M
     for part in variant.split("+"):
         kernel, _, values = part.partition("=")
-        numbers = [int(v) for v in values.split(",")]
+        numbers = [int(v) for v in values.split(",") if v.isdigit()]
         if kernel == "shrink" and len(numbers) == 5:
             lora_shrink.DEFAULT_CONFIG = lora_shrink.ShrinkConfig(*numbers)
         elif kernel == "expand" and len(numbers) == 3:
             lora_expand.DEFAULT_CONFIG = lora_expand.ExpandConfig(*numbers, num_stages=1)
+        elif kernel == "tiles" and len(numbers) == 1 and numbers[0] in (1, 2, 4, 8, 16):
+            lora_tiles.BLOCK_M = numbers[0]
         else:
             raise SystemExit(f"--lora-configs: cannot read {part!r}")
     try:
         yield
     finally:
-        lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG = saved
+        lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG, lora_tiles.BLOCK_M = saved
 
 
 def capture(model, args, num_adapters: int) -> DecodeGraphs | None:

@@ -5,7 +5,7 @@ cuobjdump). A kernel that spills, or whose registers leave few programs per mult
 shows here before any device time is spent on it.
 
     python scripts/kernel_resources.py [--arch 90] [--expand BLOCK_N,BLOCK_R,WARPS ...]
-        [--shrink BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES ...]
+        [--shrink BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES ...] [--block-m ROWS] [--only TEXT]
 
 Each kernel is compiled with the constexprs, warps and stages the model launches it with at the
 Llama-3-8B shape (hidden 4096, 32 q / 8 KV heads of 128, rank 16, bf16), pointers and the strides
@@ -35,8 +35,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from lorad.workers.kernels import (fused_ops, lora_expand, lora_shrink,  # noqa: E402
-                                   paged_attention, token_draw)
-from lorad.workers.kernels.lora_tiles import BLOCK_M  # noqa: E402
+                                   lora_tiles, paged_attention, token_draw)
 
 FLOAT_SCALARS = {"scale", "eps"}
 REGISTERS_PER_SM = 65536
@@ -96,7 +95,7 @@ def resources(spec: Spec, arch: int, tools: Path) -> dict:
             "programs_per_sm": REGISTERS_PER_SM // max(per_warp * spec.num_warps, 1)}
 
 
-def lora_specs(shrink_configs, expand_configs) -> list[Spec]:
+def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
     specs = []
     lora_types = {"x_ptr": "bf16", "tile_rows_ptr": "i64", "tile_slot_ptr": "i64",
                   "num_tiles_ptr": "i64", **{f"ranks{i}_ptr": "i32" for i in range(3)},
@@ -105,7 +104,7 @@ def lora_specs(shrink_configs, expand_configs) -> list[Spec]:
         for tables in (3, 1):
             specs.append(Spec(
                 f"lora shrink, {tables} table(s), {config}", lora_shrink._shrink_kernel,
-                {"NUM_TABLES": tables, "BLOCK_M": BLOCK_M, "BLOCK_R": config.block_r,
+                {"NUM_TABLES": tables, "BLOCK_M": block_m, "BLOCK_R": config.block_r,
                  "BLOCK_K": config.block_k, "K_CHUNK": config.k_chunk,
                  "NUM_STAGES": config.num_stages, "PDL": True},
                 config.num_warps, config.num_stages, lora_types))
@@ -113,7 +112,7 @@ def lora_specs(shrink_configs, expand_configs) -> list[Spec]:
         for tables in (3, 1):
             specs.append(Spec(
                 f"lora expand, {tables} table(s), {config}", lora_expand._expand_kernel,
-                {"NUM_TABLES": tables, "BLOCK_M": BLOCK_M, "BLOCK_N": config.block_n,
+                {"NUM_TABLES": tables, "BLOCK_M": block_m, "BLOCK_N": config.block_n,
                  "BLOCK_R": config.block_r, "MAX_CHUNKS": 8, "PDL": True},
                 config.num_warps, config.num_stages, lora_types))
     return specs
@@ -167,6 +166,8 @@ def main() -> int:
                    help="BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES: also this shrink config")
     p.add_argument("--expand", action="append", default=[],
                    help="BLOCK_N,BLOCK_R,WARPS: also this expand config (one stage)")
+    p.add_argument("--block-m", type=int, default=lora_tiles.BLOCK_M,
+                   help=f"rows per LoRA tile (lorad: {lora_tiles.BLOCK_M})")
     p.add_argument("--only", default="", help="only the kernels whose name holds this text")
     args = p.parse_args()
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -178,9 +179,10 @@ def main() -> int:
         args.shrink, lora_shrink.ShrinkConfig, 5)
     expands = [lora_expand.DEFAULT_CONFIG] + parse_configs(
         args.expand, lambda n, r, w: lora_expand.ExpandConfig(n, r, w, 1), 3)
-    specs = lora_specs(shrinks, expands) + model_specs()
-    print(f"# triton {triton.__version__}, sm_{args.arch}; registers per thread, spill bytes "
-          f"per thread (stack), shared bytes per program, programs/SM that registers allow")
+    specs = lora_specs(shrinks, expands, args.block_m) + model_specs()
+    print(f"# triton {triton.__version__}, sm_{args.arch}, LoRA tiles of {args.block_m} rows; "
+          f"registers per thread, spill bytes per thread (stack), shared bytes per program, "
+          f"programs/SM that registers allow")
     print(f"{'registers':>9} {'spills':>6} {'shared':>7} {'programs/SM':>11}  kernel")
     failed = 0
     for spec in specs:

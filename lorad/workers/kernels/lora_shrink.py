@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorad.workers.kernels.lora_tiles import BLOCK_M, LoraTiles, max_programs
+from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
 from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
 MAX_TABLES = 3  # q/k/v share an input; gate/up share one
@@ -184,7 +184,7 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
         *pad_tables(rank_tables),
         *(a.shape[1] for a in padded), blocks_end[1], blocks_end[min(2, len(a_tables))],
         num_blocks, shape[2], tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, num_in,
-        NUM_TABLES=len(a_tables), BLOCK_M=BLOCK_M,
+        NUM_TABLES=len(a_tables), BLOCK_M=tiles.block_m,
         BLOCK_R=config.block_r, BLOCK_K=config.block_k, K_CHUNK=config.k_chunk,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps,
         **launch_options(x.device, num_rows))

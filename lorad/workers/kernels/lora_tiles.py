@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK_M = 8  # rows per tile: shrink and expand share the tiles, so they share this
+# Rows per tile: shrink and expand share the tiles, so they share this (the kernels take it from
+# the tiles). Read when tiles are built, so a benchmark may set another (bench_engine.py
+# --lora-configs); a running server keeps one, which a row's bits depend on.
+BLOCK_M = 8
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,11 @@ class LoraTiles:
     def num_rows(self) -> int:
         """The rows of the batch the tiles were built for."""
         return self.tile_rows.shape[0]
+
+    @property
+    def block_m(self) -> int:
+        """Rows per tile (BLOCK_M when they were built)."""
+        return self.tile_rows.shape[1]
 
     @classmethod
     def build(cls, row_slots: torch.Tensor, max_tiles: int) -> "LoraTiles":
