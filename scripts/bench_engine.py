@@ -590,8 +590,8 @@ def main() -> int:
             torch.cuda.empty_cache()
             with lora_configs(variant):
                 graphs = capture(model, args, args.num_adapters)
-                cases = [c for c in ("mixed4", "many") if c in adapter_cases]
-                bench_decode(model, graphs, floor, cases, args, blocks_per_seq,
+                timed = [c for c in ("mixed4", "many") if c in adapter_cases]
+                bench_decode(model, graphs, floor, timed, args, blocks_per_seq,
                              batches=args.lora_config_batches, label=f" ({variant})")
                 if args.prefill and "many" in adapter_cases:
                     bench_prefill(model, "many", args, flops, floor, label=f" ({variant})")
