@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -230,23 +231,20 @@ def check_weights_fit(model_dir: str, model_config: ModelConfig, tp: TensorParal
     """-> the bytes of this rank's weights and adapter tables. Refuses them when, with those of
     the ranks sharing its device, they exceed what is free there, before any rank allocates:
     loading them would end in an out-of-memory error or the OOM killer."""
-    sharing = ranks_sharing_device(tp)
-    need = {r: weight_bytes(model_config, r, tp.world_size, dtype, adapters) for r in sharing}
-    free = _free_while_no_rank_allocates(tp)
-    total = sum(need.values())
-    if free is not None and total > free:
+    need, free, shared = _device_demand(
+        tp, lambda r: weight_bytes(model_config, r, tp.world_size, dtype, adapters))
+    if free is not None:
         what = f"weights and {len(adapters)} adapters' tables" if adapters else "weights"
-        shared = _shared_part(total, sharing, tp.device)
         hints = (["a smaller --dtype (bfloat16)"] if dtype == torch.float32 else []) + \
             (["fewer adapters"] if adapters else []) + \
             (["more GPUs (--parallel)", "a bigger GPU"] if tp.device.type == "cuda"
              else ["a bigger machine"])
         options = f"{', '.join(hints[:-1])} or {hints[-1]}" if len(hints) > 1 else hints[0]
-        raise ConfigError(f"--model {model_dir}: its {what} take {need[tp.rank] / 2**30:.1f} GiB "
+        raise ConfigError(f"--model {model_dir}: its {what} take {need / 2**30:.1f} GiB "
                           f"on rank {tp.rank}{shared} ({str(dtype).removeprefix('torch.')}, "
                           f"--parallel {tp.world_size}), more than the {free / 2**30:.1f} GiB "
                           f"free on {tp.device}; use {options}")
-    return need[tp.rank]
+    return need
 
 
 def check_kv_pool_fits(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParallel,
@@ -254,37 +252,39 @@ def check_kv_pool_fits(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorP
     """-> the bytes of this rank's KV pool of num_blocks. Refuses a pool larger than what is
     free on its device once the weights are loaded (a --kv-cache-blocks or --kv-cache-memory
     beyond it), before allocating it."""
-    sharing = ranks_sharing_device(tp)
-    need = {r: num_blocks * LlamaForCausalLM.kv_cache_bytes_per_block(
-        model_config, r, tp.world_size, cfg.block_size, dtype) for r in sharing}
-    free = _free_while_no_rank_allocates(tp)
-    total = sum(need.values())
-    if free is not None and total > free:
+    need, free, shared = _device_demand(
+        tp, lambda r: num_blocks * LlamaForCausalLM.kv_cache_bytes_per_block(
+            model_config, r, tp.world_size, cfg.block_size, dtype))
+    if free is not None:
         given = (f"--kv-cache-blocks {cfg.kv_cache_blocks}" if cfg.kv_cache_blocks is not None
                  else f"--kv-cache-memory {cfg.kv_cache_memory / 2**30:g}GiB"
                  if cfg.kv_cache_memory is not None else "the default KV pool size")
         raise ConfigError(f"{given}: the KV pool of {num_blocks} blocks takes "
-                          f"{need[tp.rank] / 2**30:.1f} GiB on rank {tp.rank}"
-                          f"{_shared_part(total, sharing, tp.device)}, more than the "
+                          f"{need / 2**30:.1f} GiB on rank {tp.rank}{shared}, more than the "
                           f"{free / 2**30:.1f} GiB free on {tp.device} after the weights; "
                           "give fewer blocks (--kv-cache-blocks, --kv-cache-memory)")
-    return need[tp.rank]
+    return need
 
 
-def _free_while_no_rank_allocates(tp: TensorParallel) -> int | None:
-    """available_bytes of this rank's device, measured between two barriers at world size > 1:
-    no rank allocates while the others measure."""
+def _device_demand(tp: TensorParallel,
+                   bytes_of_rank: Callable[[int], int]) -> tuple[int, int | None, str]:
+    """-> (this rank's bytes, the bytes free on its device when the ranks sharing it need more,
+    else None (also where it cannot be told), the refusal's words on those ranks). The free
+    memory is measured between two barriers at world size > 1: no rank allocates while the
+    others measure."""
+    sharing = ranks_sharing_device(tp)
+    need = {r: bytes_of_rank(r) for r in sharing}
     if tp.world_size > 1:
         dist.barrier(group=tp.cpu_group)
     free = available_bytes(tp.device)
     if tp.world_size > 1:
         dist.barrier(group=tp.cpu_group)
-    return free
-
-
-def _shared_part(total: int, sharing: list[int], device: torch.device) -> str:
-    return f", {total / 2**30:.1f} GiB for the {len(sharing)} ranks on {device}" \
-        if len(sharing) > 1 else ""
+    total = sum(need.values())
+    if free is None or total <= free:
+        return need[tp.rank], None, ""
+    shared = (f", {total / 2**30:.1f} GiB for the {len(sharing)} ranks on {tp.device}"
+              if len(sharing) > 1 else "")
+    return need[tp.rank], free, shared
 
 
 def _own_kv_blocks(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParallel,
