@@ -133,7 +133,7 @@ def model_specs() -> list[Spec]:
              {"HEAD_DIM": 128, "SPLIT": paged_attention.SPLIT_SIZE, "BLOCK_D": 128,
               "PDL": True}, 1, 3, {"lens_ptr": "i32", "out_ptr": bf16}),
         Spec("add + RMSNorm", fused_ops._add_rms_norm_kernel,
-             {"HAS_RES": True, "BLOCK": 4096, "PDL": True}, 16, 3,
+             {"HAS_RES": True, "BLOCK": 4096, "PDL": True}, fused_ops._norm_warps(4096), 3,
              {"delta_ptr": bf16, "res_ptr": bf16, "res_out_ptr": bf16, "normed_ptr": bf16,
               "weight_ptr": bf16}),
         Spec("rotary + KV write", fused_ops._rotary_kv_kernel,
@@ -145,7 +145,7 @@ def model_specs() -> list[Spec]:
              {"BLOCK": fused_ops.SILU_BLOCK, "PDL": True}, 4, 3,
              {"gate_ptr": bf16, "up_ptr": bf16, "out_ptr": bf16}),
         Spec("token draw, chunk stats", token_draw._chunk_stats_kernel,
-             {"CHUNK": 1024}, 4, 3, {}),
+             {"CHUNK": token_draw.CHUNK}, token_draw._warps(token_draw.CHUNK), 3, {}),
     ]
 
 
