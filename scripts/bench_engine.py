@@ -68,7 +68,7 @@ def parse_args() -> argparse.Namespace:
                    help="also time one and mixed4 at these batches with the LoRA shrinks on the "
                         "main stream (lora.SIDE_STREAM off), graphs captured again; '' skips")
     p.add_argument("--lora-configs", default="",
-                   help="';'-separated LoRA kernel configs, each timed for mixed4 and many at "
+                   help="';'-separated LoRA kernel configs, each timed for one, mixed4 and many at "
                         "--lora-config-batches (and the many prefill) with graphs captured "
                         "again: shrink=BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES, "
                         "expand=BLOCK_N,BLOCK_R,WARPS and tiles=ROWS (rows per tile, a power "
@@ -590,7 +590,7 @@ def main() -> int:
             torch.cuda.empty_cache()
             with lora_configs(variant):
                 graphs = capture(model, args, args.num_adapters)
-                timed = [c for c in ("mixed4", "many") if c in adapter_cases]
+                timed = [c for c in ("one", "mixed4", "many") if c in adapter_cases]
                 bench_decode(model, graphs, floor, timed, args, blocks_per_seq,
                              batches=args.lora_config_batches, label=f" ({variant})")
                 if args.prefill and "many" in adapter_cases:

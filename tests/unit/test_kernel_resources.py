@@ -26,23 +26,23 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_reports_the_expand_at_each_config():
-    done = run("--only", "lora expand", "--expand", "64,4,2")
+    done = run("--only", "lora expand", "--expand", "64,16,2")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [LINE.match(line) for line in done.stdout.splitlines()]
     rows = [m for m in rows if m]
     # The default config and the one asked for, each with 3 tables and with 1.
     names = [m.group(5) for m in rows]
     assert len(rows) == 4, done.stdout
-    assert sum("block_r=16" in n for n in names) == 2 and sum("block_r=4," in n for n in names) == 2
+    assert sum("block_r=8," in n for n in names) == 2 and sum("block_r=16" in n for n in names) == 2
     for m in rows:
         registers, _, _, programs = (int(m.group(i)) for i in range(1, 5))
         assert 16 <= registers <= 255 and programs >= 1, m.group(0)
     by_name = {m.group(5): int(m.group(1)) for m in rows}
-    # A rank block of 4 holds a quarter of the products: fewer registers than 16.
+    # The default rank block of 8 holds half the products of 16: fewer registers.
     one_table = {n: r for n, r in by_name.items() if "1 table" in n}
-    small = next(r for n, r in one_table.items() if "block_r=4," in n)
-    default = next(r for n, r in one_table.items() if "block_r=16" in n)
-    assert small < default, done.stdout
+    default = next(r for n, r in one_table.items() if "block_r=8," in n)
+    wide = next(r for n, r in one_table.items() if "block_r=16" in n)
+    assert default < wide, done.stdout
 
 
 def test_refuses_a_config_it_cannot_read():

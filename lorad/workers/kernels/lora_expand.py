@@ -30,15 +30,24 @@ from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 @dataclass(frozen=True)
 class ExpandConfig:
     block_n: int = 64
-    block_r: int = 16  # rank chunk: adapters of rank <= 16 take one pass
+    # Rank chunk: adapters of rank <= 8 take one pass, rank 16 two. The [BLOCK_M, block_n,
+    # block_r] products a pass holds set the registers (triton 3.6, sm_90, one table: 201 at 16,
+    # 111 at 8), and so the programs a multiprocessor runs at once. On an H200 (bench_engine.py
+    # --lora-configs, 2026-12-01, one run, graph replay ms, rank 16) 8 against 16: 64 distinct
+    # adapters at batch 64 16.31 against 17.29, at batch 32 10.75 against 11.29; one adapter at
+    # batch 32 6.92 against 6.97, at 64 8.46 against 8.58; the 2 x 512 prefill with distinct
+    # adapters 45.33 against 45.68 ms; batch 1 the same. A rank chunk of 4 gained less (15.90
+    # at batch 64 distinct but 47.83 for that prefill).
+    block_r: int = 8
     # Two warps. On an H200 (scripts/bench_lora_kernels.py --sweep, graph us of a decode step's
-    # LoRA kernels) batch 64 with a distinct adapter per row took 12,523 against 14,559 with 4
-    # warps, batch 32 6,649 against 7,694, one adapter at batch 32 1,624 against 1,743; batch 1
-    # the same. One warp was faster still there (10,889 at batch 64) but slowed prompts with
-    # adapters: bench_engine's 2x512 prefill with distinct adapters took 73.0 ms against 45.9
-    # with 2 (51.0 with 4). The warps set the order of the rank sum, so one count serves all.
+    # LoRA kernels, then with block_r 16) batch 64 with a distinct adapter per row took 12,523
+    # against 14,559 with 4 warps, batch 32 6,649 against 7,694, one adapter at batch 32 1,624
+    # against 1,743; batch 1 the same. One warp was faster still there (10,889 at batch 64) but
+    # slowed prompts with adapters: bench_engine's 2x512 prefill with distinct adapters took 73.0
+    # ms against 45.9 with 2 (51.0 with 4). The warps and block_r set the order of the rank sum,
+    # so one config serves all.
     num_warps: int = 2
-    num_stages: int = 1  # the rank loop is one pass at rank <= 16: nothing to pipeline
+    num_stages: int = 1  # the rank loop is one or two passes: nothing to pipeline
 
 
 DEFAULT_CONFIG = ExpandConfig()
@@ -51,7 +60,7 @@ def _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_o
                   BLOCK_R: tl.constexpr, MAX_CHUNKS: tl.constexpr):
     # No load waits on the slot's rank: t, B, the scale and the base output are all requested
     # once the tile is known, and the rank only masks what they bring (a chain of one load
-    # instead of three). So the rank loop runs over the table's padding (one pass at rank <= 16);
+    # instead of three). So the rank loop runs over the table's padding (one pass at rank <= 8);
     # passes past the slot's rank add exact zeros, and nothing past it is used: t there was never
     # written, B is padding.
     rank = tl.load(ranks_ptr + slot)
