@@ -31,22 +31,23 @@ from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 class ExpandConfig:
     block_n: int = 64
     # Rank chunk: adapters of rank <= 8 take one pass, rank 16 two. The [BLOCK_M, block_n,
-    # block_r] products a pass holds set the registers (triton 3.6, sm_90, one table: 201 at 16,
-    # 111 at 8), and so the programs a multiprocessor runs at once. On an H200 (bench_engine.py
+    # block_r] products a pass holds set the registers (triton 3.6, sm_90, one table, two warps:
+    # 201 at 16, 111 at 8; on the one warp below, 189 at 8), and so the programs a
+    # multiprocessor runs at once (4, 9; 10). On an H200 (bench_engine.py
     # --lora-configs, 2026-12-01, one run, graph replay ms, rank 16) 8 against 16: 64 distinct
     # adapters at batch 64 16.31 against 17.29, at batch 32 10.75 against 11.29; one adapter at
     # batch 32 6.92 against 6.97, at 64 8.46 against 8.58; the 2 x 512 prefill with distinct
     # adapters 45.33 against 45.68 ms; batch 1 the same. A rank chunk of 4 gained less (15.90
     # at batch 64 distinct but 47.83 for that prefill).
     block_r: int = 8
-    # Two warps. On an H200 (scripts/bench_lora_kernels.py --sweep, graph us of a decode step's
-    # LoRA kernels, then with block_r 16) batch 64 with a distinct adapter per row took 12,523
-    # against 14,559 with 4 warps, batch 32 6,649 against 7,694, one adapter at batch 32 1,624
-    # against 1,743; batch 1 the same. One warp was faster still there (10,889 at batch 64) but
-    # slowed prompts with adapters: bench_engine's 2x512 prefill with distinct adapters took 73.0
-    # ms against 45.9 with 2 (51.0 with 4). The warps and block_r set the order of the rank sum,
-    # so one config serves all.
-    num_warps: int = 2
+    # One warp. On an H200 (bench_engine.py --lora-configs, 2026-12-01, one run, graph replay
+    # ms, rank 16, block_r 8) against two: 64 distinct adapters at batch 64 15.70 against 16.39,
+    # at 32 10.50 against 10.77; one adapter at batch 32 6.94 against 6.97, at 64 8.41 against
+    # 8.54; the 2 x 512 prefill with distinct adapters 43.34 against 45.53 ms. (With block_r 16,
+    # bench_lora_kernels.py --sweep had made two warps the choice: one slowed that prefill to
+    # 73.0 ms against 45.9.) The warps and block_r set the order of the rank sum, so one config
+    # serves prompts and decodes alike.
+    num_warps: int = 1
     num_stages: int = 1  # the rank loop is one or two passes: nothing to pipeline
 
 

@@ -46,9 +46,16 @@ def table_block_ends(sizes: Sequence[int], block: int) -> list[int]:
 @dataclass(frozen=True)
 class ShrinkConfig:
     # Ranks and inputs per work item. Decode rows are few, so ranks and K chunks give the
-    # parallelism; block_r * block_k * BLOCK_M is the product tile held in registers.
-    block_r: int = 4
-    block_k: int = 256
+    # parallelism; block_r * block_k * BLOCK_M is the product tile held in registers. 8 x 128
+    # holds as many products as the 4 x 256 before and reads each x block for twice the ranks
+    # (half the work items); it takes more registers (triton 3.6, sm_90: 167 against 128, 3
+    # programs per multiprocessor against 4), so the gain is in the reads. On an H200
+    # (bench_engine.py --lora-configs, 2026-12-01, one run, graph replay ms, rank 16, the
+    # expand's rank chunk of 8 on two warps) 64 distinct adapters at batch 64 took 15.48 against
+    # 16.39, at batch 32 10.38 against 10.77, one adapter at batch 32 6.93 against 6.97, the
+    # 2 x 512 prefill with distinct adapters 43.90 against 45.53 ms.
+    block_r: int = 8
+    block_k: int = 128
     # Inputs per chunk, a multiple of block_k: a fixed size, so a row's sums never depend on the
     # batch. Smaller means more programs but more partial sums for the expand to add.
     k_chunk: int = 512
