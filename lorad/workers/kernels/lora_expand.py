@@ -31,14 +31,14 @@ from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 class ExpandConfig:
     block_n: int = 64
     # Rank chunk: adapters of rank <= 8 take one pass, rank 16 two. The [BLOCK_M, block_n,
-    # block_r] products a pass holds set the registers (triton 3.6, sm_90, one table, two warps:
-    # 201 at 16, 111 at 8; on the one warp below, 189 at 8), and so the programs a
-    # multiprocessor runs at once (4, 9; 10). On an H200 (bench_engine.py
-    # --lora-configs, 2026-12-01, one run, graph replay ms, rank 16) 8 against 16: 64 distinct
-    # adapters at batch 64 16.31 against 17.29, at batch 32 10.75 against 11.29; one adapter at
-    # batch 32 6.92 against 6.97, at 64 8.46 against 8.58; the 2 x 512 prefill with distinct
-    # adapters 45.33 against 45.68 ms; batch 1 the same. A rank chunk of 4 gained less (15.90
-    # at batch 64 distinct but 47.83 for that prefill).
+    # block_r] products a pass holds set the registers, and so the programs a multiprocessor runs
+    # at once (triton 3.6, sm_90, one table: on two warps 201 registers and 4 programs at 16, 111
+    # and 9 at 8; on the one warp below, 189 and 10 at 8). On an H200 (bench_engine.py
+    # --lora-configs, 2026-12-01, one run, graph replay ms, rank 16, two warps) 8 against 16:
+    # 64 distinct adapters at batch 64 16.31 against 17.29, at batch 32 10.75 against 11.29; one
+    # adapter at batch 32 6.92 against 6.97, at 64 8.46 against 8.58; the 2 x 512 prefill with
+    # distinct adapters 45.33 against 45.68 ms; batch 1 the same. A rank chunk of 4 gained less
+    # (15.90 at batch 64 distinct but 47.83 for that prefill).
     block_r: int = 8
     # One warp. On an H200 (bench_engine.py --lora-configs, 2026-12-01, one run, graph replay
     # ms, rank 16, block_r 8) against two: 64 distinct adapters at batch 64 15.70 against 16.39,
