@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 from lorad.workers.kernels.lora_shrink import MAX_TABLES
 
 # The x tile's rows: a decode step of up to 32 sequences in one tile (a multiple of the MMA's 16).
@@ -287,7 +288,7 @@ def decode_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
         t, tables = lora.t, list(lora.tables)
         lora_args = [t, t.stride(0), t.stride(1), t.stride(2), t.shape[2], lora.row_slots]
     padded = tables + [GemvLoraTable(t, t, t, 0, 0)] * (MAX_TABLES - len(tables))
-    grid = (triton.cdiv(num_out, config.block_n),)
+    grid = (cdiv(num_out, config.block_n),)
     _decode_gemv_kernel[grid](
         x, w, w.stride(0), out, num_rows, num_out, num_in, *lora_args,
         *(tb.b for tb in padded), *(tb.ranks for tb in padded), *(tb.scales for tb in padded),
@@ -295,6 +296,6 @@ def decode_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
         *(tb.b.shape[-1] for tb in padded), BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=num_in % config.block_k == 0,
         NUM_STAGES=config.num_stages, NUM_TABLES=len(tables),
-        MAX_CHUNKS=triton.next_power_of_2(t.shape[2]) if tables else 1,
+        MAX_CHUNKS=next_power_of_2(t.shape[2]) if tables else 1,
         BLOCK_R=config.lora_block_r, num_warps=config.num_warps)
     return out

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 from lorad.workers.kernels.lora_shrink import MAX_TABLES, pad_tables, table_block_ends
 from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
@@ -87,7 +88,7 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: tor
     normed = torch.empty(num_rows, hidden_size, dtype=dtype, device=delta.device)
     if num_rows == 0:
         return residual_out, normed
-    block = triton.next_power_of_2(hidden_size)
+    block = next_power_of_2(hidden_size)
     _add_rms_norm_kernel[(num_rows,)](
         delta, delta.stride(0), res_arg, stride_res, residual_out, residual_out.stride(0),
         normed, normed.stride(0), weight, hidden_size, eps,
@@ -225,7 +226,7 @@ def add_rms_norm_shrink(delta: torch.Tensor, residual: torch.Tensor, weight: tor
     if num_rows == 0:
         return hidden, normed, out
     blocks_end = table_block_ends([a.shape[1] for a in a_tables], NORM_SHRINK_BLOCK_R)
-    block = triton.next_power_of_2(hidden_size)
+    block = next_power_of_2(hidden_size)
     padded = pad_tables(a_tables)
     _add_rms_norm_shrink_kernel[(num_rows, blocks_end[-1])](
         delta, delta.stride(0), residual, residual.stride(0), hidden, hidden.stride(0), normed,
@@ -350,7 +351,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_rows, n, dtype=gate.dtype, device=gate.device)
     if num_rows == 0:
         return out
-    _silu_mul_kernel[(num_rows, triton.cdiv(n, SILU_BLOCK))](
+    _silu_mul_kernel[(num_rows, cdiv(n, SILU_BLOCK))](
         gate, gate.stride(0), up, up.stride(0), out, out.stride(0), n, BLOCK=SILU_BLOCK,
         num_warps=4, **launch_options(gate.device, num_rows))
     return out

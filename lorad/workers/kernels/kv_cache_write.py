@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.launch_math import next_power_of_2
+
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
@@ -47,4 +49,4 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
         k, v, slot_mapping, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         num_heads * head_dim, head_dim,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK=triton.next_power_of_2(num_heads * head_dim), num_warps=4)
+        BLOCK=next_power_of_2(num_heads * head_dim), num_warps=4)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.launch_math import next_power_of_2
 from lorad.workers.kernels.lora_shrink import MAX_TABLES, load_tile, pad_tables, table_block_ends
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
 from lorad.workers.kernels.pdl import launch_options, wait_for_previous
@@ -176,6 +177,6 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         *(b.shape[2] for b in padded_b), blocks_end[1], blocks_end[min(2, num_tables)],
         num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, NUM_TABLES=num_tables,
         BLOCK_M=tiles.block_m, BLOCK_N=config.block_n, BLOCK_R=config.block_r,
-        MAX_CHUNKS=triton.next_power_of_2(t.shape[2]),
+        MAX_CHUNKS=next_power_of_2(t.shape[2]),
         num_warps=config.num_warps, num_stages=config.num_stages,
         **launch_options(t.device, tiles.num_rows))

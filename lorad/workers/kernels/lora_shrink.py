@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.launch_math import cdiv
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
 from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
@@ -39,7 +40,7 @@ def table_block_ends(sizes: Sequence[int], block: int) -> list[int]:
     sizes[i] being its ranks or outputs."""
     ends = [0]
     for size in sizes:
-        ends.append(ends[-1] + triton.cdiv(size, block))
+        ends.append(ends[-1] + cdiv(size, block))
     return ends
 
 
@@ -73,7 +74,7 @@ DEFAULT_CONFIG = ShrinkConfig()
 def num_k_chunks(in_features: int, config: ShrinkConfig | None = None) -> int:
     """The partial sums per row and rank that lora_shrink writes for this input width (config
     None: DEFAULT_CONFIG, read at the call)."""
-    return triton.cdiv(in_features, (config or DEFAULT_CONFIG).k_chunk)
+    return cdiv(in_features, (config or DEFAULT_CONFIG).k_chunk)
 
 
 @triton.jit

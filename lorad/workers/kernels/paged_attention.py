@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
 # Context tokens per split. Larger splits write fewer partial results (fp32 [head_dim] per query
@@ -194,13 +195,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert out.stride(1) == 1
     if num_seqs == 0:
         return out.zero_()
-    max_splits = max(1, triton.cdiv(block_tables.shape[1] * block_size, split_size))
+    max_splits = max(1, cdiv(block_tables.shape[1] * block_size, split_size))
     part_acc = torch.empty(num_seqs, num_q_heads, max_splits, head_dim, dtype=torch.float32,
                            device=q.device)
     part_max = torch.empty(num_seqs, num_q_heads, max_splits, dtype=torch.float32,
                            device=q.device)
     part_sum = torch.empty_like(part_max)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     # fp32 stays fp32 (no tf32 rounding of q and k): it is compared with the CPU path.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if split_programs is None:
@@ -212,7 +213,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         part_max.stride(0), part_max.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split_size,
-        TILE=tile_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        TILE=tile_size, BLOCK_H=max(16, next_power_of_2(group)),
         BLOCK_D=block_d, DOT_PRECISION=precision, num_warps=num_warps, num_stages=2, **pdl)
     _decode_reduce_kernel[(out.shape[0], num_q_heads)](
         part_acc, part_max, part_sum, context_lens, out,

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 from lorad.workers.kernels.paged_attention import load_kv_tile, online_softmax_step
 
 ROWS_PER_TILE = 64  # query tokens x query heads of one KV head per program
@@ -99,16 +100,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert out.shape == (num_rows, num_q_heads * head_dim) and out.stride(1) == 1
     if num_seqs == 0 or max_query_len == 0:
         return out
-    group_pad = triton.next_power_of_2(group)
+    group_pad = next_power_of_2(group)
     query_tokens = max(1, ROWS_PER_TILE // group_pad)
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, query_tokens))
+    grid = (num_seqs, num_kv_heads, cdiv(max_query_len, query_tokens))
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, query_starts, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        QUERY_TOKENS=query_tokens, TILE=tile_size, BLOCK_D=triton.next_power_of_2(head_dim),
+        QUERY_TOKENS=query_tokens, TILE=tile_size, BLOCK_D=next_power_of_2(head_dim),
         # fp32 stays fp32 (no tf32 rounding of q and k): it is compared with the CPU path.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2)

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
+
 CHUNK = 4096  # vocabulary entries per chunk: part of a row's arithmetic (interpreter checks: less)
 
 
@@ -85,7 +87,7 @@ def draw_tokens(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torc
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if not num_rows:
         return out
-    num_chunks = triton.cdiv(vocab, chunk)
+    num_chunks = cdiv(vocab, chunk)
     peaks = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     masses = torch.empty_like(peaks)
     warps = _warps(chunk)
@@ -94,7 +96,7 @@ def draw_tokens(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torc
         num_warps=warps)
     _pick_kernel[(num_rows,)](
         logits, logits.stride(0), temperatures, uniforms, peaks, masses, out, vocab, num_chunks,
-        CHUNK=chunk, CHUNKS=triton.next_power_of_2(num_chunks), num_warps=warps)
+        CHUNK=chunk, CHUNKS=next_power_of_2(num_chunks), num_warps=warps)
     return out
 
 
@@ -118,6 +120,6 @@ def cumulative_sum(x: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     assert x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
     out = torch.empty_like(x)
     if x.numel():
-        _cumulative_sum_kernel[(x.shape[0], triton.cdiv(x.shape[1], chunk))](
+        _cumulative_sum_kernel[(x.shape[0], cdiv(x.shape[1], chunk))](
             x, out, x.shape[1], CHUNK=chunk, num_warps=_warps(chunk))
     return out
