@@ -16,4 +16,5 @@ def cdiv(x: int, y: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n, for n >= 1."""
+    assert n >= 1, f"next_power_of_2({n})"  # triton's gives 0 for 0; no launch asks for that
     return 1 << (n - 1).bit_length()
