@@ -9,12 +9,14 @@
 # triton, transformers, peft...), and lorad is used from the checkout through PYTHONPATH.
 # Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, bench-sampler.log,
 # sampler-profile.log, bench-gemv.log, bench-gemv-lora.log, bench-norm-shrink.log, profile.log,
-# bench.log, bench.md).
+# graph-profile.log and traces/, bench.log, bench.md).
 # Time limits: tests 320 s and the sampler's unit tests 60 s, the LoRA kernels 120 s, attention
 # and the sampler 60 s each, the sampler's profile 45 s (LORAD_SESSION_MICRO=0 skips these
 # four), the GEMV sweep 75 s (LORAD_SESSION_GEMV=0 skips it), the fused-LoRA kernels'
 # benchmarks 120 s (LORAD_SESSION_FUSED=0 skips them), the decode profile 90 s
-# (LORAD_SESSION_PROFILE=0 skips it), the engine 210 s. LORAD_SESSION_QUICK=1 makes the engine
+# (LORAD_SESSION_PROFILE=0 skips it), the graph replays' timeline 150 s (off unless
+# LORAD_SESSION_GRAPH_PROFILE=1), the engine 210 s (LORAD_SESSION_ENGINE=0 skips it; so does
+# LORAD_SESSION_TESTS=0 the tests). LORAD_SESSION_QUICK=1 makes the engine
 # benchmark shorter (--quick); LORAD_SESSION_ENGINE_ARGS, LORAD_SESSION_LORA_ARGS and
 # LORAD_SESSION_ATTENTION_ARGS pass more options to the engine, LoRA and attention benchmarks.
 # Everything on is more than 10 minutes: switch parts off to fit.
@@ -54,16 +56,19 @@ print(f"cuda available: {torch.cuda.is_available()}, devices: {torch.cuda.device
       f"torch cuda {torch.version.cuda}")
 EOF
 
-say "gpu tests"
-timeout -k 10 320 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" \
-  -rfE --durations=8 2>&1 | tee "$OUT/gpu-tests.log"
-tests_status=${PIPESTATUS[0]}
-# CPU tests that depend on the torch version: the sampler's uniforms come from torch's CPU
-# generator in blocks, which must give single draws' values on this image's torch too.
-timeout -k 10 60 python3 -m pytest tests/unit/test_sampler.py -q -p no:cacheprovider \
-  -o addopts="" -rfE 2>&1 | tee -a "$OUT/gpu-tests.log"
-unit_status=${PIPESTATUS[0]}
-(( tests_status == 0 )) && tests_status=$unit_status
+tests_status=skipped
+if [[ ${LORAD_SESSION_TESTS:-1} == 1 ]]; then  # LORAD_SESSION_TESTS=0 skips the tests
+  say "gpu tests"
+  timeout -k 10 320 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" \
+    -rfE --durations=8 2>&1 | tee "$OUT/gpu-tests.log"
+  tests_status=${PIPESTATUS[0]}
+  # CPU tests that depend on the torch version: the sampler's uniforms come from torch's CPU
+  # generator in blocks, which must give single draws' values on this image's torch too.
+  timeout -k 10 60 python3 -m pytest tests/unit/test_sampler.py -q -p no:cacheprovider \
+    -o addopts="" -rfE 2>&1 | tee -a "$OUT/gpu-tests.log"
+  unit_status=${PIPESTATUS[0]}
+  (( tests_status == 0 )) && tests_status=$unit_status
+fi
 
 run_bench() {  # log name, timeout s, script[, its arguments]: a micro-benchmark or profile
   local log=$1 limit=$2
@@ -94,28 +99,38 @@ if [[ ${LORAD_SESSION_FUSED:-1} == 1 ]]; then
   run_bench bench-norm-shrink.log 45 bench_norm_shrink.py
 fi
 [[ ${LORAD_SESSION_PROFILE:-1} == 1 ]] && run_bench profile.log 90 profile_decode.py
+# Graph replays on a timeline (LORAD_SESSION_GRAPH_PROFILE=1 runs it; LORAD_SESSION_GRAPH_ARGS
+# passes options, e.g. "--cases base:1,one:32"); each case's kernels land in $OUT/traces.
+if [[ ${LORAD_SESSION_GRAPH_PROFILE:-0} == 1 ]]; then
+  read -ra graph_args <<<"${LORAD_SESSION_GRAPH_ARGS:-}"
+  run_bench graph-profile.log 150 profile_graph.py --trace-out "$OUT/traces" "${graph_args[@]}"
+fi
 
-say "engine benchmark"
-quick=()
-[[ ${LORAD_SESSION_QUICK:-0} == 1 ]] && quick=(--quick)
-read -ra extra <<<"${LORAD_SESSION_ENGINE_ARGS:-}"
-timeout -k 10 210 python3 scripts/bench_engine.py "${quick[@]}" "${extra[@]}" \
-  --table-out "$OUT/bench.md" \
-  2>&1 | tee "$OUT/bench.log"
-bench_status=${PIPESTATUS[0]}
+bench_status=skipped
+if [[ ${LORAD_SESSION_ENGINE:-1} == 1 ]]; then  # LORAD_SESSION_ENGINE=0 skips it
+  say "engine benchmark"
+  quick=()
+  [[ ${LORAD_SESSION_QUICK:-0} == 1 ]] && quick=(--quick)
+  read -ra extra <<<"${LORAD_SESSION_ENGINE_ARGS:-}"
+  timeout -k 10 210 python3 scripts/bench_engine.py "${quick[@]}" "${extra[@]}" \
+    --table-out "$OUT/bench.md" \
+    2>&1 | tee "$OUT/bench.log"
+  bench_status=${PIPESTATUS[0]}
+fi
 
 say "summary"
 echo "--- gpu tests (exit $tests_status; 124 = timed out): $OUT/gpu-tests.log"
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)\b" "$OUT/gpu-tests.log" | tail -n 25
 for log in "$OUT/bench-lora.log" "$OUT/bench-attention.log" "$OUT/bench-sampler.log" \
     "$OUT/sampler-profile.log" "$OUT/bench-gemv.log" \
-    "$OUT/bench-gemv-lora.log" "$OUT/bench-norm-shrink.log" "$OUT/profile.log"; do
+    "$OUT/bench-gemv-lora.log" "$OUT/bench-norm-shrink.log" "$OUT/profile.log" \
+    "$OUT/graph-profile.log"; do
   [[ -f $log ]] && { echo "--- $(basename "$log")"; grep -vE "^\s*$" "$log" | tail -n 30; }
 done
 echo "--- engine benchmark (exit $bench_status; 124 = timed out)"
 if [[ -s $OUT/bench.md ]]; then
   cat "$OUT/bench.md"
-else
+elif [[ -f $OUT/bench.log ]]; then
   tail -n 40 "$OUT/bench.log"
 fi
 echo "--- whole session: $((SECONDS - started)) s"
