@@ -67,6 +67,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--serial-shrink", type=ints, default=[32],
                    help="also time one and mixed4 at these batches with the LoRA shrinks on the "
                         "main stream (lora.SIDE_STREAM off), graphs captured again; '' skips")
+    p.add_argument("--shrink-first", type=ints, default=[],
+                   help="also time one, mixed4 and many at these batches with each LoRA shrink "
+                        "launched before the base matmul beside it (lora.MATMUL_FIRST off), "
+                        "graphs captured again")
     p.add_argument("--lora-configs", default="",
                    help="';'-separated LoRA kernel configs, each timed for one, mixed4 and many at "
                         "--lora-config-batches (and the many prefill) with graphs captured "
@@ -585,6 +589,16 @@ def main() -> int:
                          batches=args.serial_shrink, label=" (serial shrink)")
             lora_module.SIDE_STREAM = True
             del graphs
+        first = [c for c in ("one", "mixed4", "many") if c in adapter_cases]
+        if args.shrink_first and first:
+            gc.collect()
+            torch.cuda.empty_cache()
+            lora_module.MATMUL_FIRST = False
+            graphs = capture(model, args, args.num_adapters)
+            bench_decode(model, graphs, floor, first, args, blocks_per_seq,
+                         batches=args.shrink_first, label=" (shrink first)")
+            lora_module.MATMUL_FIRST = True
+            del graphs
         for variant in [v for v in args.lora_configs.split(";") if v]:
             gc.collect()
             torch.cuda.empty_cache()
@@ -633,7 +647,8 @@ def main() -> int:
         f"cases: base = no adapter loaded; idle = {args.num_adapters} adapters loaded, rows on "
         f"slot 0; one = adapter 1 on every row; mixed4 = row i on adapter 1 + i % 4; many = row "
         f"i on adapter 1 + i % {args.num_adapters}; (serial shrink) = LoRA shrinks on the main "
-        f"stream instead of a side stream; (shrink=..., expand=...) = --lora-configs' tile "
+        f"stream instead of a side stream; (shrink first) = each LoRA shrink launched before "
+        f"the base matmul beside it; (shrink=..., expand=...) = --lora-configs' tile "
         f"configs; (N/SM) = the LoRA kernels' grids at N programs per "
         f"SM (default {lora_tiles.PROGRAMS_PER_SM}); rank {args.rank} on all 7 projections, fp32 "
         f"tables",

@@ -59,7 +59,9 @@ EOF
 tests_status=skipped
 if [[ ${LORAD_SESSION_TESTS:-1} == 1 ]]; then  # LORAD_SESSION_TESTS=0 skips the tests
   say "gpu tests"
-  timeout -k 10 320 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" \
+  # LORAD_SESSION_TEST_ARGS: the tests to run (default tests/gpu), e.g. one file or -k EXPR.
+  read -ra test_args <<<"${LORAD_SESSION_TEST_ARGS:-tests/gpu}"
+  timeout -k 10 320 python3 -m pytest -m gpu "${test_args[@]}" -q -p no:cacheprovider -o addopts="" \
     -rfE --durations=8 2>&1 | tee "$OUT/gpu-tests.log"
   tests_status=${PIPESTATUS[0]}
   # CPU tests that depend on the torch version: the sampler's uniforms come from torch's CPU

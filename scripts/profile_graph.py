@@ -33,7 +33,7 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 def kind_of(name: str) -> str:
     """A kernel's kind, from its name: the Triton kernels by their function, cuBLAS's by role."""
     lowered = name.lower()
-    if "splitk" in lowered:
+    if "splitkreduce" in lowered:
         return "matmul_reduce"
     if any(key in lowered for key in ("gemm", "nvjet", "xmma", "cutlass", "gemv")):
         return "matmul"

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorad.workers.lora import LoraRows, LoraSlots, PendingShrink, start_shrink
+from lorad.workers.lora import LoraRows, LoraSlots, PendingShrink, matmul_and_shrink
 from lorad.workers.parallel import TensorParallel
 
 
@@ -30,8 +30,8 @@ def fused_projection(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int]
     gate/up): x weight^T in one matmul, split into the projections' outputs (column slices of
     one tensor), each with its LoRA delta. One shrink for them all runs beside the matmul (a side
     stream), one expand after it adds into the slices in place."""
-    pending = start_shrink(loras, x, lora_rows)
-    outs = list(F.linear(x, weight).split(sizes, dim=1))
+    out, pending = matmul_and_shrink(loras, x, lora_rows, lambda: F.linear(x, weight))
+    outs = list(out.split(sizes, dim=1))
     return outs if pending is None else pending.expand_into(outs)
 
 
@@ -119,14 +119,16 @@ class RowParallelLinear(nn.Module):
         fp32 sum itself (its fp32-output kernels split K and add the parts in another kernel);
         the LoRA delta is then added as peft adds it, to the rounded base output, with one more
         rounding."""
+        rounded = x.is_cuda and self.tp.world_size == 1 and x.dtype != torch.float32
+        if rounded:  # [num_rows, out_features], the model dtype
+            matmul = lambda: F.linear(x, self.weight)  # noqa: E731
+        else:  # [num_rows, out_features] float32
+            matmul = lambda: self._partial_fp32(x)  # noqa: E731
         # On the kernel path the shrink runs beside the matmul (a side stream); None otherwise.
-        pending = None if self.lora is None else start_shrink([self.lora], x, lora_rows)
-        if x.is_cuda and self.tp.world_size == 1 and x.dtype != torch.float32:
-            out = F.linear(x, self.weight)  # [num_rows, out_features], the model dtype
-            return self._plus_delta(out, x, lora_rows, pending)
-        partial = self._partial_fp32(x)  # [num_rows, out_features] float32
+        out, pending = matmul_and_shrink([self.lora], x, lora_rows, matmul)
+        out = self._plus_delta(out, x, lora_rows, pending)
         # The delta in fp32, before the reduce.
-        return self.tp.all_reduce(self._plus_delta(partial, x, lora_rows, pending))
+        return out if rounded else self.tp.all_reduce(out)
 
     def _plus_delta(self, out: torch.Tensor, x: torch.Tensor, lora_rows: LoraRows | None,
                     pending: PendingShrink | None) -> torch.Tensor:

@@ -11,7 +11,7 @@ which give each row a fixed order of fp32 sums (cuBLAS would pick kernels by bat
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -186,6 +186,15 @@ class PendingShrink:
 # Shrinks run on a side stream on CUDA, beside the base matmul they do not depend on (False: on
 # the current stream, one after the other; scripts/bench_engine.py compares the two).
 SIDE_STREAM = True
+# The base matmul goes to the GPU before the shrink beside it (False: the shrink first, as before
+# 2026-12-01; bench_engine.py --shrink-first compares the two). In a graph replay on an H200
+# (profile_graph.py) a shrink launched first spread its persistent grid over every SM, and the
+# matmul beside it started only as the shrink drained: 5 us after it at q/k/v with one adapter
+# at batch 32, 41 us with 64 distinct adapters at batch 64. Launched after it, in the same run
+# (bench_engine.py, 2026-12-01, graph replay ms, new against old): one adapter at batch 32 6.60
+# against 6.90, at 64 8.08 against 8.36; four mixed at 32 6.65 against 6.94; 64 distinct at 64
+# 14.64 against 14.80.
+MATMUL_FIRST = True
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -203,25 +212,38 @@ def start_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor,
     """Launch the shrink of the projections that share the input x, on the kernel path; None
     when none of them gets a delta this step (or on the torch path, which adds its deltas in
     add_lora_deltas). The caller finishes with expand_into."""
-    if rows is None or rows.tiles is None:
-        return None
-    edited = tuple(i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora))
+    return matmul_and_shrink(loras, x, rows, None)[1]
+
+
+def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: LoraRows | None,
+                      matmul: Callable[[], torch.Tensor] | None
+                      ) -> tuple[torch.Tensor | None, PendingShrink | None]:
+    """(matmul(), the pending shrink of the projections that share the input x): the base
+    product (None without a matmul) and, on the kernel path, the LoRA shrink launched beside it
+    on the side stream (None when none of the projections gets a delta this step, or on the
+    torch path, which adds its deltas in add_lora_deltas). The caller finishes with
+    expand_into."""
+    edited = () if rows is None or rows.tiles is None else tuple(
+        i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora))
     if not edited:
-        return None
+        return (None if matmul is None else matmul()), None
     # Lazily: the CPU never imports triton.
     from lorad.workers.kernels.lora_shrink import MAX_TABLES, lora_shrink
     assert len(edited) <= MAX_TABLES, f"at most {MAX_TABLES} projections share an input"
     tables = [loras[i] for i in edited]
     side = _side_stream(x.device)
     if side is not None:
-        # Forked from the current stream (x is ready there), joined in wait(). t, allocated on
-        # the side stream, can be reused only by a later shrink there, which is forked after
-        # the expand that reads t.
+        # Forked from the current stream here, where x is ready and the matmul not yet queued,
+        # joined in wait(). t, allocated on the side stream, can be reused only by a later
+        # shrink there, which is forked after the expand that reads t.
         side.wait_stream(torch.cuda.current_stream())
+    out = matmul() if matmul is not None and MATMUL_FIRST else None
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         t = lora_shrink(x, [lora.lora_a for lora in tables],
                         [lora.rank_table for lora in tables], rows.tiles)
-    return PendingShrink(tuple(loras), t, edited, rows.tiles, side)
+    if matmul is not None and not MATMUL_FIRST:
+        out = matmul()
+    return out, PendingShrink(tuple(loras), t, edited, rows.tiles, side)
 
 
 def add_lora_deltas(loras: Sequence[LoraSlots | None], outs: Sequence[torch.Tensor],
