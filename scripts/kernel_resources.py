@@ -57,7 +57,8 @@ def signature(spec: Spec) -> tuple[dict, dict]:
     specializes them at launch, except the arguments the kernel keeps unspecialized."""
     fn = spec.fn
     unspecialized = {fn.arg_names[i] if isinstance(i, int) else i
-                     for i in getattr(fn, "do_not_specialize", ())}
+                     for attr in ("do_not_specialize", "do_not_specialize_on_alignment")
+                     for i in getattr(fn, attr, ())}
     sig, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in spec.constexprs:
@@ -113,14 +114,19 @@ def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
             specs.append(Spec(
                 f"lora expand, {tables} table(s), {config}", lora_expand._expand_kernel,
                 {"NUM_TABLES": tables, "BLOCK_M": block_m, "BLOCK_N": config.block_n,
-                 "BLOCK_R": config.block_r, "MAX_CHUNKS": 8, "PDL": True},
-                config.num_warps, config.num_stages, lora_types))
+                 "BLOCK_R": config.block_r, "MAX_CHUNKS": 8, "DELTA": True, "PDL": True},
+                config.num_warps, config.num_stages,
+                # The model's way: fp32 delta buffers (lora.LoraDelta).
+                {**lora_types, **{f"out{i}_ptr": "fp32" for i in range(3)}}))
     return specs
 
 
 def model_specs() -> list[Spec]:
     """The decode step's other kernels at the 8B shape."""
     bf16 = "bf16"
+    # With every LoRA delta added, as the model launches them with adapters loaded.
+    lora = {"row_slots_ptr": "i64", **{f"{name}_ranks_ptr": "i32"
+                                       for name in ("lora", "lq", "lk", "lv", "lg", "lu")}}
     return [
         Spec("decode attention, split", paged_attention._decode_split_kernel,
              {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "SPLIT": paged_attention.SPLIT_SIZE,
@@ -133,17 +139,18 @@ def model_specs() -> list[Spec]:
              {"HEAD_DIM": 128, "SPLIT": paged_attention.SPLIT_SIZE, "BLOCK_D": 128,
               "PDL": True}, 1, 3, {"lens_ptr": "i32", "out_ptr": bf16}),
         Spec("add + RMSNorm", fused_ops._add_rms_norm_kernel,
-             {"HAS_RES": True, "BLOCK": 4096, "PDL": True}, fused_ops._norm_warps(4096), 3,
+             {"HAS_RES": True, "HAS_LORA": True, "BLOCK": 4096, "PDL": True},
+             fused_ops._norm_warps(4096), 3,
              {"delta_ptr": bf16, "res_ptr": bf16, "res_out_ptr": bf16, "normed_ptr": bf16,
-              "weight_ptr": bf16}),
+              "weight_ptr": bf16, **lora}),
         Spec("rotary + KV write", fused_ops._rotary_kv_kernel,
-             {"HEAD_DIM": 128, "PDL": True}, 1, 3,
+             {"HEAD_DIM": 128, "HAS_LQ": True, "HAS_LK": True, "HAS_LV": True, "PDL": True}, 1, 3,
              {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "q_out_ptr": bf16,
               "positions_ptr": "i64", "slots_ptr": "i64", "k_cache_ptr": bf16,
-              "v_cache_ptr": bf16}),
+              "v_cache_ptr": bf16, **lora}),
         Spec("silu * up", fused_ops._silu_mul_kernel,
-             {"BLOCK": fused_ops.SILU_BLOCK, "PDL": True}, 4, 3,
-             {"gate_ptr": bf16, "up_ptr": bf16, "out_ptr": bf16}),
+             {"BLOCK": fused_ops.SILU_BLOCK, "HAS_LG": True, "HAS_LU": True, "PDL": True}, 4, 3,
+             {"gate_ptr": bf16, "up_ptr": bf16, "out_ptr": bf16, **lora}),
         Spec("token draw, chunk stats", token_draw._chunk_stats_kernel,
              {"CHUNK": token_draw.CHUNK}, token_draw._warps(token_draw.CHUNK), 3, {}),
     ]

@@ -220,6 +220,88 @@ def check_rotary_write_kv(device: str, dtype: torch.dtype = torch.bfloat16,
             raise AssertionError(f"rotary_write_kv {dtype}: the {part} cache differs")
 
 
+def _lora_delta(gen: torch.Generator, out: torch.Tensor, row_slots: torch.Tensor,
+                ranks: list[int]):
+    """A LoraDelta for `out`: random fp32 deltas on the rows whose slot has a rank, NaN (never
+    to be read into a result) on every other row."""
+    from lorad.workers.lora import LoraDelta
+    ranks_t = torch.tensor(ranks, dtype=torch.int32, device=out.device)
+    delta = _rand(gen, *out.shape, dtype=torch.float32, device=str(out.device), scale=0.5)
+    delta[ranks_t[row_slots] == 0] = POISON
+    return LoraDelta(delta, ranks_t, row_slots)
+
+
+def check_lora_deltas_added(device: str, dtype: torch.dtype = torch.bfloat16, hidden: int = 48,
+                            n: int = 2500, num_q_heads: int = 6, num_kv_heads: int = 2,
+                            head_dim: int = 16) -> None:
+    """add_rms_norm, silu_and_mul and rotary_write_kv given LoRA deltas (LoraDelta) equal the
+    same kernels run on inputs with the deltas added by LoraDelta.apply_reference (`(out.float()
+    + delta).to(dtype)` on edited rows), bit for bit; rows of slot 0, of a slot the table does
+    not edit (rank 0) and padding never read their (NaN) deltas; a table without a delta (None)
+    beside one with leaves its input as it is."""
+    from lorad.workers.kernels.fused_ops import add_rms_norm, rotary_write_kv, silu_and_mul
+    from lorad.workers.kv_cache import PagedKVCache
+    from lorad.workers.rotary import RotaryEmbedding
+    gen = torch.Generator().manual_seed(13)
+    # Rows on slots 0..3 and a padding row (slot 0); slot 2 leaves the second table unedited.
+    row_slots = torch.tensor([1, 0, 2, 3, 1, 2, 0], dtype=torch.int64, device=device)
+    num_rows = row_slots.shape[0]
+    first, second = [0, 4, 16, 2], [0, 8, 0, 5]
+
+    def same(where: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        got, want = got.cpu(), want.cpu()
+        if not torch.equal(got, want):
+            bad = int((got != want).flatten(1).any(1).sum()) if got.dim() > 1 else -1
+            raise AssertionError(f"{where} {dtype}: differs from the deltas added first "
+                                 f"({bad} rows; it must be bit-equal)")
+
+    weight = _rand(gen, hidden, dtype=dtype, device=device)
+    out = _rand(gen, num_rows, hidden, dtype=dtype, device=device, scale=3.0)
+    residual = _rand(gen, num_rows, hidden, dtype=dtype, device=device)
+    lora = _lora_delta(gen, out, row_slots, first)
+    if torch.equal(lora.apply_reference(out).cpu(), out.cpu()):
+        raise AssertionError("the deltas change nothing: this check could not fail")
+    got_hidden, got_normed = add_rms_norm(out, residual.clone(), weight, 1e-5, lora)
+    want_hidden, want_normed = add_rms_norm(lora.apply_reference(out), residual.clone(), weight,
+                                            1e-5)
+    same("add_rms_norm hidden", got_hidden, want_hidden)
+    same("add_rms_norm normed", got_normed, want_normed)
+
+    gate_up = _rand(gen, num_rows, 2 * n, dtype=dtype, device=device, scale=4.0)
+    gate, up = gate_up.chunk(2, dim=1)
+    for pair in ((first, second), (first, None), (None, second)):
+        loras = [None if r is None else _lora_delta(gen, g, row_slots, r)
+                 for r, g in zip(pair, (gate, up))]
+        want = silu_and_mul(*(x if d is None else d.apply_reference(x)
+                              for x, d in zip((gate, up), loras)))
+        same(f"silu_and_mul ({'gate' if pair[0] else ''} {'up' if pair[1] else ''})",
+             silu_and_mul(gate, up, loras), want)
+
+    rotary = RotaryEmbedding(head_dim, 10000.0, None, 256, dtype, torch.device(device))
+    positions = torch.tensor([0, 5, 17, 255, 100, 3, 0], device=device)
+    slots = torch.tensor([9, 2, 40, 63, 0, 17, -1], device=device)  # the last row pads
+    nq, nkv = num_q_heads * head_dim, num_kv_heads * head_dim
+    qkv = _rand(gen, num_rows, nq + 2 * nkv, dtype=dtype, device=device)
+    q, k, v = qkv.split((nq, nkv, nkv), dim=1)
+    for ranks in ((first, second, first), (None, second, None), (first, None, second)):
+        loras = [None if r is None else _lora_delta(gen, x, row_slots, r)
+                 for r, x in zip(ranks, (q, k, v))]
+        added = [x if d is None else d.apply_reference(x) for x, d in zip((q, k, v), loras)]
+        results = []
+        for inputs, given in ((added, (None, None, None)), ((q, k, v), loras)):
+            cache = PagedKVCache(16, 4, num_kv_heads, head_dim, dtype, torch.device(device))
+            cache.k.fill_(POISON)
+            cache.v.fill_(POISON)
+            got_q = rotary_write_kv(*inputs, positions, rotary.cos_table, rotary.sin_table,
+                                    slots, cache.k, cache.v, num_q_heads, head_dim, given)
+            results.append((got_q, cache.k.cpu(), cache.v.cpu()))
+        where = f"rotary_write_kv (deltas for {[r is not None for r in ranks]})"
+        same(f"{where} q", results[1][0], results[0][0])
+        for part, a, b in (("k", results[1][1], results[0][1]), ("v", results[1][2], results[0][2])):
+            if not torch.allclose(a, b, rtol=0, atol=0, equal_nan=True):
+                raise AssertionError(f"{where} {dtype}: the {part} cache differs")
+
+
 CHECKS = {
     "add_rms_norm_bf16": (check_add_rms_norm, dict(dtype=torch.bfloat16)),
     "add_rms_norm_fp32": (check_add_rms_norm, dict(dtype=torch.float32)),
@@ -238,6 +320,8 @@ CHECKS = {
     "silu_and_mul_fp32": (check_silu_and_mul, dict(dtype=torch.float32)),
     "rotary_write_kv_bf16": (check_rotary_write_kv, dict(dtype=torch.bfloat16)),
     "rotary_write_kv_fp32": (check_rotary_write_kv, dict(dtype=torch.float32)),
+    "lora_deltas_added_bf16": (check_lora_deltas_added, dict(dtype=torch.bfloat16)),
+    "lora_deltas_added_fp32": (check_lora_deltas_added, dict(dtype=torch.float32)),
 }
 
 

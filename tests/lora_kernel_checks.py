@@ -85,7 +85,7 @@ def mixed_slots(num_rows: int, num_slots: int, gen: torch.Generator) -> torch.Te
 
 def run_kernels(x: torch.Tensor, outs: list[torch.Tensor], tables: Tables, row_slots: torch.Tensor,
                 max_tiles: int | None = None, num_programs: int | None = None,
-                t: torch.Tensor | None = None) -> torch.Tensor:
+                t: torch.Tensor | None = None, deltas: bool = False) -> torch.Tensor:
     from lorad.workers.kernels.lora_expand import lora_expand
     from lorad.workers.kernels.lora_shrink import lora_shrink
     from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
@@ -94,7 +94,8 @@ def run_kernels(x: torch.Tensor, outs: list[torch.Tensor], tables: Tables, row_s
         max_tiles = count_tiles(int(c) for c in counts)
     tiles = LoraTiles.build(row_slots, max_tiles)
     t = lora_shrink(x, tables.a, tables.ranks, tiles, out=t, num_programs=num_programs)
-    lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles, num_programs=num_programs)
+    lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles, num_programs=num_programs,
+                deltas=deltas)
     return t
 
 
@@ -117,7 +118,8 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rel: float = 
 def check_matches_reference(device: str, shape: Shape, x_dtype: torch.dtype,
                             batch_sizes: tuple[int, ...], num_programs: int | None = None,
                             seed: int = 0) -> None:
-    """Edited rows equal the reference; every other element of t and out keeps its poison."""
+    """Edited rows equal the reference; every other element of t and out keeps its poison. The
+    same with the expand writing the deltas alone (deltas=True) into fp32 buffers."""
     from lorad.workers.kernels.lora_reference import lora_delta_reference, lora_shrink_reference
     gen = torch.Generator().manual_seed(seed)
     tables = make_tables(shape, gen, device)
@@ -147,6 +149,17 @@ def check_matches_reference(device: str, shape: Shape, x_dtype: torch.dtype,
             if not torch.equal(out[~edited], old[~edited]):
                 raise AssertionError(f"{where}: a row of slot 0 or of an unedited slot changed")
             assert_close(f"{where}: out", out[edited], want[i][edited])
+        buffers = [torch.full((num_rows, n), float("nan"), device=device)
+                   for n in shape.out_features]
+        run_kernels(x, buffers, tables, row_slots, num_programs=num_programs, deltas=True)
+        want = lora_delta_reference(x, [torch.zeros_like(b) for b in buffers], tables.a,
+                                    tables.b, tables.ranks, tables.scales, row_slots)
+        for i, (buffer, ranks) in enumerate(zip(buffers, tables.ranks)):
+            where = f"{num_rows} rows, table {i}, deltas alone"
+            edited = ranks[row_slots] != 0
+            if not buffer[~edited].isnan().all():
+                raise AssertionError(f"{where}: a row of slot 0 or of an unedited slot written")
+            assert_close(where, buffer[edited], want[i][edited])
 
 
 def check_rows_independent_of_batch(device: str, shape: Shape, x_dtype: torch.dtype,

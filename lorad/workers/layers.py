@@ -13,6 +13,7 @@ from torch import nn
 
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.linear import load_replicated
+from lorad.workers.lora import LoraDelta
 
 
 class RMSNorm(nn.Module):
@@ -35,25 +36,30 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(input_dtype)
 
-    def add_and_norm(self, delta: torch.Tensor,
-                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, delta: torch.Tensor, residual: torch.Tensor | None,
+                     lora: LoraDelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden, normed): the residual stream with a layer's output added in the model
         dtype (`residual + delta.to(dtype)`, or delta alone when residual is None), and its norm.
         delta: [num_rows, hidden_size], fp32 (a row-parallel sum) or the model dtype. On CUDA
-        the residual is updated in place."""
+        the residual is updated in place. lora (the kernel path only): delta's LoRA delta, added
+        to it first."""
         if kernel_path(delta.device):
             from lorad.workers.kernels.fused_ops import add_rms_norm
-            return add_rms_norm(delta, residual, self.weight, self.eps)
+            return add_rms_norm(delta, residual, self.weight, self.eps, lora)
+        assert lora is None, "LoRA deltas are left to the next kernel on the kernel path only"
         dtype = self.weight.dtype
         hidden = delta.to(dtype) if residual is None else residual + delta.to(dtype)
         return hidden, self(hidden)
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, with silu in fp32 as x / (1 + exp(-x))."""
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor,
+                 loras: tuple[LoraDelta | None, LoraDelta | None] = (None, None)) -> torch.Tensor:
+    """silu(gate) * up, with silu in fp32 as x / (1 + exp(-x)); loras (the kernel path only):
+    gate's and up's LoRA deltas, added to them first."""
     if kernel_path(gate.device):
         from lorad.workers.kernels.fused_ops import silu_and_mul as fused_silu_and_mul
-        return fused_silu_and_mul(gate, up)
+        return fused_silu_and_mul(gate, up, loras)
+    assert all(lora is None for lora in loras), "LoRA deltas are left to kernels on the kernel path"
     # On the CPU, F.silu (fp32) takes a scalar path for a tensor's last few elements that gives
     # other bits than its vector path, so a row's result would depend on the batch's length.
     # exp, add and divide give the same bits on both paths (measured, torch 2.13).

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorad.workers.lora import LoraRows, LoraSlots, PendingShrink, matmul_and_shrink
+from lorad.workers.lora import (LoraDelta, LoraRows, LoraSlots, PendingShrink, matmul_and_shrink,
+                                matmul_with_deltas)
 from lorad.workers.parallel import TensorParallel
 
 
@@ -23,16 +24,15 @@ def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ..
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(got)}, expected {want}")
 
 
-def fused_projection(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int],
-                     loras: Sequence[LoraSlots | None],
-                     lora_rows: LoraRows | None) -> list[torch.Tensor]:
+def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int],
+                           loras: Sequence[LoraSlots | None], lora_rows: LoraRows | None
+                           ) -> tuple[list[torch.Tensor], tuple[LoraDelta | None, ...]]:
     """The kernel path's product of projections whose weights are rows of one matrix (q/k/v,
     gate/up): x weight^T in one matmul, split into the projections' outputs (column slices of
-    one tensor), each with its LoRA delta. One shrink for them all runs beside the matmul (a side
-    stream), one expand after it adds into the slices in place."""
-    out, pending = matmul_and_shrink(loras, x, lora_rows, lambda: F.linear(x, weight))
-    outs = list(out.split(sizes, dim=1))
-    return outs if pending is None else pending.expand_into(outs)
+    one tensor), and each one's LoraDelta or None for the kernel that reads them next to add.
+    One shrink and one expand for them all run beside the matmul (a side stream)."""
+    out, deltas = matmul_with_deltas(loras, x, lora_rows, lambda: F.linear(x, weight))
+    return list(out.split(sizes, dim=1)), deltas
 
 
 def load_replicated(param: nn.Parameter, name: str, tensor_slice) -> None:
@@ -129,6 +129,19 @@ class RowParallelLinear(nn.Module):
         out = self._plus_delta(out, x, lora_rows, pending)
         # The delta in fp32, before the reduce.
         return out if rounded else self.tp.all_reduce(out)
+
+    def forward_with_delta(self, x: torch.Tensor, lora_rows: LoraRows | None
+                           ) -> tuple[torch.Tensor, LoraDelta | None]:
+        """forward(), but where the output is rounded to the model dtype here (CUDA, world size
+        1) and the LoRA kernels run, with the delta left to the next kernel: (the base output,
+        its LoraDelta or None). Otherwise (forward(x, lora_rows), None)."""
+        kernels = lora_rows is not None and lora_rows.tiles is not None
+        if not (kernels and self.lora is not None and x.is_cuda and self.tp.world_size == 1
+                and x.dtype != torch.float32):
+            return self.forward(x, lora_rows), None
+        out, deltas = matmul_with_deltas([self.lora], x, lora_rows,
+                                         lambda: F.linear(x, self.weight))
+        return out, deltas[0]
 
     def _plus_delta(self, out: torch.Tensor, x: torch.Tensor, lora_rows: LoraRows | None,
                     pending: PendingShrink | None) -> torch.Tensor:

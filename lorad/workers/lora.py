@@ -41,6 +41,7 @@ class LoraRows:
     # Kernel path in a CUDA graph: launch for every edited projection whatever `slots` says
     # (replays serve other mixtures); rows of slot 0 then exit inside the kernels.
     launch_always: bool = False
+    row_slots: torch.Tensor | None = None  # kernel path: [num_rows] int64, each row's slot
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch, launch_always: bool = False,
@@ -62,7 +63,7 @@ class LoraRows:
             else:
                 max_tiles = count_tiles(len(rows[slot]) for slot in slots)
             tiles = LoraTiles.build(batch.row_adapter_slots, max_tiles) if max_tiles else None
-            return cls(slots, [], tiles, launch_always)
+            return cls(slots, [], tiles, launch_always, batch.row_adapter_slots)
         if launch_always:
             raise ValueError("launch_always is for the kernel path (CUDA graphs)")
         return cls(slots, [(slot, torch.tensor(rows[slot], dtype=torch.int64, device=device))
@@ -244,6 +245,67 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
     if matmul is not None and not MATMUL_FIRST:
         out = matmul()
     return out, PendingShrink(tuple(loras), t, edited, rows.tiles, side)
+
+
+@dataclass(frozen=True)
+class LoraDelta:
+    """One projection's LoRA delta on the kernel path, for the kernel that reads the projection's
+    output next (add + RMSNorm, silu * up, rotary + KV write) to add: `delta[row]` widened-added
+    to the rounded base output and rounded once, as the in-place expand would have, on the rows
+    whose slot the table edits (`ranks[row_slots[row]] > 0`); its other rows hold no values.
+    Computed on the side stream beside the base matmul (shrink, then expand into `delta`), so
+    that no LoRA launch waits for the matmul."""
+
+    delta: torch.Tensor  # [num_rows, out_end - out_start] float32
+    ranks: torch.Tensor  # [num_slots] int32: the table's rank_table
+    row_slots: torch.Tensor  # [num_rows] int64
+
+    def apply_reference(self, out: torch.Tensor) -> torch.Tensor:
+        """What a consumer kernel makes of `out` (plain torch, for tests)."""
+        edited = (self.ranks[self.row_slots] > 0)[:, None]
+        return torch.where(edited, (out.float() + self.delta).to(out.dtype), out)
+
+
+def matmul_with_deltas(loras: Sequence[LoraSlots | None], x: torch.Tensor,
+                       rows: LoraRows | None, matmul: Callable[[], torch.Tensor]
+                       ) -> tuple[torch.Tensor, tuple[LoraDelta | None, ...]]:
+    """(matmul(), each output's LoraDelta or None) on the kernel path: the base product of x on
+    the current stream and, beside it on the side stream, the shrink and the expand of the
+    projections that share x into fp32 delta buffers, joined before returning (the consumer
+    kernel comes next). No delta (all None) when no projection is edited this step."""
+    edited = () if rows is None or rows.tiles is None else tuple(
+        i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora))
+    if not edited:
+        return matmul(), (None,) * len(loras)
+    from lorad.workers.kernels.lora_expand import lora_expand
+    from lorad.workers.kernels.lora_shrink import MAX_TABLES, lora_shrink
+    assert len(edited) <= MAX_TABLES, f"at most {MAX_TABLES} projections share an input"
+    assert rows.row_slots is not None
+    tables = [loras[i] for i in edited]
+    # Allocated on the current stream before the fork: the side stream writes them after every
+    # earlier use of their memory there, and the current one reads and frees them after the
+    # join, so the allocator's reuse stays ordered.
+    num_rows = x.shape[0]
+    buffers = [torch.empty(num_rows, lora.lora_b.shape[1], dtype=torch.float32, device=x.device)
+               for lora in tables]
+    side = _side_stream(x.device)
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())
+    out = matmul() if MATMUL_FIRST or side is None else None
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        t = lora_shrink(x, [lora.lora_a for lora in tables],
+                        [lora.rank_table for lora in tables], rows.tiles)
+        lora_expand(t, buffers, [lora.lora_b for lora in tables],
+                    [lora.rank_table for lora in tables], [lora.scale_table for lora in tables],
+                    rows.tiles, deltas=True)
+    if out is None:
+        out = matmul()
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
+    deltas: list[LoraDelta | None] = [None] * len(loras)
+    for i, lora, buffer in zip(edited, tables, buffers):
+        deltas[i] = LoraDelta(buffer, lora.rank_table, rows.row_slots)
+    return out, tuple(deltas)
 
 
 def add_lora_deltas(loras: Sequence[LoraSlots | None], outs: Sequence[torch.Tensor],

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.fused_ops_checks import (check_add_rms_norm, check_add_rms_norm_shrink,
-                                    check_rotary_write_kv, check_silu_and_mul)
+                                    check_lora_deltas_added, check_rotary_write_kv,
+                                    check_silu_and_mul)
 from tests.lora_kernel_checks import GPU_SHAPES
 
 pytestmark = [pytest.mark.gpu,
@@ -43,3 +44,9 @@ def test_silu_and_mul(dtype):
 def test_rotary_write_kv(dtype):
     check_rotary_write_kv("cuda", DTYPES[dtype], num_q_heads=32, num_kv_heads=8, head_dim=128,
                           block_size=16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_deltas_added(dtype):
+    check_lora_deltas_added("cuda", DTYPES[dtype], hidden=4096, n=14336, num_q_heads=32,
+                            num_kv_heads=8, head_dim=128)

@@ -21,16 +21,39 @@ import triton.language as tl
 from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 from lorad.workers.kernels.lora_shrink import MAX_TABLES, pad_tables, table_block_ends
 from lorad.workers.kernels.pdl import launch_options, wait_for_previous
+from lorad.workers.lora import LoraDelta
 
 
 # --- residual add + RMSNorm -------------------------------------------------------------------
 
 @triton.jit
-def _add_row(delta_ptr, res_ptr, cols, mask, dtype: tl.constexpr, HAS_RES: tl.constexpr):
+def _lora_rank(ranks_ptr, row_slots_ptr, row):
+    # The kernels that call this take row_slots_ptr unspecialized on alignment: the rows' slots
+    # are a row of the decode graphs' input block, at an offset that follows the batch size.
+    """-> the rank a LoRA table has for this row's adapter slot (0: no delta for the row)."""
+    return tl.load(ranks_ptr + tl.load(row_slots_ptr + row))
+
+
+@triton.jit
+def _plus_lora(x, lora_row_ptr, offs, mask, rank):
+    """x (model dtype, at offs of one row) plus the row's LoRA delta (a LoraDelta's fp32 row):
+    widened, added in fp32 and rounded once, as the in-place expand does; x itself where the
+    row's table rank is 0 (the delta buffer holds nothing there, and is read without waiting on
+    the rank)."""
+    d = tl.load(lora_row_ptr + offs, mask=mask, other=0.0)
+    edited = tl.zeros_like(offs) < rank  # a block: triton 3.9's interpreter rejects a scalar
+    return tl.where(edited, (x.to(tl.float32) + d).to(x.dtype), x)
+
+
+@triton.jit
+def _add_row(delta_ptr, res_ptr, cols, mask, dtype: tl.constexpr, HAS_RES: tl.constexpr,
+             lora_ptr, lora_rank, HAS_LORA: tl.constexpr):
     """-> hidden at `cols` of one row, in the model dtype: the layer's output (an fp32 partial sum
-    after its all-reduce, or the embedding) rounded to the model dtype, then added to the
-    residual in the model dtype, as `hidden + out.to(dtype)`."""
+    after its all-reduce, or the embedding) rounded to the model dtype, its LoRA delta added
+    (HAS_LORA), then added to the residual in the model dtype, as `hidden + out.to(dtype)`."""
     h = tl.load(delta_ptr + cols, mask=mask, other=0.0).to(dtype)
+    if HAS_LORA:
+        h = _plus_lora(h, lora_ptr, cols, mask, lora_rank)
     if HAS_RES:
         r = tl.load(res_ptr + cols, mask=mask, other=0.0)
         h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
@@ -53,17 +76,22 @@ def _normed(h, w, scale, dtype: tl.constexpr):
     return (w.to(tl.float32) * y.to(tl.float32)).to(dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["row_slots_ptr"])
 def _add_rms_norm_kernel(delta_ptr, stride_delta, res_ptr, stride_res, res_out_ptr,
                          stride_res_out, normed_ptr, stride_normed, weight_ptr, H, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                         lora_ptr, stride_lora, lora_ranks_ptr, row_slots_ptr,
+                         HAS_RES: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     dtype = res_out_ptr.dtype.element_ty
+    lora_rank = 0
+    if HAS_LORA:
+        lora_rank = _lora_rank(lora_ranks_ptr, row_slots_ptr, row)
     h = _add_row(delta_ptr + row * stride_delta, res_ptr + row * stride_res, cols, mask, dtype,
-                 HAS_RES)
+                 HAS_RES, lora_ptr + row * stride_lora, lora_rank, HAS_LORA)
     tl.store(res_out_ptr + row * stride_res_out + cols, h, mask=mask)
     scale = _rms_scale(h, H, eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
@@ -71,10 +99,11 @@ def _add_rms_norm_kernel(delta_ptr, stride_delta, res_ptr, stride_res, res_out_p
 
 
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, lora: LoraDelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (hidden, normed): hidden = residual + delta.to(weight.dtype) (delta alone when residual
     is None), normed = RMSNorm(hidden). delta: [num_rows, H] fp32 or model dtype; residual:
-    [num_rows, H] model dtype, overwritten with hidden (returned as hidden)."""
+    [num_rows, H] model dtype, overwritten with hidden (returned as hidden). lora: delta's LoRA
+    delta, added to delta (in the model dtype) first, as LoraDelta says."""
     num_rows, hidden_size = delta.shape
     assert weight.shape == (hidden_size,) and delta.stride(1) == 1
     dtype = weight.dtype
@@ -91,10 +120,30 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: tor
     block = next_power_of_2(hidden_size)
     _add_rms_norm_kernel[(num_rows,)](
         delta, delta.stride(0), res_arg, stride_res, residual_out, residual_out.stride(0),
-        normed, normed.stride(0), weight, hidden_size, eps,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=_norm_warps(block),
+        normed, normed.stride(0), weight, hidden_size, eps, *_lora_args(lora, delta),
+        _row_slots([lora], delta),
+        HAS_RES=residual is not None, HAS_LORA=lora is not None, BLOCK=block,
+        num_warps=_norm_warps(block),
         **launch_options(delta.device, num_rows))
     return residual_out, normed
+
+
+def _lora_args(lora: LoraDelta | None, out: torch.Tensor) -> tuple:
+    """(delta buffer, its row stride, the table's ranks) for a kernel taking `out`'s LoRA delta;
+    placeholders (never read) without one."""
+    if lora is None:
+        return out, 0, out
+    assert lora.delta.shape == out.shape and lora.delta.stride(1) == 1
+    assert lora.delta.dtype == torch.float32 and lora.delta.shape[0] == lora.row_slots.shape[0]
+    return lora.delta, lora.delta.stride(0), lora.ranks
+
+
+def _row_slots(loras: Sequence[LoraDelta | None], out: torch.Tensor) -> torch.Tensor:
+    """The rows' adapter slots of the given LoRA deltas (one step's: the same tensor), or a
+    placeholder (never read) without any."""
+    given = [lora.row_slots for lora in loras if lora is not None]
+    assert all(slots is given[0] for slots in given), "LoRA deltas of different steps"
+    return given[0] if given else out
 
 
 def _norm_warps(block: int) -> int:
@@ -126,7 +175,7 @@ def _norm_shrink_block(delta_row, res_row, weight_ptr, hidden_row, normed_row, t
         dtype = hidden_row.dtype.element_ty
         # The whole row exactly as _add_rms_norm_kernel: the same ops on the same layout, and
         # nothing else reads h, so the compiler has no reason to lay the row sum out otherwise.
-        h = _add_row(delta_row, res_row, cols, mask, dtype, True)
+        h = _add_row(delta_row, res_row, cols, mask, dtype, True, delta_row, 0, False)
         if stores_norm:
             tl.store(hidden_row + cols, h, mask=mask)
         scale = _rms_scale(h, H, eps)
@@ -143,7 +192,7 @@ def _norm_shrink_block(delta_row, res_row, weight_ptr, hidden_row, normed_row, t
             for k0 in range(0, H, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 in_k = ks < H
-                hk = _add_row(delta_row, res_row, ks, in_k, dtype, True)
+                hk = _add_row(delta_row, res_row, ks, in_k, dtype, True, delta_row, 0, False)
                 wk = tl.load(weight_ptr + ks, mask=in_k, other=0.0)
                 nk = _normed(hk, wk, scale, dtype).to(tl.float32)
                 ak = tl.load(a_rows + ks[None, :], mask=has_j[:, None] & in_k[None, :], other=0.0)
@@ -240,12 +289,18 @@ def add_rms_norm_shrink(delta: torch.Tensor, residual: torch.Tensor, weight: tor
 # --- rotary + KV-cache write ------------------------------------------------------------------
 
 @triton.jit
-def _rotate(x_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr):
+def _rotate(x_ptr, cos_ptr, sin_ptr, lora_ptr, lora_rank, HALF: tl.constexpr,
+            HAS_LORA: tl.constexpr):
     """One head rotated as `x * cos + rotate_half(x) * sin` in the model dtype: each product
-    rounded, then the sum rounded. -> (first half, second half)."""
+    rounded, then the sum rounded; the head's LoRA delta added first (HAS_LORA). -> (first
+    half, second half)."""
     lo = tl.arange(0, HALF)
     x1 = tl.load(x_ptr + lo)
     x2 = tl.load(x_ptr + HALF + lo)
+    if HAS_LORA:
+        everywhere = lo < HALF
+        x1 = _plus_lora(x1, lora_ptr, lo, everywhere, lora_rank)
+        x2 = _plus_lora(x2, lora_ptr + HALF, lo, everywhere, lora_rank)
     dtype = x1.dtype
     c1 = tl.load(cos_ptr + lo).to(tl.float32)
     c2 = tl.load(cos_ptr + HALF + lo).to(tl.float32)
@@ -258,11 +313,14 @@ def _rotate(x_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr):
     return out1, out2
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["row_slots_ptr"])
 def _rotary_kv_kernel(q_ptr, stride_q, k_ptr, stride_k, v_ptr, stride_v, q_out_ptr,
                       stride_q_out, cos_ptr, sin_ptr, stride_table, positions_ptr, slots_ptr,
                       k_cache_ptr, v_cache_ptr, stride_cache_slot, NUM_Q_HEADS,
-                      HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+                      lq_ptr, stride_lq, lq_ranks_ptr, lk_ptr, stride_lk, lk_ranks_ptr,
+                      lv_ptr, stride_lv, lv_ranks_ptr, row_slots_ptr,
+                      HEAD_DIM: tl.constexpr, HAS_LQ: tl.constexpr, HAS_LK: tl.constexpr,
+                      HAS_LV: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -272,7 +330,11 @@ def _rotary_kv_kernel(q_ptr, stride_q, k_ptr, stride_k, v_ptr, stride_v, q_out_p
     cos_row = cos_ptr + pos * stride_table
     sin_row = sin_ptr + pos * stride_table
     if head < NUM_Q_HEADS:
-        out1, out2 = _rotate(q_ptr + row * stride_q + head * HEAD_DIM, cos_row, sin_row, HALF)
+        lq_rank = 0
+        if HAS_LQ:
+            lq_rank = _lora_rank(lq_ranks_ptr, row_slots_ptr, row)
+        out1, out2 = _rotate(q_ptr + row * stride_q + head * HEAD_DIM, cos_row, sin_row,
+                             lq_ptr + row * stride_lq + head * HEAD_DIM, lq_rank, HALF, HAS_LQ)
         dst = q_out_ptr + row * stride_q_out + head * HEAD_DIM
         tl.store(dst + lo, out1)
         tl.store(dst + HALF + lo, out2)
@@ -280,27 +342,36 @@ def _rotary_kv_kernel(q_ptr, stride_q, k_ptr, stride_k, v_ptr, stride_v, q_out_p
         slot = tl.load(slots_ptr + row)
         if slot >= 0:  # padding rows write nothing
             kv_head = head - NUM_Q_HEADS
+            lk_rank = 0
+            if HAS_LK:
+                lk_rank = _lora_rank(lk_ranks_ptr, row_slots_ptr, row)
             out1, out2 = _rotate(k_ptr + row * stride_k + kv_head * HEAD_DIM, cos_row, sin_row,
-                                 HALF)
+                                 lk_ptr + row * stride_lk + kv_head * HEAD_DIM, lk_rank, HALF,
+                                 HAS_LK)
             dst = slot * stride_cache_slot + kv_head * HEAD_DIM
             tl.store(k_cache_ptr + dst + lo, out1)
             tl.store(k_cache_ptr + dst + HALF + lo, out2)
             full = tl.arange(0, HEAD_DIM)
             v = tl.load(v_ptr + row * stride_v + kv_head * HEAD_DIM + full)
+            if HAS_LV:
+                v = _plus_lora(v, lv_ptr + row * stride_lv + kv_head * HEAD_DIM, full,
+                               full < HEAD_DIM, _lora_rank(lv_ranks_ptr, row_slots_ptr, row))
             tl.store(v_cache_ptr + dst + full, v)
 
 
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_table: torch.Tensor, sin_table: torch.Tensor, slot_mapping: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
-                    head_dim: int) -> torch.Tensor:
+                    head_dim: int, loras: Sequence[LoraDelta | None] = (None, None, None)
+                    ) -> torch.Tensor:
     """Rotate q and k by each row's position, write rotated k and v into the paged cache at the
     row's slot (-1: padding, not written); -> rotated q [num_rows, q_heads, head_dim].
 
     q: [num_rows, q_heads * head_dim], k, v: [num_rows, kv_heads * head_dim] (column slices of
     one projection output are fine: rows may be strided, columns contiguous); cos_table,
     sin_table: [max_positions, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads,
-    head_dim], contiguous."""
+    head_dim], contiguous. loras: q's, k's and v's LoRA deltas (or None), added to them first, as
+    LoraDelta says."""
     num_rows = q.shape[0]
     num_kv_heads = k_cache.shape[2]
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two for the kernel"
@@ -315,7 +386,11 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     _rotary_kv_kernel[(num_rows, num_q_heads + num_kv_heads)](
         q, q.stride(0), k, k.stride(0), v, v.stride(0), q_out, q_out.stride(0), cos_table,
         sin_table, cos_table.stride(0), positions, slot_mapping, k_cache, v_cache,
-        num_kv_heads * head_dim, num_q_heads, HEAD_DIM=head_dim, num_warps=1,
+        num_kv_heads * head_dim, num_q_heads, *_lora_args(loras[0], q),
+        *_lora_args(loras[1], k), *_lora_args(loras[2], v), _row_slots(loras, q),
+        HEAD_DIM=head_dim,
+        HAS_LQ=loras[0] is not None, HAS_LK=loras[1] is not None, HAS_LV=loras[2] is not None,
+        num_warps=1,
         **launch_options(q.device, num_rows),
         # No fused multiply-add: in fp32 it would skip the product's rounding that torch does.
         enable_fp_fusion=False)
@@ -327,15 +402,23 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 SILU_BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["row_slots_ptr"])
 def _silu_mul_kernel(gate_ptr, stride_gate, up_ptr, stride_up, out_ptr, stride_out, N,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     lg_ptr, stride_lg, lg_ranks_ptr, lu_ptr, stride_lu, lu_ranks_ptr,
+                     row_slots_ptr, BLOCK: tl.constexpr, HAS_LG: tl.constexpr,
+                     HAS_LU: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
+    if HAS_LG:
+        gate = _plus_lora(gate, lg_ptr + row * stride_lg, cols, mask,
+                          _lora_rank(lg_ranks_ptr, row_slots_ptr, row))
+    if HAS_LU:
+        up = _plus_lora(up, lu_ptr + row * stride_lu, cols, mask,
+                        _lora_rank(lu_ranks_ptr, row_slots_ptr, row))
     dtype = gate.dtype
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dtype)  # as layers.silu_and_mul: fp32, then rounded
@@ -343,15 +426,20 @@ def _silu_mul_kernel(gate_ptr, stride_gate, up_ptr, stride_up, out_ptr, stride_o
              (act.to(tl.float32) * up.to(tl.float32)).to(dtype), mask=mask)
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor,
+                 loras: Sequence[LoraDelta | None] = (None, None)) -> torch.Tensor:
     """silu(gate) * up -> [num_rows, N], contiguous. gate, up: [num_rows, N], columns contiguous
-    (the two halves of one projection output are fine)."""
+    (the two halves of one projection output are fine). loras: gate's and up's LoRA deltas (or
+    None), added to them first, as LoraDelta says."""
     num_rows, n = gate.shape
     assert up.shape == gate.shape and gate.stride(1) == 1 and up.stride(1) == 1
     out = torch.empty(num_rows, n, dtype=gate.dtype, device=gate.device)
     if num_rows == 0:
         return out
     _silu_mul_kernel[(num_rows, cdiv(n, SILU_BLOCK))](
-        gate, gate.stride(0), up, up.stride(0), out, out.stride(0), n, BLOCK=SILU_BLOCK,
+        gate, gate.stride(0), up, up.stride(0), out, out.stride(0), n,
+        *_lora_args(loras[0], gate), *_lora_args(loras[1], up), _row_slots(loras, gate),
+        BLOCK=SILU_BLOCK,
+        HAS_LG=loras[0] is not None, HAS_LU=loras[1] is not None,
         num_warps=4, **launch_options(gate.device, num_rows))
     return out

@@ -59,7 +59,7 @@ DEFAULT_CONFIG = ExpandConfig()
 def _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_out, N, b_ptr,
                   ranks_ptr, scales_ptr, max_rank, block, slot, rows, in_tile,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_R: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+                  BLOCK_R: tl.constexpr, MAX_CHUNKS: tl.constexpr, DELTA: tl.constexpr):
     # No load waits on the slot's rank: t, B, the scale and the base output are all requested
     # once the tile is known, and the rank only masks what they bring (a chain of one load
     # instead of three). So the rank loop runs over the table's padding (one pass at rank <= 8);
@@ -73,7 +73,8 @@ def _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_o
     has_c = chunks < num_chunks
     outs = out_ptr + rows[:, None] * stride_out + cols[None, :]
     mask = in_tile[:, None] & in_n[None, :]
-    base = tl.load(outs, mask=mask)
+    if not DELTA:
+        base = tl.load(outs, mask=mask)
     t_rows = t_ptr + rows[:, None, None] * stride_t + chunks[None, :, None] * stride_t_chunk
     in_t = in_tile[:, None, None] & has_c[None, :, None]  # [BLOCK_M, MAX_CHUNKS, 1]
     b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank  # [BLOCK_N, 1]
@@ -93,9 +94,15 @@ def _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_o
     # and rounded back, as the torch path's `(out.float() + delta).to(dtype)`. Slots the table
     # does not edit (rank 0) are not written; that test is a block, since triton 3.9's
     # interpreter rejects a mask with a scalar in it.
+    # DELTA: the delta alone, in fp32, into a buffer that a later kernel adds to the rounded
+    # base output, as the torch path's `(out.float() + delta).to(dtype)` too.
     edited = tl.zeros([BLOCK_M], tl.int32) < rank
-    tl.store(outs, (base.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
-             mask=mask & edited[:, None])
+    delta = acc * scale
+    if DELTA:
+        tl.store(outs, delta, mask=mask & edited[:, None])
+    else:
+        tl.store(outs, (base.to(tl.float32) + delta).to(out_ptr.dtype.element_ty),
+                 mask=mask & edited[:, None])
 
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
@@ -108,7 +115,7 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                    max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
                    tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, NUM_TABLES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                   MAX_CHUNKS: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     # Work item = (tile, block); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
     num_items = (tl.load(num_tiles_ptr) * num_blocks).to(tl.int32)
@@ -119,29 +126,29 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
         if block < blocks_end0:
             _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out0_ptr, stride_out0, N0,
                           b0_ptr, ranks0_ptr, scales0_ptr, max_rank0, block, slot, rows,
-                          in_tile, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS)
+                          in_tile, BLOCK_M, BLOCK_N, BLOCK_R, MAX_CHUNKS, DELTA)
         elif NUM_TABLES == 2:
             _expand_block(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks, out1_ptr,
                           stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr, max_rank1,
                           block - blocks_end0, slot, rows, in_tile, BLOCK_M, BLOCK_N, BLOCK_R,
-                          MAX_CHUNKS)
+                          MAX_CHUNKS, DELTA)
         elif NUM_TABLES == 3:
             if block < blocks_end1:
                 _expand_block(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
                               out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr,
                               max_rank1, block - blocks_end0, slot, rows, in_tile, BLOCK_M,
-                              BLOCK_N, BLOCK_R, MAX_CHUNKS)
+                              BLOCK_N, BLOCK_R, MAX_CHUNKS, DELTA)
             else:
                 _expand_block(t_ptr + 2 * stride_t_table, stride_t, stride_t_chunk, num_chunks,
                               out2_ptr, stride_out2, N2, b2_ptr, ranks2_ptr, scales2_ptr,
                               max_rank2, block - blocks_end1, slot, rows, in_tile, BLOCK_M,
-                              BLOCK_N, BLOCK_R, MAX_CHUNKS)
+                              BLOCK_N, BLOCK_R, MAX_CHUNKS, DELTA)
 
 
 def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequence[torch.Tensor],
                 rank_tables: Sequence[torch.Tensor], scale_tables: Sequence[torch.Tensor],
                 tiles: LoraTiles, num_programs: int | None = None,
-                config: ExpandConfig | None = None) -> None:
+                config: ExpandConfig | None = None, deltas: bool = False) -> None:
     """outs[i][row] += scale * (sum_c t[i, row, c, :rank] B_i[slot, :, :rank]^T), in place, for
     each row whose slot table i edits (rank = rank_tables[i][slot] > 0); no other element is
     touched.
@@ -150,7 +157,11 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     out_i] float32, or the model dtype (then widened, added to in fp32 and rounded back once; rows
     may be strided, as column slices of one projection output are); b_tables[i]: [num_slots, out_i,
     max_rank_i] fp32, contiguous; rank_tables[i]: [num_slots] int32; scale_tables[i]: [num_slots]
-    float32."""
+    float32.
+
+    deltas: outs[i] are fp32 buffers that get the delta alone, scale * (t B^T) rounded to fp32,
+    at the same elements (nothing else is written): a later kernel adds it to the rounded base
+    output (lorad.workers.lora.LoraDelta), which then need not exist yet."""
     num_tables = len(b_tables)
     if not 1 <= num_tables <= MAX_TABLES or not (len(outs) == len(rank_tables)
                                                   == len(scale_tables) == num_tables):
@@ -160,6 +171,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     assert tiles.num_rows == t.shape[1], "tiles of another batch"
     for out, b in zip(outs, b_tables):
         assert out.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        assert out.dtype == torch.float32 or not deltas
         assert out.stride(1) == 1
         assert out.shape == (t.shape[1], b.shape[1])
         assert b.dtype == torch.float32 and b.is_contiguous() and b.shape[2] <= t.shape[3]
@@ -177,6 +189,6 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         *(b.shape[2] for b in padded_b), blocks_end[1], blocks_end[min(2, num_tables)],
         num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, NUM_TABLES=num_tables,
         BLOCK_M=tiles.block_m, BLOCK_N=config.block_n, BLOCK_R=config.block_r,
-        MAX_CHUNKS=next_power_of_2(t.shape[2]),
+        MAX_CHUNKS=next_power_of_2(t.shape[2]), DELTA=deltas,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **launch_options(t.device, tiles.num_rows))

@@ -23,9 +23,9 @@ from lorad.workers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kv_cache import PagedKVCache, kv_bytes_per_block
 from lorad.workers.layers import RMSNorm, silu_and_mul
-from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear, fused_projection
+from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear, projection_with_deltas
 from lorad.workers.loader import load_adapter_weights, load_random_weights, load_weights
-from lorad.workers.lora import LoraRows, add_lora_deltas
+from lorad.workers.lora import LoraDelta, LoraRows, add_lora_deltas
 from lorad.workers.parallel import TensorParallel
 from lorad.workers.rotary import RotaryEmbedding, apply_rotary
 
@@ -80,9 +80,11 @@ class LlamaAttention(nn.Module):
         self.kv_cache: PagedKVCache | None = None
 
     def forward(self, x: torch.Tensor, rotary: "RotaryInputs", ctx: AttentionContext,
-                lora: LoraRows | None) -> torch.Tensor:
-        """x: [num_rows, hidden] -> [num_rows, hidden]: o_proj's sum over ranks, before its
-        rounding to the model dtype (the residual add does it; see RowParallelLinear)."""
+                lora: LoraRows | None) -> tuple[torch.Tensor, LoraDelta | None]:
+        """x: [num_rows, hidden] -> ([num_rows, hidden], its LoRA delta or None): o_proj's sum
+        over ranks, before its rounding to the model dtype (the residual add does it; see
+        RowParallelLinear), and, where the LoRA kernels leave it to the residual add, o_proj's
+        delta."""
         num_rows = x.shape[0]
         projs = (self.q_proj, self.k_proj, self.v_proj)
         loras = [p.lora for p in projs]
@@ -91,14 +93,15 @@ class LlamaAttention(nn.Module):
             # Lazily: the CPU never imports triton.
             from lorad.workers.attention_cuda import attend_cuda
             from lorad.workers.kernels.fused_ops import rotary_write_kv
-            # One matmul and one LoRA shrink/expand pair for q, k and v; rotary and the cache
-            # write in one kernel.
-            q, k, v = fused_projection(x, self.qkv_weight, self.qkv_sizes, loras, lora)
+            # One matmul and one LoRA shrink/expand pair for q, k and v beside it; their deltas
+            # added by the rotary + cache write kernel.
+            (q, k, v), deltas = projection_with_deltas(x, self.qkv_weight, self.qkv_sizes,
+                                                       loras, lora)
             q = rotary_write_kv(q, k, v, rotary.positions, rotary.cos_table, rotary.sin_table,
                                 ctx.slot_mapping, self.kv_cache.k, self.kv_cache.v,
-                                self.num_q_heads, self.head_dim)
+                                self.num_q_heads, self.head_dim, deltas)
             attn = attend_cuda(q, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
-            return self.o_proj(attn, lora)
+            return self.o_proj.forward_with_delta(attn, lora)
         q, k, v = add_lora_deltas(loras, [p(x) for p in projs], x, lora)
         q = q.view(num_rows, self.num_q_heads, self.head_dim)
         k = k.view(num_rows, self.num_kv_heads, self.head_dim)
@@ -106,7 +109,7 @@ class LlamaAttention(nn.Module):
         q = apply_rotary(q, rotary.cos, rotary.sin)
         k = apply_rotary(k, rotary.cos, rotary.sin)
         attn = paged_attention(q, k, v, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
-        return self.o_proj(attn, lora)
+        return self.o_proj(attn, lora), None
 
 
 class LlamaMLP(nn.Module):
@@ -126,15 +129,20 @@ class LlamaMLP(nn.Module):
                                             storage=w_up)
         self.down_proj = RowParallelLinear(inter, hidden, inter_range, tp, dtype, device)
 
-    def forward(self, x: torch.Tensor, lora: LoraRows | None) -> torch.Tensor:
-        """x: [num_rows, hidden] -> [num_rows, hidden]: down_proj's sum over ranks, before its
-        rounding to the model dtype (the residual add does it; see RowParallelLinear)."""
+    def forward(self, x: torch.Tensor,
+                lora: LoraRows | None) -> tuple[torch.Tensor, LoraDelta | None]:
+        """x: [num_rows, hidden] -> ([num_rows, hidden], its LoRA delta or None): down_proj's
+        sum over ranks, before its rounding to the model dtype (the residual add does it; see
+        RowParallelLinear), and down_proj's delta where it is left to the residual add."""
         loras = [self.gate_proj.lora, self.up_proj.lora]
-        if kernel_path(x.device):  # one matmul and one LoRA shrink/expand pair for both
-            gate, up = fused_projection(x, self.gate_up_weight, self.gate_up_sizes, loras, lora)
-        else:
-            gate, up = add_lora_deltas(loras, [self.gate_proj(x), self.up_proj(x)], x, lora)
-        return self.down_proj(silu_and_mul(gate, up), lora)
+        if kernel_path(x.device):
+            # One matmul and one LoRA shrink/expand pair for both beside it; their deltas added
+            # by the silu * up kernel.
+            (gate, up), deltas = projection_with_deltas(x, self.gate_up_weight,
+                                                        self.gate_up_sizes, loras, lora)
+            return self.down_proj.forward_with_delta(silu_and_mul(gate, up, deltas), lora)
+        gate, up = add_lora_deltas(loras, [self.gate_proj(x), self.up_proj(x)], x, lora)
+        return self.down_proj(silu_and_mul(gate, up), lora), None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -147,16 +155,18 @@ class LlamaDecoderLayer(nn.Module):
                                                 device)
         self.mlp = LlamaMLP(config, tp, dtype, device)
 
-    def forward(self, hidden: torch.Tensor | None, delta: torch.Tensor, rotary: "RotaryInputs",
-                ctx: AttentionContext,
-                lora: LoraRows | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual stream, what the previous layer adds to it) -> the same after this layer.
-        hidden is None before the first layer, whose delta is the embedding. The residual adds
-        stay in the model dtype, as in transformers; each is fused with the norm after it."""
-        hidden, x = self.input_layernorm.add_and_norm(delta, hidden)
-        attn = self.self_attn(x, rotary, ctx, lora)
-        hidden, x = self.post_attention_layernorm.add_and_norm(attn, hidden)
-        return hidden, self.mlp(x, lora)
+    def forward(self, hidden: torch.Tensor | None, delta: torch.Tensor,
+                delta_lora: LoraDelta | None, rotary: "RotaryInputs", ctx: AttentionContext,
+                lora: LoraRows | None
+                ) -> tuple[torch.Tensor, torch.Tensor, LoraDelta | None]:
+        """(residual stream, what the previous layer adds to it, that output's LoRA delta left
+        to the residual add or None) -> the same after this layer. hidden is None before the
+        first layer, whose delta is the embedding. The residual adds stay in the model dtype, as
+        in transformers; each is fused with the norm after it."""
+        hidden, x = self.input_layernorm.add_and_norm(delta, hidden, delta_lora)
+        attn, attn_lora = self.self_attn(x, rotary, ctx, lora)
+        hidden, x = self.post_attention_layernorm.add_and_norm(attn, hidden, attn_lora)
+        return (hidden, *self.mlp(x, lora))
 
 
 class LlamaModel(nn.Module):
@@ -245,15 +255,16 @@ class LlamaForCausalLM(nn.Module):
         assert self.block_size is not None, "allocate_kv_cache() before forward()"
         ctx = AttentionContext.build(batch, self.block_size)
         rotary = RotaryInputs.build(self.model.rotary_emb, batch.positions)
-        hidden = None
+        hidden, delta_lora = None, None
         delta = self.model.embed_tokens(batch.input_ids)  # [num_rows, hidden]
         lora = LoraRows.from_batch(batch, launch_always=lora_launch_always)
         for layer in self.model.layers:
-            hidden, delta = layer(hidden, delta, rotary, ctx, lora if lora.any_delta else None)
+            hidden, delta, delta_lora = layer(hidden, delta, delta_lora, rotary, ctx,
+                                              lora if lora.any_delta else None)
         if kernel_path(delta.device):
             # The last residual add fused with the final norm, on every row (as cheap as
             # picking the rows first, and one kernel).
-            _, normed = self.model.norm.add_and_norm(delta, hidden)
+            _, normed = self.model.norm.add_and_norm(delta, hidden, delta_lora)
             normed = normed[batch.sample_rows]  # [num_sampled, hidden]
         else:
             rows = batch.sample_rows
