@@ -2,8 +2,8 @@
 interpreter, against the torch path on the same weights.
 
 The kernel path is what `kernel_path()` selects on CUDA: one matmul for q/k/v and one for gate/up,
-the LoRA shrink and expand kernels adding in place into column slices, rotary fused with the KV
-write, the paged attention kernels, add + RMSNorm and silu * up kernels. LORAD_TEST_KERNELS_ON_CPU
+the LoRA shrink and expand kernels writing fp32 deltas that the next kernel adds, rotary fused
+with the KV write, the paged attention kernels, add + RMSNorm and silu * up kernels. LORAD_TEST_KERNELS_ON_CPU
 turns it on for CPU tensors (read at each call), so one process runs both paths.
 tests/unit/test_triton_interpreted.py runs these checks in a subprocess with TRITON_INTERPRET=1.
 

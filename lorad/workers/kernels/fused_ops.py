@@ -1,6 +1,7 @@
 """The decode step's elementwise work in three kernels per use instead of a dozen torch ops each:
 residual add + RMSNorm, rotary + KV-cache write, and SwiGLU's silu(gate) * up; and residual add +
-RMSNorm fused with the LoRA shrink of its output (not wired into the model yet).
+RMSNorm fused with the LoRA shrink of its output (not wired into the model yet). The first three
+also add the LoRA deltas of their inputs that the expand left in fp32 buffers (LoraDelta).
 
 Each program handles one row (or one row's head or column block) alone, with one block shape for
 every batch, so a row's bits never depend on what else the step holds. Every rounding the torch
@@ -26,10 +27,10 @@ from lorad.workers.lora import LoraDelta
 
 # --- residual add + RMSNorm -------------------------------------------------------------------
 
+# The kernels that call this take row_slots_ptr unspecialized on alignment: the rows' slots are
+# a row of the decode graphs' input block, at an offset that follows the batch size.
 @triton.jit
 def _lora_rank(ranks_ptr, row_slots_ptr, row):
-    # The kernels that call this take row_slots_ptr unspecialized on alignment: the rows' slots
-    # are a row of the decode graphs' input block, at an offset that follows the batch size.
     """-> the rank a LoRA table has for this row's adapter slot (0: no delta for the row)."""
     return tl.load(ranks_ptr + tl.load(row_slots_ptr + row))
 

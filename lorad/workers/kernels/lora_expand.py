@@ -10,7 +10,10 @@ shrink's K-chunk partials summed by one reduction of fixed shape [BLOCK_M, MAX_C
 (so every program reading a row gets the same bits, and the sum needs no launch of its own),
 rank chunks of BLOCK_R in order, each reduced the same way, with one tile shape for every table;
 no atomics. Rows of slot 0 are neither read nor written; rows of a slot the table does not edit
-are read (no load waits on the rank) but not written.
+are read (no load waits on the rank) but not written. With deltas=True it writes the delta alone
+into an fp32 buffer instead, for the next kernel to add, so that it runs beside the base matmul
+instead of after it: the model's way, except for o_proj's and down_proj's partial sums at world
+sizes above 1, which it adds into in place before their all-reduce.
 """
 
 from __future__ import annotations
