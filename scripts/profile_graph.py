@@ -5,8 +5,9 @@ model (random weights, bf16) on a timeline, by stream.
 profile_decode.py sums an eager step's kernels by name; a replay differs (PDL, the side stream
 of the LoRA shrinks, no host between launches), and its time is the span from its first kernel's
 start to its last kernel's end, kernels plus the gaps between them. Per case this prints the
-span, the busy time per stream, the time no kernel runs, where those gaps fall (between which
-two kinds of kernel), how much of the side stream runs beside the main stream, and each kind's
+span, the time no kernel runs, where those gaps fall (between which two kinds of kernel), how
+much of the LoRA kernels' time runs beside a matmul (a replay gives each branch of the graph a
+stream of its own, so streams say little), and each kind's
 count and mean duration. Kernels are named by kind and, for the matmuls and the LoRA kernels, by
 the projection they serve (their order in a layer). --trace-out writes each case's kernels as
 JSON lines (kind, stream, start and duration in us) for a closer look.
@@ -85,13 +86,11 @@ def summarize(kernels: list[dict]) -> dict:
     kernels = label(kernels)
     start = min(k["ts"] for k in kernels)
     span = max(k["ts"] + k["dur"] for k in kernels) - start
-    streams: dict[int, list[dict]] = defaultdict(list)
-    for k in kernels:
-        streams[k["stream"]].append(k)
-    main = max(streams, key=lambda s: len(streams[s]))
-    intervals = {s: [(k["ts"], k["ts"] + k["dur"]) for k in ks] for s, ks in streams.items()}
-    busy = union_length([iv for ivs in intervals.values() for iv in ivs])
-    side = [iv for s, ivs in intervals.items() if s != main for iv in ivs]
+    def intervals(kinds: tuple[str, ...]) -> list[tuple[float, float]]:
+        return [(k["ts"], k["ts"] + k["dur"]) for k in kernels if k["kind"] in kinds]
+
+    busy = union_length([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+    lora = intervals(("shrink_kernel", "expand_kernel"))
     # Gaps: time no kernel runs, charged to the pair of kinds around it (kernels of any stream
     # in start order; the running end is the latest end so far).
     gaps: dict[str, list[float]] = defaultdict(list)
@@ -106,9 +105,8 @@ def summarize(kernels: list[dict]) -> dict:
         per_what[k["what"]].append(k["dur"])
     return {
         "kernels": len(kernels), "span": span, "busy": busy, "idle": span - busy,
-        "streams": {s: (len(ks), union_length(intervals[s])) for s, ks in streams.items()},
-        "main": main, "side_total": union_length(side),
-        "side_beside_main": overlap_length(side, intervals[main]),
+        "streams": len({k["stream"] for k in kernels}), "lora_total": union_length(lora),
+        "lora_beside_matmul": overlap_length(lora, intervals(("matmul", "matmul_reduce"))),
         "gaps": gaps, "per_what": per_what,
     }
 
@@ -118,11 +116,9 @@ def report(case: str, summaries: list[dict], top: int) -> str:
     lines = [f"\n## {case}: span {best['span']:.1f} us (of {len(summaries)} replays: "
              + ", ".join(f"{s['span']:.1f}" for s in summaries) + ")",
              f"{best['kernels']} kernels; busy {best['busy']:.1f} us, no kernel running "
-             f"{best['idle']:.1f} us; side streams {best['side_total']:.1f} us of kernels, "
-             f"{best['side_beside_main']:.1f} of them beside the main stream's"]
-    for stream, (count, busy) in sorted(best["streams"].items()):
-        role = "main" if stream == best["main"] else "side"
-        lines.append(f"- stream {stream} ({role}): {count} kernels, busy {busy:.1f} us")
+             f"{best['idle']:.1f} us; on {best['streams']} streams; LoRA kernels running "
+             f"{best['lora_total']:.1f} us, {best['lora_beside_matmul']:.1f} of them beside a "
+             "matmul"]
     lines += ["", "| gap between | count | total us | mean us |", "|---|---:|---:|---:|"]
     for pair, values in sorted(best["gaps"].items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"| {pair} | {len(values)} | {sum(values):.1f} | "

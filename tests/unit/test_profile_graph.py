@@ -1,5 +1,5 @@
 """scripts/profile_graph.py's timeline arithmetic (the profiling itself needs a GPU): replays cut
-apart, kernels named by projection, gaps charged to the kinds around them, side-stream overlap."""
+apart, kernels named by projection, gaps charged to the kinds around them, LoRA beside matmuls."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def test_replays_are_cut_at_the_widest_gaps_and_summarized():
     s = pg.summarize(replays[1])
     assert s["span"] == pytest.approx(44)
     assert s["busy"] == pytest.approx(42) and s["idle"] == pytest.approx(2)
-    assert s["main"] == 7 and s["streams"][9] == (1, 5)
-    assert s["side_total"] == pytest.approx(5) and s["side_beside_main"] == pytest.approx(5)
+    assert s["streams"] == 2
+    # The shrink (4..9) runs beside the q/k/v matmul (2..12); the expand (12..15) beside none.
+    assert s["lora_total"] == pytest.approx(8) and s["lora_beside_matmul"] == pytest.approx(5)
     assert dict(s["gaps"]) == {"expand_kernel/qkv -> matmul/o": [2]}
     assert s["per_what"]["matmul/lm_head"] == [20]
     assert s["per_what"]["matmul_reduce"] == [1]
