@@ -452,6 +452,23 @@ def lora_configs(variant: str):
         lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG, lora_tiles.BLOCK_M = saved
 
 
+def bench_with(module, name: str, value, model, args, floor: Floor, cases: list[str],
+               blocks_per_seq: int, batches: list[int], label: str) -> None:
+    """Time `cases` at `batches` with module.name set to value and the graphs captured again,
+    then put the setting back."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    default = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        graphs = capture(model, args, args.num_adapters)
+        bench_decode(model, graphs, floor, cases, args, blocks_per_seq, batches=batches,
+                     label=label)
+        del graphs
+    finally:
+        setattr(module, name, default)
+
+
 def capture(model, args, num_adapters: int) -> DecodeGraphs | None:
     graphs = DecodeGraphs(model, max(args.batches), args.max_model_len, BLOCK_SIZE, num_adapters)
     try:
@@ -581,24 +598,12 @@ def main() -> int:
         del graphs
         serial = [c for c in ("one", "mixed4") if c in adapter_cases]
         if args.serial_shrink and serial:
-            gc.collect()
-            torch.cuda.empty_cache()
-            lora_module.SIDE_STREAM = False
-            graphs = capture(model, args, args.num_adapters)
-            bench_decode(model, graphs, floor, serial, args, blocks_per_seq,
-                         batches=args.serial_shrink, label=" (serial shrink)")
-            lora_module.SIDE_STREAM = True
-            del graphs
+            bench_with(lora_module, "SIDE_STREAM", False, model, args, floor, serial,
+                       blocks_per_seq, args.serial_shrink, " (serial shrink)")
         first = [c for c in ("one", "mixed4", "many") if c in adapter_cases]
         if args.shrink_first and first:
-            gc.collect()
-            torch.cuda.empty_cache()
-            lora_module.MATMUL_FIRST = False
-            graphs = capture(model, args, args.num_adapters)
-            bench_decode(model, graphs, floor, first, args, blocks_per_seq,
-                         batches=args.shrink_first, label=" (shrink first)")
-            lora_module.MATMUL_FIRST = True
-            del graphs
+            bench_with(lora_module, "MATMUL_FIRST", False, model, args, floor, first,
+                       blocks_per_seq, args.shrink_first, " (shrink first)")
         for variant in [v for v in args.lora_configs.split(";") if v]:
             gc.collect()
             torch.cuda.empty_cache()
@@ -610,16 +615,9 @@ def main() -> int:
                 if args.prefill and "many" in adapter_cases:
                     bench_prefill(model, "many", args, flops, floor, label=f" ({variant})")
             del graphs
-        default_per_sm = lora_tiles.PROGRAMS_PER_SM
         for per_sm in args.programs_per_sm if serial else []:
-            gc.collect()
-            torch.cuda.empty_cache()
-            lora_tiles.PROGRAMS_PER_SM = per_sm
-            graphs = capture(model, args, args.num_adapters)
-            bench_decode(model, graphs, floor, serial, args, blocks_per_seq,
-                         batches=args.serial_shrink or [32], label=f" ({per_sm}/SM)")
-            lora_tiles.PROGRAMS_PER_SM = default_per_sm
-            del graphs
+            bench_with(lora_tiles, "PROGRAMS_PER_SM", per_sm, model, args, floor, serial,
+                       blocks_per_seq, args.serial_shrink or [32], f" ({per_sm}/SM)")
         del floor
     peak_gib = torch.cuda.max_memory_allocated(CUDA) / 2**30
     del model

@@ -119,7 +119,7 @@ class RowParallelLinear(nn.Module):
         fp32 sum itself (its fp32-output kernels split K and add the parts in another kernel);
         the LoRA delta is then added as peft adds it, to the rounded base output, with one more
         rounding."""
-        rounded = x.is_cuda and self.tp.world_size == 1 and x.dtype != torch.float32
+        rounded = self._rounds_here(x)
         if rounded:  # [num_rows, out_features], the model dtype
             matmul = lambda: F.linear(x, self.weight)  # noqa: E731
         else:  # [num_rows, out_features] float32
@@ -136,12 +136,16 @@ class RowParallelLinear(nn.Module):
         1) and the LoRA kernels run, with the delta left to the next kernel: (the base output,
         its LoraDelta or None). Otherwise (forward(x, lora_rows), None)."""
         kernels = lora_rows is not None and lora_rows.tiles is not None
-        if not (kernels and self.lora is not None and x.is_cuda and self.tp.world_size == 1
-                and x.dtype != torch.float32):
+        if not (kernels and self.lora is not None and self._rounds_here(x)):
             return self.forward(x, lora_rows), None
         out, deltas = matmul_with_deltas([self.lora], x, lora_rows,
                                          lambda: F.linear(x, self.weight))
         return out, deltas[0]
+
+    def _rounds_here(self, x: torch.Tensor) -> bool:
+        """Whether the output is cuBLAS's, in the model dtype (CUDA, world size 1, a
+        low-precision x) rather than an fp32 partial sum for the all-reduce."""
+        return x.is_cuda and self.tp.world_size == 1 and x.dtype != torch.float32
 
     def _plus_delta(self, out: torch.Tensor, x: torch.Tensor, lora_rows: LoraRows | None,
                     pending: PendingShrink | None) -> torch.Tensor:

@@ -159,8 +159,9 @@ class LoraSlots(nn.Module):
 @dataclass(frozen=True)
 class PendingShrink:
     """The LoRA shrink of projections that share an input (q/k/v, gate/up, or one), launched
-    before their base matmul: on CUDA on a side stream, so it runs beside the matmul; the expand
-    (`expand_into`) adds the deltas once the outputs exist."""
+    with their base matmul: on CUDA on a side stream, so it runs beside the matmul; the expand
+    adds the deltas into the outputs once they exist (`expand_into`), or writes them into
+    buffers beside the matmul still (`expand_deltas`)."""
 
     loras: tuple[LoraSlots | None, ...]  # one per output; None: no delta for it this step
     t: torch.Tensor  # [num_edited, num_rows, num_k_chunks, width] float32, from lora_shrink
@@ -173,15 +174,36 @@ class PendingShrink:
         if self.side is not None:
             torch.cuda.current_stream().wait_stream(self.side)
 
+    @property
+    def tables(self) -> list[LoraSlots]:
+        return [self.loras[i] for i in self.edited]
+
+    def _expand(self, outs: Sequence[torch.Tensor], deltas: bool) -> None:
+        from lorad.workers.kernels.lora_expand import lora_expand
+        tables = self.tables
+        lora_expand(self.t, outs, [lora.lora_b for lora in tables],
+                    [lora.rank_table for lora in tables], [lora.scale_table for lora in tables],
+                    self.tiles, deltas=deltas)
+
     def expand_into(self, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Add each edited output's delta into it, in place (the expand kernel); -> outs."""
-        from lorad.workers.kernels.lora_expand import lora_expand
         self.wait()
-        tables = [self.loras[i] for i in self.edited]
-        lora_expand(self.t, [outs[i] for i in self.edited], [lora.lora_b for lora in tables],
-                    [lora.rank_table for lora in tables], [lora.scale_table for lora in tables],
-                    self.tiles)
+        self._expand([outs[i] for i in self.edited], deltas=False)
         return list(outs)
+
+    def expand_deltas(self, buffers: Sequence[torch.Tensor],
+                      row_slots: torch.Tensor) -> tuple["LoraDelta | None", ...]:
+        """The expand of each edited output into its fp32 buffer (one per edited table, in
+        order), on the shrink's stream, then the join: -> each output's LoraDelta or None.
+        The buffers must exist before the fork (see matmul_with_deltas)."""
+        with torch.cuda.stream(self.side) if self.side is not None \
+                else contextlib.nullcontext():
+            self._expand(buffers, deltas=True)
+        self.wait()
+        deltas: list[LoraDelta | None] = [None] * len(self.loras)
+        for i, lora, buffer in zip(self.edited, self.tables, buffers):
+            deltas[i] = LoraDelta(buffer, lora.rank_table, row_slots)
+        return tuple(deltas)
 
 
 # Shrinks run on a side stream on CUDA, beside the base matmul they do not depend on (False: on
@@ -216,6 +238,13 @@ def start_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor,
     return matmul_and_shrink(loras, x, rows, None)[1]
 
 
+def _edited(loras: Sequence[LoraSlots | None], rows: LoraRows | None) -> tuple[int, ...]:
+    """The projections whose LoRA kernels run this step (none on the torch path)."""
+    if rows is None or rows.tiles is None:
+        return ()
+    return tuple(i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora))
+
+
 def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: LoraRows | None,
                       matmul: Callable[[], torch.Tensor] | None
                       ) -> tuple[torch.Tensor | None, PendingShrink | None]:
@@ -223,9 +252,8 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
     product (None without a matmul) and, on the kernel path, the LoRA shrink launched beside it
     on the side stream (None when none of the projections gets a delta this step, or on the
     torch path, which adds its deltas in add_lora_deltas). The caller finishes with
-    expand_into."""
-    edited = () if rows is None or rows.tiles is None else tuple(
-        i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora))
+    expand_into or expand_deltas."""
+    edited = _edited(loras, rows)
     if not edited:
         return (None if matmul is None else matmul()), None
     # Lazily: the CPU never imports triton.
@@ -235,8 +263,9 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
     side = _side_stream(x.device)
     if side is not None:
         # Forked from the current stream here, where x is ready and the matmul not yet queued,
-        # joined in wait(). t, allocated on the side stream, can be reused only by a later
-        # shrink there, which is forked after the expand that reads t.
+        # joined in wait(). t, allocated on the side stream, is used only there (by the shrink,
+        # and by the expand of expand_deltas) or after the join (expand_into), and can be reused
+        # only by a later shrink there, forked after the expand that reads t.
         side.wait_stream(torch.cuda.current_stream())
     out = matmul() if matmul is not None and MATMUL_FIRST else None
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -273,39 +302,17 @@ def matmul_with_deltas(loras: Sequence[LoraSlots | None], x: torch.Tensor,
     the current stream and, beside it on the side stream, the shrink and the expand of the
     projections that share x into fp32 delta buffers, joined before returning (the consumer
     kernel comes next). No delta (all None) when no projection is edited this step."""
-    edited = () if rows is None or rows.tiles is None else tuple(
-        i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora))
+    edited = _edited(loras, rows)
     if not edited:
         return matmul(), (None,) * len(loras)
-    from lorad.workers.kernels.lora_expand import lora_expand
-    from lorad.workers.kernels.lora_shrink import MAX_TABLES, lora_shrink
-    assert len(edited) <= MAX_TABLES, f"at most {MAX_TABLES} projections share an input"
     assert rows.row_slots is not None
-    tables = [loras[i] for i in edited]
     # Allocated on the current stream before the fork: the side stream writes them after every
     # earlier use of their memory there, and the current one reads and frees them after the
     # join, so the allocator's reuse stays ordered.
-    num_rows = x.shape[0]
-    buffers = [torch.empty(num_rows, lora.lora_b.shape[1], dtype=torch.float32, device=x.device)
-               for lora in tables]
-    side = _side_stream(x.device)
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream())
-    out = matmul() if MATMUL_FIRST or side is None else None
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        t = lora_shrink(x, [lora.lora_a for lora in tables],
-                        [lora.rank_table for lora in tables], rows.tiles)
-        lora_expand(t, buffers, [lora.lora_b for lora in tables],
-                    [lora.rank_table for lora in tables], [lora.scale_table for lora in tables],
-                    rows.tiles, deltas=True)
-    if out is None:
-        out = matmul()
-    if side is not None:
-        torch.cuda.current_stream().wait_stream(side)
-    deltas: list[LoraDelta | None] = [None] * len(loras)
-    for i, lora, buffer in zip(edited, tables, buffers):
-        deltas[i] = LoraDelta(buffer, lora.rank_table, rows.row_slots)
-    return out, tuple(deltas)
+    buffers = [torch.empty(x.shape[0], loras[i].lora_b.shape[1], dtype=torch.float32,
+                           device=x.device) for i in edited]
+    out, pending = matmul_and_shrink(loras, x, rows, matmul)
+    return out, pending.expand_deltas(buffers, rows.row_slots)
 
 
 def add_lora_deltas(loras: Sequence[LoraSlots | None], outs: Sequence[torch.Tensor],
