@@ -18,6 +18,7 @@ through `adapter_names`). Prints the conditions and a markdown table last.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import datetime
@@ -43,12 +44,15 @@ from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lorad.workers import lora as lora_module  # noqa: E402
-from lorad.workers.kernels import lora_expand, lora_shrink, lora_tiles, pdl  # noqa: E402
+from lorad.workers.kernels import lora_expand, lora_shrink, lora_tiles  # noqa: E402
+from lorad.workers.kernels import paged_attention, pdl  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
 from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
+VARIANT_MODULES = {"lora": lora_module, "lora_tiles": lora_tiles,
+                   "paged_attention": paged_attention, "pdl": pdl}
 BLOCK_SIZE = 16
 PROMPT_ID_RANGE = (100, 1000)
 rows: list[dict] = []  # the table
@@ -83,6 +87,14 @@ def parse_args() -> argparse.Namespace:
                    help="also time one and mixed4 at the --serial-shrink batches with the LoRA "
                         "kernels' persistent grids at these programs per SM "
                         "(lora_tiles.PROGRAMS_PER_SM), graphs captured again")
+    p.add_argument("--variant", default="",
+                   help="';'-separated settings, each timed for --variant-cases at "
+                        "--variant-batches with graphs captured again: MODULE.NAME=VALUE "
+                        "(a Python literal) joined by '+', MODULE one of "
+                        f"{','.join(sorted(VARIANT_MODULES))}, or 'main' for main's settings "
+                        "again, e.g. 'pdl.MAX_ROWS=64;main;lora_tiles.PROGRAMS_PER_SM=4'")
+    p.add_argument("--variant-cases", default="idle,one,many")
+    p.add_argument("--variant-batches", type=ints, default=[1, 32, 64])
     p.add_argument("--eager-batches", type=ints, default=[1, 32],
                    help="also time these batches without graphs (base and many)")
     p.add_argument("--context", type=int, default=512,
@@ -452,6 +464,25 @@ def lora_configs(variant: str):
         lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG, lora_tiles.BLOCK_M = saved
 
 
+@contextlib.contextmanager
+def settings(variant: str):
+    """--variant's module settings for the block ('main': none), put back after it."""
+    saved = []
+    try:
+        for part in [] if variant == "main" else variant.split("+"):
+            target, _, text = part.partition("=")
+            module_name, _, name = target.partition(".")
+            module = VARIANT_MODULES.get(module_name)
+            if module is None or not hasattr(module, name) or not text:
+                raise SystemExit(f"--variant: cannot read {part!r}")
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, ast.literal_eval(text))
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
 def bench_with(module, name: str, value, model, args, floor: Floor, cases: list[str],
                blocks_per_seq: int, batches: list[int], label: str) -> None:
     """Time `cases` at `batches` with module.name set to value and the graphs captured again,
@@ -614,6 +645,16 @@ def main() -> int:
                              batches=args.lora_config_batches, label=f" ({variant})")
                 if args.prefill and "many" in adapter_cases:
                     bench_prefill(model, "many", args, flops, floor, label=f" ({variant})")
+            del graphs
+        for variant in [v for v in args.variant.split(";") if v]:
+            gc.collect()
+            torch.cuda.empty_cache()
+            timed = [c for c in args.variant_cases.split(",") if c in adapter_cases]
+            with settings(variant):
+                graphs = capture(model, args, args.num_adapters)
+                graph_only = argparse.Namespace(**{**vars(args), "eager_batches": []})
+                bench_decode(model, graphs, floor, timed, graph_only, blocks_per_seq,
+                             batches=args.variant_batches, label=f" ({variant})")
             del graphs
         for per_sm in args.programs_per_sm if serial else []:
             bench_with(lora_tiles, "PROGRAMS_PER_SM", per_sm, model, args, floor, serial,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import sys
 import tempfile
 from collections import defaultdict
@@ -154,10 +155,8 @@ def trace_kernels(path: Path) -> list[dict]:
 
 def main() -> int:
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    from bench_engine import (BLOCK_SIZE, build_lorad, decode_steps, load_adapters,
-                              slots_for, write_adapter)
+    from bench_engine import BLOCK_SIZE, build_lorad, load_adapters, settings, write_adapter
     from lorad.config import ModelConfig
     from lorad.workers.cuda_graph import DecodeGraphs
 
@@ -171,6 +170,9 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--top", type=int, default=16)
     p.add_argument("--trace-out", help="a folder for each case's kernels (JSON lines, gzip)")
+    p.add_argument("--variant", default="main",
+                   help="';'-separated settings as bench_engine.py --variant takes them, each "
+                        "profiled with graphs captured again ('main': main's settings)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("profile_graph.py needs a CUDA GPU", file=sys.stderr)
@@ -182,11 +184,27 @@ def main() -> int:
     model = build_lorad(config, max_batch, blocks_per_seq)
     with tempfile.TemporaryDirectory() as tmp:
         load_adapters(model, write_adapter(Path(tmp), config, 16), args.num_adapters)
-    graphs = DecodeGraphs(model, max_batch, args.max_model_len, BLOCK_SIZE, args.num_adapters)
-    graphs.capture()
     out_dir = Path(args.trace_out) if args.trace_out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
+    for variant in [v for v in args.variant.split(";") if v]:
+        with settings(variant):
+            graphs = DecodeGraphs(model, max_batch, args.max_model_len, BLOCK_SIZE,
+                                  args.num_adapters)
+            graphs.capture()
+            profile_cases(graphs, cases, args, blocks_per_seq, out_dir,
+                          "" if variant == "main" else f" ({variant})")
+        del graphs
+        torch.cuda.empty_cache()
+    return 0
+
+
+def profile_cases(graphs, cases: list[tuple[str, int]], args, blocks_per_seq: int,
+                  out_dir: Path | None, label_text: str) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_engine import decode_steps, slots_for
     for case, batch in cases:
         slots = slots_for(case, batch, args.num_adapters)
         steps = list(decode_steps(slots, args.context, blocks_per_seq, 3))
@@ -203,17 +221,19 @@ def main() -> int:
             prof.export_chrome_trace(str(trace))
             kernels = trace_kernels(trace)
         replays = split_replays(kernels, args.replays)
-        name = f"{case} b{batch}"
+        name = f"{case} b{batch}{label_text}"
         print(report(name, [summarize(r) for r in replays], args.top), flush=True)
         if out_dir:
             best = min(replays, key=lambda r: max(k["ts"] + k["dur"] for k in r) - r[0]["ts"])
             t0 = best[0]["ts"]
-            with gzip.open(out_dir / f"{case}-b{batch}.jsonl.gz", "wt") as f:
+            # Letters, digits and -_. only: the variant's text may hold quotes and '+'.
+            tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", label_text.strip(" ()"))
+            file_name = f"{case}-b{batch}{'-' + tag if tag else ''}.jsonl.gz"
+            with gzip.open(out_dir / file_name, "wt") as f:
                 for k in label(best):
                     f.write(json.dumps({"what": k["what"], "name": k["name"][:80],
                                         "stream": k["stream"], "start": round(k["ts"] - t0, 3),
                                         "dur": k["dur"]}) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,42 @@
+"""scripts/bench_engine.py --variant (also profile_graph.py's): settings applied for the block,
+put back after it, even when it fails, and a setting it cannot read refused by name."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (the `gpu` extra)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+
+def test_settings_apply_inside_the_block_only():
+    import bench_engine
+    from lorad.workers import lora
+    from lorad.workers.kernels import lora_tiles, pdl
+    before = (lora.MATMUL_FIRST, lora_tiles.PROGRAMS_PER_SM, pdl.MAX_ROWS)
+    with bench_engine.settings("lora.MATMUL_FIRST=False+lora_tiles.PROGRAMS_PER_SM=4"
+                               "+pdl.MAX_ROWS=64"):
+        assert (lora.MATMUL_FIRST, lora_tiles.PROGRAMS_PER_SM, pdl.MAX_ROWS) == (False, 4, 64)
+    assert (lora.MATMUL_FIRST, lora_tiles.PROGRAMS_PER_SM, pdl.MAX_ROWS) == before
+    with bench_engine.settings("main"):
+        assert (lora.MATMUL_FIRST, lora_tiles.PROGRAMS_PER_SM, pdl.MAX_ROWS) == before
+    with pytest.raises(RuntimeError), bench_engine.settings("pdl.MAX_ROWS=8"):
+        assert pdl.MAX_ROWS == 8
+        raise RuntimeError("the timed block failed")
+    assert pdl.MAX_ROWS == before[2]
+
+
+@pytest.mark.parametrize("text", ["nomodule.X=1", "pdl.NO_SUCH_NAME=1", "pdl.MAX_ROWS="])
+def test_a_setting_it_cannot_read_is_refused(text):
+    import bench_engine
+    from lorad.workers.kernels import pdl
+    before = pdl.MAX_ROWS
+    with pytest.raises(SystemExit, match="--variant: cannot read"):
+        with bench_engine.settings(f"pdl.MAX_ROWS=7+{text}"):
+            pass
+    assert pdl.MAX_ROWS == before  # what it had set before the bad part is put back
