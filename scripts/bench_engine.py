@@ -669,6 +669,8 @@ def main() -> int:
         gc.collect()  # its model went with the call
         torch.cuda.empty_cache()
     tmp.cleanup()
+    pdl_text = "off" if args.no_pdl else (f"up to {pdl.MAX_ROWS} rows ({pdl.MAX_ROWS_WITH_LORA}"
+                                          " in steps with LoRA launches)")
     conditions = [
         f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB),"
         f" CUDA {torch.version.cuda}; {versions()}; Python {platform.python_version()}; "
@@ -677,7 +679,7 @@ def main() -> int:
         f"bf16 matmul {flops / 1e12:.0f} TFLOP/s (8192^3, random data)",
         f"model {Path(args.config).name}: random weights, bf16, world size 1, graphs captured "
         f"for up to {max(args.batches)} sequences and --max-model-len {args.max_model_len}, "
-        f"programmatic dependent launch {'off' if args.no_pdl else f'up to {pdl.MAX_ROWS} rows'}; "
+        f"programmatic dependent launch {pdl_text}; "
         f"lorad peak memory {peak_gib:.1f} GiB",
         f"decode: {args.context} tokens of KV per sequence, {args.steps} timed steps after "
         f"{args.warmup}; step ms = inputs + forward + argmax to the host, as the worker runs "

@@ -61,7 +61,11 @@ class ShrinkConfig:
     # batch. Smaller means more programs but more partial sums for the expand to add.
     k_chunk: int = 512
     num_warps: int = 4
-    num_stages: int = 2  # loads in flight along a chunk (Hopper: cp.async into shared memory)
+    # Loads in flight along a chunk (Hopper: cp.async into shared memory). 3 against 2 on an
+    # H200 (bench_engine.py --lora-configs, 2026-12-01, one run, graph replay ms): one adapter at
+    # batch 32 6.10 against 6.15, at 64 8.05 against 8.10; four mixed at 32 6.16 against 6.23;
+    # 64 distinct at 32 9.04 against 9.18, at 64 14.22 against 14.49 (4 stages: 9.17, 14.39).
+    num_stages: int = 3
 
     def __post_init__(self) -> None:
         if self.k_chunk % self.block_k:

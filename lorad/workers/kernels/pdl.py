@@ -12,6 +12,8 @@ MAX_ROWS rows.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -22,13 +24,34 @@ ENABLED = True
 # 2026-11-30, two runs each way, graph replay) PDL took batch 1 from 4.77-4.79 to 4.70 ms and
 # batch 32 with one adapter from 7.07 to 6.96-6.97, but batch 64 from 6.38-6.40 to 6.47 (base).
 MAX_ROWS = 32
+# The same for a step that launches LoRA kernels (a `step(with_lora=True)`): there PDL pays at
+# batch 64 too. On the H200 (bench_engine.py --variant, 2026-12-01, graph replay ms, 64 against
+# 32): one adapter at batch 64 7.45 against 8.10, four mixed 7.50 against 8.20, 64 distinct 14.09
+# against 14.50; the base model at batch 64 6.48 against 6.36 (hence two limits).
+MAX_ROWS_WITH_LORA = 64
 _CAPABLE: dict[int, bool] = {}
+_lora_step = False  # inside a step(with_lora=True)
+
+
+@contextlib.contextmanager
+def step(with_lora: bool):
+    """Around a forward's launches (models/llama.py): whether the step launches LoRA kernels,
+    which sets the row limit of PDL (MAX_ROWS_WITH_LORA, else MAX_ROWS). A graph captured inside
+    keeps the launches' PDL as they were recorded."""
+    global _lora_step
+    saved, _lora_step = _lora_step, with_lora
+    try:
+        yield
+    finally:
+        _lora_step = saved
 
 
 def use_pdl(device: torch.device, num_rows: int) -> bool:
     """Whether a kernel over num_rows rows on `device` launches with PDL: CUDA compute capability
-    9.0 or later, and a step of at most MAX_ROWS rows."""
-    if not ENABLED or device.type != "cuda" or num_rows > MAX_ROWS:
+    9.0 or later, and a step of at most MAX_ROWS rows (MAX_ROWS_WITH_LORA in a step with LoRA
+    launches)."""
+    limit = MAX_ROWS_WITH_LORA if _lora_step else MAX_ROWS
+    if not ENABLED or device.type != "cuda" or num_rows > limit:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPABLE:

@@ -258,15 +258,20 @@ class LlamaForCausalLM(nn.Module):
         hidden, delta_lora = None, None
         delta = self.model.embed_tokens(batch.input_ids)  # [num_rows, hidden]
         lora = LoraRows.from_batch(batch, launch_always=lora_launch_always)
-        for layer in self.model.layers:
-            hidden, delta, delta_lora = layer(hidden, delta, delta_lora, rotary, ctx,
-                                              lora if lora.any_delta else None)
-        if kernel_path(delta.device):
+        if not kernel_path(delta.device):
+            for layer in self.model.layers:
+                hidden, delta, delta_lora = layer(hidden, delta, delta_lora, rotary, ctx,
+                                                  lora if lora.any_delta else None)
+            rows = batch.sample_rows
+            _, normed = self.model.norm.add_and_norm(delta[rows], hidden[rows])
+            return self.lm_head(normed)
+        from lorad.workers.kernels import pdl  # lazily: the CPU never imports triton
+        with pdl.step(with_lora=lora.any_delta):
+            for layer in self.model.layers:
+                hidden, delta, delta_lora = layer(hidden, delta, delta_lora, rotary, ctx,
+                                                  lora if lora.any_delta else None)
             # The last residual add fused with the final norm, on every row (as cheap as
             # picking the rows first, and one kernel).
             _, normed = self.model.norm.add_and_norm(delta, hidden, delta_lora)
             normed = normed[batch.sample_rows]  # [num_sampled, hidden]
-        else:
-            rows = batch.sample_rows
-            _, normed = self.model.norm.add_and_norm(delta[rows], hidden[rows])
-        return self.lm_head(normed)
+            return self.lm_head(normed)
