@@ -84,8 +84,11 @@ def max_tiles_any_mixture(num_rows: int) -> int:
 # Measured on an H200 (scripts/bench_lora_kernels.py --programs-per-sm, one decode step's 256
 # LoRA launches in a graph): with a distinct adapter per row, 16 gives 7.55 ms at batch 32 and
 # 14.31 at 64 against 8.07 and 15.25 with 8 (and 10.20, 19.72 with 2); one adapter on every row
-# is the same within 2% from 4 to 16.
-PROGRAMS_PER_SM = 16
+# is the same within 2% from 4 to 16. In the engine (bench_engine.py --variant, 2026-12-01, two
+# runs, graph replay ms) 32 against 16: 64 distinct adapters at batch 64 14.06 against 14.50 and
+# 13.36 against 13.95; one adapter at batch 64 8.15 against 8.11 and 7.50 against 7.40, four
+# mixed 8.21 against 8.21 and 7.53 against 7.47; batch 32 and 1 the same within 0.03.
+PROGRAMS_PER_SM = 32
 CPU_PROGRAMS = 64  # under TRITON_INTERPRET=1 programs run one after another
 
 
