@@ -90,7 +90,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--variant", default="",
                    help="';'-separated settings, each timed for --variant-cases at "
                         "--variant-batches with graphs captured again: MODULE.NAME=VALUE "
-                        "(a Python literal) joined by '+', MODULE one of "
+                        "(a Python literal; module constants read at the call, not a "
+                        "function's default argument) joined by '+', MODULE one of "
                         f"{','.join(sorted(VARIANT_MODULES))}, or 'main' for main's settings "
                         "again, e.g. 'pdl.MAX_ROWS=64;main;lora_tiles.PROGRAMS_PER_SM=4'")
     p.add_argument("--variant-cases", default="idle,one,many")

@@ -7,7 +7,7 @@ visible; nothing is read or written before that wait, so the arithmetic and ever
 the same with PDL on or off, and only the gap between launches shrinks. In a CUDA graph the
 launches keep that relation. scripts/bench_pdl.py measured the gap it saves on an H200.
 ENABLED off (scripts/bench_engine.py --no-pdl) launches them plainly, as do steps of more than
-MAX_ROWS rows.
+MAX_ROWS rows (MAX_ROWS_WITH_LORA in a step that launches LoRA kernels, see step()).
 """
 
 from __future__ import annotations
