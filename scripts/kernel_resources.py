@@ -35,7 +35,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from lorad.workers.kernels import (fused_ops, lora_expand, lora_shrink,  # noqa: E402
-                                   lora_tiles, paged_attention, token_draw)
+                                   lora_tiles, paged_attention, pdl, token_draw)
 
 FLOAT_SCALARS = {"scale", "eps"}
 REGISTERS_PER_SM = 65536
@@ -107,14 +107,16 @@ def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
                 f"lora shrink, {tables} table(s), {config}", lora_shrink._shrink_kernel,
                 {"NUM_TABLES": tables, "BLOCK_M": block_m, "BLOCK_R": config.block_r,
                  "BLOCK_K": config.block_k, "K_CHUNK": config.k_chunk,
-                 "NUM_STAGES": config.num_stages, "PDL": True},
+                 "NUM_STAGES": config.num_stages, "PDL": True,
+                 "TRIGGER_LATE": pdl.LORA_TRIGGER_LATE},
                 config.num_warps, config.num_stages, lora_types))
     for config in expand_configs:
         for tables in (3, 1):
             specs.append(Spec(
                 f"lora expand, {tables} table(s), {config}", lora_expand._expand_kernel,
                 {"NUM_TABLES": tables, "BLOCK_M": block_m, "BLOCK_N": config.block_n,
-                 "BLOCK_R": config.block_r, "MAX_CHUNKS": 8, "DELTA": True, "PDL": True},
+                 "BLOCK_R": config.block_r, "MAX_CHUNKS": 8, "DELTA": True, "PDL": True,
+                 "TRIGGER_LATE": pdl.LORA_TRIGGER_LATE},
                 config.num_warps, config.num_stages,
                 # The model's way: fp32 delta buffers (lora.LoraDelta).
                 {**lora_types, **{f"out{i}_ptr": "fp32" for i in range(3)}}))

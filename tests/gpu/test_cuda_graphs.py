@@ -101,11 +101,14 @@ def test_padding_writes_no_kv(decode_run):
         assert written, num_seqs  # the real rows did write
 
 
-def test_programmatic_dependent_launch_changes_no_bit(model, monkeypatch):
-    """A graph captured with the kernels launched under PDL (kernels/pdl.py) gives the bits of
-    the same padded step with them launched plainly, eagerly."""
+@pytest.mark.parametrize("lora_trigger_late", [False, True])
+def test_programmatic_dependent_launch_changes_no_bit(model, monkeypatch, lora_trigger_late):
+    """A graph captured with the kernels launched under PDL (kernels/pdl.py), the LoRA kernels
+    letting their dependants launch at their start or at their end, gives the bits of the same
+    padded step with them launched plainly, eagerly."""
     if not pdl.use_pdl(CUDA, MAX_NUM_SEQS):
         pytest.skip("PDL needs compute capability 9.0 (and steps of at most pdl.MAX_ROWS rows)")
+    monkeypatch.setattr(pdl, "LORA_TRIGGER_LATE", lora_trigger_late)
     graphs = DecodeGraphs(model, MAX_NUM_SEQS, MAX_LEN, BLOCK_SIZE, num_adapters=3)
     graphs.capture()
     plain = DecodeGraphs(model, MAX_NUM_SEQS, MAX_LEN, BLOCK_SIZE, num_adapters=3)

@@ -28,7 +28,9 @@ import triton.language as tl
 from lorad.workers.kernels.launch_math import next_power_of_2
 from lorad.workers.kernels.lora_shrink import MAX_TABLES, load_tile, pad_tables, table_block_ends
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
-from lorad.workers.kernels.pdl import launch_options, wait_for_previous
+from lorad.workers.kernels import pdl
+from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch, wait_for_previous,
+                                        wait_for_previous_only)
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,12 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                    max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
                    tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, NUM_TABLES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   MAX_CHUNKS: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+                   MAX_CHUNKS: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr,
+                   TRIGGER_LATE: tl.constexpr):
+    if TRIGGER_LATE:
+        wait_for_previous_only(PDL)
+    else:
+        wait_for_previous(PDL)
     # Work item = (tile, block); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
     num_items = (tl.load(num_tiles_ptr) * num_blocks).to(tl.int32)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
@@ -146,6 +152,8 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                               out2_ptr, stride_out2, N2, b2_ptr, ranks2_ptr, scales2_ptr,
                               max_rank2, block - blocks_end1, slot, rows, in_tile, BLOCK_M,
                               BLOCK_N, BLOCK_R, MAX_CHUNKS, DELTA)
+    if TRIGGER_LATE:
+        let_dependents_launch(PDL)
 
 
 def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequence[torch.Tensor],
@@ -193,5 +201,6 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, NUM_TABLES=num_tables,
         BLOCK_M=tiles.block_m, BLOCK_N=config.block_n, BLOCK_R=config.block_r,
         MAX_CHUNKS=next_power_of_2(t.shape[2]), DELTA=deltas,
+        TRIGGER_LATE=pdl.LORA_TRIGGER_LATE,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **launch_options(t.device, tiles.num_rows))

@@ -1,9 +1,10 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels, on Hopper and later.
 
 A kernel launched with launch_pdl=True may be put on the GPU while the kernel before it in the
-stream is still finishing. Each of ours first tells its own dependants they may launch, then
-waits (griddepcontrol.wait) until the kernel before it has completed and its writes are
-visible; nothing is read or written before that wait, so the arithmetic and every result are
+stream is still finishing. Each of ours first tells its own dependants they may launch (the
+LoRA kernels only after their last store, see LORA_TRIGGER_LATE), then waits
+(griddepcontrol.wait) until the kernel before it has completed and its writes are visible;
+nothing is read or written before that wait, so the arithmetic and every result are
 the same with PDL on or off, and only the gap between launches shrinks. In a CUDA graph the
 launches keep that relation. scripts/bench_pdl.py measured the gap it saves on an H200.
 ENABLED off (scripts/bench_engine.py --no-pdl) launches them plainly, as do steps of more than
@@ -73,3 +74,29 @@ def wait_for_previous(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+# The LoRA kernels let their dependants launch only once their own work is done (True) rather
+# than at their start: a dependant launched early (the expand behind its shrink) holds its
+# programs' registers on every multiprocessor while it waits, where the base matmul beside the
+# LoRA kernels could run. On an H200 (bench_engine.py --variant, 2026-12-01 13:50 UTC, graph
+# replay ms, two rounds of True around one of False): one adapter at batch 1 4.95, 4.95 against
+# 5.52; at batch 32 5.98, 6.00 against 6.12; four mixed at 32 6.05, 6.04 against 6.19; 64
+# distinct at 32 8.99, 9.01 against 9.08; at batch 64 the same within 0.05.
+LORA_TRIGGER_LATE = True
+
+
+@triton.jit
+def wait_for_previous_only(PDL: tl.constexpr):
+    """At a PDL kernel's start, before any load or store: wait for the one before to complete,
+    letting the next one launch only at let_dependents_launch (or at this kernel's end)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def let_dependents_launch(PDL: tl.constexpr):
+    """After a kernel's last store: the next kernel may launch (it still waits for this one to
+    complete before it reads anything)."""
+    if PDL:
+        gdc_launch_dependents()
