@@ -67,15 +67,6 @@ def launch_options(device: torch.device, num_rows: int) -> dict[str, bool]:
     return {"PDL": pdl, "launch_pdl": pdl}
 
 
-@triton.jit
-def wait_for_previous(PDL: tl.constexpr):
-    """At a PDL kernel's start, before any load or store: let the next kernel launch, then wait
-    for the one before to complete."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
 # The LoRA kernels let their dependants launch only once their own work is done (True) rather
 # than at their start: a dependant launched early (the expand behind its shrink) holds its
 # programs' registers on every multiprocessor while it waits, where the base matmul beside the
@@ -100,3 +91,11 @@ def let_dependents_launch(PDL: tl.constexpr):
     complete before it reads anything)."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """At a PDL kernel's start, before any load or store: let the next kernel launch, then wait
+    for the one before to complete."""
+    let_dependents_launch(PDL)
+    wait_for_previous_only(PDL)
