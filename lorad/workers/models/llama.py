@@ -9,6 +9,7 @@ are built once here and handed to every projection.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,15 @@ from lorad.workers.loader import load_adapter_weights, load_random_weights, load
 from lorad.workers.lora import LoraDelta, LoraRows, add_lora_deltas
 from lorad.workers.parallel import TensorParallel
 from lorad.workers.rotary import RotaryEmbedding, apply_rotary
+
+
+def _launches(device: torch.device, with_lora: bool):
+    """Around a step's forward: on the kernel path, the launch settings of a step with or
+    without LoRA kernels (kernels/pdl.py's step); nothing on the torch path."""
+    if not kernel_path(device):
+        return contextlib.nullcontext()
+    from lorad.workers.kernels import pdl  # lazily: the CPU never imports triton
+    return pdl.step(with_lora=with_lora)
 
 
 @dataclass(frozen=True)
@@ -258,20 +268,16 @@ class LlamaForCausalLM(nn.Module):
         hidden, delta_lora = None, None
         delta = self.model.embed_tokens(batch.input_ids)  # [num_rows, hidden]
         lora = LoraRows.from_batch(batch, launch_always=lora_launch_always)
-        if not kernel_path(delta.device):
+        with _launches(delta.device, lora.any_delta):
             for layer in self.model.layers:
                 hidden, delta, delta_lora = layer(hidden, delta, delta_lora, rotary, ctx,
                                                   lora if lora.any_delta else None)
-            rows = batch.sample_rows
-            _, normed = self.model.norm.add_and_norm(delta[rows], hidden[rows])
-            return self.lm_head(normed)
-        from lorad.workers.kernels import pdl  # lazily: the CPU never imports triton
-        with pdl.step(with_lora=lora.any_delta):
-            for layer in self.model.layers:
-                hidden, delta, delta_lora = layer(hidden, delta, delta_lora, rotary, ctx,
-                                                  lora if lora.any_delta else None)
-            # The last residual add fused with the final norm, on every row (as cheap as
-            # picking the rows first, and one kernel).
-            _, normed = self.model.norm.add_and_norm(delta, hidden, delta_lora)
-            normed = normed[batch.sample_rows]  # [num_sampled, hidden]
+            if kernel_path(delta.device):
+                # The last residual add fused with the final norm, on every row (as cheap as
+                # picking the rows first, and one kernel).
+                _, normed = self.model.norm.add_and_norm(delta, hidden, delta_lora)
+                normed = normed[batch.sample_rows]  # [num_sampled, hidden]
+            else:
+                rows = batch.sample_rows
+                _, normed = self.model.norm.add_and_norm(delta[rows], hidden[rows])
             return self.lm_head(normed)
