@@ -466,39 +466,41 @@ def lora_configs(variant: str):
 
 
 @contextlib.contextmanager
+def setting(module, name: str, value):
+    """module.name = value for the block, put back after it."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+@contextlib.contextmanager
 def settings(variant: str):
     """--variant's module settings for the block ('main': none), put back after it."""
-    saved = []
-    try:
+    with contextlib.ExitStack() as stack:
         for part in [] if variant == "main" else variant.split("+"):
             target, _, text = part.partition("=")
             module_name, _, name = target.partition(".")
             module = VARIANT_MODULES.get(module_name)
             if module is None or not hasattr(module, name) or not text:
                 raise SystemExit(f"--variant: cannot read {part!r}")
-            saved.append((module, name, getattr(module, name)))
-            setattr(module, name, ast.literal_eval(text))
+            stack.enter_context(setting(module, name, ast.literal_eval(text)))
         yield
-    finally:
-        for module, name, value in reversed(saved):
-            setattr(module, name, value)
 
 
-def bench_with(module, name: str, value, model, args, floor: Floor, cases: list[str],
-               blocks_per_seq: int, batches: list[int], label: str) -> None:
-    """Time `cases` at `batches` with module.name set to value and the graphs captured again,
-    then put the setting back."""
+def bench_with(context, model, args, floor: Floor, cases: list[str], blocks_per_seq: int,
+               batches: list[int], label: str) -> None:
+    """Time `cases` at `batches` inside `context` (settings put back after it) with the graphs
+    captured again."""
     gc.collect()
     torch.cuda.empty_cache()
-    default = getattr(module, name)
-    setattr(module, name, value)
-    try:
+    with context:
         graphs = capture(model, args, args.num_adapters)
         bench_decode(model, graphs, floor, cases, args, blocks_per_seq, batches=batches,
                      label=label)
         del graphs
-    finally:
-        setattr(module, name, default)
 
 
 def capture(model, args, num_adapters: int) -> DecodeGraphs | None:
@@ -630,11 +632,11 @@ def main() -> int:
         del graphs
         serial = [c for c in ("one", "mixed4") if c in adapter_cases]
         if args.serial_shrink and serial:
-            bench_with(lora_module, "SIDE_STREAM", False, model, args, floor, serial,
+            bench_with(setting(lora_module, "SIDE_STREAM", False), model, args, floor, serial,
                        blocks_per_seq, args.serial_shrink, " (serial shrink)")
         first = [c for c in ("one", "mixed4", "many") if c in adapter_cases]
         if args.shrink_first and first:
-            bench_with(lora_module, "MATMUL_FIRST", False, model, args, floor, first,
+            bench_with(setting(lora_module, "MATMUL_FIRST", False), model, args, floor, first,
                        blocks_per_seq, args.shrink_first, " (shrink first)")
         for variant in [v for v in args.lora_configs.split(";") if v]:
             gc.collect()
@@ -647,18 +649,13 @@ def main() -> int:
                 if args.prefill and "many" in adapter_cases:
                     bench_prefill(model, "many", args, flops, floor, label=f" ({variant})")
             del graphs
+        graph_only = argparse.Namespace(**{**vars(args), "eager_batches": []})
+        timed = [c for c in args.variant_cases.split(",") if c in adapter_cases]
         for variant in [v for v in args.variant.split(";") if v]:
-            gc.collect()
-            torch.cuda.empty_cache()
-            timed = [c for c in args.variant_cases.split(",") if c in adapter_cases]
-            with settings(variant):
-                graphs = capture(model, args, args.num_adapters)
-                graph_only = argparse.Namespace(**{**vars(args), "eager_batches": []})
-                bench_decode(model, graphs, floor, timed, graph_only, blocks_per_seq,
-                             batches=args.variant_batches, label=f" ({variant})")
-            del graphs
+            bench_with(settings(variant), model, graph_only, floor, timed, blocks_per_seq,
+                       args.variant_batches, f" ({variant})")
         for per_sm in args.programs_per_sm if serial else []:
-            bench_with(lora_tiles, "PROGRAMS_PER_SM", per_sm, model, args, floor, serial,
+            bench_with(setting(lora_tiles, "PROGRAMS_PER_SM", per_sm), model, args, floor, serial,
                        blocks_per_seq, args.serial_shrink or [32], f" ({per_sm}/SM)")
         del floor
     peak_gib = torch.cuda.max_memory_allocated(CUDA) / 2**30
