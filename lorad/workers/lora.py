@@ -230,14 +230,6 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return _SIDE_STREAMS[index]
 
 
-def start_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor,
-                 rows: LoraRows | None) -> PendingShrink | None:
-    """Launch the shrink of the projections that share the input x, on the kernel path; None
-    when none of them gets a delta this step (or on the torch path, which adds its deltas in
-    add_lora_deltas). The caller finishes with expand_into."""
-    return matmul_and_shrink(loras, x, rows, None)[1]
-
-
 def _edited(loras: Sequence[LoraSlots | None], rows: LoraRows | None) -> tuple[int, ...]:
     """The projections whose LoRA kernels run this step (none on the torch path)."""
     if rows is None or rows.tiles is None:
@@ -324,5 +316,5 @@ def add_lora_deltas(loras: Sequence[LoraSlots | None], outs: Sequence[torch.Tens
     if rows is None or rows.tiles is None:
         return [out if lora is None else lora.add_delta(out, x, rows)
                 for lora, out in zip(loras, outs)]
-    pending = start_shrink(loras, x, rows)
+    _, pending = matmul_and_shrink(loras, x, rows, None)  # the outputs exist already
     return list(outs) if pending is None else pending.expand_into(outs)
