@@ -44,14 +44,14 @@ from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lorad.workers import lora as lora_module  # noqa: E402
-from lorad.workers.kernels import lora_expand, lora_shrink, lora_tiles  # noqa: E402
+from lorad.workers.kernels import decode_gemv, lora_expand, lora_shrink, lora_tiles  # noqa: E402
 from lorad.workers.kernels import paged_attention, pdl  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
 from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
-VARIANT_MODULES = {"lora": lora_module, "lora_tiles": lora_tiles,
+VARIANT_MODULES = {"decode_gemv": decode_gemv, "lora": lora_module, "lora_tiles": lora_tiles,
                    "paged_attention": paged_attention, "pdl": pdl}
 BLOCK_SIZE = 16
 PROMPT_ID_RANGE = (100, 1000)
@@ -90,10 +90,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--variant", default="",
                    help="';'-separated settings, each timed for --variant-cases at "
                         "--variant-batches with graphs captured again: MODULE.NAME=VALUE "
-                        "(a Python literal; module constants read at the call, not a "
-                        "function's default argument) joined by '+', MODULE one of "
+                        "(a Python literal, a dict for some fields of a dataclass setting; "
+                        "module constants read at the call, not a function's default "
+                        "argument) joined by '+', MODULE one of "
                         f"{','.join(sorted(VARIANT_MODULES))}, or 'main' for main's settings "
-                        "again, e.g. 'pdl.MAX_ROWS=64;main;lora_tiles.PROGRAMS_PER_SM=4'")
+                        "again, e.g. 'pdl.MAX_ROWS=64;main;lora_tiles.PROGRAMS_PER_SM=4;"
+                        "decode_gemv.MODEL_CONFIG={\"block_k\":128}'")
     p.add_argument("--variant-cases", default="idle,one,many")
     p.add_argument("--variant-batches", type=ints, default=[1, 32, 64])
     p.add_argument("--eager-batches", type=ints, default=[1, 32],
@@ -486,7 +488,11 @@ def settings(variant: str):
             module = VARIANT_MODULES.get(module_name)
             if module is None or not hasattr(module, name) or not text:
                 raise SystemExit(f"--variant: cannot read {part!r}")
-            stack.enter_context(setting(module, name, ast.literal_eval(text)))
+            value = ast.literal_eval(text)
+            current = getattr(module, name)
+            if dataclasses.is_dataclass(current) and isinstance(value, dict):
+                value = dataclasses.replace(current, **value)  # some fields of a config
+            stack.enter_context(setting(module, name, value))
         yield
 
 

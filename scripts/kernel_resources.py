@@ -34,8 +34,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from lorad.workers.kernels import (fused_ops, lora_expand, lora_shrink,  # noqa: E402
-                                   lora_tiles, paged_attention, pdl, token_draw)
+from lorad.workers.kernels import (decode_gemv, fused_ops, lora_expand,  # noqa: E402
+                                   lora_shrink, lora_tiles, paged_attention, pdl, token_draw)
 
 FLOAT_SCALARS = {"scale", "eps"}
 REGISTERS_PER_SM = 65536
@@ -153,9 +153,23 @@ def model_specs() -> list[Spec]:
         Spec("silu * up", fused_ops._silu_mul_kernel,
              {"BLOCK": fused_ops.SILU_BLOCK, "HAS_LG": True, "HAS_LU": True, "PDL": True}, 4, 3,
              {"gate_ptr": bf16, "up_ptr": bf16, "out_ptr": bf16, **lora}),
+        gemv_spec(decode_gemv.MODEL_CONFIG, 4096),
         Spec("token draw, chunk stats", token_draw._chunk_stats_kernel,
              {"CHUNK": token_draw.CHUNK}, token_draw._warps(token_draw.CHUNK), 3, {}),
     ]
+
+
+def gemv_spec(config, k: int) -> Spec:
+    """The decode GEMV of the model's base projections (no LoRA epilogue), K = k."""
+    return Spec(f"decode GEMV, K {k}, {config}", decode_gemv._decode_gemv_kernel,
+                {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
+                 "EVEN_K": k % config.block_k == 0, "NUM_STAGES": config.num_stages,
+                 "NUM_TABLES": 0, "MAX_CHUNKS": 1, "BLOCK_R": config.lora_block_r,
+                 "PDL": True, "TRIGGER_LATE": decode_gemv.TRIGGER_LATE},
+                config.num_warps, config.num_stages,
+                {"x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "t_ptr": "bf16",
+                 "row_slots_ptr": "bf16", **{f"{name}{i}_ptr": "bf16" for i in range(3)
+                                             for name in ("b", "ranks", "scales")}})
 
 
 def parse_configs(texts, make, fields: int) -> list:

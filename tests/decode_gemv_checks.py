@@ -53,10 +53,14 @@ LORA_GPU_SHAPES = {
 
 
 def _config(tile: str):
-    from lorad.workers.kernels.decode_gemv import DEFAULT_CONFIG, GemvConfig
+    from lorad.workers.kernels.decode_gemv import DEFAULT_CONFIG, MODEL_CONFIG, GemvConfig
     # The interpreter runs programs one after another: a small tile keeps its loops short.
-    return {"default": DEFAULT_CONFIG, "small": GemvConfig(32, 64, num_warps=1, num_stages=2),
-            "lora": GemvConfig(16, 64, num_warps=1, num_stages=2)}[tile]
+    # "rows16": the model's 16 rows of x per tile, with a small tile's loops.
+    return {"default": DEFAULT_CONFIG, "model": MODEL_CONFIG,
+            "small": GemvConfig(block_n=32, block_k=64, num_warps=1, num_stages=2),
+            "rows16": GemvConfig(block_m=16, block_n=32, block_k=32, num_warps=1,
+                                 num_stages=2),
+            "lora": GemvConfig(block_n=16, block_k=64, num_warps=1, num_stages=2)}[tile]
 
 
 def _inputs(gen: torch.Generator, num_rows: int, n: int, k: int, dtype: torch.dtype,
@@ -110,7 +114,7 @@ def check_matches_reference(device: str, dtype: torch.dtype = torch.bfloat16, ou
     for shape_name, (n, k) in (shapes or CPU_SHAPES).items():
         for kind in ("normal", "integers", "one_hot"):
             x_all, w = _inputs(gen, max(batches), n, k, dtype, device, kind)
-            for num_rows in batches:
+            for num_rows in (b for b in batches if b <= _config(tile).block_m):
                 where = f"{shape_name} {dtype} out {out} M={num_rows} tile {tile} {kind} inputs"
                 x = x_all[:num_rows]
                 got = decode_matmul(x, w, out_dtype, config=_config(tile))
@@ -131,20 +135,21 @@ def check_rows_independent_of_batch(device: str, dtype: torch.dtype = torch.bflo
                                     tile: str = "small") -> None:
     """A row's bits alone equal its bits among 5, 16 or 32 rows, whatever the other rows hold, and
     rows past the batch in x's buffer (NaN here) are never read."""
-    from lorad.workers.kernels.decode_gemv import MAX_ROWS, decode_matmul
+    from lorad.workers.kernels.decode_gemv import decode_matmul
     gen = torch.Generator(device).manual_seed(5)
     out_dtype, config = OUT_DTYPES[out], _config(tile)
+    most = config.block_m  # the tile's rows: the widest batch
     for shape_name, (n, k) in (shapes or CPU_SHAPES).items():
-        x, w = _inputs(gen, MAX_ROWS, n, k, dtype, device)
+        x, w = _inputs(gen, most, n, k, dtype, device)
         full = decode_matmul(x, w, out_dtype, config=config)
-        for num_rows in batches:
+        for num_rows in (b for b in batches if b <= most):
             buffer = torch.full_like(x, float("nan"))
             buffer[:num_rows] = x[:num_rows]
             got = decode_matmul(buffer[:num_rows], w, out_dtype, config=config)
             if not torch.equal(got, full[:num_rows]):
                 raise AssertionError(f"{shape_name} {dtype} out {out}: the first {num_rows} "
-                                     f"rows differ from the same rows among {MAX_ROWS}")
-        for row in (0, 4, MAX_ROWS - 1):
+                                     f"rows differ from the same rows among {most}")
+        for row in (0, 4, most - 1):
             other = torch.randn(3, k, generator=gen, device=device).to(dtype)
             mixed = torch.cat([other[:1], x[row:row + 1], other[1:]])
             for got, how in ((decode_matmul(x[row:row + 1], w, out_dtype, config=config),
@@ -153,7 +158,7 @@ def check_rows_independent_of_batch(device: str, dtype: torch.dtype = torch.bflo
                               "among other rows")):
                 if not torch.equal(got, full[row:row + 1]):
                     raise AssertionError(f"{shape_name} {dtype} out {out}: row {row} {how} "
-                                         f"differs from row {row} among {MAX_ROWS}")
+                                         f"differs from row {row} among {most}")
 
 
 def check_views(device: str, dtype: torch.dtype = torch.bfloat16, n: int = 70, k: int = 64,
@@ -192,7 +197,7 @@ def check_refusals(device: str) -> None:
         raise AssertionError("supports() refuses a good input")
     # name -> (x, w, out_dtype, words the error must hold)
     bad = {"rows over MAX_ROWS": (torch.zeros(MAX_ROWS + 1, 32, dtype=bf16, device=device), w,
-                                  None, "MAX_ROWS"),
+                                  None, "block_m 32"),
            "K differs": (x[:, :16], w, None, "columns (K)"),
            "dtypes differ": (x, w.float(), None, "share a dtype"),
            "out_dtype fp16 for bf16": (x, w, torch.float16, "out_dtype"),
@@ -209,7 +214,11 @@ def check_refusals(device: str) -> None:
                 raise AssertionError(f"{name}: the error does not say {words!r}: {exc}")
             continue
         raise AssertionError(f"decode_matmul took a bad input: {name}")
-    for fields in (dict(block_n=24), dict(block_k=8), dict(num_warps=3), dict(num_stages=0)):
+    narrow = GemvConfig(block_m=16)
+    if supports(torch.zeros(17, 32, dtype=bf16, device=device), w, config=narrow):
+        raise AssertionError("supports() takes 17 rows for a tile of 16")
+    for fields in (dict(block_n=24), dict(block_k=8), dict(num_warps=3), dict(num_stages=0),
+                   dict(block_m=8), dict(block_m=64)):
         try:
             GemvConfig(**fields)
         except ValueError:
@@ -368,8 +377,15 @@ CHECKS = {
     "matches_reference_default_tile": (check_matches_reference,
                                        dict(dtype=torch.bfloat16, tile="default",
                                             batches=(1, 32))),
+    "matches_reference_rows16": (check_matches_reference,
+                                 dict(dtype=torch.bfloat16, tile="rows16")),
+    "matches_reference_rows16_fp32_out": (check_matches_reference,
+                                          dict(dtype=torch.bfloat16, out="fp32",
+                                               tile="rows16")),
     "rows_independent_of_batch_bf16": (check_rows_independent_of_batch,
                                        dict(dtype=torch.bfloat16)),
+    "rows_independent_of_batch_rows16": (check_rows_independent_of_batch,
+                                         dict(dtype=torch.bfloat16, tile="rows16")),
     "rows_independent_of_batch_fp32_out": (check_rows_independent_of_batch,
                                            dict(dtype=torch.bfloat16, out="fp32")),
     "rows_independent_of_batch_fp32": (check_rows_independent_of_batch,

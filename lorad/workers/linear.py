@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lorad.workers.kernel_path import kernel_path
 from lorad.workers.lora import (LoraDelta, LoraRows, LoraSlots, PendingShrink, matmul_and_shrink,
                                 matmul_with_deltas)
 from lorad.workers.parallel import TensorParallel
@@ -24,14 +25,34 @@ def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ..
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(got)}, expected {want}")
 
 
+def base_matmul(x: torch.Tensor, weight: torch.Tensor, projection: str,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x weight^T summed in fp32, rounded to x's dtype (out_dtype None) or left in fp32: on the
+    kernel path in a step of few rows (a decode step), for the projections that take it
+    (qkv, o, gate_up, down; kernels/decode_gemv.py's MODEL_TILES), the decode GEMV, launched
+    with PDL like the kernels around it (cuBLAS's are not); cuBLAS otherwise."""
+    if kernel_path(x.device):
+        from lorad.workers.kernels import decode_gemv  # lazily: the CPU never imports triton
+        config = decode_gemv.model_config(projection)
+        if (config is not None and x.shape[0] <= decode_gemv.MODEL_MAX_ROWS
+                and decode_gemv.supports(x, weight, out_dtype, config)):
+            return decode_gemv.decode_matmul(x, weight, out_dtype, config)
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, weight)
+    return torch.mm(x, weight.t(), out_dtype=out_dtype)
+
+
 def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int],
-                           loras: Sequence[LoraSlots | None], lora_rows: LoraRows | None
+                           loras: Sequence[LoraSlots | None], lora_rows: LoraRows | None,
+                           projection: str
                            ) -> tuple[list[torch.Tensor], tuple[LoraDelta | None, ...]]:
     """The kernel path's product of projections whose weights are rows of one matrix (q/k/v,
     gate/up): x weight^T in one matmul, split into the projections' outputs (column slices of
     one tensor), and each one's LoraDelta or None for the kernel that reads them next to add.
+    projection: their name for base_matmul (qkv, gate_up).
     One shrink and one expand for them all run beside the matmul (a side stream)."""
-    out, deltas = matmul_with_deltas(loras, x, lora_rows, lambda: F.linear(x, weight))
+    out, deltas = matmul_with_deltas(loras, x, lora_rows,
+                                     lambda: base_matmul(x, weight, projection))
     return list(out.split(sizes, dim=1)), deltas
 
 
@@ -86,8 +107,11 @@ class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W[:, in_start:in_end]^T: each rank a slice of the inputs."""
 
     def __init__(self, in_features: int, out_features: int, in_range: tuple[int, int],
-                 tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> None:
+                 tp: TensorParallel, dtype: torch.dtype, device: torch.device,
+                 projection: str = "") -> None:
+        """projection: the model's name for it (o, down), for base_matmul's choice of kernel."""
         super().__init__()
+        self.projection = projection
         self.in_features = in_features  # the full, unsplit size
         self.out_features = out_features
         self.in_start, self.in_end = in_range
@@ -121,7 +145,7 @@ class RowParallelLinear(nn.Module):
         rounding."""
         rounded = self._rounds_here(x)
         if rounded:  # [num_rows, out_features], the model dtype
-            matmul = lambda: F.linear(x, self.weight)  # noqa: E731
+            matmul = lambda: base_matmul(x, self.weight, self.projection)  # noqa: E731
         else:  # [num_rows, out_features] float32
             matmul = lambda: self._partial_fp32(x)  # noqa: E731
         # On the kernel path the shrink runs beside the matmul (a side stream); None otherwise.
@@ -139,7 +163,7 @@ class RowParallelLinear(nn.Module):
         if not (kernels and self.lora is not None and self._rounds_here(x)):
             return self.forward(x, lora_rows), None
         out, deltas = matmul_with_deltas([self.lora], x, lora_rows,
-                                         lambda: F.linear(x, self.weight))
+                                         lambda: base_matmul(x, self.weight, self.projection))
         return out, deltas[0]
 
     def _rounds_here(self, x: torch.Tensor) -> bool:
@@ -159,8 +183,8 @@ class RowParallelLinear(nn.Module):
         if x.dtype == torch.float32:
             return F.linear(x, self.weight)
         if x.is_cuda:
-            # cuBLAS accumulates in fp32 and can hand the fp32 result back without a rounding.
-            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+            # cuBLAS and the GEMV accumulate in fp32 and hand the fp32 sum back unrounded.
+            return base_matmul(x, self.weight, self.projection, torch.float32)
         # The CPU has no mm with an fp32 output for bf16 inputs (torch 2.13); the CPU path is for
         # tests and small models, so upcasting the shard each step is acceptable there.
         return F.linear(x.float(), self.weight.float())

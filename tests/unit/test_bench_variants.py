@@ -3,6 +3,7 @@ put back after it, even when it fails, and a setting it cannot read refused by n
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -29,6 +30,17 @@ def test_settings_apply_inside_the_block_only():
         assert pdl.MAX_ROWS == 8
         raise RuntimeError("the timed block failed")
     assert pdl.MAX_ROWS == before[2]
+
+
+def test_a_dict_sets_some_fields_of_a_dataclass_setting():
+    import bench_engine
+    from lorad.workers.kernels import decode_gemv
+    before = decode_gemv.MODEL_CONFIG
+    with bench_engine.settings("decode_gemv.MODEL_CONFIG={'num_stages':2,'block_k':64}"
+                               "+decode_gemv.MODEL_GEMV=False"):
+        assert decode_gemv.MODEL_CONFIG == dataclasses.replace(before, num_stages=2, block_k=64)
+        assert decode_gemv.MODEL_GEMV is False
+    assert decode_gemv.MODEL_CONFIG is before and decode_gemv.MODEL_GEMV is True
 
 
 @pytest.mark.parametrize("text", ["nomodule.X=1", "pdl.NO_SUCH_NAME=1", "pdl.MAX_ROWS="])

@@ -12,14 +12,25 @@ specialized; x and out are addressed with K and N, which a weight fixes), the sa
 order over K, and an MMA computes each output element from its own row of x alone. The LoRA
 epilogue keeps that: each row gathers its own slot's rows of B and its own row of the shrink's
 output, and adds its delta under a mask of its own rank.
+Launched with PDL (kernels/pdl.py) in a decode step, as lorad's other kernels are: it lets the
+kernel after it launch at its start (TRIGGER_LATE off), then waits for the one before it.
 Deliberately not here: split-K (a narrow N, such as a tensor-parallel shard, gives few
 programs; cuBLAS may win there), more than MAX_ROWS rows (prefill takes cuBLAS), bias, the LoRA
 shrink (lora_shrink.py, launched beside this kernel).
+
+The model (linear.py's base_matmul) uses it for the q/k/v projection in steps of up to 16 rows
+(MODEL_TILES, MODEL_MAX_ROWS). On an H200 (scripts/bench_engine.py --variant, 2026-12-01 14:54
+and 14:59 UTC, one machine, graph replay ms, 64 adapters loaded and idle): batch 1 4.64-4.65
+against 4.67-4.69 with cuBLAS, batch 8 4.78-4.80 against 4.85-4.86, batch 16 4.98 against
+5.04-5.05; with one adapter on every row the same within 0.02. For o, gate/up and down cuBLAS
+stays: the GEMV made batch 1 slower there (14:49, o with 16-output blocks 4.86 ms against 4.65,
+gate/up 4.75, o and down 5.56), as it did for all four without PDL (4.89 against 4.76,
+2026-11-29): o's and down's 4096 outputs give it 128 programs where cuBLAS splits K.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -27,14 +38,18 @@ import triton.language as tl
 
 from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 from lorad.workers.kernels.lora_shrink import MAX_TABLES
+from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch,
+                                       wait_for_previous_only)
 
-# The x tile's rows: a decode step of up to 32 sequences in one tile (a multiple of the MMA's 16).
+# The widest x tile: a decode step of up to 32 sequences in one tile (a multiple of the MMA's 16).
 MAX_ROWS = 32
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
 class GemvConfig:
+    # Rows of the x tile: the most rows one call takes (a multiple of 16, at most MAX_ROWS).
+    block_m: int = MAX_ROWS
     # Outputs per program: N / block_n programs, each reading block_n rows of w in full.
     block_n: int = 32
     # Inputs per step: block_n * block_k elements of w per load, num_stages - 1 loads in flight.
@@ -46,6 +61,8 @@ class GemvConfig:
     lora_block_r: int = 4
 
     def __post_init__(self) -> None:
+        if self.block_m not in (16, 32):
+            raise ValueError(f"block_m {self.block_m} is not 16 or 32")
         for name in ("block_n", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
@@ -59,6 +76,31 @@ class GemvConfig:
 
 
 DEFAULT_CONFIG = GemvConfig()
+# The kernel lets its PDL dependants launch after its last store (True) or at its start (False).
+# At its start on an H200 (bench_engine.py --variant, 2026-12-01 14:59 UTC, graph replay ms, two
+# rounds each, 64 adapters loaded and idle): batch 1 4.65, 4.64 against 4.71-4.73; 8 4.78, 4.80
+# against 4.83-4.84; 16 4.98, 4.98 against 5.00-5.01; one adapter on every row the same within
+# 0.02.
+TRIGGER_LATE = False
+# The model's base projections (linear.py's base_matmul) in steps of at most MODEL_MAX_ROWS rows
+# on CUDA: those named in MODEL_TILES take this kernel, with MODEL_CONFIG's tile changed by their
+# entry's fields; the others, and every projection when MODEL_GEMV is off, take cuBLAS.
+MODEL_GEMV = True
+MODEL_MAX_ROWS = 16
+MODEL_CONFIG = GemvConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)
+MODEL_TILES: dict[str, dict] = {"qkv": {}}
+_model_configs: dict[tuple, GemvConfig] = {}
+
+
+def model_config(projection: str) -> GemvConfig | None:
+    """The tile of the model's projection `projection` (qkv, o, gate_up, down), None: cuBLAS."""
+    if not MODEL_GEMV or projection not in MODEL_TILES:
+        return None
+    fields = MODEL_TILES[projection]
+    key = (MODEL_CONFIG, tuple(sorted(fields.items())))
+    if key not in _model_configs:
+        _model_configs[key] = replace(MODEL_CONFIG, **fields)
+    return _model_configs[key]
 
 
 @dataclass(frozen=True)
@@ -92,7 +134,7 @@ def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                         NUM_TABLES: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-                        BLOCK_R: tl.constexpr):
+                        BLOCK_R: tl.constexpr, PDL: tl.constexpr, TRIGGER_LATE: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)
     n0 = tl.program_id(0) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -102,6 +144,9 @@ def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
     w_rows = tl.minimum(cols, N - 1).to(tl.int64)
     x_ptrs = x_ptr + rows[:, None] * K + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + w_rows[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    if not TRIGGER_LATE:
+        let_dependents_launch(PDL)
+    wait_for_previous_only(PDL)
     # Table boundaries are multiples of BLOCK_N (or N): a program's outputs lie in one table or
     # in none, picked with scalar compares; tables never overlap. Each row's slot, rank and
     # scale are loaded before the K loop, which hides their latency.
@@ -122,13 +167,8 @@ def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
             ranks, scales = _row_ranks(ranks2_ptr, scales2_ptr, slots)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            xk = tl.load(x_ptrs, mask=in_rows, other=0.0)
-            wk = tl.load(w_ptrs)
-        else:
-            in_k = (k0 + ks)[None, :] < K
-            xk = tl.load(x_ptrs, mask=in_rows & in_k, other=0.0)
-            wk = tl.load(w_ptrs, mask=in_k, other=0.0)
+        xk = _x_tile(x_ptrs, ks, k0, K, in_rows, EVEN_K)
+        wk = _w_tile(w_ptrs, ks, k0, K, EVEN_K)
         # "ieee" matters for fp32 operands only (no TF32); bf16/fp16 products are exact in fp32.
         acc = tl.dot(xk, tl.trans(wk), acc, input_precision="ieee")
         x_ptrs += BLOCK_K
@@ -151,6 +191,24 @@ def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
                                  num_chunks, b2_ptr, n_start2, n_end2, max_rank2,
                                  out_ptr.dtype.element_ty, MAX_CHUNKS, BLOCK_R)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], out, mask=in_rows & (cols[None, :] < N))
+    if TRIGGER_LATE:
+        let_dependents_launch(PDL)
+
+
+@triton.jit
+def _x_tile(x_ptrs, ks, k0, K, in_rows, EVEN_K: tl.constexpr):
+    """-> x's [BLOCK_M, BLOCK_K] tile at columns k0 + ks (zeros past K and past the batch)."""
+    if EVEN_K:
+        return tl.load(x_ptrs, mask=in_rows, other=0.0)
+    return tl.load(x_ptrs, mask=in_rows & ((k0 + ks)[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _w_tile(w_ptrs, ks, k0, K, EVEN_K: tl.constexpr):
+    """-> w's [BLOCK_N, BLOCK_K] tile at columns k0 + ks (zeros past K)."""
+    if EVEN_K:
+        return tl.load(w_ptrs)
+    return tl.load(w_ptrs, mask=(k0 + ks)[None, :] < K, other=0.0)
 
 
 @triton.jit
@@ -192,16 +250,17 @@ def _lora_epilogue(acc, rows, cols, slots, ranks, scales, t_ptr, stride_t_row, s
     return tl.where(edited[:, None], lora, base)
 
 
-def unsupported(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> str:
-    """Why decode_matmul cannot take these inputs, or "" when it can."""
+def unsupported(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+                config: GemvConfig = DEFAULT_CONFIG) -> str:
+    """Why decode_matmul cannot take these inputs with this tile, or "" when it can."""
     if x.dim() != 2 or w.dim() != 2:
         return f"x and w must be 2-D, got x {tuple(x.shape)} and w {tuple(w.shape)}"
     if x.dtype not in DTYPES or w.dtype != x.dtype:
         return f"x and w must share a dtype of {DTYPES}, got x {x.dtype} and w {w.dtype}"
     if out_dtype not in (None, x.dtype, torch.float32):
         return f"out_dtype must be x's dtype {x.dtype} or torch.float32, got {out_dtype}"
-    if x.shape[0] > MAX_ROWS:
-        return f"x has {x.shape[0]} rows, over MAX_ROWS {MAX_ROWS}"
+    if x.shape[0] > config.block_m:
+        return f"x has {x.shape[0]} rows, over the tile's block_m {config.block_m}"
     if w.shape[1] != x.shape[1]:
         return f"x has {x.shape[1]} columns (K) but w {w.shape[1]}"
     if w.shape[1] > 1 and w.stride(1) != 1:
@@ -211,9 +270,10 @@ def unsupported(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None 
     return ""
 
 
-def supports(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> bool:
-    """Whether decode_matmul takes these inputs (the caller falls back to F.linear if not)."""
-    return not unsupported(x, w, out_dtype)
+def supports(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+             config: GemvConfig = DEFAULT_CONFIG) -> bool:
+    """Whether decode_matmul takes these inputs with this tile (else the caller uses F.linear)."""
+    return not unsupported(x, w, out_dtype, config)
 
 
 def _check_lora(lora: GemvLora, num_rows: int, num_out: int, config: GemvConfig,
@@ -263,11 +323,11 @@ def decode_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     """-> [M, N] = x w^T, summed in fp32 and stored as out_dtype (None: x's dtype, one rounding;
     torch.float32: the unrounded sum). Raises ValueError for inputs it does not take.
 
-    x: [M, K] with M <= MAX_ROWS, bf16, fp16 or fp32 (copied if its rows are not packed, which
-    decode inputs are); w: [N, K] of x's dtype with contiguous rows (a slice of a larger matrix's
-    rows or columns is fine). lora: each row's delta on the outputs its tables cover, as
+    x: [M, K] with M <= config.block_m, bf16, fp16 or fp32 (copied if its rows are not packed,
+    which decode inputs are); w: [N, K] of x's dtype with contiguous rows (a slice of a larger
+    matrix's rows or columns is fine). lora: each row's delta on the outputs its tables cover, as
     lora_expand adds it to this result (out rounded: rounded once more after the fp32 add)."""
-    reason = unsupported(x, w, out_dtype)
+    reason = unsupported(x, w, out_dtype, config)
     if reason:
         raise ValueError(f"decode_matmul: {reason}")
     num_rows, num_in = x.shape
@@ -289,13 +349,15 @@ def decode_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
         lora_args = [t, t.stride(0), t.stride(1), t.stride(2), t.shape[2], lora.row_slots]
     padded = tables + [GemvLoraTable(t, t, t, 0, 0)] * (MAX_TABLES - len(tables))
     grid = (cdiv(num_out, config.block_n),)
+    pdl = launch_options(x.device, num_rows)
     _decode_gemv_kernel[grid](
         x, w, w.stride(0), out, num_rows, num_out, num_in, *lora_args,
         *(tb.b for tb in padded), *(tb.ranks for tb in padded), *(tb.scales for tb in padded),
         *(tb.n_start for tb in padded), *(tb.n_end for tb in padded),
-        *(tb.b.shape[-1] for tb in padded), BLOCK_M=MAX_ROWS,
+        *(tb.b.shape[-1] for tb in padded), BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=num_in % config.block_k == 0,
         NUM_STAGES=config.num_stages, NUM_TABLES=len(tables),
         MAX_CHUNKS=next_power_of_2(t.shape[2]) if tables else 1,
-        BLOCK_R=config.lora_block_r, num_warps=config.num_warps)
+        BLOCK_R=config.lora_block_r, TRIGGER_LATE=TRIGGER_LATE, num_warps=config.num_warps,
+        **pdl)
     return out

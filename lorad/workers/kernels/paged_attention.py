@@ -164,10 +164,10 @@ def _decode_reduce_kernel(
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None, split_size: int = SPLIT_SIZE,
-                           tile_size: int = TILE_TOKENS,
+                           out: torch.Tensor | None = None, split_size: int | None = None,
+                           tile_size: int | None = None,
                            split_programs: int | None = None,
-                           num_warps: int = SPLIT_WARPS) -> torch.Tensor:
+                           num_warps: int | None = None) -> torch.Tensor:
     """q: [num_seqs, q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32
     -> out [num_seqs, q_heads * head_dim] in q's dtype (zero rows where context_len is 0). A
@@ -179,7 +179,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split_programs: programs per (sequence, KV head), each looping over splits (default
     SPLIT_PROGRAMS; 0: one per split of the widest context the table holds). Which program takes
     a split does not change its arithmetic; neither does num_warps, the split kernel's warps
-    (split_size and tile_size do)."""
+    (split_size and tile_size do). None: the module's SPLIT_SIZE, TILE_TOKENS, SPLIT_PROGRAMS,
+    SPLIT_WARPS, read at the call."""
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -187,7 +188,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert q.dtype == k_cache.dtype == v_cache.dtype and q.stride(2) == 1
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert block_tables.shape[0] == num_seqs == context_lens.shape[0]
-    tile_size = min(tile_size, split_size)
+    split_size = SPLIT_SIZE if split_size is None else split_size
+    tile_size = min(TILE_TOKENS if tile_size is None else tile_size, split_size)
+    num_warps = SPLIT_WARPS if num_warps is None else num_warps
     assert split_size % tile_size == 0, "a split is whole tiles"
     if out is None:
         out = torch.empty(num_seqs, num_q_heads * head_dim, dtype=q.dtype, device=q.device)

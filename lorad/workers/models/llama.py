@@ -86,7 +86,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * d, kv_range,
                                            dtype, device, storage=wv)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, hidden, q_range, tp,
-                                        dtype, device)
+                                        dtype, device, projection="o")
         self.kv_cache: PagedKVCache | None = None
 
     def forward(self, x: torch.Tensor, rotary: "RotaryInputs", ctx: AttentionContext,
@@ -106,7 +106,7 @@ class LlamaAttention(nn.Module):
             # One matmul and one LoRA shrink/expand pair for q, k and v beside it; their deltas
             # added by the rotary + cache write kernel.
             (q, k, v), deltas = projection_with_deltas(x, self.qkv_weight, self.qkv_sizes,
-                                                       loras, lora)
+                                                       loras, lora, "qkv")
             q = rotary_write_kv(q, k, v, rotary.positions, rotary.cos_table, rotary.sin_table,
                                 ctx.slot_mapping, self.kv_cache.k, self.kv_cache.v,
                                 self.num_q_heads, self.head_dim, deltas)
@@ -137,7 +137,8 @@ class LlamaMLP(nn.Module):
                                               storage=w_gate)
         self.up_proj = ColumnParallelLinear(hidden, inter, inter_range, dtype, device,
                                             storage=w_up)
-        self.down_proj = RowParallelLinear(inter, hidden, inter_range, tp, dtype, device)
+        self.down_proj = RowParallelLinear(inter, hidden, inter_range, tp, dtype, device,
+                                           projection="down")
 
     def forward(self, x: torch.Tensor,
                 lora: LoraRows | None) -> tuple[torch.Tensor, LoraDelta | None]:
@@ -149,7 +150,8 @@ class LlamaMLP(nn.Module):
             # One matmul and one LoRA shrink/expand pair for both beside it; their deltas added
             # by the silu * up kernel.
             (gate, up), deltas = projection_with_deltas(x, self.gate_up_weight,
-                                                        self.gate_up_sizes, loras, lora)
+                                                        self.gate_up_sizes, loras, lora,
+                                                        "gate_up")
             return self.down_proj.forward_with_delta(silu_and_mul(gate, up, deltas), lora)
         gate, up = add_lora_deltas(loras, [self.gate_proj(x), self.up_proj(x)], x, lora)
         return self.down_proj(silu_and_mul(gate, up), lora), None
