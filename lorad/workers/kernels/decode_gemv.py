@@ -19,13 +19,15 @@ programs; cuBLAS may win there), more than MAX_ROWS rows (prefill takes cuBLAS),
 shrink (lora_shrink.py, launched beside this kernel).
 
 The model (linear.py's base_matmul) uses it for the q/k/v projection in steps of up to 16 rows
-(MODEL_TILES, MODEL_MAX_ROWS). On an H200 (scripts/bench_engine.py --variant, 2026-12-01 14:54
-and 14:59 UTC, one machine, graph replay ms, 64 adapters loaded and idle): batch 1 4.64-4.65
-against 4.67-4.69 with cuBLAS, batch 8 4.78-4.80 against 4.85-4.86, batch 16 4.98 against
-5.04-5.05; with one adapter on every row the same within 0.02. For o, gate/up and down cuBLAS
-stays: the GEMV made batch 1 slower there (14:49, o with 16-output blocks 4.86 ms against 4.65,
-gate/up 4.75, o and down 5.56), as it did for all four without PDL (4.89 against 4.76,
-2026-11-29): o's and down's 4096 outputs give it 128 programs where cuBLAS splits K.
+(MODEL_TILES, MODEL_MAX_ROWS). On an H200 (scripts/bench_engine.py --variant, 2026-12-01 15:09
+UTC, graph replay ms, against cuBLAS in the same run): 64 adapters loaded and idle 4.65 against
+4.73 at batch 1; at 14:54-14:59, with a first weight tile loaded before the PDL wait (since
+dropped: no difference, docs/tried/gemv-prefetch.patch), 4.64-4.65 against 4.67-4.69 at batch 1,
+4.78-4.80 against 4.85-4.86 at 8, 4.98 against 5.04-5.05 at 16; one adapter on every row the
+same within 0.02; from 17 rows on cuBLAS runs anyway. For o, gate/up and down cuBLAS stays: the
+GEMV made batch 1 slower there (14:49, o with 16-output blocks 4.86 ms against 4.65, gate/up
+4.75, o and down 5.56), as it did for all four without PDL (4.89 against 4.76, 2026-11-29): o's
+and down's 4096 outputs give it 128 programs where cuBLAS splits K.
 """
 
 from __future__ import annotations
@@ -77,10 +79,10 @@ class GemvConfig:
 
 DEFAULT_CONFIG = GemvConfig()
 # The kernel lets its PDL dependants launch after its last store (True) or at its start (False).
-# At its start on an H200 (bench_engine.py --variant, 2026-12-01 14:59 UTC, graph replay ms, two
-# rounds each, 64 adapters loaded and idle): batch 1 4.65, 4.64 against 4.71-4.73; 8 4.78, 4.80
-# against 4.83-4.84; 16 4.98, 4.98 against 5.00-5.01; one adapter on every row the same within
-# 0.02.
+# At its start on an H200 (bench_engine.py --variant, 2026-12-01 14:54-14:59 UTC, graph replay
+# ms, q/k/v in the model, 64 adapters loaded and idle): batch 1 4.64-4.65 against 4.71-4.73; 8
+# 4.78-4.80 against 4.83-4.85; 16 4.98 against 5.00-5.01; one adapter on every row the same
+# within 0.02.
 TRIGGER_LATE = False
 # The model's base projections (linear.py's base_matmul) in steps of at most MODEL_MAX_ROWS rows
 # on CUDA: those named in MODEL_TILES take this kernel, with MODEL_CONFIG's tile changed by their
