@@ -29,12 +29,12 @@ def base_matmul(x: torch.Tensor, weight: torch.Tensor, projection: str,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x weight^T summed in fp32, rounded to x's dtype (out_dtype None) or left in fp32: on the
     kernel path in a step of few rows (a decode step), for the projections that take it
-    (qkv, o, gate_up, down; kernels/decode_gemv.py's MODEL_TILES), the decode GEMV, launched
-    with PDL like the kernels around it (cuBLAS's are not); cuBLAS otherwise."""
+    (qkv, o, gate_up, down; kernels/decode_gemv.py's MODEL_PROJECTIONS), the decode GEMV,
+    launched with PDL like the kernels around it (cuBLAS's are not); cuBLAS otherwise."""
     if kernel_path(x.device):
         from lorad.workers.kernels import decode_gemv  # lazily: the CPU never imports triton
-        config = decode_gemv.model_config(projection)
-        if (config is not None and x.shape[0] <= decode_gemv.MODEL_MAX_ROWS
+        config = decode_gemv.MODEL_CONFIG  # its block_m: the most rows it takes
+        if (projection in decode_gemv.MODEL_PROJECTIONS
                 and decode_gemv.supports(x, weight, out_dtype, config)):
             return decode_gemv.decode_matmul(x, weight, out_dtype, config)
     if out_dtype is None or out_dtype == x.dtype:

@@ -36,11 +36,12 @@ def test_a_dict_sets_some_fields_of_a_dataclass_setting():
     import bench_engine
     from lorad.workers.kernels import decode_gemv
     before = decode_gemv.MODEL_CONFIG
+    projections = decode_gemv.MODEL_PROJECTIONS
     with bench_engine.settings("decode_gemv.MODEL_CONFIG={'num_stages':2,'block_k':64}"
-                               "+decode_gemv.MODEL_GEMV=False"):
+                               "+decode_gemv.MODEL_PROJECTIONS=()"):
         assert decode_gemv.MODEL_CONFIG == dataclasses.replace(before, num_stages=2, block_k=64)
-        assert decode_gemv.MODEL_GEMV is False
-    assert decode_gemv.MODEL_CONFIG is before and decode_gemv.MODEL_GEMV is True
+        assert decode_gemv.MODEL_PROJECTIONS == ()
+    assert decode_gemv.MODEL_CONFIG is before and decode_gemv.MODEL_PROJECTIONS is projections
 
 
 @pytest.mark.parametrize("text", ["nomodule.X=1", "pdl.NO_SUCH_NAME=1", "pdl.MAX_ROWS="])

@@ -13,26 +13,29 @@ order over K, and an MMA computes each output element from its own row of x alon
 epilogue keeps that: each row gathers its own slot's rows of B and its own row of the shrink's
 output, and adds its delta under a mask of its own rank.
 Launched with PDL (kernels/pdl.py) in a decode step, as lorad's other kernels are: it lets the
-kernel after it launch at its start (TRIGGER_LATE off), then waits for the one before it.
+kernel after it launch at its start, then waits for the one before it. (Letting it launch only
+after the last store was slower: on an H200, bench_engine.py --variant, 2026-12-01 14:54-14:59
+UTC, graph replay ms, q/k/v in the model, 64 adapters idle: batch 1 4.71-4.73 against 4.64-4.65,
+8 4.83-4.85 against 4.78-4.80, 16 5.00-5.01 against 4.98.)
 Deliberately not here: split-K (a narrow N, such as a tensor-parallel shard, gives few
 programs; cuBLAS may win there), more than MAX_ROWS rows (prefill takes cuBLAS), bias, the LoRA
 shrink (lora_shrink.py, launched beside this kernel).
 
 The model (linear.py's base_matmul) uses it for the q/k/v projection in steps of up to 16 rows
-(MODEL_TILES, MODEL_MAX_ROWS). On an H200 (scripts/bench_engine.py --variant, 2026-12-01 15:09
-UTC, graph replay ms, against cuBLAS in the same run): 64 adapters loaded and idle 4.65 against
-4.73 at batch 1; at 14:54-14:59, with a first weight tile loaded before the PDL wait (since
-dropped: no difference, docs/tried/gemv-prefetch.patch), 4.64-4.65 against 4.67-4.69 at batch 1,
-4.78-4.80 against 4.85-4.86 at 8, 4.98 against 5.04-5.05 at 16; one adapter on every row the
-same within 0.02; from 17 rows on cuBLAS runs anyway. For o, gate/up and down cuBLAS stays: the
-GEMV made batch 1 slower there (14:49, o with 16-output blocks 4.86 ms against 4.65, gate/up
-4.75, o and down 5.56), as it did for all four without PDL (4.89 against 4.76, 2026-11-29): o's
-and down's 4096 outputs give it 128 programs where cuBLAS splits K.
+(MODEL_PROJECTIONS, MODEL_CONFIG's 16 rows). On an H200 (scripts/bench_engine.py --variant,
+2026-12-01 15:09 UTC, graph replay ms, against cuBLAS in the same run): 64 adapters loaded and idle
+4.65 against 4.73 at batch 1; at 14:54-14:59, with a first weight tile loaded before the PDL wait
+(since dropped: no difference, docs/tried/gemv-prefetch.patch), 4.64-4.65 against 4.67-4.69 at
+batch 1, 4.78-4.80 against 4.85-4.86 at 8, 4.98 against 5.04-5.05 at 16; one adapter on every row
+the same within 0.02; from 17 rows on cuBLAS runs anyway. For o, gate/up and down cuBLAS stays: the
+GEMV made batch 1 slower there (14:49, o with 16-output blocks 4.86 ms against 4.65, gate/up 4.75,
+o and down 5.56), as it did for all four without PDL (4.89 against 4.76, 2026-11-29): o's and
+down's 4096 outputs give it 128 programs where cuBLAS splits K.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,8 +43,7 @@ import triton.language as tl
 
 from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 from lorad.workers.kernels.lora_shrink import MAX_TABLES
-from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch,
-                                       wait_for_previous_only)
+from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
 # The widest x tile: a decode step of up to 32 sequences in one tile (a multiple of the MMA's 16).
 MAX_ROWS = 32
@@ -78,31 +80,10 @@ class GemvConfig:
 
 
 DEFAULT_CONFIG = GemvConfig()
-# The kernel lets its PDL dependants launch after its last store (True) or at its start (False).
-# At its start on an H200 (bench_engine.py --variant, 2026-12-01 14:54-14:59 UTC, graph replay
-# ms, q/k/v in the model, 64 adapters loaded and idle): batch 1 4.64-4.65 against 4.71-4.73; 8
-# 4.78-4.80 against 4.83-4.85; 16 4.98 against 5.00-5.01; one adapter on every row the same
-# within 0.02.
-TRIGGER_LATE = False
-# The model's base projections (linear.py's base_matmul) in steps of at most MODEL_MAX_ROWS rows
-# on CUDA: those named in MODEL_TILES take this kernel, with MODEL_CONFIG's tile changed by their
-# entry's fields; the others, and every projection when MODEL_GEMV is off, take cuBLAS.
-MODEL_GEMV = True
-MODEL_MAX_ROWS = 16
+# The model's base projections (linear.py's base_matmul) named here take this kernel, with this
+# tile, in steps of at most its block_m rows on CUDA; the others, and larger steps, take cuBLAS.
+MODEL_PROJECTIONS: tuple[str, ...] = ("qkv",)
 MODEL_CONFIG = GemvConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)
-MODEL_TILES: dict[str, dict] = {"qkv": {}}
-_model_configs: dict[tuple, GemvConfig] = {}
-
-
-def model_config(projection: str) -> GemvConfig | None:
-    """The tile of the model's projection `projection` (qkv, o, gate_up, down), None: cuBLAS."""
-    if not MODEL_GEMV or projection not in MODEL_TILES:
-        return None
-    fields = MODEL_TILES[projection]
-    key = (MODEL_CONFIG, tuple(sorted(fields.items())))
-    if key not in _model_configs:
-        _model_configs[key] = replace(MODEL_CONFIG, **fields)
-    return _model_configs[key]
 
 
 @dataclass(frozen=True)
@@ -136,7 +117,7 @@ def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                         NUM_TABLES: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-                        BLOCK_R: tl.constexpr, PDL: tl.constexpr, TRIGGER_LATE: tl.constexpr):
+                        BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)
     n0 = tl.program_id(0) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -146,9 +127,7 @@ def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
     w_rows = tl.minimum(cols, N - 1).to(tl.int64)
     x_ptrs = x_ptr + rows[:, None] * K + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + w_rows[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
-    if not TRIGGER_LATE:
-        let_dependents_launch(PDL)
-    wait_for_previous_only(PDL)
+    wait_for_previous(PDL)
     # Table boundaries are multiples of BLOCK_N (or N): a program's outputs lie in one table or
     # in none, picked with scalar compares; tables never overlap. Each row's slot, rank and
     # scale are loaded before the K loop, which hides their latency.
@@ -193,8 +172,6 @@ def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
                                  num_chunks, b2_ptr, n_start2, n_end2, max_rank2,
                                  out_ptr.dtype.element_ty, MAX_CHUNKS, BLOCK_R)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], out, mask=in_rows & (cols[None, :] < N))
-    if TRIGGER_LATE:
-        let_dependents_launch(PDL)
 
 
 @triton.jit
@@ -360,6 +337,5 @@ def decode_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=num_in % config.block_k == 0,
         NUM_STAGES=config.num_stages, NUM_TABLES=len(tables),
         MAX_CHUNKS=next_power_of_2(t.shape[2]) if tables else 1,
-        BLOCK_R=config.lora_block_r, TRIGGER_LATE=TRIGGER_LATE, num_warps=config.num_warps,
-        **pdl)
+        BLOCK_R=config.lora_block_r, num_warps=config.num_warps, **pdl)
     return out

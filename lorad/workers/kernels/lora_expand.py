@@ -29,8 +29,7 @@ from lorad.workers.kernels.launch_math import next_power_of_2
 from lorad.workers.kernels.lora_shrink import MAX_TABLES, load_tile, pad_tables, table_block_ends
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
 from lorad.workers.kernels import pdl
-from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch, wait_for_previous,
-                                        wait_for_previous_only)
+from lorad.workers.kernels.pdl import launch_options
 
 
 @dataclass(frozen=True)
@@ -122,10 +121,7 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                    MAX_CHUNKS: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr,
                    TRIGGER_LATE: tl.constexpr):
-    if TRIGGER_LATE:
-        wait_for_previous_only(PDL)
-    else:
-        wait_for_previous(PDL)
+    pdl.start(PDL, TRIGGER_LATE)
     # Work item = (tile, block); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
     num_items = (tl.load(num_tiles_ptr) * num_blocks).to(tl.int32)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
@@ -152,8 +148,7 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                               out2_ptr, stride_out2, N2, b2_ptr, ranks2_ptr, scales2_ptr,
                               max_rank2, block - blocks_end1, slot, rows, in_tile, BLOCK_M,
                               BLOCK_N, BLOCK_R, MAX_CHUNKS, DELTA)
-    if TRIGGER_LATE:
-        let_dependents_launch(PDL)
+    pdl.finish(PDL, TRIGGER_LATE)
 
 
 def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequence[torch.Tensor],

@@ -25,8 +25,7 @@ import triton.language as tl
 from lorad.workers.kernels.launch_math import cdiv
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
 from lorad.workers.kernels import pdl
-from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch, wait_for_previous,
-                                        wait_for_previous_only)
+from lorad.workers.kernels.pdl import launch_options
 
 MAX_TABLES = 3  # q/k/v share an input; gate/up share one
 
@@ -131,10 +130,7 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
                    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
                    TRIGGER_LATE: tl.constexpr):
-    if TRIGGER_LATE:
-        wait_for_previous_only(PDL)
-    else:
-        wait_for_previous(PDL)
+    pdl.start(PDL, TRIGGER_LATE)
     # Work item = (tile, block, chunk); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
     # Chunks vary fastest, so neighbouring programs read neighbouring parts of the same A rows.
     items_per_tile = num_blocks * num_chunks
@@ -164,8 +160,7 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
                               stride_t_chunk, a2_ptr, ranks2_ptr, max_rank2, block - blocks_end1,
                               chunk, slot, rows, in_tile, K,
                               BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
-    if TRIGGER_LATE:
-        let_dependents_launch(PDL)
+    pdl.finish(PDL, TRIGGER_LATE)
 
 
 def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],

@@ -99,3 +99,20 @@ def wait_for_previous(PDL: tl.constexpr):
     for the one before to complete."""
     let_dependents_launch(PDL)
     wait_for_previous_only(PDL)
+
+
+@triton.jit
+def start(PDL: tl.constexpr, TRIGGER_LATE: tl.constexpr):
+    """At the start of a kernel that may let its dependants launch only at its end (the LoRA
+    kernels, LORA_TRIGGER_LATE): wait_for_previous, or with TRIGGER_LATE only its wait."""
+    if TRIGGER_LATE:
+        wait_for_previous_only(PDL)
+    else:
+        wait_for_previous(PDL)
+
+
+@triton.jit
+def finish(PDL: tl.constexpr, TRIGGER_LATE: tl.constexpr):
+    """After such a kernel's last store: with TRIGGER_LATE, let its dependants launch."""
+    if TRIGGER_LATE:
+        let_dependents_launch(PDL)
