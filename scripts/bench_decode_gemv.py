@@ -62,8 +62,9 @@ LAUNCHES = 24  # per graph replay
 REPLAYS = 8  # timed replays: LAUNCHES * REPLAYS = 192 launches per time
 # Most plausible first, so a budget cut drops the long shots: w tiles of 8 to 32 KiB per stage.
 SWEEP = [DEFAULT_CONFIG] + sorted(
-    {GemvConfig(*fields) for fields in itertools.product((16, 32, 64), (128, 256, 512), (4, 8),
-                                                         (3, 4))} - {DEFAULT_CONFIG},
+    {GemvConfig(block_n=n, block_k=k, num_warps=w, num_stages=s)
+     for n, k, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4))}
+    - {DEFAULT_CONFIG},
     key=lambda c: (not 4096 <= c.block_n * c.block_k <= 16384, c.num_warps, -c.num_stages,
                    c.block_n, c.block_k))
 
