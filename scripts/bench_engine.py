@@ -54,6 +54,7 @@ CUDA = torch.device("cuda", 0)
 VARIANT_MODULES = {"decode_gemv": decode_gemv, "lora": lora_module, "lora_tiles": lora_tiles,
                    "paged_attention": paged_attention, "pdl": pdl}
 BLOCK_SIZE = 16
+ADAPTER_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PROMPT_ID_RANGE = (100, 1000)
 rows: list[dict] = []  # the table
 
@@ -108,6 +109,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--num-adapters", type=int, default=64)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--adapter-dtype", choices=sorted(ADAPTER_DTYPES), default="bf16",
+                   help="the dtype the adapters' files store their factors in, and so the LoRA "
+                        "tables' (lora.table_dtype)")
     p.add_argument("--prefill", default="8x512", help="SEQSxTOKENS of the prefill step; '' skips")
     p.add_argument("--hf-batches", type=ints, default=[1, 32], help="'' skips transformers")
     p.add_argument("--hf-prompt", type=int, default=128)
@@ -175,8 +179,11 @@ def build_lorad(config: ModelConfig, max_batch: int, blocks_per_seq: int) -> Lla
     return model
 
 
-def write_adapter(folder: Path, config: ModelConfig, rank: int) -> Path:
-    """A PEFT LoRA folder with random bf16 factors on all seven projections of every layer."""
+def write_adapter(folder: Path, config: ModelConfig, rank: int,
+                  dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A PEFT LoRA folder with random factors stored as `dtype` (bf16: LoRA tables of bf16, as
+    adapters saved in bf16 get; fp32: tables of fp32) on all seven projections of every
+    layer."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
@@ -189,10 +196,9 @@ def write_adapter(folder: Path, config: ModelConfig, rank: int) -> Path:
             in_features, out_features = projection_features(config, module)
             name = f"base_model.model.model.layers.{layer}.{PARENTS[module]}.{module}"
             tensors[f"{name}.lora_A.weight"] = (
-                torch.randn(rank, in_features, generator=gen) * in_features**-0.5
-            ).to(torch.bfloat16)
+                torch.randn(rank, in_features, generator=gen) * in_features**-0.5).to(dtype)
             tensors[f"{name}.lora_B.weight"] = (
-                torch.randn(out_features, rank, generator=gen) * 0.02).to(torch.bfloat16)
+                torch.randn(out_features, rank, generator=gen) * 0.02).to(dtype)
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     return folder
 
@@ -623,7 +629,8 @@ def main() -> int:
         gc.collect()
         torch.cuda.empty_cache()
     tmp = tempfile.TemporaryDirectory(prefix="bench_engine")
-    folder = write_adapter(Path(tmp.name) / "adapter", config, args.rank)
+    folder = write_adapter(Path(tmp.name) / "adapter", config, args.rank,
+                           ADAPTER_DTYPES[args.adapter_dtype])
     adapter_cases = [c for c in cases if c != "base"]
     if adapter_cases:
         start = time.monotonic()
@@ -695,8 +702,8 @@ def main() -> int:
         f"stream instead of a side stream; (shrink first) = each LoRA shrink launched before "
         f"the base matmul beside it; (shrink=..., expand=...) = --lora-configs' tile "
         f"configs; (N/SM) = the LoRA kernels' grids at N programs per "
-        f"SM (default {lora_tiles.PROGRAMS_PER_SM}); rank {args.rank} on all 7 projections, fp32 "
-        f"tables",
+        f"SM (default {lora_tiles.PROGRAMS_PER_SM}); rank {args.rank} on all 7 projections, "
+        f"factors stored and tabled as {args.adapter_dtype}",
         "floor = (weights + LoRA factors of the batch's slots + KV) bytes / copy bandwidth; "
         "prefill: the larger of that and matmul FLOPs / matmul rate; floor/time uses device ms "
         "where there is one",

@@ -101,25 +101,29 @@ def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
     lora_types = {"x_ptr": "bf16", "tile_rows_ptr": "i64", "tile_slot_ptr": "i64",
                   "num_tiles_ptr": "i64", **{f"ranks{i}_ptr": "i32" for i in range(3)},
                   **{f"out{i}_ptr": "bf16" for i in range(3)}}
+    # (tables, their dtype): fp32, and bf16 (adapters stored in bf16, lora.table_dtype).
+    variants = ((3, "fp32"), (1, "fp32"), (3, "bf16"))
     for config in shrink_configs:
-        for tables in (3, 1):
+        for tables, dtype in variants:
             specs.append(Spec(
-                f"lora shrink, {tables} table(s), {config}", lora_shrink._shrink_kernel,
+                f"lora shrink, {tables} {dtype} table(s), {config}", lora_shrink._shrink_kernel,
                 {"NUM_TABLES": tables, "BLOCK_M": block_m, "BLOCK_R": config.block_r,
                  "BLOCK_K": config.block_k, "K_CHUNK": config.k_chunk,
                  "NUM_STAGES": config.num_stages, "PDL": True,
                  "TRIGGER_LATE": pdl.LORA_TRIGGER_LATE},
-                config.num_warps, config.num_stages, lora_types))
+                config.num_warps, config.num_stages,
+                {**lora_types, **{f"a{i}_ptr": dtype for i in range(3)}}))
     for config in expand_configs:
-        for tables in (3, 1):
+        for tables, dtype in variants:
             specs.append(Spec(
-                f"lora expand, {tables} table(s), {config}", lora_expand._expand_kernel,
+                f"lora expand, {tables} {dtype} table(s), {config}", lora_expand._expand_kernel,
                 {"NUM_TABLES": tables, "BLOCK_M": block_m, "BLOCK_N": config.block_n,
                  "BLOCK_R": config.block_r, "MAX_CHUNKS": 8, "DELTA": True, "PDL": True,
                  "TRIGGER_LATE": pdl.LORA_TRIGGER_LATE},
                 config.num_warps, config.num_stages,
                 # The model's way: fp32 delta buffers (lora.LoraDelta).
-                {**lora_types, **{f"out{i}_ptr": "fp32" for i in range(3)}}))
+                {**lora_types, **{f"out{i}_ptr": "fp32" for i in range(3)},
+                 **{f"b{i}_ptr": dtype for i in range(3)}}))
     return specs
 
 

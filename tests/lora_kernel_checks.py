@@ -51,13 +51,16 @@ X_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass
 class Tables:
-    a: list[torch.Tensor]  # [num_slots, max_rank, in] fp32, rank padding poisoned with NaN
-    b: list[torch.Tensor]  # [num_slots, out, max_rank] fp32, rank padding poisoned with NaN
+    # The table dtype (fp32 unless asked), rank padding poisoned with NaN.
+    a: list[torch.Tensor]  # [num_slots, max_rank, in]
+    b: list[torch.Tensor]  # [num_slots, out, max_rank]
     ranks: list[torch.Tensor]  # [num_slots] int32; slot 0 and some others 0
     scales: list[torch.Tensor]  # [num_slots] float32
 
 
-def make_tables(shape: Shape, gen: torch.Generator, device: str) -> Tables:
+def make_tables(shape: Shape, gen: torch.Generator, device: str,
+                dtype: torch.dtype = torch.float32) -> Tables:
+    """Random factor tables in `dtype` (random fp32 values rounded to it)."""
     tables = Tables([], [], [], [])
     for n, max_rank in zip(shape.out_features, shape.max_ranks):
         # Every rank from 0 to max_rank appears when there are slots enough; slot 0 has none.
@@ -69,8 +72,8 @@ def make_tables(shape: Shape, gen: torch.Generator, device: str) -> Tables:
         for slot, rank in enumerate(ranks):
             a[slot, rank:] = float("nan")
             b[slot, :, rank:] = float("nan")
-        tables.a.append(a.to(device))
-        tables.b.append(b.to(device))
+        tables.a.append(a.to(device, dtype))
+        tables.b.append(b.to(device, dtype))
         tables.ranks.append(torch.tensor(ranks, dtype=torch.int32, device=device))
         tables.scales.append((torch.rand(shape.num_slots, generator=gen) + 0.5).to(device))
     return tables
@@ -117,12 +120,12 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rel: float = 
 
 def check_matches_reference(device: str, shape: Shape, x_dtype: torch.dtype,
                             batch_sizes: tuple[int, ...], num_programs: int | None = None,
-                            seed: int = 0) -> None:
+                            seed: int = 0, table_dtype: torch.dtype = torch.float32) -> None:
     """Edited rows equal the reference; every other element of t and out keeps its poison. The
     same with the expand writing the deltas alone (deltas=True) into fp32 buffers."""
     from lorad.workers.kernels.lora_reference import lora_delta_reference, lora_shrink_reference
     gen = torch.Generator().manual_seed(seed)
-    tables = make_tables(shape, gen, device)
+    tables = make_tables(shape, gen, device, table_dtype)
     for num_rows in batch_sizes:
         row_slots = mixed_slots(num_rows, shape.num_slots, gen).to(device)
         x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
@@ -212,6 +215,36 @@ def check_rows_independent_of_batch(device: str, shape: Shape, x_dtype: torch.dt
                 raise AssertionError(f"{what} of a probe row differs between alone and {name}")
 
 
+def check_narrow_tables_read_exactly(device: str, shape: Shape, x_dtype: torch.dtype,
+                                     table_dtype: torch.dtype, num_rows: int = 19) -> None:
+    """Tables of bf16 (or fp16) factors give t, the in-place outputs and the delta buffers of fp32
+    tables holding the same values, bit for bit: the kernels widen the factors exactly as they
+    read them and do the rest in fp32."""
+    gen = torch.Generator().manual_seed(4)
+    narrow = make_tables(shape, gen, device, table_dtype)
+    wide = Tables([a.float() for a in narrow.a], [b.float() for b in narrow.b], narrow.ranks,
+                  narrow.scales)
+    row_slots = mixed_slots(num_rows, shape.num_slots, gen).to(device)
+    x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
+    base = [torch.randn(num_rows, n, generator=gen).to(device, x_dtype)
+            for n in shape.out_features]
+    results = []
+    for tables in (narrow, wide):
+        outs = [b.clone() for b in base]
+        t = run_kernels(x, outs, tables, row_slots, t=empty_t(shape, num_rows, device))
+        buffers = [torch.full((num_rows, n), float("nan"), device=device)
+                   for n in shape.out_features]
+        run_kernels(x, buffers, tables, row_slots, deltas=True)
+        results.append([t] + outs + buffers)
+    if all(torch.equal(o, b) for o, b in zip(results[0][1:1 + len(base)], base)):
+        raise AssertionError("the kernels changed no output: this check could not fail")
+    for i, (got, want) in enumerate(zip(*results)):
+        if not torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)):
+            what = "t" if i == 0 else ("out" if i <= len(base) else "delta buffer")
+            raise AssertionError(f"{table_dtype} tables: {what} {i} differs from fp32 tables of "
+                                 f"the same values")
+
+
 def check_no_adapter_rows(device: str, shape: Shape, x_dtype: torch.dtype) -> None:
     """Only slot-0 rows, kernels launched anyway (a CUDA graph's mode): nothing is written."""
     gen = torch.Generator().manual_seed(2)
@@ -237,19 +270,20 @@ def fill_lora_slots(lora, tables: Tables, i: int) -> None:
     lora.scale_table.copy_(tables.scales[i])
 
 
-def check_layer_path(device: str, shape: Shape, x_dtype: torch.dtype) -> None:
+def check_layer_path(device: str, shape: Shape, x_dtype: torch.dtype,
+                     table_dtype: torch.dtype = torch.float32) -> None:
     """add_lora_deltas and LoraSlots.add_delta on the kernel path equal the torch path (the CPU's,
     on CPU copies), for bf16 and fp32 outputs, with a projection no adapter edits beside them;
     launch_always gives the same bits as launching by the chunk list."""
     from lorad.workers.lora import LoraRows, LoraSlots, add_lora_deltas
     gen = torch.Generator().manual_seed(3)
-    tables = make_tables(shape, gen, "cpu")
+    tables = make_tables(shape, gen, "cpu", table_dtype)
     loras = {}
     for dev in ("cpu", device):
         loras[dev] = []
         for i, (n, max_rank) in enumerate(zip(shape.out_features, shape.max_ranks)):
             lora = LoraSlots(shape.num_slots, max_rank, shape.in_features, n,
-                             (0, shape.in_features), (0, n), torch.device(dev))
+                             (0, shape.in_features), (0, n), torch.device(dev), table_dtype)
             fill_lora_slots(lora, tables, i)
             loras[dev].append(lora)
         loras[dev].insert(1, None)  # a projection no adapter edits
@@ -302,6 +336,18 @@ CHECKS = {
     "no_adapter_rows": (check_no_adapter_rows, dict(shape=CPU_SHAPES["pair"],
                                                     x_dtype=torch.bfloat16)),
     "layer_path_bf16": (check_layer_path, dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16)),
+    "reference_qkv_bf16_tables": (check_matches_reference,
+                                  dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16,
+                                       batch_sizes=(1, 19), table_dtype=torch.bfloat16)),
+    "narrow_tables_exact_bf16": (check_narrow_tables_read_exactly,
+                                 dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16,
+                                      table_dtype=torch.bfloat16)),
+    "narrow_tables_exact_fp16": (check_narrow_tables_read_exactly,
+                                 dict(shape=CPU_SHAPES["long_k"], x_dtype=torch.float16,
+                                      table_dtype=torch.float16)),
+    "layer_path_bf16_tables": (check_layer_path, dict(shape=CPU_SHAPES["pair"],
+                                                      x_dtype=torch.bfloat16,
+                                                      table_dtype=torch.bfloat16)),
 }
 
 

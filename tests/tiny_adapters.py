@@ -35,3 +35,17 @@ def make_peft_adapter(base_dir, out_dir, *, r: int = 4, lora_alpha: float = 8,
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def cast_adapter(src_dir, out_dir, dtype) -> Path:
+    """A copy of the PEFT folder src_dir with its factors stored as `dtype` (a torch dtype, e.g.
+    torch.bfloat16: rounded once, as an adapter trained or saved in that dtype holds them)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    src, out = Path(src_dir), Path(out_dir)
+    shutil.copytree(src, out)
+    weights = out / "adapter_model.safetensors"
+    save_file({name: t.to(dtype) for name, t in load_file(str(weights)).items()}, str(weights),
+              metadata={"format": "pt"})
+    return out

@@ -87,12 +87,13 @@ class ColumnParallelLinear(nn.Module):
         check_shape(name, tensor_slice.get_shape(), (self.out_features, self.in_features))
         param.data.copy_(tensor_slice[self.out_start:self.out_end])
 
-    def add_lora_slots(self, num_slots: int, max_rank: int) -> LoraSlots:
+    def add_lora_slots(self, num_slots: int, max_rank: int,
+                       dtype: torch.dtype = torch.float32) -> LoraSlots:
         # A whole, B split by rows like the weight: the delta of this rank's outputs needs no
         # communication.
         self.lora = LoraSlots(num_slots, max_rank, self.in_features, self.out_features,
                               (0, self.in_features), (self.out_start, self.out_end),
-                              self.weight.device)
+                              self.weight.device, dtype)
         return self.lora
 
     def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:
@@ -127,13 +128,14 @@ class RowParallelLinear(nn.Module):
         check_shape(name, tensor_slice.get_shape(), (self.out_features, self.in_features))
         param.data.copy_(tensor_slice[:, self.in_start:self.in_end])
 
-    def add_lora_slots(self, num_slots: int, max_rank: int) -> LoraSlots:
+    def add_lora_slots(self, num_slots: int, max_rank: int,
+                       dtype: torch.dtype = torch.float32) -> LoraSlots:
         # A split by columns like the weight, B whole: each rank's x_r A_r^T is a partial sum of
         # the shrink, and since the delta is linear in it, scale * (x_r A_r^T) B^T summed over
         # ranks is the full delta. It rides on the all-reduce the layer does anyway.
         self.lora = LoraSlots(num_slots, max_rank, self.in_features, self.out_features,
                               (self.in_start, self.in_end), (0, self.out_features),
-                              self.weight.device)
+                              self.weight.device, dtype)
         return self.lora
 
     def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import nn
 
 from lorad.config import ConfigError
 from lorad.config.adapters import AdapterSpec
+from lorad.workers.lora import table_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -98,9 +99,11 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: tuple[str, ...] 
 def add_adapter_tables(target_of: Callable[[int, str], nn.Module],
                        specs: tuple[AdapterSpec, ...]) -> dict:
     """Allocate slot tables on every projection some adapter edits (slots 0..K, ranks padded to
-    the largest rank any adapter gives that projection) -> {(layer, module): its LoraSlots}.
+    the largest rank any adapter gives that projection; all in lora.table_dtype of the adapters'
+    stored dtypes) -> {(layer, module): its LoraSlots}.
 
-    target_of(layer, module) is the projection; it has `add_lora_slots(num_slots, max_rank)`."""
+    target_of(layer, module) is the projection; it has `add_lora_slots(num_slots, max_rank,
+    dtype)`."""
     for i, spec in enumerate(specs):
         if spec.slot != i + 1:
             raise ConfigError(f"adapter {spec.name!r} has slot {spec.slot}, expected {i + 1}")
@@ -108,7 +111,8 @@ def add_adapter_tables(target_of: Callable[[int, str], nn.Module],
     for spec in specs:
         for m in spec.modules:
             max_rank[(m.layer, m.module)] = max(max_rank.get((m.layer, m.module), 0), m.rank)
-    return {where: target_of(*where).add_lora_slots(len(specs) + 1, rank)
+    dtype = table_dtype({m.dtype for spec in specs for m in spec.modules})
+    return {where: target_of(*where).add_lora_slots(len(specs) + 1, rank, dtype)
             for where, rank in sorted(max_rank.items())}
 
 

@@ -28,6 +28,19 @@ def check_factor_shape(name: str, got, want: tuple[int, ...]) -> None:
         raise ValueError(f"adapter tensor {name} has shape {tuple(got)}, expected {want}")
 
 
+# safetensors dtype of adapter factors -> the table dtype that holds them exactly.
+STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def table_dtype(file_dtypes: set[str]) -> torch.dtype:
+    """The dtype of every LoRA table, from the safetensors dtypes of all loaded adapters' factors
+    (LoraModule.dtype): that dtype when they all share it, else fp32 (which holds bf16 and fp16
+    values exactly too). One dtype for all tables: one compiled variant of each LoRA kernel."""
+    if len(file_dtypes) == 1:
+        return STORED_DTYPES[next(iter(file_dtypes))]
+    return torch.float32
+
+
 @dataclass(frozen=True)
 class LoraRows:
     """Which rows of a step use which adapter: built once per step, read by every LoRA layer.
@@ -84,14 +97,18 @@ class LoraSlots(nn.Module):
 
     The owning layer passes the input and output ranges it holds: a column-parallel layer holds
     all inputs (A whole) and a range of outputs (B split by rows); a row-parallel layer holds a
-    range of inputs (A split by columns) and all outputs (B whole). Tables are fp32 whatever the
-    model dtype, as peft keeps adapter weights in fp32 next to a bf16/fp16 base.
+    range of inputs (A split by columns) and all outputs (B whole). peft computes the delta in
+    fp32 whatever the model dtype (it upcasts bf16/fp16 adapter weights), and so does every
+    path here; the tables hold the factors in `dtype` (table_dtype: fp32, or the bf16/fp16 every
+    adapter's file stores them in), which keeps their values exactly: widened to fp32 as they
+    are read, they are peft's fp32 values, at half the bytes to read.
     """
 
     def __init__(self, num_slots: int, max_rank: int, in_features: int, out_features: int,
                  in_range: tuple[int, int], out_range: tuple[int, int],
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        assert dtype in STORED_DTYPES.values()
         self.in_features, self.out_features = in_features, out_features  # full, unsplit sizes
         self.in_start, self.in_end = in_range
         self.out_start, self.out_end = out_range
@@ -99,13 +116,11 @@ class LoraSlots(nn.Module):
         # Ranks are zero-padded to max_rank, but the delta reads only a slot's own rank, so
         # its matrix products have peft's shapes.
         # [num_slots, max_rank, in_end - in_start]
-        self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, num_in,
-                                                   dtype=torch.float32, device=device),
-                             persistent=False)
+        self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, num_in, dtype=dtype,
+                                                   device=device), persistent=False)
         # [num_slots, out_end - out_start, max_rank]
-        self.register_buffer("lora_b", torch.zeros(num_slots, num_out, max_rank,
-                                                   dtype=torch.float32, device=device),
-                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(num_slots, num_out, max_rank, dtype=dtype,
+                                                   device=device), persistent=False)
         self.ranks = [0] * num_slots  # 0: the slot's adapter does not edit this module
         # Kept per slot, not folded into B: peft multiplies the expanded output by its scaling,
         # and B * scale would round differently.
@@ -122,8 +137,14 @@ class LoraSlots(nn.Module):
         check_factor_shape(module.a_tensor, a_slice.get_shape(), (r, self.in_features))
         check_factor_shape(module.b_tensor, b_slice.get_shape(), (self.out_features, r))
         # get_slice reads only the columns (A) or rows (B) this rank holds.
-        self.lora_a[slot, :r].copy_(a_slice[:, self.in_start:self.in_end])
-        self.lora_b[slot, :, :r].copy_(b_slice[self.out_start:self.out_end])
+        a = a_slice[:, self.in_start:self.in_end]
+        b = b_slice[self.out_start:self.out_end]
+        for name, factor in (("A", a), ("B", b)):
+            if factor.dtype != self.lora_a.dtype and self.lora_a.dtype != torch.float32:
+                raise ValueError(f"{module.full_name}: lora_{name} is {factor.dtype}, but the "
+                                 f"tables hold {self.lora_a.dtype} (table_dtype)")
+        self.lora_a[slot, :r].copy_(a)  # fp32 tables widen any dtype exactly
+        self.lora_b[slot, :, :r].copy_(b)
         self.ranks[slot] = r
         self.scales[slot] = module.scale
         self.rank_table[slot] = r
@@ -148,8 +169,9 @@ class LoraSlots(nn.Module):
             # A batched product with the factors broadcast: each row is its own [1, in] x
             # [in, r] product, so its bits do not depend on how many rows share the slot. A
             # plain matmul does not give that for a narrow output like r (MKL, torch 2.13).
-            a_t = self.lora_a[slot, :r].t().unsqueeze(0).expand(n, -1, -1)  # [n, in, r]
-            b_t = self.lora_b[slot, :, :r].t().unsqueeze(0).expand(n, -1, -1)  # [n, r, out]
+            # Factors widened to fp32 (a no-op for fp32 tables): exactly the stored values.
+            a_t = self.lora_a[slot, :r].float().t().unsqueeze(0).expand(n, -1, -1)  # [n, in, r]
+            b_t = self.lora_b[slot, :, :r].float().t().unsqueeze(0).expand(n, -1, -1)  # [n, r, out]
             shrink = torch.bmm(xs, a_t)  # [n, 1, r]
             delta = torch.bmm(shrink, b_t).squeeze(1) * self.scales[slot]  # [n, out]
             acc.index_add_(0, idx, delta)  # each row once: a single fp32 add per element

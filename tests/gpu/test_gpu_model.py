@@ -27,7 +27,7 @@ from lorad.workers.planner import Planner, PlannerLimits
 from lorad.workers.sequence import Sequence
 from tests.compiled_variants import forget_compiled, num_compiled
 from tests.model_steps import Stream, build_model, make_streams, scenario_steps
-from tests.tiny_adapters import make_peft_adapter
+from tests.tiny_adapters import cast_adapter, make_peft_adapter
 from tests.tiny_models import make_tiny_llama
 from tests.tp_runner import launch_ranks
 
@@ -121,14 +121,28 @@ def run_scenario(model, graphs: DecodeGraphs, streams) -> list[tuple[list, torch
     return records
 
 
-@pytest.mark.parametrize("dtype,tol", [("bfloat16", BF16_REL_TOL), ("float32", FP32_REL_TOL)])
-def test_logits_match_transformers_and_peft(tiny, dtype, tol):
+@pytest.fixture(scope="module")
+def tiny_bf16_adapters(tiny, tmp_path_factory) -> tuple[Path, list[Path]]:
+    """tiny's checkpoint with its adapters stored in bf16: lorad's tables are then bf16."""
     checkpoint, adapters = tiny
+    root = tmp_path_factory.mktemp("bf16_adapters")
+    return checkpoint, [cast_adapter(path, root / path.name, torch.bfloat16)
+                        for path in adapters]
+
+
+@pytest.mark.parametrize("adapter_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", BF16_REL_TOL), ("float32", FP32_REL_TOL)])
+def test_logits_match_transformers_and_peft(request, dtype, tol, adapter_dtype):
+    checkpoint, adapters = request.getfixturevalue(
+        "tiny" if adapter_dtype == "fp32" else "tiny_bf16_adapters")
     model = build_model(checkpoint, adapters, DTYPES[dtype], CUDA, NUM_BLOCKS, BLOCK_SIZE)
     graphs = DecodeGraphs(model, 8, MAX_LEN, BLOCK_SIZE, num_adapters=len(adapters))
     graphs.capture()
     streams = make_streams([0, 1, 2, 3, 2], [7, 12, 5, 9, 3], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS,
                            seed=3)
+    tables = {lora.lora_a.dtype for layer in model.model.layers
+              for lora in (layer.self_attn.q_proj.lora, layer.mlp.down_proj.lora) if lora}
+    assert tables == {torch.float32 if adapter_dtype == "fp32" else torch.bfloat16}
     records = run_scenario(model, graphs, streams)
     reference = reference_logits(checkpoint, adapters, streams)
     for i, (sampled, logits, _) in enumerate(records):

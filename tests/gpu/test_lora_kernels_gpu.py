@@ -1,7 +1,8 @@
 """The LoRA shrink/expand kernels on CUDA at the 8B model's shapes (hidden 4096, intermediate
 14336, rank 16, 64 adapters, batch 1..128, bf16 x): against the plain-torch reference, row bits
 independent of the batch, nothing written without adapter rows, the layer path equal to the CPU
-torch path, and a CUDA graph replaying any mixture with the eager bits.
+torch path, and a CUDA graph replaying any mixture with the eager bits; bf16 and fp16 tables
+(adapters stored so) against the reference and bit for bit against fp32 tables of their values.
 
 The checks are tests/lora_kernel_checks.py, the same the interpreter runs on tiny shapes.
 """
@@ -15,7 +16,8 @@ import torch
 
 from lorad.workers.batch import ForwardBatch
 from tests.lora_kernel_checks import (GPU_SHAPES, Shape, check_layer_path,
-                                      check_matches_reference, check_no_adapter_rows,
+                                      check_matches_reference,
+                                      check_narrow_tables_read_exactly, check_no_adapter_rows,
                                       check_rows_independent_of_batch, fill_lora_slots,
                                       make_tables, mixed_slots)
 
@@ -118,3 +120,20 @@ def test_layer_path_equals_cpu_torch_path(x_dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_cuda_graph_replays_any_mixture(x_dtype: torch.dtype) -> None:
     check_cuda_graph_replay("cuda", GPU_SHAPES["qkv"], x_dtype, num_rows=64)
+
+
+@pytest.mark.parametrize("name", ["qkv", "gate_up", "down"])
+def test_bf16_tables_match_reference(name: str) -> None:
+    check_matches_reference("cuda", GPU_SHAPES[name], torch.bfloat16, (1, 33, 64),
+                            table_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("table_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["qkv", "down"])
+def test_narrow_tables_read_exactly(name: str, table_dtype: torch.dtype) -> None:
+    x_dtype = torch.bfloat16 if table_dtype == torch.bfloat16 else torch.float16
+    check_narrow_tables_read_exactly("cuda", GPU_SHAPES[name], x_dtype, table_dtype, num_rows=64)
+
+
+def test_layer_path_with_bf16_tables() -> None:
+    check_layer_path("cuda", GPU_SHAPES["qkv"], torch.bfloat16, table_dtype=torch.bfloat16)

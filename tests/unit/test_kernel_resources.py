@@ -30,17 +30,18 @@ def test_reports_the_expand_at_each_config():
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [LINE.match(line) for line in done.stdout.splitlines()]
     rows = [m for m in rows if m]
-    # The default config and the one asked for, each with 3 tables and with 1.
+    # The default config and the one asked for, each with 3 fp32 tables, 1, and 3 bf16 ones.
     names = [m.group(5) for m in rows]
-    assert len(rows) == 4, done.stdout
-    assert sum("block_r=8," in n for n in names) == 2 and sum("block_r=16" in n for n in names) == 2
+    assert len(rows) == 6, done.stdout
+    assert sum("block_r=8," in n for n in names) == 3 and sum("block_r=16" in n for n in names) == 3
+    assert sum("3 bf16 table(s)" in n for n in names) == 2, done.stdout
     for m in rows:
         registers, _, _, programs = (int(m.group(i)) for i in range(1, 5))
         assert 16 <= registers <= 255 and programs >= 1, m.group(0)
     by_name = {m.group(5): int(m.group(1)) for m in rows}
     # The default rank block of 8 holds half the products of 16 (both on the default's one warp):
     # fewer registers.
-    one_table = {n: r for n, r in by_name.items() if "1 table" in n}
+    one_table = {n: r for n, r in by_name.items() if "1 fp32 table" in n}
     default = next(r for n, r in one_table.items() if "block_r=8," in n)
     wide = next(r for n, r in one_table.items() if "block_r=16" in n)
     assert default < wide, done.stdout

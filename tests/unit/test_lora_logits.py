@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from lorad.config import ModelConfig
 from lorad.config.adapters import AdapterArg, load_adapter
-from tests.tiny_adapters import make_peft_adapter
+from tests.tiny_adapters import cast_adapter, make_peft_adapter
 from tests.tiny_models import make_tiny_llama
 from tests.tp_runner import launch_ranks
 
@@ -234,3 +234,33 @@ def test_tables_only_where_an_adapter_edits(checkpoint, monkeypatch):
     model(ForwardBatch.build([(ids, 0, [2, 3], True, 1)], BLOCK_SIZE))
     # "subset" edits q, v, down in layers 0 and 2: two products each.
     assert len(calls) == 2 * 3 * 2
+
+
+def test_tables_hold_bf16_factors_as_stored(checkpoint, tmp_path):
+    """Adapters whose files all store bf16 factors get bf16 tables; a mixture of file dtypes gets
+    fp32 ones. Widened as they are read, bf16 tables give the logits of fp32 tables holding the
+    same values, bit for bit (world 1, in-process, on the CPU path)."""
+    from lorad.workers.batch import ForwardBatch
+    from lorad.workers.models import LlamaForCausalLM
+    from lorad.workers.parallel import TensorParallel
+
+    base, folders = checkpoint
+    config = ModelConfig.from_dir(base)
+    plain16 = cast_adapter(folders["plain"], tmp_path / "plain_bf16", torch.bfloat16)
+    logits, dtypes = {}, {}
+    for name, others in (("bf16", []), ("mixed", [folders["subset"]])):
+        model = LlamaForCausalLM(config, TensorParallel(0, 1, torch.device("cpu")),
+                                 torch.float32, torch.device("cpu"))
+        model.load_weights(str(base))
+        args = [AdapterArg("plain16", str(plain16))] + [
+            AdapterArg(f"other{i}", str(path)) for i, path in enumerate(others)]
+        model.load_adapters(tuple(load_adapter(a, slot, config) for slot, a in
+                                  enumerate(args, 1)))
+        model.allocate_kv_cache(8, BLOCK_SIZE)
+        dtypes[name] = {lora.lora_a.dtype for lora in (
+            model.lora_target(layer, module).lora for layer in range(MODEL["num_hidden_layers"])
+            for module in ("q_proj", "down_proj")) if lora is not None}
+        ids = SEQS["X"][:5]
+        logits[name] = model(ForwardBatch.build([(ids, 0, [0, 1], True, 1)], BLOCK_SIZE))
+    assert dtypes == {"bf16": {torch.bfloat16}, "mixed": {torch.float32}}
+    assert torch.equal(logits["bf16"], logits["mixed"])

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.launch_math import next_power_of_2
-from lorad.workers.kernels.lora_shrink import MAX_TABLES, load_tile, pad_tables, table_block_ends
+from lorad.workers.kernels.lora_shrink import (MAX_TABLES, TABLE_DTYPES, load_tile, pad_tables,
+                                               table_block_ends)
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
@@ -89,7 +90,7 @@ def _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_o
         parts = tl.load(t_rows + ranks_j[None, None, :], mask=in_t & in_r[None, None, :],
                         other=0.0)  # [BLOCK_M, MAX_CHUNKS, BLOCK_R]
         bj = tl.load(b_rows + ranks_j[None, :], mask=in_n[:, None] & in_r[None, :],
-                     other=0.0)  # [BLOCK_N, BLOCK_R]
+                     other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R], widened exactly
         has_j = ranks_j < rank
         tj = tl.where(has_j[None, :], tl.sum(parts, axis=1), 0.0)  # [BLOCK_M, BLOCK_R]
         bj = tl.where(has_j[None, :], bj, 0.0)
@@ -162,8 +163,8 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     t: [num_tables, num_rows, num_k_chunks, width] float32 from lora_shrink; outs[i]: [num_rows,
     out_i] float32, or the model dtype (then widened, added to in fp32 and rounded back once; rows
     may be strided, as column slices of one projection output are); b_tables[i]: [num_slots, out_i,
-    max_rank_i] fp32, contiguous; rank_tables[i]: [num_slots] int32; scale_tables[i]: [num_slots]
-    float32.
+    max_rank_i] fp32, bf16 or fp16 (read as fp32), contiguous; rank_tables[i]: [num_slots]
+    int32; scale_tables[i]: [num_slots] float32.
 
     deltas: outs[i] are fp32 buffers that get the delta alone, scale * (t B^T) rounded to fp32,
     at the same elements (nothing else is written): a later kernel adds it to the rounded base
@@ -180,7 +181,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         assert out.dtype == torch.float32 or not deltas
         assert out.stride(1) == 1
         assert out.shape == (t.shape[1], b.shape[1])
-        assert b.dtype == torch.float32 and b.is_contiguous() and b.shape[2] <= t.shape[3]
+        assert b.dtype in TABLE_DTYPES and b.is_contiguous() and b.shape[2] <= t.shape[3]
     if tiles.max_tiles == 0:
         return
     blocks_end = table_block_ends([b.shape[1] for b in b_tables], config.block_n)

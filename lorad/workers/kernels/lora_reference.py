@@ -23,7 +23,7 @@ def lora_shrink_reference(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
         for row, slot in enumerate(row_slots.tolist()):
             rank = int(ranks[slot])
             if slot != 0 and rank > 0:
-                t[row] = x[row].float() @ a[slot, :rank].t()
+                t[row] = x[row].float() @ a[slot, :rank].float().t()
         result.append(t)
     return result
 
@@ -39,7 +39,7 @@ def lora_expand_reference(t: Sequence[dict[int, torch.Tensor]], outs: Sequence[t
         for row, t_row in t_rows.items():
             slot = int(row_slots[row])
             rank = t_row.shape[0]
-            result[row] = out[row] + (t_row @ b[slot, :, :rank].t()) * scales[slot]
+            result[row] = out[row] + (t_row @ b[slot, :, :rank].float().t()) * scales[slot]
         results.append(result)
     return results
 

@@ -28,6 +28,8 @@ from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
 
 MAX_TABLES = 3  # q/k/v share an input; gate/up share one
+# What LoRA factor tables may hold (lorad.workers.lora.table_dtype); the kernels sum in fp32.
+TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def pad_tables(tables: Sequence) -> list:
@@ -113,7 +115,8 @@ def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks
         in_k = cols < K
         xk = tl.load(x_rows + cols[None, :], mask=in_tile[:, None] & in_k[None, :], other=0.0)
         ak = tl.load(a_rows + cols[None, :], mask=in_r[:, None] & in_k[None, :], other=0.0)
-        acc += xk.to(tl.float32)[:, None, :] * ak[None, :, :]
+        # A widened to fp32 as it is read (exact for bf16 and fp16 tables): fp32 products.
+        acc += xk.to(tl.float32)[:, None, :] * ak.to(tl.float32)[None, :, :]
     t = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_R]
     tl.store(t_ptr + rows[:, None] * stride_t + chunk * stride_t_chunk + ranks_j[None, :], t,
              mask=in_tile[:, None] & (ranks_j < rank)[None, :])
@@ -173,14 +176,15 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     rank_tables[i][slot] > 0), nothing else.
 
     x: [num_rows, in_features] (bf16, fp16 or fp32); a_tables[i]: [num_slots, max_rank_i,
-    in_features] fp32, contiguous; rank_tables[i]: [num_slots] int32."""
+    in_features] fp32, bf16 or fp16 (read as fp32), contiguous; rank_tables[i]: [num_slots]
+    int32."""
     if not 1 <= len(a_tables) <= MAX_TABLES or len(rank_tables) != len(a_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its ranks")
     config = config or DEFAULT_CONFIG  # read at the call: benchmarks swap it
     num_rows, num_in = x.shape
     assert tiles.num_rows == num_rows, "tiles of another batch"
     for a in a_tables:
-        assert a.dtype == torch.float32 and a.is_contiguous() and a.shape[2] == num_in
+        assert a.dtype in TABLE_DTYPES and a.is_contiguous() and a.shape[2] == num_in
     x = x if x.stride(1) == 1 else x.contiguous()
     width = max(a.shape[1] for a in a_tables)
     shape = (len(a_tables), num_rows, num_k_chunks(num_in, config), width)

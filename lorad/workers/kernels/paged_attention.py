@@ -32,6 +32,7 @@ TILE_TOKENS = 64  # keys per step inside a split
 # took 33.5 us that way and 28.0 with 16, batch 64 61.0 and 48.1; batch 1 and 2 the same.
 SPLIT_PROGRAMS = 16
 SPLIT_WARPS = 4  # the split kernel's warps (scripts/bench_paged_attention.py --warps sweeps it)
+SPLIT_STAGES = 2  # the split kernel's software pipeline depth over its tiles (--stages)
 
 
 @triton.jit
@@ -167,7 +168,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None, split_size: int | None = None,
                            tile_size: int | None = None,
                            split_programs: int | None = None,
-                           num_warps: int | None = None) -> torch.Tensor:
+                           num_warps: int | None = None,
+                           num_stages: int | None = None) -> torch.Tensor:
     """q: [num_seqs, q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32
     -> out [num_seqs, q_heads * head_dim] in q's dtype (zero rows where context_len is 0). A
@@ -178,9 +180,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     captured with a block table of max_blocks columns serves any context up to that length.
     split_programs: programs per (sequence, KV head), each looping over splits (default
     SPLIT_PROGRAMS; 0: one per split of the widest context the table holds). Which program takes
-    a split does not change its arithmetic; neither does num_warps, the split kernel's warps
-    (split_size and tile_size do). None: the module's SPLIT_SIZE, TILE_TOKENS, SPLIT_PROGRAMS,
-    SPLIT_WARPS, read at the call."""
+    a split does not change its arithmetic; neither do num_warps and num_stages, the split
+    kernel's warps and pipeline depth (split_size and tile_size do). None: the module's
+    SPLIT_SIZE, TILE_TOKENS, SPLIT_PROGRAMS, SPLIT_WARPS, SPLIT_STAGES, read at the call."""
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -191,6 +193,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split_size = SPLIT_SIZE if split_size is None else split_size
     tile_size = min(TILE_TOKENS if tile_size is None else tile_size, split_size)
     num_warps = SPLIT_WARPS if num_warps is None else num_warps
+    num_stages = SPLIT_STAGES if num_stages is None else num_stages
     assert split_size % tile_size == 0, "a split is whole tiles"
     if out is None:
         out = torch.empty(num_seqs, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
@@ -217,7 +220,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_max.stride(0), part_max.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split_size,
         TILE=tile_size, BLOCK_H=max(16, next_power_of_2(group)),
-        BLOCK_D=block_d, DOT_PRECISION=precision, num_warps=num_warps, num_stages=2, **pdl)
+        BLOCK_D=block_d, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        **pdl)
     _decode_reduce_kernel[(out.shape[0], num_q_heads)](
         part_acc, part_max, part_sum, context_lens, out,
         part_max.stride(0), part_max.stride(1), out.stride(0), num_seqs,
