@@ -51,7 +51,8 @@ from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
-VARIANT_MODULES = {"decode_gemv": decode_gemv, "lora": lora_module, "lora_tiles": lora_tiles,
+VARIANT_MODULES = {"decode_gemv": decode_gemv, "lora": lora_module, "lora_expand": lora_expand,
+                   "lora_shrink": lora_shrink, "lora_tiles": lora_tiles,
                    "paged_attention": paged_attention, "pdl": pdl}
 BLOCK_SIZE = 16
 ADAPTER_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

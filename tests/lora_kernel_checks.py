@@ -245,6 +245,39 @@ def check_narrow_tables_read_exactly(device: str, shape: Shape, x_dtype: torch.d
                                  f"the same values")
 
 
+def check_chunk_groups_change_no_bit(device: str, shape: Shape, x_dtype: torch.dtype,
+                                     num_rows: int = 21,
+                                     targets: tuple[int, ...] = (1, 5, 40)) -> None:
+    """The shrink's t is the same bits whether each work item takes one K chunk (target 0) or
+    groups of several (a small target: all of a row's chunks in one item; larger: fewer per
+    group, the last group shorter), with many programs or few looping over the items; and
+    nothing outside edited rows' ranks is written."""
+    from lorad.workers.kernels.lora_shrink import lora_shrink, num_k_chunks
+    from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
+    if num_k_chunks(shape.in_features) < 3:
+        raise AssertionError(f"{shape}: fewer than 3 K chunks, nothing to group")
+    gen = torch.Generator().manual_seed(6)
+    tables = make_tables(shape, gen, device)
+    row_slots = mixed_slots(num_rows, shape.num_slots, gen).to(device)
+    x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
+    counts = torch.bincount(row_slots[row_slots != 0].cpu())
+    tiles = LoraTiles.build(row_slots, count_tiles(int(c) for c in counts))
+
+    def shrink(target: int, programs: int | None) -> torch.Tensor:
+        return lora_shrink(x, tables.a, tables.ranks, tiles, out=empty_t(shape, num_rows, device),
+                           num_programs=programs, num_target_items=target)
+
+    want = shrink(0, None)
+    if want.isnan().all():
+        raise AssertionError("the shrink wrote nothing: this check could not fail")
+    for target in targets:
+        for programs in (None, 3):
+            got = shrink(target, programs)
+            if not torch.equal(got.nan_to_num(12345.0), want.nan_to_num(12345.0)):
+                raise AssertionError(f"target {target}, {programs or 'default'} programs: t "
+                                     f"differs from one chunk per item")
+
+
 def check_no_adapter_rows(device: str, shape: Shape, x_dtype: torch.dtype) -> None:
     """Only slot-0 rows, kernels launched anyway (a CUDA graph's mode): nothing is written."""
     gen = torch.Generator().manual_seed(2)
@@ -336,6 +369,8 @@ CHECKS = {
     "no_adapter_rows": (check_no_adapter_rows, dict(shape=CPU_SHAPES["pair"],
                                                     x_dtype=torch.bfloat16)),
     "layer_path_bf16": (check_layer_path, dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16)),
+    "chunk_groups_long_k": (check_chunk_groups_change_no_bit,
+                            dict(shape=CPU_SHAPES["long_k"], x_dtype=torch.bfloat16)),
     "reference_qkv_bf16_tables": (check_matches_reference,
                                   dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16,
                                        batch_sizes=(1, 19), table_dtype=torch.bfloat16)),

@@ -1,8 +1,10 @@
 """LoRA shrink, split over K: t[row, c, :r] = x[row, chunk c] A[slot, :r, chunk c]^T in fp32, for
 up to three tables that share x; lora_expand adds up the chunks, in one fixed order, as it reads t.
 
-A program takes one work item at a time, (row tile, block of BLOCK_R ranks of one table, chunk of
-K_CHUNK inputs): it reads that piece of its slot's A once for the tile's rows. Splitting K is
+A program takes one work item at a time, (row tile, block of BLOCK_R ranks of one table, group of
+consecutive chunks of K_CHUNK inputs): it reads that piece of its slot's A once for the tile's
+rows, one chunk's partial sum after another (one chunk per group unless the step has many items,
+see ITEMS_PER_SM). Splitting K is
 what fills the GPU at decode: a whole [BLOCK_R, K] sweep per program left a 14336-wide down
 projection at batch 1 with 8 programs, each waiting on one load after another. Every row gets the
 same arithmetic whatever shares its step: products accumulated per (row, rank, lane) over its
@@ -23,11 +25,20 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.launch_math import cdiv
+from lorad.workers.kernels import lora_tiles
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
 
 MAX_TABLES = 3  # q/k/v share an input; gate/up share one
+# Work items per multiprocessor past which a shrink work item takes several K chunks in one
+# sweep (its tile looked up once, its loads running on across the chunks): with distinct
+# adapters at batch 64 one chunk per item made 3,072 items of 8 KB for q/k/v, each a chain of
+# dependent loads (profile_graph.py, H200, 2026-12-01: the q/k/v shrink 40 us, down's 48). On
+# the H200 (bench_engine.py --variant, graph replay ms, 6 against 0): 64 distinct adapters at
+# batch 64 13.33 against 13.45 and 13.49 with bf16 tables, 13.15 against 13.39 with fp32 ones; at
+# batch 32 and with one adapter the same within 0.04. 12 per multiprocessor: 13.40.
+ITEMS_PER_SM = 6
 # What LoRA factor tables may hold (lorad.workers.lora.table_dtype); the kernels sum in fp32.
 TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -97,9 +108,12 @@ def load_tile(tile_slot_ptr, tile_rows_ptr, tile, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks_ptr, max_rank,
-                  block, chunk, slot, rows, in_tile, K,
+                  block, chunk, num_item_chunks, slot, rows, in_tile, K,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # Chunks [chunk, chunk + num_item_chunks) in one sweep of K, so that the loads run on across
+    # a chunk's end: each chunk's products accumulate from zero in the same order and are
+    # reduced and stored at its last step, exactly as a work item of that chunk alone would.
     # No load waits on the slot's rank: x and A are requested once the tile is known, and the
     # rank only masks the store (a chain of one load instead of two). A's rows past the rank are
     # padding; their lanes are summed apart from the others and never stored.
@@ -108,18 +122,22 @@ def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks
     in_r = ranks_j < max_rank
     x_rows = x_ptr + rows[:, None] * stride_x  # [BLOCK_M, 1]
     a_rows = a_ptr + (slot * max_rank + ranks_j)[:, None] * K  # [BLOCK_R, 1]
+    t_rows = t_ptr + rows[:, None] * stride_t + ranks_j[None, :]  # [BLOCK_M, BLOCK_R]
+    stores = in_tile[:, None] & (ranks_j < rank)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_R, BLOCK_K], dtype=tl.float32)
     k_start = chunk * K_CHUNK
-    for k0 in tl.range(k_start, k_start + K_CHUNK, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_start, k_start + num_item_chunks * K_CHUNK, BLOCK_K,
+                       num_stages=NUM_STAGES):
         cols = k0 + tl.arange(0, BLOCK_K)
         in_k = cols < K
         xk = tl.load(x_rows + cols[None, :], mask=in_tile[:, None] & in_k[None, :], other=0.0)
         ak = tl.load(a_rows + cols[None, :], mask=in_r[:, None] & in_k[None, :], other=0.0)
         # A widened to fp32 as it is read (exact for bf16 and fp16 tables): fp32 products.
         acc += xk.to(tl.float32)[:, None, :] * ak.to(tl.float32)[None, :, :]
-    t = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_R]
-    tl.store(t_ptr + rows[:, None] * stride_t + chunk * stride_t_chunk + ranks_j[None, :], t,
-             mask=in_tile[:, None] & (ranks_j < rank)[None, :])
+        if (k0 + BLOCK_K) % K_CHUNK == 0:  # the chunk's last step
+            t = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_R]
+            tl.store(t_rows + (k0 // K_CHUNK) * stride_t_chunk, t, mask=stores)
+            acc = tl.zeros([BLOCK_M, BLOCK_R, BLOCK_K], dtype=tl.float32)
 
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
@@ -128,48 +146,65 @@ def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks
 def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_chunk,
                    a0_ptr, a1_ptr, a2_ptr, ranks0_ptr, ranks1_ptr, ranks2_ptr,
                    max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
-                   num_chunks, tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, K,
+                   num_chunks, tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, K, target_items,
                    NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
                    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
                    TRIGGER_LATE: tl.constexpr):
     pdl.start(PDL, TRIGGER_LATE)
-    # Work item = (tile, block, chunk); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
-    # Chunks vary fastest, so neighbouring programs read neighbouring parts of the same A rows.
-    items_per_tile = num_blocks * num_chunks
-    num_items = (tl.load(num_tiles_ptr) * items_per_tile).to(tl.int32)
+    # Work item = (tile, block, group of chunks); table i owns blocks [blocks_end{i-1},
+    # blocks_end{i}). Groups vary fastest, so neighbouring programs read neighbouring parts of
+    # the same A rows. A group is `group` consecutive chunks (the last group may have fewer):
+    # one chunk while the step's items are few, more as they pass target_items, so that each
+    # item streams more of A behind one lookup of its tile. Which item computes a chunk changes
+    # none of its bits.
+    num_tiles = tl.load(num_tiles_ptr).to(tl.int32)
+    group = tl.maximum(tl.minimum((num_tiles * num_blocks * num_chunks) // target_items,
+                                  num_chunks), 1)
+    if target_items == 0:
+        group = 1
+    num_groups = tl.cdiv(num_chunks, group)
+    items_per_tile = num_blocks * num_groups
+    num_items = num_tiles * items_per_tile
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         tile = item // items_per_tile
-        block = (item - tile * items_per_tile) // num_chunks
-        chunk = item - tile * items_per_tile - block * num_chunks
+        block = (item - tile * items_per_tile) // num_groups
+        chunk = (item - tile * items_per_tile - block * num_groups) * group
+        num_item_chunks = tl.minimum(group, num_chunks - chunk)
         slot, rows, in_tile = load_tile(tile_slot_ptr, tile_rows_ptr, tile, BLOCK_M)
         if block < blocks_end0:
             _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a0_ptr, ranks0_ptr,
-                          max_rank0, block, chunk, slot, rows, in_tile, K,
+                          max_rank0, block, chunk, num_item_chunks, slot, rows, in_tile, K,
                           BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
         elif NUM_TABLES == 2:
             _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, stride_t_chunk,
-                          a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk, slot, rows,
-                          in_tile, K,
+                          a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk,
+                          num_item_chunks, slot, rows, in_tile, K,
                           BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
         elif NUM_TABLES == 3:
             if block < blocks_end1:
                 _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, stride_t_chunk,
-                              a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk, slot,
-                              rows, in_tile, K,
+                              a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk,
+                              num_item_chunks, slot, rows, in_tile, K,
                               BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
             else:
                 _shrink_block(x_ptr, stride_x, t_ptr + 2 * stride_t_table, stride_t,
                               stride_t_chunk, a2_ptr, ranks2_ptr, max_rank2, block - blocks_end1,
-                              chunk, slot, rows, in_tile, K,
+                              chunk, num_item_chunks, slot, rows, in_tile, K,
                               BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
     pdl.finish(PDL, TRIGGER_LATE)
+
+
+def target_items(device: torch.device) -> int:
+    """Work items a shrink aims at: ITEMS_PER_SM per multiprocessor (0: one chunk per item)."""
+    return ITEMS_PER_SM * max_programs(device) // lora_tiles.PROGRAMS_PER_SM
 
 
 def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
                 rank_tables: Sequence[torch.Tensor], tiles: LoraTiles,
                 out: torch.Tensor | None = None, num_programs: int | None = None,
-                config: ShrinkConfig | None = None) -> torch.Tensor:
+                config: ShrinkConfig | None = None,
+                num_target_items: int | None = None) -> torch.Tensor:
     """-> t: [num_tables, num_rows, num_k_chunks(in_features), max(max_rank)] float32, the
     partial sums of each chunk of K (their sum in chunk order is x A^T; lora_expand adds them);
     t[i, row, :, :rank] is written for each row whose slot table i edits (rank =
@@ -177,7 +212,8 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
 
     x: [num_rows, in_features] (bf16, fp16 or fp32); a_tables[i]: [num_slots, max_rank_i,
     in_features] fp32, bf16 or fp16 (read as fp32), contiguous; rank_tables[i]: [num_slots]
-    int32."""
+    int32. num_target_items: where a work item starts taking several chunks (None:
+    target_items(x.device), read at the call; 0: never); it changes no bit of t."""
     if not 1 <= len(a_tables) <= MAX_TABLES or len(rank_tables) != len(a_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its ranks")
     config = config or DEFAULT_CONFIG  # read at the call: benchmarks swap it
@@ -203,6 +239,7 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
         *pad_tables(rank_tables),
         *(a.shape[1] for a in padded), blocks_end[1], blocks_end[min(2, len(a_tables))],
         num_blocks, shape[2], tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, num_in,
+        target_items(x.device) if num_target_items is None else num_target_items,
         NUM_TABLES=len(a_tables), BLOCK_M=tiles.block_m,
         BLOCK_R=config.block_r, BLOCK_K=config.block_k, K_CHUNK=config.k_chunk,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps,
