@@ -30,7 +30,9 @@ batch 1, 4.78-4.80 against 4.85-4.86 at 8, 4.98 against 5.04-5.05 at 16; one ada
 the same within 0.02; from 17 rows on cuBLAS runs anyway. For o, gate/up and down cuBLAS stays: the
 GEMV made batch 1 slower there (14:49, o with 16-output blocks 4.86 ms against 4.65, gate/up 4.75,
 o and down 5.56), as it did for all four without PDL (4.89 against 4.76, 2026-11-29): o's and
-down's 4096 outputs give it 128 programs where cuBLAS splits K.
+down's 4096 outputs give it 128 programs where cuBLAS splits K. Splitting K into 2, 4 or 8 parts
+whose fp32 sums the residual add adds was slower too (16:27 UTC: 4.72 to 4.95 against 4.65;
+docs/tried/gemv-parts.patch).
 """
 
 from __future__ import annotations

@@ -159,8 +159,8 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
     # item streams more of A behind one lookup of its tile. Which item computes a chunk changes
     # none of its bits.
     num_tiles = tl.load(num_tiles_ptr).to(tl.int32)
-    group = tl.maximum(tl.minimum((num_tiles * num_blocks * num_chunks) // target_items,
-                                  num_chunks), 1)
+    group = tl.maximum(tl.minimum((num_tiles * num_blocks * num_chunks)
+                                  // tl.maximum(target_items, 1), num_chunks), 1)
     if target_items == 0:
         group = 1
     num_groups = tl.cdiv(num_chunks, group)
