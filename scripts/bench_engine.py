@@ -91,7 +91,8 @@ def parse_args() -> argparse.Namespace:
                         "(lora_tiles.PROGRAMS_PER_SM), graphs captured again")
     p.add_argument("--variant", default="",
                    help="';'-separated settings, each timed for --variant-cases at "
-                        "--variant-batches with graphs captured again: MODULE.NAME=VALUE "
+                        "--variant-batches with graphs captured again (and the many prefill "
+                        "when many is among them): MODULE.NAME=VALUE "
                         "(a Python literal, a dict for some fields of a dataclass setting; "
                         "module constants read at the call, not a function's default "
                         "argument) joined by '+', MODULE one of "
@@ -668,6 +669,9 @@ def main() -> int:
         for variant in [v for v in args.variant.split(";") if v]:
             bench_with(settings(variant), model, graph_only, floor, timed, blocks_per_seq,
                        args.variant_batches, f" ({variant})")
+            if args.prefill and "many" in timed:
+                with settings(variant):
+                    bench_prefill(model, "many", args, flops, floor, label=f" ({variant})")
         for per_sm in args.programs_per_sm if serial else []:
             bench_with(setting(lora_tiles, "PROGRAMS_PER_SM", per_sm), model, args, floor, serial,
                        blocks_per_seq, args.serial_shrink or [32], f" ({per_sm}/SM)")
