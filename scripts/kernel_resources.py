@@ -50,6 +50,10 @@ class Spec:
     num_stages: int = 3
     # Element types of pointer arguments (default fp32) and of integer scalars (default i32).
     types: dict = field(default_factory=dict)
+    # Integer arguments a multiple of 16 at the 8B shape, which triton specializes so at launch
+    # (K 4096 or 14336, rank 16): without it a bf16 row's alignment is unknown and the compiler
+    # pipelines no load of it.
+    divisible: tuple[str, ...] = ()
 
 
 def signature(spec: Spec) -> tuple[dict, dict]:
@@ -70,7 +74,7 @@ def signature(spec: Spec) -> tuple[dict, dict]:
             sig[name] = "fp32"
         else:
             sig[name] = spec.types.get(name, "i32")
-        aligned = name.endswith("_ptr") or name.startswith("stride")
+        aligned = name.endswith("_ptr") or name.startswith("stride") or name in spec.divisible
         if aligned and name not in unspecialized:
             attrs[(index,)] = [["tt.divisibility", 16]]
     return sig, attrs
@@ -112,7 +116,8 @@ def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
                  "NUM_STAGES": config.num_stages, "PDL": True,
                  "TRIGGER_LATE": pdl.LORA_TRIGGER_LATE},
                 config.num_warps, config.num_stages,
-                {**lora_types, **{f"a{i}_ptr": dtype for i in range(3)}}))
+                {**lora_types, **{f"a{i}_ptr": dtype for i in range(3)}},
+                ("K", "max_rank0", "max_rank1", "max_rank2")))
     for config in expand_configs:
         for tables, dtype in variants:
             specs.append(Spec(
@@ -123,7 +128,8 @@ def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
                 config.num_warps, config.num_stages,
                 # The model's way: fp32 delta buffers (lora.LoraDelta).
                 {**lora_types, **{f"out{i}_ptr": "fp32" for i in range(3)},
-                 **{f"b{i}_ptr": dtype for i in range(3)}}))
+                 **{f"b{i}_ptr": dtype for i in range(3)}},
+                ("N0", "N1", "N2", "max_rank0", "max_rank1", "max_rank2")))
     return specs
 
 
@@ -173,7 +179,8 @@ def gemv_spec(config, k: int) -> Spec:
                 config.num_warps, config.num_stages,
                 {"x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "t_ptr": "bf16",
                  "row_slots_ptr": "bf16", **{f"{name}{i}_ptr": "bf16" for i in range(3)
-                                             for name in ("b", "ranks", "scales")}})
+                                             for name in ("b", "ranks", "scales")}},
+                ("N", "K"))
 
 
 def parse_configs(texts, make, fields: int) -> list:
