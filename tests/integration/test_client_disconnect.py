@@ -1,6 +1,7 @@
 """200 streaming clients that hang up: half right after sending the request (before any token),
-half after their first token. Every sequence must be cancelled and its KV blocks freed on every
-rank (each rank's own report, through /health), and the daemon must then serve normally.
+half after their first token, and one more that hangs up once both ranks have reported blocks in
+use. Every sequence must be cancelled and its KV blocks freed on every rank (each rank's own
+report, through /health), and the daemon must then serve normally.
 """
 
 from __future__ import annotations
@@ -50,11 +51,24 @@ async def _client(port: int, hang_up_after_first_token: bool, got_token: list[in
     writer.transport.abort()  # a reset, as a client that goes away does
 
 
+async def _holder(port: int, peak_used: dict[int, int]) -> None:
+    """A stream that hangs up only once every rank has reported blocks in use: a rank reports
+    every 0.25 s, and the other clients may all have hung up before one of them did."""
+    body = json.dumps({"model": "tiny", "prompt": "hello there", "max_tokens": MAX_TOKENS,
+                       "ignore_eos": True, "stream": True}).encode()
+    _, writer = await _request(port, "POST", "/v1/completions", body)
+    deadline = time.monotonic() + 30
+    while not (sorted(peak_used) == [0, 1] and min(peak_used.values()) > 0):
+        assert time.monotonic() < deadline, f"no rank reported blocks in use: {peak_used}"
+        await asyncio.sleep(0.05)
+    writer.transport.abort()
+
+
 async def _run(port: int) -> tuple[list[int], dict[int, int]]:
     got_token: list[int] = []
     peak_used: dict[int, int] = {}
     clients = [asyncio.create_task(_client(port, i % 2 == 1, got_token))
-               for i in range(NUM_CLIENTS)]
+               for i in range(NUM_CLIENTS)] + [asyncio.create_task(_holder(port, peak_used))]
     while not all(c.done() for c in clients):
         for rank in (await _health(port))["ranks"]:
             peak_used[rank["rank"]] = max(peak_used.get(rank["rank"], 0),
@@ -66,7 +80,7 @@ async def _run(port: int) -> tuple[list[int], dict[int, int]]:
 
 def test_hung_up_streams_free_their_blocks_on_every_rank(start_lorad):
     daemon = start_lorad("--parallel", "2", "--kv-cache-blocks", str(NUM_KV_BLOCKS),
-                         "--max-num-seqs", str(NUM_CLIENTS))
+                         "--max-num-seqs", str(NUM_CLIENTS + 1))
     port = int(daemon.url.rsplit(":", 1)[1])
     got_token, peak_used = asyncio.run(_run(port))
     hung_up = time.monotonic()
