@@ -28,8 +28,8 @@ def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ..
 def base_matmul(x: torch.Tensor, weight: torch.Tensor, projection: str,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x weight^T summed in fp32, rounded to x's dtype (out_dtype None) or left in fp32: on the
-    kernel path in a step of few rows (a decode step), for the projections that take it
-    (qkv, o, gate_up, down; kernels/decode_gemv.py's MODEL_PROJECTIONS), the decode GEMV,
+    kernel path in a step of few rows (a decode step), for the projections named in
+    kernels/decode_gemv.py's MODEL_PROJECTIONS (q/k/v; o, gate/up and down can be), the GEMV,
     launched with PDL like the kernels around it (cuBLAS's are not); cuBLAS otherwise."""
     if kernel_path(x.device):
         from lorad.workers.kernels import decode_gemv  # lazily: the CPU never imports triton

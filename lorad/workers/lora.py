@@ -137,14 +137,11 @@ class LoraSlots(nn.Module):
         check_factor_shape(module.a_tensor, a_slice.get_shape(), (r, self.in_features))
         check_factor_shape(module.b_tensor, b_slice.get_shape(), (self.out_features, r))
         # get_slice reads only the columns (A) or rows (B) this rank holds.
-        a = a_slice[:, self.in_start:self.in_end]
-        b = b_slice[self.out_start:self.out_end]
-        for name, factor in (("A", a), ("B", b)):
-            if factor.dtype != self.lora_a.dtype and self.lora_a.dtype != torch.float32:
-                raise ValueError(f"{module.full_name}: lora_{name} is {factor.dtype}, but the "
-                                 f"tables hold {self.lora_a.dtype} (table_dtype)")
-        self.lora_a[slot, :r].copy_(a)  # fp32 tables widen any dtype exactly
-        self.lora_b[slot, :, :r].copy_(b)
+        # fp32 tables widen any factor dtype exactly; narrower ones were chosen for this dtype
+        # (table_dtype), so the copy never rounds.
+        assert self.lora_a.dtype in (torch.float32, STORED_DTYPES[module.dtype])
+        self.lora_a[slot, :r].copy_(a_slice[:, self.in_start:self.in_end])
+        self.lora_b[slot, :, :r].copy_(b_slice[self.out_start:self.out_end])
         self.ranks[slot] = r
         self.scales[slot] = module.scale
         self.rank_table[slot] = r

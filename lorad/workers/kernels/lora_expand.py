@@ -26,11 +26,11 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.launch_math import next_power_of_2
-from lorad.workers.kernels.lora_shrink import (MAX_TABLES, TABLE_DTYPES, load_tile, pad_tables,
-                                               table_block_ends)
+from lorad.workers.kernels.lora_shrink import MAX_TABLES, load_tile, pad_tables, table_block_ends
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
+from lorad.workers.lora import STORED_DTYPES
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         assert out.dtype == torch.float32 or not deltas
         assert out.stride(1) == 1
         assert out.shape == (t.shape[1], b.shape[1])
-        assert b.dtype in TABLE_DTYPES and b.is_contiguous() and b.shape[2] <= t.shape[3]
+        assert b.dtype in STORED_DTYPES.values() and b.is_contiguous() and b.shape[2] <= t.shape[3]
     if tiles.max_tiles == 0:
         return
     blocks_end = table_block_ends([b.shape[1] for b in b_tables], config.block_n)

@@ -4,15 +4,14 @@ up to three tables that share x; lora_expand adds up the chunks, in one fixed or
 A program takes one work item at a time, (row tile, block of BLOCK_R ranks of one table, group of
 consecutive chunks of K_CHUNK inputs): it reads that piece of its slot's A once for the tile's
 rows, one chunk's partial sum after another (one chunk per group unless the step has many items,
-see ITEMS_PER_SM). Splitting K is
-what fills the GPU at decode: a whole [BLOCK_R, K] sweep per program left a 14336-wide down
-projection at batch 1 with 8 programs, each waiting on one load after another. Every row gets the
-same arithmetic whatever shares its step: products accumulated per (row, rank, lane) over its
-chunk in BLOCK_K steps, then one reduction over the lanes, with one tile shape and one chunk size
-for every table and batch; each chunk's partial sum has its own place in t, so no atomics. Rows
-of slot 0 are neither read nor written; ranks at or past a slot's rank (all of them for a slot
-the table does not edit) are read with the rest, so that no load waits on the rank, but not
-written.
+see ITEMS_PER_SM). Splitting K is what fills the GPU at decode: a whole [BLOCK_R, K] sweep per
+program left a 14336-wide down projection at batch 1 with 8 programs, each waiting on one load
+after another. Every row gets the same arithmetic whatever shares its step: products
+accumulated per (row, rank, lane) over its chunk in BLOCK_K steps, then one reduction over the
+lanes, with one tile shape and one chunk size for every table and batch; each chunk's partial sum
+has its own place in t, so no atomics. Rows of slot 0 are neither read nor written; ranks at or
+past a slot's rank (all of them for a slot the table does not edit) are read with the rest, so
+that no load waits on the rank, but not written.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from lorad.workers.kernels import lora_tiles
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
+from lorad.workers.lora import STORED_DTYPES
 
 MAX_TABLES = 3  # q/k/v share an input; gate/up share one
 # Work items per multiprocessor past which a shrink work item takes several K chunks in one
@@ -39,8 +39,6 @@ MAX_TABLES = 3  # q/k/v share an input; gate/up share one
 # batch 64 13.33 against 13.45 and 13.49 with bf16 tables, 13.15 against 13.39 with fp32 ones; at
 # batch 32 and with one adapter the same within 0.04. 12 per multiprocessor: 13.40.
 ITEMS_PER_SM = 6
-# What LoRA factor tables may hold (lorad.workers.lora.table_dtype); the kernels sum in fp32.
-TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def pad_tables(tables: Sequence) -> list:
@@ -220,7 +218,7 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     num_rows, num_in = x.shape
     assert tiles.num_rows == num_rows, "tiles of another batch"
     for a in a_tables:
-        assert a.dtype in TABLE_DTYPES and a.is_contiguous() and a.shape[2] == num_in
+        assert a.dtype in STORED_DTYPES.values() and a.is_contiguous() and a.shape[2] == num_in
     x = x if x.stride(1) == 1 else x.contiguous()
     width = max(a.shape[1] for a in a_tables)
     shape = (len(a_tables), num_rows, num_k_chunks(num_in, config), width)
