@@ -81,9 +81,9 @@ def parse_args() -> argparse.Namespace:
                    help="';'-separated LoRA kernel configs, each timed for one, mixed4 and many at "
                         "--lora-config-batches (and the many prefill) with graphs captured "
                         "again: shrink=BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES, "
-                        "expand=BLOCK_N,BLOCK_R,WARPS and tiles=ROWS (rows per tile, a power "
-                        "of two to 16) joined by '+', e.g. "
-                        "'expand=64,4,2;tiles=1;shrink=4,128,512,4,2+expand=64,4,2'")
+                        "expand=BLOCK_N,WARPS and tiles=ROWS (rows per tile: 16, 32 or 64) "
+                        "joined by '+', e.g. "
+                        "'expand=64,1;tiles=32;shrink=16,128,512,4,3+expand=256,4'")
     p.add_argument("--lora-config-batches", type=ints, default=[32, 64])
     p.add_argument("--programs-per-sm", type=ints, default=[],
                    help="also time one and mixed4 at the --serial-shrink batches with the LoRA "
@@ -463,9 +463,9 @@ def lora_configs(variant: str):
         numbers = [int(v) for v in values.split(",") if v.isdigit()]
         if kernel == "shrink" and len(numbers) == 5:
             lora_shrink.DEFAULT_CONFIG = lora_shrink.ShrinkConfig(*numbers)
-        elif kernel == "expand" and len(numbers) == 3:
+        elif kernel == "expand" and len(numbers) == 2:
             lora_expand.DEFAULT_CONFIG = lora_expand.ExpandConfig(*numbers, num_stages=1)
-        elif kernel == "tiles" and len(numbers) == 1 and numbers[0] in (1, 2, 4, 8, 16):
+        elif kernel == "tiles" and len(numbers) == 1 and numbers[0] in (16, 32, 64):
             lora_tiles.BLOCK_M = numbers[0]
         else:
             raise SystemExit(f"--lora-configs: cannot read {part!r}")

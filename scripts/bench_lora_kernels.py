@@ -138,16 +138,13 @@ def print_table(rows, num_layers: int) -> None:
               f"{moved / 1e6:>9.1f}")
 
 
-# (block_r, block_k, k_chunk, num_warps, num_stages) and (block_n, block_r, num_warps,
-# num_stages). The last shrink config is the old one: no split (one chunk spans K).
-SWEEP_SHRINK = [shrink.ShrinkConfig(4, 256, 256, 4, 1), shrink.ShrinkConfig(4, 256, 1024, 4, 2),
-                shrink.ShrinkConfig(2, 512, 512, 4, 1), shrink.ShrinkConfig(8, 128, 512, 4, 2),
-                shrink.ShrinkConfig(16, 64, 256, 4, 2), shrink.ShrinkConfig(4, 256, 512, 8, 2),
-                shrink.ShrinkConfig(2, 512, 14336, 4, 3)]
-SWEEP_EXPAND = [expand.ExpandConfig(64, 16, 4, 1), expand.ExpandConfig(64, 16, 1, 1),
-                expand.ExpandConfig(32, 16, 1, 1), expand.ExpandConfig(32, 16, 2, 1),
-                expand.ExpandConfig(128, 16, 2, 1), expand.ExpandConfig(128, 16, 4, 1),
-                expand.ExpandConfig(256, 16, 4, 1)]
+# (block_r, block_k, k_chunk, num_warps, num_stages) and (block_n, num_warps, num_stages).
+SWEEP_SHRINK = [shrink.ShrinkConfig(16, 128, 512, 1, 3), shrink.ShrinkConfig(16, 128, 512, 4, 3),
+                shrink.ShrinkConfig(16, 64, 512, 2, 3), shrink.ShrinkConfig(16, 256, 512, 2, 2),
+                shrink.ShrinkConfig(16, 128, 256, 2, 3), shrink.ShrinkConfig(16, 128, 1024, 2, 3)]
+SWEEP_EXPAND = [expand.ExpandConfig(64, 1, 1), expand.ExpandConfig(64, 2, 1),
+                expand.ExpandConfig(128, 2, 1), expand.ExpandConfig(256, 4, 1),
+                expand.ExpandConfig(256, 8, 1)]
 
 
 def main() -> int:

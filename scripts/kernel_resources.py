@@ -4,7 +4,7 @@ architecture, compiled offline: no GPU needed, only triton (its wheel carries pt
 cuobjdump). A kernel that spills, or whose registers leave few programs per multiprocessor,
 shows here before any device time is spent on it.
 
-    python scripts/kernel_resources.py [--arch 90] [--expand BLOCK_N,BLOCK_R,WARPS ...]
+    python scripts/kernel_resources.py [--arch 90] [--expand BLOCK_N,WARPS ...]
         [--shrink BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES ...] [--block-m ROWS] [--only TEXT]
 
 Each kernel is compiled with the constexprs, warps and stages the model launches it with at the
@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -100,6 +101,9 @@ def resources(spec: Spec, arch: int, tools: Path) -> dict:
             "programs_per_sm": REGISTERS_PER_SM // max(per_warp * spec.num_warps, 1)}
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
     specs = []
     lora_types = {"x_ptr": "bf16", "tile_rows_ptr": "i64", "tile_slot_ptr": "i64",
@@ -113,7 +117,8 @@ def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
                 f"lora shrink, {tables} {dtype} table(s), {config}", lora_shrink._shrink_kernel,
                 {"NUM_TABLES": tables, "BLOCK_M": block_m, "BLOCK_R": config.block_r,
                  "BLOCK_K": config.block_k, "K_CHUNK": config.k_chunk,
-                 "NUM_STAGES": config.num_stages, "PDL": True,
+                 "NUM_STAGES": config.num_stages, "X_PARTS": 1,
+                 "A_PARTS": lora_shrink.bf16_parts(DTYPES[dtype]), "PDL": True,
                  "TRIGGER_LATE": pdl.LORA_TRIGGER_LATE},
                 config.num_warps, config.num_stages,
                 {**lora_types, **{f"a{i}_ptr": dtype for i in range(3)}},
@@ -123,7 +128,8 @@ def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
             specs.append(Spec(
                 f"lora expand, {tables} {dtype} table(s), {config}", lora_expand._expand_kernel,
                 {"NUM_TABLES": tables, "BLOCK_M": block_m, "BLOCK_N": config.block_n,
-                 "BLOCK_R": config.block_r, "MAX_CHUNKS": 8, "DELTA": True, "PDL": True,
+                 "RANK_PAD": 16, "MAX_CHUNKS": 8, "B_PARTS": lora_shrink.bf16_parts(DTYPES[dtype]),
+                 "DELTA": True, "PDL": True,
                  "TRIGGER_LATE": pdl.LORA_TRIGGER_LATE},
                 config.num_warps, config.num_stages,
                 # The model's way: fp32 delta buffers (lora.LoraDelta).
@@ -199,7 +205,7 @@ def main() -> int:
     p.add_argument("--shrink", action="append", default=[],
                    help="BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES: also this shrink config")
     p.add_argument("--expand", action="append", default=[],
-                   help="BLOCK_N,BLOCK_R,WARPS: also this expand config (one stage)")
+                   help="BLOCK_N,WARPS: also this expand config (one stage)")
     p.add_argument("--block-m", type=int, default=lora_tiles.BLOCK_M,
                    help=f"rows per LoRA tile (lorad: {lora_tiles.BLOCK_M})")
     p.add_argument("--only", default="", help="only the kernels whose name holds this text")
@@ -212,7 +218,7 @@ def main() -> int:
     shrinks = [lora_shrink.DEFAULT_CONFIG] + parse_configs(
         args.shrink, lora_shrink.ShrinkConfig, 5)
     expands = [lora_expand.DEFAULT_CONFIG] + parse_configs(
-        args.expand, lambda n, r, w: lora_expand.ExpandConfig(n, r, w, 1), 3)
+        args.expand, lambda n, w: lora_expand.ExpandConfig(n, w, 1), 2)
     specs = lora_specs(shrinks, expands, args.block_m) + model_specs()
     print(f"# triton {triton.__version__}, sm_{args.arch}, LoRA tiles of {args.block_m} rows; "
           f"registers per thread, spill bytes per thread (stack), shared bytes per program, "

@@ -17,6 +17,10 @@ def patch_triton_interpreter() -> None:
     """- it turns a loop bound into an int with int() on a 1-element array, which numpy 2.4
       refuses (triton-lang/triton#9171; the fix upstream squeezes first);
     - tl.dot multiplies bf16 operands as their raw uint16 bits; widen them to fp32 first (exact);
+      and it hands numpy's matmul a transposed operand (tl.trans) as a strided view, for which
+      BLAS sums in another order than for the same values laid out plainly: give it both operands
+      contiguous, so that equal values give equal bits whichever way they were made (an MMA on
+      the GPU does not see the layout either);
     - fp32 -> bf16 casts truncate, where the GPU rounds to nearest even; round as torch does.
     """
     import numpy as np
@@ -34,9 +38,9 @@ def patch_triton_interpreter() -> None:
 
     def widen(x):
         if x.dtype == tl.bfloat16:
-            return interpreter.TensorHandle(
-                (x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return x
+            return interpreter.TensorHandle(np.ascontiguousarray(
+                (x.data.astype(np.uint32) << 16).view(np.float32)), tl.float32)
+        return interpreter.TensorHandle(np.ascontiguousarray(x.data), x.dtype.scalar)
 
     def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)

@@ -26,28 +26,27 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_reports_the_expand_at_each_config():
-    done = run("--only", "lora expand", "--expand", "64,16,1")
+    done = run("--only", "lora expand", "--expand", "64,1")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [LINE.match(line) for line in done.stdout.splitlines()]
     rows = [m for m in rows if m]
     # The default config and the one asked for, each with 3 fp32 tables, 1, and 3 bf16 ones.
     names = [m.group(5) for m in rows]
     assert len(rows) == 6, done.stdout
-    assert sum("block_r=8," in n for n in names) == 3 and sum("block_r=16" in n for n in names) == 3
+    assert sum("block_n=128," in n for n in names) == 3, done.stdout
+    assert sum("block_n=64," in n for n in names) == 3, done.stdout
     assert sum("3 bf16 table(s)" in n for n in names) == 2, done.stdout
     for m in rows:
         registers, _, _, programs = (int(m.group(i)) for i in range(1, 5))
         assert 16 <= registers <= 255 and programs >= 1, m.group(0)
-    by_name = {m.group(5): int(m.group(1)) for m in rows}
-    # The default rank block of 8 holds half the products of 16 (both on the default's one warp):
-    # fewer registers.
-    one_table = {n: r for n, r in by_name.items() if "1 fp32 table" in n}
-    default = next(r for n, r in one_table.items() if "block_r=8," in n)
-    wide = next(r for n, r in one_table.items() if "block_r=16" in n)
-    assert default < wide, done.stdout
+    # The MMA's B tile is staged in shared memory: 64 outputs a block take less than 128.
+    shared = {m.group(5): int(m.group(3)) for m in rows if "1 fp32 table" in m.group(5)}
+    narrow = next(v for n, v in shared.items() if "block_n=64," in n)
+    wide = next(v for n, v in shared.items() if "block_n=128," in n)
+    assert 0 < narrow < wide, done.stdout
 
 
 def test_refuses_a_config_it_cannot_read():
-    done = run("--only", "lora expand", "--expand", "64,4")
+    done = run("--only", "lora expand", "--expand", "64,4,2")
     assert done.returncode != 0
-    assert "expected 3 comma-separated integers" in done.stdout + done.stderr
+    assert "expected 2 comma-separated integers" in done.stdout + done.stderr

@@ -6,10 +6,12 @@ consecutive chunks of K_CHUNK inputs): it reads that piece of its slot's A once 
 rows, one chunk's partial sum after another (one chunk per group unless the step has many items,
 see ITEMS_PER_SM). Splitting K is what fills the GPU at decode: a whole [BLOCK_R, K] sweep per
 program left a 14336-wide down projection at batch 1 with 8 programs, each waiting on one load
-after another. Every row gets the same arithmetic whatever shares its step: products
-accumulated per (row, rank, lane) over its chunk in BLOCK_K steps, then one reduction over the
-lanes, with one tile shape and one chunk size for every table and batch; each chunk's partial sum
-has its own place in t, so no atomics. Rows of slot 0 are neither read nor written; ranks at or
+after another. Each step is one MMA (exact_dot: a [BLOCK_M, BLOCK_K] tile of x against
+[BLOCK_K, BLOCK_R] of A, fp32 accumulation on the tensor cores), so a tile's empty lanes cost no
+arithmetic that a tile of one row (distinct adapters) would notice. Every row gets the same
+arithmetic whatever shares its step: an MMA computes a row's outputs from that row alone, the
+chunk's steps are taken in order, with one tile shape and one chunk size for every table and
+batch; each chunk's partial sum has its own place in t, so no atomics. Rows of slot 0 are neither read nor written; ranks at or
 past a slot's rank (all of them for a slot the table does not edit) are read with the rest, so
 that no load waits on the rank, but not written.
 """
@@ -58,28 +60,23 @@ def table_block_ends(sizes: Sequence[int], block: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ShrinkConfig:
-    # Ranks and inputs per work item. Decode rows are few, so ranks and K chunks give the
-    # parallelism; block_r * block_k * BLOCK_M is the product tile held in registers. 8 x 128
-    # holds as many products as the 4 x 256 before and reads each x block for twice the ranks
-    # (half the work items); it takes more registers (triton 3.6, sm_90: 167 against 128, 3
-    # programs per multiprocessor against 4), so the gain is in the reads. On an H200
-    # (bench_engine.py --lora-configs, 2026-12-01, one run, graph replay ms, rank 16, the
-    # expand's rank chunk of 8 on two warps) 64 distinct adapters at batch 64 took 15.48 against
-    # 16.39, at batch 32 10.38 against 10.77, one adapter at batch 32 6.93 against 6.97, the
-    # 2 x 512 prefill with distinct adapters 43.90 against 45.53 ms.
-    block_r: int = 8
+    # Ranks and inputs per work item: one [BLOCK_M, block_k] x [block_k, block_r] MMA a step
+    # (both sides powers of two of at least 16, as tl.dot takes them). Decode rows are few, so
+    # ranks and K chunks give the parallelism.
+    block_r: int = 16
     block_k: int = 128
     # Inputs per chunk, a multiple of block_k: a fixed size, so a row's sums never depend on the
     # batch. Smaller means more programs but more partial sums for the expand to add.
     k_chunk: int = 512
-    num_warps: int = 4
-    # Loads in flight along a chunk (Hopper: cp.async into shared memory). 3 against 2 on an
-    # H200 (bench_engine.py --lora-configs, 2026-12-01, one run, graph replay ms): one adapter at
-    # batch 32 6.10 against 6.15, at 64 8.05 against 8.10; four mixed at 32 6.16 against 6.23;
-    # 64 distinct at 32 9.04 against 9.18, at 64 14.22 against 14.49 (4 stages: 9.17, 14.39).
+    num_warps: int = 2
+    # Loads in flight along a chunk (Hopper: cp.async into shared memory).
     num_stages: int = 3
 
     def __post_init__(self) -> None:
+        for name in ("block_r", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} {value} is not a power of two >= 16 (a tl.dot side)")
         if self.k_chunk % self.block_k:
             raise ValueError(f"k_chunk {self.k_chunk} is not a multiple of block_k {self.block_k}")
 
@@ -105,16 +102,49 @@ def load_tile(tile_slot_ptr, tile_rows_ptr, tile, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def exact_dot(a, b, acc, A_PARTS: tl.constexpr, B_PARTS: tl.constexpr):
+    """acc + a @ b on the tensor cores with every product exact: a and b are each split into
+    A_PARTS and B_PARTS bf16 terms (1 for bf16, 2 for fp16, 3 for fp32: the terms add up to the
+    value exactly), and each pair of terms is one tl.dot accumulating in fp32. An MMA computes an
+    output element from its own row of a and column of b, so a row's result never depends on
+    the other rows of its tile."""
+    if B_PARTS == 1:
+        rb = b
+    else:
+        rb = b.to(tl.float32)
+    for j in tl.static_range(B_PARTS):
+        bj = rb.to(tl.bfloat16)
+        if j + 1 < B_PARTS:
+            rb = rb - bj.to(tl.float32)
+        if A_PARTS == 1:
+            ra = a
+        else:
+            ra = a.to(tl.float32)
+        for i in tl.static_range(A_PARTS):
+            ai = ra.to(tl.bfloat16)
+            if i + 1 < A_PARTS:
+                ra = ra - ai.to(tl.float32)
+            acc = tl.dot(ai, bj, acc)
+    return acc
+
+
+def bf16_parts(dtype: torch.dtype) -> int:
+    """The bf16 terms exact_dot splits a value of this dtype into."""
+    return {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}[dtype]
+
+
+@triton.jit
 def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks_ptr, max_rank,
                   block, chunk, num_item_chunks, slot, rows, in_tile, K,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr):
+                  K_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr, X_PARTS: tl.constexpr,
+                  A_PARTS: tl.constexpr):
     # Chunks [chunk, chunk + num_item_chunks) in one sweep of K, so that the loads run on across
-    # a chunk's end: each chunk's products accumulate from zero in the same order and are
-    # reduced and stored at its last step, exactly as a work item of that chunk alone would.
+    # a chunk's end: each chunk's sum starts from zero, takes its BLOCK_K steps in order and is
+    # stored at its last step, exactly as a work item of that chunk alone would.
     # No load waits on the slot's rank: x and A are requested once the tile is known, and the
     # rank only masks the store (a chain of one load instead of two). A's rows past the rank are
-    # padding; their lanes are summed apart from the others and never stored.
+    # padding; their columns of the product are never stored.
     rank = tl.load(ranks_ptr + slot)
     ranks_j = block * BLOCK_R + tl.arange(0, BLOCK_R)
     in_r = ranks_j < max_rank
@@ -122,7 +152,7 @@ def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks
     a_rows = a_ptr + (slot * max_rank + ranks_j)[:, None] * K  # [BLOCK_R, 1]
     t_rows = t_ptr + rows[:, None] * stride_t + ranks_j[None, :]  # [BLOCK_M, BLOCK_R]
     stores = in_tile[:, None] & (ranks_j < rank)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_R, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     k_start = chunk * K_CHUNK
     for k0 in tl.range(k_start, k_start + num_item_chunks * K_CHUNK, BLOCK_K,
                        num_stages=NUM_STAGES):
@@ -130,12 +160,10 @@ def _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a_ptr, ranks
         in_k = cols < K
         xk = tl.load(x_rows + cols[None, :], mask=in_tile[:, None] & in_k[None, :], other=0.0)
         ak = tl.load(a_rows + cols[None, :], mask=in_r[:, None] & in_k[None, :], other=0.0)
-        # A widened to fp32 as it is read (exact for bf16 and fp16 tables): fp32 products.
-        acc += xk.to(tl.float32)[:, None, :] * ak.to(tl.float32)[None, :, :]
+        acc = exact_dot(xk, tl.trans(ak), acc, X_PARTS, A_PARTS)
         if (k0 + BLOCK_K) % K_CHUNK == 0:  # the chunk's last step
-            t = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_R]
-            tl.store(t_rows + (k0 // K_CHUNK) * stride_t_chunk, t, mask=stores)
-            acc = tl.zeros([BLOCK_M, BLOCK_R, BLOCK_K], dtype=tl.float32)
+            tl.store(t_rows + (k0 // K_CHUNK) * stride_t_chunk, acc, mask=stores)
+            acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
 
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
@@ -147,8 +175,8 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
                    num_chunks, tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, K, target_items,
                    NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
-                   NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
-                   TRIGGER_LATE: tl.constexpr):
+                   NUM_STAGES: tl.constexpr, X_PARTS: tl.constexpr, A_PARTS: tl.constexpr,
+                   PDL: tl.constexpr, TRIGGER_LATE: tl.constexpr):
     pdl.start(PDL, TRIGGER_LATE)
     # Work item = (tile, block, group of chunks); table i owns blocks [blocks_end{i-1},
     # blocks_end{i}). Groups vary fastest, so neighbouring programs read neighbouring parts of
@@ -173,23 +201,23 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
         if block < blocks_end0:
             _shrink_block(x_ptr, stride_x, t_ptr, stride_t, stride_t_chunk, a0_ptr, ranks0_ptr,
                           max_rank0, block, chunk, num_item_chunks, slot, rows, in_tile, K,
-                          BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
+                          BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES, X_PARTS, A_PARTS)
         elif NUM_TABLES == 2:
             _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, stride_t_chunk,
                           a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk,
                           num_item_chunks, slot, rows, in_tile, K,
-                          BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
+                          BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES, X_PARTS, A_PARTS)
         elif NUM_TABLES == 3:
             if block < blocks_end1:
                 _shrink_block(x_ptr, stride_x, t_ptr + stride_t_table, stride_t, stride_t_chunk,
                               a1_ptr, ranks1_ptr, max_rank1, block - blocks_end0, chunk,
                               num_item_chunks, slot, rows, in_tile, K,
-                              BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
+                              BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES, X_PARTS, A_PARTS)
             else:
                 _shrink_block(x_ptr, stride_x, t_ptr + 2 * stride_t_table, stride_t,
                               stride_t_chunk, a2_ptr, ranks2_ptr, max_rank2, block - blocks_end1,
                               chunk, num_item_chunks, slot, rows, in_tile, K,
-                              BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES)
+                              BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES, X_PARTS, A_PARTS)
     pdl.finish(PDL, TRIGGER_LATE)
 
 
@@ -219,6 +247,7 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     assert tiles.num_rows == num_rows, "tiles of another batch"
     for a in a_tables:
         assert a.dtype in STORED_DTYPES.values() and a.is_contiguous() and a.shape[2] == num_in
+        assert a.dtype == a_tables[0].dtype, "tables of one launch share a dtype"
     x = x if x.stride(1) == 1 else x.contiguous()
     width = max(a.shape[1] for a in a_tables)
     shape = (len(a_tables), num_rows, num_k_chunks(num_in, config), width)
@@ -240,7 +269,8 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
         target_items(x.device) if num_target_items is None else num_target_items,
         NUM_TABLES=len(a_tables), BLOCK_M=tiles.block_m,
         BLOCK_R=config.block_r, BLOCK_K=config.block_k, K_CHUNK=config.k_chunk,
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        NUM_STAGES=config.num_stages, X_PARTS=bf16_parts(x.dtype),
+        A_PARTS=bf16_parts(a_tables[0].dtype), num_warps=config.num_warps,
         TRIGGER_LATE=pdl.LORA_TRIGGER_LATE,
         **launch_options(x.device, num_rows))
     return out
