@@ -129,7 +129,7 @@ def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
                 f"lora expand, {tables} {dtype} table(s), {config}", lora_expand._expand_kernel,
                 {"NUM_TABLES": tables, "BLOCK_M": block_m, "BLOCK_N": config.block_n,
                  "RANK_PAD": 16, "MAX_CHUNKS": 8, "B_PARTS": lora_shrink.bf16_parts(DTYPES[dtype]),
-                 "DELTA": True, "PDL": True,
+                 "NUM_STAGES": config.num_stages, "DELTA": True, "PDL": True,
                  "TRIGGER_LATE": pdl.LORA_TRIGGER_LATE},
                 config.num_warps, config.num_stages,
                 # The model's way: fp32 delta buffers (lora.LoraDelta).
@@ -205,7 +205,7 @@ def main() -> int:
     p.add_argument("--shrink", action="append", default=[],
                    help="BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES: also this shrink config")
     p.add_argument("--expand", action="append", default=[],
-                   help="BLOCK_N,WARPS: also this expand config (one stage)")
+                   help="BLOCK_N,WARPS: also this expand config (default stages)")
     p.add_argument("--block-m", type=int, default=lora_tiles.BLOCK_M,
                    help=f"rows per LoRA tile (lorad: {lora_tiles.BLOCK_M})")
     p.add_argument("--only", default="", help="only the kernels whose name holds this text")
@@ -218,7 +218,7 @@ def main() -> int:
     shrinks = [lora_shrink.DEFAULT_CONFIG] + parse_configs(
         args.shrink, lora_shrink.ShrinkConfig, 5)
     expands = [lora_expand.DEFAULT_CONFIG] + parse_configs(
-        args.expand, lambda n, w: lora_expand.ExpandConfig(n, w, 1), 2)
+        args.expand, lambda n, w: lora_expand.ExpandConfig(n, w), 2)
     specs = lora_specs(shrinks, expands, args.block_m) + model_specs()
     print(f"# triton {triton.__version__}, sm_{args.arch}, LoRA tiles of {args.block_m} rows; "
           f"registers per thread, spill bytes per thread (stack), shared bytes per program, "

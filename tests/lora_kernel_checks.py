@@ -278,6 +278,55 @@ def check_chunk_groups_change_no_bit(device: str, shape: Shape, x_dtype: torch.d
                                      f"differs from one chunk per item")
 
 
+def check_block_groups_change_no_bit(device: str, shape: Shape, x_dtype: torch.dtype,
+                                     num_rows: int = 21, targets: tuple[int, ...] = (1, 5, 40),
+                                     block_n: int | None = None) -> None:
+    """The expand's outputs are the same bits whether each work item takes one block of outputs
+    (target 0) or groups of consecutive blocks (a small target: a table's blocks in one item;
+    larger: fewer per group, the last shorter), with many programs or few looping over the
+    items, into delta buffers and in place; and nothing outside edited rows is written.
+    block_n: the expand's block (None: its default), small to give tiny tables several."""
+    from lorad.workers.kernels.lora_expand import DEFAULT_CONFIG, ExpandConfig, lora_expand
+    from lorad.workers.kernels.lora_shrink import lora_shrink
+    from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
+    config = ExpandConfig(block_n=block_n) if block_n else DEFAULT_CONFIG
+    if max(-(-n // config.block_n) for n in shape.out_features) < 3:
+        raise AssertionError(f"{shape}: fewer than 3 blocks of {config.block_n} outputs in every "
+                             f"table, nothing to group")
+    gen = torch.Generator().manual_seed(7)
+    tables = make_tables(shape, gen, device)
+    row_slots = mixed_slots(num_rows, shape.num_slots, gen).to(device)
+    x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
+    base = [torch.randn(num_rows, n, generator=gen).to(device, x_dtype)
+            for n in shape.out_features]
+    counts = torch.bincount(row_slots[row_slots != 0].cpu())
+    tiles = LoraTiles.build(row_slots, count_tiles(int(c) for c in counts))
+    t = lora_shrink(x, tables.a, tables.ranks, tiles)
+
+    def expand(target: int, programs: int | None, deltas: bool) -> list[torch.Tensor]:
+        if deltas:
+            outs = [torch.full((num_rows, n), float("nan"), device=device)
+                    for n in shape.out_features]
+        else:
+            outs = [b.clone() for b in base]
+        lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles, num_programs=programs,
+                    config=config, deltas=deltas, num_target_items=target)
+        return outs
+
+    for deltas in (True, False):
+        want = expand(0, None, deltas)
+        if deltas and all(w.isnan().all() for w in want):
+            raise AssertionError("the expand wrote nothing: this check could not fail")
+        for target in targets:
+            for programs in (None, 3):
+                for i, (got, w) in enumerate(zip(expand(target, programs, deltas), want)):
+                    if not torch.equal(got.nan_to_num(12345.0), w.nan_to_num(12345.0)):
+                        raise AssertionError(
+                            f"target {target}, {programs or 'default'} programs, "
+                            f"{'deltas' if deltas else 'in place'}: output {i} differs from one "
+                            f"block per item")
+
+
 def check_no_adapter_rows(device: str, shape: Shape, x_dtype: torch.dtype) -> None:
     """Only slot-0 rows, kernels launched anyway (a CUDA graph's mode): nothing is written."""
     gen = torch.Generator().manual_seed(2)
@@ -371,6 +420,8 @@ CHECKS = {
     "layer_path_bf16": (check_layer_path, dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16)),
     "chunk_groups_long_k": (check_chunk_groups_change_no_bit,
                             dict(shape=CPU_SHAPES["long_k"], x_dtype=torch.bfloat16)),
+    "block_groups_qkv": (check_block_groups_change_no_bit,
+                         dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16, block_n=16)),
     "reference_qkv_bf16_tables": (check_matches_reference,
                                   dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16,
                                        batch_sizes=(1, 19), table_dtype=torch.bfloat16)),

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from lorad.workers.batch import ForwardBatch
-from tests.lora_kernel_checks import (GPU_SHAPES, Shape, check_chunk_groups_change_no_bit,
+from tests.lora_kernel_checks import (GPU_SHAPES, Shape, check_block_groups_change_no_bit,
+                                      check_chunk_groups_change_no_bit,
                                       check_layer_path, check_matches_reference,
                                       check_narrow_tables_read_exactly, check_no_adapter_rows,
                                       check_rows_independent_of_batch, fill_lora_slots,
@@ -143,4 +144,11 @@ def test_layer_path_with_bf16_tables() -> None:
 def test_chunk_groups_change_no_bit(name: str) -> None:
     """q/k/v's 8 and down's 28 K chunks taken one per work item or in groups, at batch 64."""
     check_chunk_groups_change_no_bit("cuda", GPU_SHAPES[name], torch.bfloat16, num_rows=64,
+                                     targets=(1, 100, 800))
+
+
+@pytest.mark.parametrize("name", ["qkv", "gate_up"])
+def test_block_groups_change_no_bit(name: str) -> None:
+    """The expand's blocks of outputs taken one per work item or in groups, at batch 64."""
+    check_block_groups_change_no_bit("cuda", GPU_SHAPES[name], torch.bfloat16, num_rows=64,
                                      targets=(1, 100, 800))

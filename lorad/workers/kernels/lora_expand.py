@@ -2,8 +2,9 @@
 outputs at once (the tables of projections that share an input), t being the sum of the shrink's
 per-chunk partials, added here as they are read.
 
-A program takes one work item at a time, (row tile, block of BLOCK_N outputs of one table): it
-reads that block of its slot's B once for the tile's rows, and adds each row's delta to `out` in
+A program takes one work item at a time, (row tile, group of consecutive blocks of BLOCK_N outputs
+of one table; one block per group unless the step has many items, see ITEMS_PER_SM): it reads
+each block of its slot's B once for the tile's rows, and adds each row's delta to `out` in
 one fp32 add (the column-parallel base output before its rounding, or the row-parallel partial
 sum before the all-reduce). Every row gets the same arithmetic whatever shares its step: the
 shrink's K-chunk partials summed by one reduction of fixed shape [BLOCK_M, MAX_CHUNKS, RANK_PAD]
@@ -28,6 +29,7 @@ import triton.language as tl
 from lorad.workers.kernels.launch_math import next_power_of_2
 from lorad.workers.kernels.lora_shrink import (MAX_TABLES, bf16_parts, exact_dot, load_tile,
                                                pad_tables, table_block_ends)
+from lorad.workers.kernels import lora_tiles
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
@@ -39,7 +41,8 @@ class ExpandConfig:
     # Outputs per work item: one [BLOCK_M, rank] x [rank, block_n] MMA (a power of two >= 16).
     block_n: int = 128
     num_warps: int = 4
-    num_stages: int = 1  # one MMA per item: nothing to pipeline
+    # B's loads in flight along a group of blocks (Hopper: cp.async into shared memory).
+    num_stages: int = 2
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -47,54 +50,63 @@ class ExpandConfig:
 
 
 DEFAULT_CONFIG = ExpandConfig()
+# Work items per multiprocessor past which an expand work item takes several consecutive blocks
+# of outputs (its tile looked up and its t summed once): with distinct adapters at batch 64, one
+# block per item makes 64 x 224 items for gate/up of 4 KB of B each. As lora_shrink's; not yet
+# timed against 0 on a GPU.
+ITEMS_PER_SM = 6
 
 
 @triton.jit
-def _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_out, N, b_ptr,
-                  ranks_ptr, scales_ptr, max_rank, block, slot, rows, in_tile,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANK_PAD: tl.constexpr,
-                  MAX_CHUNKS: tl.constexpr, B_PARTS: tl.constexpr, DELTA: tl.constexpr):
+def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_out, N, b_ptr,
+                   ranks_ptr, scales_ptr, max_rank, first_block, num_item_blocks, slot, rows,
+                   in_tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   RANK_PAD: tl.constexpr, MAX_CHUNKS: tl.constexpr, B_PARTS: tl.constexpr,
+                   NUM_STAGES: tl.constexpr, DELTA: tl.constexpr):
+    # Blocks [first_block, first_block + num_item_blocks) of one table, one after another with
+    # B's loads running ahead: t's chunk sums are taken once, and each block is then computed
+    # exactly as a work item of that block alone would compute it.
     # No load waits on the slot's rank: t, B, the scale and the base output are all requested
     # once the tile is known, and the rank only masks what they bring (a chain of one load
     # instead of three). t past the slot's rank was never written and B there is padding: both
     # are replaced by zeros before the MMA, which then adds exact zeros for them.
     rank = tl.load(ranks_ptr + slot)
     scale = tl.load(scales_ptr + slot)
-    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_n = cols < N
     chunks = tl.arange(0, MAX_CHUNKS)
     has_c = chunks < num_chunks
     ranks_j = tl.arange(0, RANK_PAD)
     in_r = ranks_j < max_rank
     has_j = ranks_j < rank
-    outs = out_ptr + rows[:, None] * stride_out + cols[None, :]
-    mask = in_tile[:, None] & in_n[None, :]
-    if not DELTA:
-        base = tl.load(outs, mask=mask)
     t_rows = (t_ptr + rows[:, None, None] * stride_t + chunks[None, :, None] * stride_t_chunk
               + ranks_j[None, None, :])
     parts = tl.load(t_rows, mask=in_tile[:, None, None] & has_c[None, :, None]
                     & in_r[None, None, :], other=0.0)  # [BLOCK_M, MAX_CHUNKS, RANK_PAD]
     tj = tl.where(has_j[None, :], tl.sum(parts, axis=1), 0.0)  # [BLOCK_M, RANK_PAD] fp32
-    b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank + ranks_j[None, :]
-    bj = tl.load(b_rows, mask=in_n[:, None] & in_r[None, :], other=0.0)  # [BLOCK_N, RANK_PAD]
-    bj = tl.where(has_j[None, :], bj, tl.zeros_like(bj))
-    # t's fp32 sums split into three bf16 terms (exactly), B into its own: exact products.
-    acc = exact_dot(tj, tl.trans(bj), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
-                    3, B_PARTS)
-    # One rounding of base + delta: an output in the model dtype is widened, added to in fp32
-    # and rounded back, as the torch path's `(out.float() + delta).to(dtype)`. Slots the table
-    # does not edit (rank 0) are not written; that test is a block, since triton 3.9's
-    # interpreter rejects a mask with a scalar in it.
-    # DELTA: the delta alone, in fp32, into a buffer that a later kernel adds to the rounded
-    # base output, as the torch path's `(out.float() + delta).to(dtype)` too.
+    # Slots the table does not edit (rank 0) are not written; that test is a block, since
+    # triton 3.9's interpreter rejects a mask with a scalar in it.
     edited = tl.zeros([BLOCK_M], tl.int32) < rank
-    delta = acc * scale
-    if DELTA:
-        tl.store(outs, delta, mask=mask & edited[:, None])
-    else:
-        tl.store(outs, (base.to(tl.float32) + delta).to(out_ptr.dtype.element_ty),
-                 mask=mask & edited[:, None])
+    for block in tl.range(first_block, first_block + num_item_blocks, num_stages=NUM_STAGES):
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_n = cols < N
+        outs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        mask = in_tile[:, None] & in_n[None, :] & edited[:, None]
+        b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank + ranks_j[None, :]
+        bj = tl.load(b_rows, mask=in_n[:, None] & in_r[None, :], other=0.0)  # [BLOCK_N, RANK_PAD]
+        bj = tl.where(has_j[None, :], bj, tl.zeros_like(bj))
+        # t's fp32 sums split into three bf16 terms (exactly), B into its own: exact products.
+        acc = exact_dot(tj, tl.trans(bj), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                        3, B_PARTS)
+        delta = acc * scale
+        if DELTA:
+            # The delta alone, in fp32, into a buffer that a later kernel adds to the rounded
+            # base output, as the torch path's `(out.float() + delta).to(dtype)` too.
+            tl.store(outs, delta, mask=mask)
+        else:
+            # One rounding of base + delta: an output in the model dtype is widened, added to in
+            # fp32 and rounded back, as the torch path's `(out.float() + delta).to(dtype)`.
+            base = tl.load(outs, mask=mask)
+            tl.store(outs, (base.to(tl.float32) + delta).to(out_ptr.dtype.element_ty),
+                     mask=mask)
 
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
@@ -105,45 +117,71 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                    N0, N1, N2, b0_ptr, b1_ptr, b2_ptr,
                    ranks0_ptr, ranks1_ptr, ranks2_ptr, scales0_ptr, scales1_ptr, scales2_ptr,
                    max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
-                   tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, NUM_TABLES: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANK_PAD: tl.constexpr,
-                   MAX_CHUNKS: tl.constexpr, B_PARTS: tl.constexpr, DELTA: tl.constexpr,
-                   PDL: tl.constexpr,
+                   tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, target_items,
+                   NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   RANK_PAD: tl.constexpr, MAX_CHUNKS: tl.constexpr, B_PARTS: tl.constexpr,
+                   NUM_STAGES: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr,
                    TRIGGER_LATE: tl.constexpr):
     pdl.start(PDL, TRIGGER_LATE)
-    # Work item = (tile, block); table i owns blocks [blocks_end{i-1}, blocks_end{i}).
-    num_items = (tl.load(num_tiles_ptr) * num_blocks).to(tl.int32)
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        tile = item // num_blocks
-        block = item - tile * num_blocks
+    # Work item = (tile, group of consecutive blocks of one table); table i owns blocks
+    # [blocks_end{i-1}, blocks_end{i}). A group is one block while the step's items are few,
+    # more as they pass target_items, so that each item streams more of B behind one lookup of
+    # its tile and one sum of its t. Which item computes a block changes none of its bits.
+    num_tiles = tl.load(num_tiles_ptr).to(tl.int32)
+    group = tl.maximum(tl.minimum((num_tiles * num_blocks) // tl.maximum(target_items, 1),
+                                  num_blocks), 1)
+    if target_items == 0:
+        group = 1
+    blocks0 = blocks_end0
+    blocks1 = blocks_end1 - blocks_end0
+    blocks2 = num_blocks - blocks_end1
+    groups0 = tl.cdiv(blocks0, group)
+    groups01 = groups0 + tl.cdiv(blocks1, group)
+    items_per_tile = groups01 + tl.cdiv(blocks2, group)
+    for item in range(tl.program_id(0), num_tiles * items_per_tile, tl.num_programs(0)):
+        tile = item // items_per_tile
+        g = item - tile * items_per_tile
         slot, rows, in_tile = load_tile(tile_slot_ptr, tile_rows_ptr, tile, BLOCK_M)
-        if block < blocks_end0:
-            _expand_block(t_ptr, stride_t, stride_t_chunk, num_chunks, out0_ptr, stride_out0, N0,
-                          b0_ptr, ranks0_ptr, scales0_ptr, max_rank0, block, slot, rows,
-                          in_tile, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS, DELTA)
+        if g < groups0:
+            first = g * group
+            _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out0_ptr, stride_out0,
+                           N0, b0_ptr, ranks0_ptr, scales0_ptr, max_rank0, first,
+                           tl.minimum(group, blocks0 - first), slot, rows, in_tile, BLOCK_M,
+                           BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS, NUM_STAGES, DELTA)
         elif NUM_TABLES == 2:
-            _expand_block(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks, out1_ptr,
-                          stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr, max_rank1,
-                          block - blocks_end0, slot, rows, in_tile, BLOCK_M, BLOCK_N, RANK_PAD,
-                          MAX_CHUNKS, B_PARTS, DELTA)
+            first = (g - groups0) * group
+            _expand_blocks(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
+                           out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr, max_rank1,
+                           first, tl.minimum(group, blocks1 - first), slot, rows, in_tile,
+                           BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS, NUM_STAGES, DELTA)
         elif NUM_TABLES == 3:
-            if block < blocks_end1:
-                _expand_block(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
-                              out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr,
-                              max_rank1, block - blocks_end0, slot, rows, in_tile, BLOCK_M,
-                              BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS, DELTA)
+            if g < groups01:
+                first = (g - groups0) * group
+                _expand_blocks(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
+                               out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr,
+                               max_rank1, first, tl.minimum(group, blocks1 - first), slot, rows,
+                               in_tile, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
+                               NUM_STAGES, DELTA)
             else:
-                _expand_block(t_ptr + 2 * stride_t_table, stride_t, stride_t_chunk, num_chunks,
-                              out2_ptr, stride_out2, N2, b2_ptr, ranks2_ptr, scales2_ptr,
-                              max_rank2, block - blocks_end1, slot, rows, in_tile, BLOCK_M,
-                              BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS, DELTA)
+                first = (g - groups01) * group
+                _expand_blocks(t_ptr + 2 * stride_t_table, stride_t, stride_t_chunk, num_chunks,
+                               out2_ptr, stride_out2, N2, b2_ptr, ranks2_ptr, scales2_ptr,
+                               max_rank2, first, tl.minimum(group, blocks2 - first), slot, rows,
+                               in_tile, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
+                               NUM_STAGES, DELTA)
     pdl.finish(PDL, TRIGGER_LATE)
+
+
+def target_items(device: torch.device) -> int:
+    """Work items an expand aims at: ITEMS_PER_SM per multiprocessor (0: one block per item)."""
+    return ITEMS_PER_SM * max_programs(device) // lora_tiles.PROGRAMS_PER_SM
 
 
 def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequence[torch.Tensor],
                 rank_tables: Sequence[torch.Tensor], scale_tables: Sequence[torch.Tensor],
                 tiles: LoraTiles, num_programs: int | None = None,
-                config: ExpandConfig | None = None, deltas: bool = False) -> None:
+                config: ExpandConfig | None = None, deltas: bool = False,
+                num_target_items: int | None = None) -> None:
     """outs[i][row] += scale * (sum_c t[i, row, c, :rank] B_i[slot, :, :rank]^T), in place, for
     each row whose slot table i edits (rank = rank_tables[i][slot] > 0); no other element is
     touched.
@@ -156,7 +194,9 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
 
     deltas: outs[i] are fp32 buffers that get the delta alone, scale * (t B^T) rounded to fp32,
     at the same elements (nothing else is written): a later kernel adds it to the rounded base
-    output (lorad.workers.lora.LoraDelta), which then need not exist yet."""
+    output (lorad.workers.lora.LoraDelta), which then need not exist yet.
+    num_target_items: where a work item starts taking several blocks of outputs (None:
+    target_items(t.device), read at the call; 0: never); it changes no bit."""
     num_tables = len(b_tables)
     if not 1 <= num_tables <= MAX_TABLES or not (len(outs) == len(rank_tables)
                                                   == len(scale_tables) == num_tables):
@@ -183,11 +223,13 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         *(b.shape[1] for b in padded_b), *padded_b, *pad_tables(rank_tables),
         *pad_tables(scale_tables),
         *(b.shape[2] for b in padded_b), blocks_end[1], blocks_end[min(2, num_tables)],
-        num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, NUM_TABLES=num_tables,
+        num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles,
+        target_items(t.device) if num_target_items is None else num_target_items,
+        NUM_TABLES=num_tables, NUM_STAGES=config.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=config.block_n,
         RANK_PAD=max(16, next_power_of_2(max(b.shape[2] for b in b_tables))),
         MAX_CHUNKS=next_power_of_2(t.shape[2]), B_PARTS=bf16_parts(b_tables[0].dtype),
         DELTA=deltas,
         TRIGGER_LATE=pdl.LORA_TRIGGER_LATE,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
         **launch_options(t.device, tiles.num_rows))
