@@ -464,7 +464,7 @@ def lora_configs(variant: str):
         if kernel == "shrink" and len(numbers) == 5:
             lora_shrink.DEFAULT_CONFIG = lora_shrink.ShrinkConfig(*numbers)
         elif kernel == "expand" and len(numbers) == 2:
-            lora_expand.DEFAULT_CONFIG = lora_expand.ExpandConfig(*numbers, num_stages=1)
+            lora_expand.DEFAULT_CONFIG = lora_expand.ExpandConfig(*numbers)
         elif kernel == "tiles" and len(numbers) == 1 and numbers[0] in (16, 32, 64):
             lora_tiles.BLOCK_M = numbers[0]
         else:
