@@ -327,6 +327,34 @@ def check_block_groups_change_no_bit(device: str, shape: Shape, x_dtype: torch.d
                             f"block per item")
 
 
+def check_exact_dot_keeps_every_bit(device: str) -> None:
+    """exact_dot's split into bf16 terms loses nothing: an fp32 (3 terms) or fp16 (2 terms) tile
+    times a permutation matrix comes back bit for bit on either side of the product, where one
+    term fewer does not (so the check can fail)."""
+    from tests.exact_dot_kernel import exact_dot_kernel
+    gen = torch.Generator().manual_seed(8)
+    perm = torch.eye(16)[torch.randperm(16, generator=gen)]
+    for dtype, parts in ((torch.float32, 3), (torch.float16, 2)):
+        values = (torch.randn(16, 16, generator=gen) * 3.0).to(dtype)
+        for side in ("a", "b"):
+            for used in (parts, parts - 1):
+                if side == "a":
+                    a, b, want = values, perm.bfloat16(), values.float() @ perm
+                    a_parts, b_parts = used, 1
+                else:
+                    a, b, want = perm.bfloat16(), values, perm @ values.float()
+                    a_parts, b_parts = 1, used
+                out = torch.full((16, 16), float("nan"), device=device)
+                exact_dot_kernel[(1,)](a.to(device), b.to(device), out, A_PARTS=a_parts,
+                                       B_PARTS=b_parts)
+                same = torch.equal(out.cpu(), want)
+                if used == parts and not same:
+                    raise AssertionError(f"{dtype} on side {side}: {parts} bf16 terms lost bits")
+                if used < parts and same:
+                    raise AssertionError(f"{dtype} on side {side}: {used} bf16 terms kept every "
+                                         f"bit: this check could not fail")
+
+
 def check_no_adapter_rows(device: str, shape: Shape, x_dtype: torch.dtype) -> None:
     """Only slot-0 rows, kernels launched anyway (a CUDA graph's mode): nothing is written."""
     gen = torch.Generator().manual_seed(2)
@@ -420,6 +448,7 @@ CHECKS = {
     "layer_path_bf16": (check_layer_path, dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16)),
     "chunk_groups_long_k": (check_chunk_groups_change_no_bit,
                             dict(shape=CPU_SHAPES["long_k"], x_dtype=torch.bfloat16)),
+    "exact_dot": (check_exact_dot_keeps_every_bit, {}),
     "block_groups_qkv": (check_block_groups_change_no_bit,
                          dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16, block_n=16)),
     "reference_qkv_bf16_tables": (check_matches_reference,

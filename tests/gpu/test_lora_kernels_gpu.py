@@ -17,6 +17,7 @@ import torch
 from lorad.workers.batch import ForwardBatch
 from tests.lora_kernel_checks import (GPU_SHAPES, Shape, check_block_groups_change_no_bit,
                                       check_chunk_groups_change_no_bit,
+                                      check_exact_dot_keeps_every_bit,
                                       check_layer_path, check_matches_reference,
                                       check_narrow_tables_read_exactly, check_no_adapter_rows,
                                       check_rows_independent_of_batch, fill_lora_slots,
@@ -152,3 +153,7 @@ def test_block_groups_change_no_bit(name: str) -> None:
     """The expand's blocks of outputs taken one per work item or in groups, at batch 64."""
     check_block_groups_change_no_bit("cuda", GPU_SHAPES[name], torch.bfloat16, num_rows=64,
                                      targets=(1, 100, 800))
+
+
+def test_exact_dot_keeps_every_bit() -> None:
+    check_exact_dot_keeps_every_bit("cuda")
