@@ -41,8 +41,11 @@ class ExpandConfig:
     # Outputs per work item: one [BLOCK_M, rank] x [rank, block_n] MMA (a power of two >= 16).
     block_n: int = 128
     num_warps: int = 4
-    # B's loads in flight along a group of blocks (Hopper: cp.async into shared memory).
-    num_stages: int = 2
+    # B's loads in flight along a group of blocks (Hopper: cp.async into shared memory). 3
+    # against 2 on an H200 (bench_engine.py --variant, 2026-12-01 19:27 UTC, graph replay ms): 64
+    # distinct adapters at batch 64 9.31 against 9.69, at 32 7.12 against 7.30; one adapter and
+    # four mixed within 0.03 (4 stages: 9.27 and 7.10).
+    num_stages: int = 3
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -52,8 +55,10 @@ class ExpandConfig:
 DEFAULT_CONFIG = ExpandConfig()
 # Work items per multiprocessor past which an expand work item takes several consecutive blocks
 # of outputs (its tile looked up and its t summed once): with distinct adapters at batch 64, one
-# block per item makes 64 x 224 items for gate/up of 4 KB of B each. As lora_shrink's; not yet
-# timed against 0 on a GPU.
+# block per item makes 64 x 224 items for gate/up of 4 KB of B each. On an H200 (bench_engine.py
+# --variant, 2026-12-01 19:24 and 19:27 UTC, graph replay ms, 2 stages) against 0: 64 distinct
+# adapters at batch 32 7.29 against 7.71 (fp32 tables: 9.04 against 9.60); one adapter the same
+# within 0.02; 12 per multiprocessor: batch 64 9.99 against 9.69.
 ITEMS_PER_SM = 6
 
 
