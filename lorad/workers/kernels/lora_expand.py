@@ -38,11 +38,14 @@ from lorad.workers.lora import STORED_DTYPES
 
 @dataclass(frozen=True)
 class ExpandConfig:
-    # Outputs per work item: one [BLOCK_M, rank] x [rank, block_n] MMA (a power of two >= 16).
+    # Outputs per block: one [BLOCK_M, rank] x [rank, block_n] MMA (a power of two >= 16). 64 on
+    # 2 warps on an H200 (bench_engine.py --variant, 2026-12-01 19:24 UTC, graph replay ms, 3
+    # stages): 64 distinct adapters at batch 32 7.01 against 7.12, at 64 9.36 against 9.31; one
+    # adapter at 64 7.14 against 7.12.
     block_n: int = 128
     num_warps: int = 4
     # B's loads in flight along a group of blocks (Hopper: cp.async into shared memory). 3
-    # against 2 on an H200 (bench_engine.py --variant, 2026-12-01 19:27 UTC, graph replay ms): 64
+    # against 2 on an H200 (bench_engine.py --variant, 2026-12-01 19:24 UTC, graph replay ms): 64
     # distinct adapters at batch 64 9.31 against 9.69, at 32 7.12 against 7.30; one adapter and
     # four mixed within 0.03 (4 stages: 9.27 and 7.10).
     num_stages: int = 3
@@ -56,9 +59,10 @@ DEFAULT_CONFIG = ExpandConfig()
 # Work items per multiprocessor past which an expand work item takes several consecutive blocks
 # of outputs (its tile looked up and its t summed once): with distinct adapters at batch 64, one
 # block per item makes 64 x 224 items for gate/up of 4 KB of B each. On an H200 (bench_engine.py
-# --variant, 2026-12-01 19:24 and 19:27 UTC, graph replay ms, 2 stages) against 0: 64 distinct
-# adapters at batch 32 7.29 against 7.71 (fp32 tables: 9.04 against 9.60); one adapter the same
-# within 0.02; 12 per multiprocessor: batch 64 9.99 against 9.69.
+# --variant, 2026-12-01 19:22 and 19:28 UTC, graph replay ms) against 0: 64 distinct
+# adapters at batch 32 7.29 against 7.71 (2 stages; fp32 tables: 9.04 against 9.60), at batch 64
+# 9.30 against 11.10 (3 stages); one adapter the same within 0.02. 12 per multiprocessor: batch
+# 64 9.99 against 9.69 (2 stages); 3: 9.39 against 9.30, batch 32 7.01 against 7.10.
 ITEMS_PER_SM = 6
 
 

@@ -39,7 +39,9 @@ MAX_TABLES = 3  # q/k/v share an input; gate/up share one
 # dependent loads (profile_graph.py, H200, 2026-12-01: the q/k/v shrink 40 us, down's 48). On
 # the H200 (bench_engine.py --variant, graph replay ms, 6 against 0): 64 distinct adapters at
 # batch 64 13.33 against 13.45 and 13.49 with bf16 tables, 13.15 against 13.39 with fp32 ones; at
-# batch 32 and with one adapter the same within 0.04. 12 per multiprocessor: 13.40.
+# batch 32 and with one adapter the same within 0.04. 12 per multiprocessor: 13.40. (Those were
+# the FMA kernels before the MMA ones; with these, 19:22 UTC, off: the same at batch 32, 7.28
+# against 7.29, and at batch 1.)
 ITEMS_PER_SM = 6
 
 
@@ -67,7 +69,12 @@ class ShrinkConfig:
     block_k: int = 128
     # Inputs per chunk, a multiple of block_k: a fixed size, so a row's sums never depend on the
     # batch. Smaller means more programs but more partial sums for the expand to add.
+    # 256 on an H200 (bench_engine.py --variant, 2026-12-01 19:22 UTC, graph replay ms): one adapter
+    # at batch 1 4.81 against 4.90, but at batch 32 5.94 against 5.81, 64 distinct adapters at 32
+    # 7.66 against 7.29.
     k_chunk: int = 512
+    # 4 warps in the same run: 64 distinct at batch 32 7.32 against 7.29 (fp32 tables, three bf16
+    # terms per factor: 9.92 against 9.04), one adapter the same.
     num_warps: int = 2
     # Loads in flight along a chunk (Hopper: cp.async into shared memory).
     num_stages: int = 3

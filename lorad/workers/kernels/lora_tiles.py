@@ -87,7 +87,9 @@ def max_tiles_any_mixture(num_rows: int) -> int:
 # is the same within 2% from 4 to 16. In the engine (bench_engine.py --variant, 2026-12-01, two
 # runs, graph replay ms) 32 against 16: 64 distinct adapters at batch 64 14.06 against 14.50 and
 # 13.36 against 13.95; one adapter at batch 64 8.15 against 8.11 and 7.50 against 7.40, four
-# mixed 8.21 against 8.21 and 7.53 against 7.47; batch 32 and 1 the same within 0.03.
+# mixed 8.21 against 8.21 and 7.53 against 7.47; batch 32 and 1 the same within 0.03. With the
+# kernels on the tensor cores (2026-12-01 19:22 UTC), 8 against 32 at batches 1 and 32: the same
+# within 0.02.
 PROGRAMS_PER_SM = 32
 CPU_PROGRAMS = 64  # under TRITON_INTERPRET=1 programs run one after another
 
