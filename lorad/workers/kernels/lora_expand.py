@@ -3,18 +3,19 @@ outputs at once (the tables of projections that share an input), t being the sum
 per-chunk partials, added here as they are read.
 
 A program takes one work item at a time, (row tile, group of consecutive blocks of BLOCK_N outputs
-of one table; one block per group unless the step has many items, see ITEMS_PER_SM): it reads
-each block of its slot's B once for the tile's rows, and adds each row's delta to `out` in
-one fp32 add (the column-parallel base output before its rounding, or the row-parallel partial
-sum before the all-reduce). Every row gets the same arithmetic whatever shares its step: the
-shrink's K-chunk partials summed by one reduction of fixed shape [BLOCK_M, MAX_CHUNKS, RANK_PAD]
-(so every program reading a row gets the same bits, and the sum needs no launch of its own),
-then one MMA over the ranks (exact_dot: t's fp32 sums split exactly into bf16 terms), which
-computes a row's outputs from that row alone, with one tile shape for every table; no atomics. Rows of slot 0 are neither read nor written; rows of a slot the table does not edit
-are read (no load waits on the rank) but not written. With deltas=True it writes the delta alone
-into an fp32 buffer instead, for the next kernel to add, so that it runs beside the base matmul
-instead of after it: the model's way, except for o_proj's and down_proj's partial sums at world
-sizes above 1, which it adds into in place before their all-reduce.
+of one table; one block per group unless the step has many items, see ITEMS_PER_SM): it reads each
+block of its slot's B once for the tile's rows, and adds each row's delta to `out` in one fp32 add
+(the column-parallel base output before its rounding, or the row-parallel partial sum before the
+all-reduce). Every row gets the same arithmetic whatever shares its step: the shrink's K-chunk
+partials summed by one reduction of fixed shape [BLOCK_M, MAX_CHUNKS, RANK_PAD] (so every program
+reading a row gets the same bits, and the sum needs no launch of its own), then one MMA over the
+ranks (exact_dot: t's fp32 sums split exactly into bf16 terms), which computes a row's outputs from
+that row alone, with one tile shape for every table; no atomics. Rows of slot 0 are neither read nor
+written; rows of a slot the table does not edit are read (no load waits on the rank) but not
+written. With deltas=True it writes the delta alone into an fp32 buffer instead, for the next kernel
+to add, so that it runs beside the base matmul instead of after it: the model's way, except for
+o_proj's and down_proj's partial sums at world sizes above 1, which it adds into in place before
+their all-reduce.
 """
 
 from __future__ import annotations

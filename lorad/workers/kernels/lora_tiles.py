@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-# Rows per tile: shrink and expand share the tiles, so they share this (the kernels take it from
-# the tiles). The M side of their MMAs, so at least 16. Read when tiles are built, so a benchmark may set another (bench_engine.py
-# --lora-configs); a running server keeps one, which a row's bits depend on.
+# Rows per tile: shrink and expand share the tiles, so they share this (the kernels take it from the
+# tiles). The M side of their MMAs, so at least 16. Read when tiles are built, so a benchmark may
+# set another (bench_engine.py --lora-configs); a running server keeps one, which a row's bits
+# depend on.
 BLOCK_M = 16
 
 
