@@ -284,7 +284,8 @@ def check_block_groups_change_no_bit(device: str, shape: Shape, x_dtype: torch.d
     """The expand's outputs are the same bits whether each work item takes one block of outputs
     (target 0) or groups of consecutive blocks (a small target: a table's blocks in one item;
     larger: fewer per group, the last shorter), with many programs or few looping over the
-    items, into delta buffers and in place; and nothing outside edited rows is written.
+    items, into delta buffers and in place; and they write exactly where one block per item
+    writes (NaN buffers keep their NaN elsewhere).
     block_n: the expand's block (None: its default), small to give tiny tables several."""
     from lorad.workers.kernels.lora_expand import DEFAULT_CONFIG, ExpandConfig, lora_expand
     from lorad.workers.kernels.lora_shrink import lora_shrink
