@@ -28,10 +28,9 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.launch_math import next_power_of_2
-from lorad.workers.kernels.lora_shrink import (MAX_TABLES, bf16_parts, exact_dot, load_tile,
-                                               pad_tables, table_block_ends)
-from lorad.workers.kernels import lora_tiles
-from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
+from lorad.workers.kernels.lora_shrink import (MAX_TABLES, bf16_parts, exact_dot, group_size,
+                                               load_tile, pad_tables, table_block_ends)
+from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs, target_items
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
 from lorad.workers.lora import STORED_DTYPES
@@ -138,10 +137,7 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
     # more as they pass target_items, so that each item streams more of B behind one lookup of
     # its tile and one sum of its t. Which item computes a block changes none of its bits.
     num_tiles = tl.load(num_tiles_ptr).to(tl.int32)
-    group = tl.maximum(tl.minimum((num_tiles * num_blocks) // tl.maximum(target_items, 1),
-                                  num_blocks), 1)
-    if target_items == 0:
-        group = 1
+    group = group_size(num_tiles * num_blocks, num_blocks, target_items)
     blocks0 = blocks_end0
     blocks1 = blocks_end1 - blocks_end0
     blocks2 = num_blocks - blocks_end1
@@ -182,11 +178,6 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
     pdl.finish(PDL, TRIGGER_LATE)
 
 
-def target_items(device: torch.device) -> int:
-    """Work items an expand aims at: ITEMS_PER_SM per multiprocessor (0: one block per item)."""
-    return ITEMS_PER_SM * max_programs(device) // lora_tiles.PROGRAMS_PER_SM
-
-
 def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequence[torch.Tensor],
                 rank_tables: Sequence[torch.Tensor], scale_tables: Sequence[torch.Tensor],
                 tiles: LoraTiles, num_programs: int | None = None,
@@ -206,7 +197,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     at the same elements (nothing else is written): a later kernel adds it to the rounded base
     output (lorad.workers.lora.LoraDelta), which then need not exist yet.
     num_target_items: where a work item starts taking several blocks of outputs (None:
-    target_items(t.device), read at the call; 0: never); it changes no bit."""
+    ITEMS_PER_SM per multiprocessor, read at the call; 0: never); it changes no bit."""
     num_tables = len(b_tables)
     if not 1 <= num_tables <= MAX_TABLES or not (len(outs) == len(rank_tables)
                                                   == len(scale_tables) == num_tables):
@@ -234,7 +225,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         *pad_tables(scale_tables),
         *(b.shape[2] for b in padded_b), blocks_end[1], blocks_end[min(2, num_tables)],
         num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles,
-        target_items(t.device) if num_target_items is None else num_target_items,
+        target_items(ITEMS_PER_SM, t.device) if num_target_items is None else num_target_items,
         NUM_TABLES=num_tables, NUM_STAGES=config.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=config.block_n,
         RANK_PAD=max(16, next_power_of_2(max(b.shape[2] for b in b_tables))),

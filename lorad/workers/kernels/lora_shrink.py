@@ -26,8 +26,7 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.launch_math import cdiv
-from lorad.workers.kernels import lora_tiles
-from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs
+from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs, target_items
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
 from lorad.workers.lora import STORED_DTYPES
@@ -109,30 +108,51 @@ def load_tile(tile_slot_ptr, tile_rows_ptr, tile, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _bf16_term(rest, i: tl.constexpr, PARTS: tl.constexpr):
+    """-> (term i of a value being split into PARTS bf16 terms, what is left after it): `rest`
+    starts as the value (in fp32 unless PARTS is 1) and each term is its bf16 rounding."""
+    term = rest.to(tl.bfloat16)
+    if i + 1 < PARTS:
+        rest = rest - term.to(tl.float32)
+    return term, rest
+
+
+@triton.jit
+def _split_start(value, PARTS: tl.constexpr):
+    """The `rest` _bf16_term starts from: the value itself when it is one bf16 term, else fp32."""
+    if PARTS == 1:
+        start = value
+    else:
+        start = value.to(tl.float32)
+    return start
+
+
+@triton.jit
 def exact_dot(a, b, acc, A_PARTS: tl.constexpr, B_PARTS: tl.constexpr):
     """acc + a @ b on the tensor cores with every product exact: a and b are each split into
     A_PARTS and B_PARTS bf16 terms (1 for bf16, 2 for fp16, 3 for fp32: the terms add up to the
     value exactly), and each pair of terms is one tl.dot accumulating in fp32. An MMA computes an
     output element from its own row of a and column of b, so a row's result never depends on
     the other rows of its tile."""
-    if B_PARTS == 1:
-        rb = b
-    else:
-        rb = b.to(tl.float32)
+    rb = _split_start(b, B_PARTS)
     for j in tl.static_range(B_PARTS):
-        bj = rb.to(tl.bfloat16)
-        if j + 1 < B_PARTS:
-            rb = rb - bj.to(tl.float32)
-        if A_PARTS == 1:
-            ra = a
-        else:
-            ra = a.to(tl.float32)
+        bj, rb = _bf16_term(rb, j, B_PARTS)
+        ra = _split_start(a, A_PARTS)
         for i in tl.static_range(A_PARTS):
-            ai = ra.to(tl.bfloat16)
-            if i + 1 < A_PARTS:
-                ra = ra - ai.to(tl.float32)
+            ai, ra = _bf16_term(ra, i, A_PARTS)
             acc = tl.dot(ai, bj, acc)
     return acc
+
+
+@triton.jit
+def group_size(num_items, most, target_items):
+    """Consecutive pieces (K chunks, output blocks) a work item takes: 1 while the step's
+    num_items (counted one piece each) are within target_items, more as they pass it, at most
+    `most`; always 1 when target_items is 0. It changes which item computes a piece, never how."""
+    group = tl.maximum(tl.minimum(num_items // tl.maximum(target_items, 1), most), 1)
+    if target_items == 0:
+        group = 1
+    return group
 
 
 def bf16_parts(dtype: torch.dtype) -> int:
@@ -192,10 +212,7 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
     # item streams more of A behind one lookup of its tile. Which item computes a chunk changes
     # none of its bits.
     num_tiles = tl.load(num_tiles_ptr).to(tl.int32)
-    group = tl.maximum(tl.minimum((num_tiles * num_blocks * num_chunks)
-                                  // tl.maximum(target_items, 1), num_chunks), 1)
-    if target_items == 0:
-        group = 1
+    group = group_size(num_tiles * num_blocks * num_chunks, num_chunks, target_items)
     num_groups = tl.cdiv(num_chunks, group)
     items_per_tile = num_blocks * num_groups
     num_items = num_tiles * items_per_tile
@@ -228,11 +245,6 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
     pdl.finish(PDL, TRIGGER_LATE)
 
 
-def target_items(device: torch.device) -> int:
-    """Work items a shrink aims at: ITEMS_PER_SM per multiprocessor (0: one chunk per item)."""
-    return ITEMS_PER_SM * max_programs(device) // lora_tiles.PROGRAMS_PER_SM
-
-
 def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
                 rank_tables: Sequence[torch.Tensor], tiles: LoraTiles,
                 out: torch.Tensor | None = None, num_programs: int | None = None,
@@ -246,7 +258,7 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     x: [num_rows, in_features] (bf16, fp16 or fp32); a_tables[i]: [num_slots, max_rank_i,
     in_features] fp32, bf16 or fp16 (read as fp32), contiguous; rank_tables[i]: [num_slots]
     int32. num_target_items: where a work item starts taking several chunks (None:
-    target_items(x.device), read at the call; 0: never); it changes no bit of t."""
+    ITEMS_PER_SM per multiprocessor, read at the call; 0: never); it changes no bit of t."""
     if not 1 <= len(a_tables) <= MAX_TABLES or len(rank_tables) != len(a_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its ranks")
     config = config or DEFAULT_CONFIG  # read at the call: benchmarks swap it
@@ -273,7 +285,7 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
         *pad_tables(rank_tables),
         *(a.shape[1] for a in padded), blocks_end[1], blocks_end[min(2, len(a_tables))],
         num_blocks, shape[2], tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, num_in,
-        target_items(x.device) if num_target_items is None else num_target_items,
+        target_items(ITEMS_PER_SM, x.device) if num_target_items is None else num_target_items,
         NUM_TABLES=len(a_tables), BLOCK_M=tiles.block_m,
         BLOCK_R=config.block_r, BLOCK_K=config.block_k, K_CHUNK=config.k_chunk,
         NUM_STAGES=config.num_stages, X_PARTS=bf16_parts(x.dtype),

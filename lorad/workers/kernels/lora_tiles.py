@@ -105,6 +105,13 @@ def max_programs(device: torch.device) -> int:
                                               else torch.cuda.current_device())
 
 
+def target_items(items_per_sm: int, device: torch.device) -> int:
+    """Work items a LoRA kernel aims at before its items take several pieces each:
+    items_per_sm per multiprocessor (0: one piece per item; CPU_PROGRAMS stands for the
+    multiprocessors' programs on the CPU)."""
+    return items_per_sm * max_programs(device) // PROGRAMS_PER_SM
+
+
 _SM_COUNTS: dict[int, int] = {}
 
 
