@@ -45,7 +45,8 @@ import triton.language as tl
 
 from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 from lorad.workers.kernels.lora_shrink import MAX_TABLES
-from lorad.workers.kernels.pdl import launch_options, wait_for_previous
+from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch,
+                                       wait_for_previous_only)
 
 # The widest x tile: a decode step of up to 32 sequences in one tile (a multiple of the MMA's 16).
 MAX_ROWS = 32
@@ -129,10 +130,10 @@ def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
     w_rows = tl.minimum(cols, N - 1).to(tl.int64)
     x_ptrs = x_ptr + rows[:, None] * K + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + w_rows[:, None] * stride_w + ks[None, :]  # [BLOCK_N, BLOCK_K]
-    wait_for_previous(PDL)
+    let_dependents_launch(PDL)
     # Table boundaries are multiples of BLOCK_N (or N): a program's outputs lie in one table or
-    # in none, picked with scalar compares; tables never overlap. Each row's slot, rank and
-    # scale are loaded before the K loop, which hides their latency.
+    # in none, picked with scalar compares; tables never overlap. Each row's slot (a step
+    # input), rank and scale (tables changed only between steps) are loaded before the PDL wait.
     if NUM_TABLES >= 1:
         slots = tl.load(row_slots_ptr + rows, mask=rows < num_rows, other=0)  # [BLOCK_M] int64
         ranks = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -148,6 +149,7 @@ def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
         in2 = (n0 >= n_start2) & (n0 < n_end2)
         if in2:
             ranks, scales = _row_ranks(ranks2_ptr, scales2_ptr, slots)
+    wait_for_previous_only(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         xk = _x_tile(x_ptrs, ks, k0, K, in_rows, EVEN_K)

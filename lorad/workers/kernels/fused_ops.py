@@ -21,7 +21,8 @@ import triton.language as tl
 
 from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 from lorad.workers.kernels.lora_shrink import MAX_TABLES, pad_tables, table_block_ends
-from lorad.workers.kernels.pdl import launch_options, wait_for_previous
+from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch,
+                                       wait_for_previous_only)
 from lorad.workers.lora import LoraDelta
 
 
@@ -83,19 +84,21 @@ def _add_rms_norm_kernel(delta_ptr, stride_delta, res_ptr, stride_res, res_out_p
                          lora_ptr, stride_lora, lora_ranks_ptr, row_slots_ptr,
                          HAS_RES: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
-    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     dtype = res_out_ptr.dtype.element_ty
+    # Before the PDL wait: the norm's weight, the row's slot (a step input) and its rank.
+    let_dependents_launch(PDL)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     lora_rank = 0
     if HAS_LORA:
         lora_rank = _lora_rank(lora_ranks_ptr, row_slots_ptr, row)
+    wait_for_previous_only(PDL)
     h = _add_row(delta_ptr + row * stride_delta, res_ptr + row * stride_res, cols, mask, dtype,
                  HAS_RES, lora_ptr + row * stride_lora, lora_rank, HAS_LORA)
     tl.store(res_out_ptr + row * stride_res_out + cols, h, mask=mask)
     scale = _rms_scale(h, H, eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     tl.store(normed_ptr + row * stride_normed + cols, _normed(h, w, scale, dtype), mask=mask)
 
 
@@ -290,11 +293,18 @@ def add_rms_norm_shrink(delta: torch.Tensor, residual: torch.Tensor, weight: tor
 # --- rotary + KV-cache write ------------------------------------------------------------------
 
 @triton.jit
-def _rotate(x_ptr, cos_ptr, sin_ptr, lora_ptr, lora_rank, HALF: tl.constexpr,
-            HAS_LORA: tl.constexpr):
-    """One head rotated as `x * cos + rotate_half(x) * sin` in the model dtype: each product
-    rounded, then the sum rounded; the head's LoRA delta added first (HAS_LORA). -> (first
-    half, second half)."""
+def _cos_sin(cos_row, sin_row, HALF: tl.constexpr):
+    """-> a position's cos and sin, each as (first half, second half), widened to fp32."""
+    lo = tl.arange(0, HALF)
+    return ((tl.load(cos_row + lo).to(tl.float32), tl.load(cos_row + HALF + lo).to(tl.float32)),
+            (tl.load(sin_row + lo).to(tl.float32), tl.load(sin_row + HALF + lo).to(tl.float32)))
+
+
+@triton.jit
+def _rotate(x_ptr, cos, sin, lora_ptr, lora_rank, HALF: tl.constexpr, HAS_LORA: tl.constexpr):
+    """One head rotated as `x * cos + rotate_half(x) * sin` in the model dtype (cos, sin: from
+    _cos_sin): each product rounded, then the sum rounded; the head's LoRA delta added first
+    (HAS_LORA). -> (first half, second half)."""
     lo = tl.arange(0, HALF)
     x1 = tl.load(x_ptr + lo)
     x2 = tl.load(x_ptr + HALF + lo)
@@ -303,10 +313,8 @@ def _rotate(x_ptr, cos_ptr, sin_ptr, lora_ptr, lora_rank, HALF: tl.constexpr,
         x1 = _plus_lora(x1, lora_ptr, lo, everywhere, lora_rank)
         x2 = _plus_lora(x2, lora_ptr + HALF, lo, everywhere, lora_rank)
     dtype = x1.dtype
-    c1 = tl.load(cos_ptr + lo).to(tl.float32)
-    c2 = tl.load(cos_ptr + HALF + lo).to(tl.float32)
-    s1 = tl.load(sin_ptr + lo).to(tl.float32)
-    s2 = tl.load(sin_ptr + HALF + lo).to(tl.float32)
+    c1, c2 = cos
+    s1, s2 = sin
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
     out1 = ((f1 * c1).to(dtype).to(tl.float32) + (-f2 * s1).to(dtype).to(tl.float32)).to(dtype)
@@ -322,31 +330,32 @@ def _rotary_kv_kernel(q_ptr, stride_q, k_ptr, stride_k, v_ptr, stride_v, q_out_p
                       lv_ptr, stride_lv, lv_ranks_ptr, row_slots_ptr,
                       HEAD_DIM: tl.constexpr, HAS_LQ: tl.constexpr, HAS_LK: tl.constexpr,
                       HAS_LV: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
     lo = tl.arange(0, HALF)
+    # Before the PDL wait: the row's position and KV slot (step inputs) and its cos and sin.
+    let_dependents_launch(PDL)
     pos = tl.load(positions_ptr + row)
-    cos_row = cos_ptr + pos * stride_table
-    sin_row = sin_ptr + pos * stride_table
+    cos, sin = _cos_sin(cos_ptr + pos * stride_table, sin_ptr + pos * stride_table, HALF)
+    slot = tl.load(slots_ptr + row)
+    wait_for_previous_only(PDL)
     if head < NUM_Q_HEADS:
         lq_rank = 0
         if HAS_LQ:
             lq_rank = _lora_rank(lq_ranks_ptr, row_slots_ptr, row)
-        out1, out2 = _rotate(q_ptr + row * stride_q + head * HEAD_DIM, cos_row, sin_row,
+        out1, out2 = _rotate(q_ptr + row * stride_q + head * HEAD_DIM, cos, sin,
                              lq_ptr + row * stride_lq + head * HEAD_DIM, lq_rank, HALF, HAS_LQ)
         dst = q_out_ptr + row * stride_q_out + head * HEAD_DIM
         tl.store(dst + lo, out1)
         tl.store(dst + HALF + lo, out2)
     else:
-        slot = tl.load(slots_ptr + row)
         if slot >= 0:  # padding rows write nothing
             kv_head = head - NUM_Q_HEADS
             lk_rank = 0
             if HAS_LK:
                 lk_rank = _lora_rank(lk_ranks_ptr, row_slots_ptr, row)
-            out1, out2 = _rotate(k_ptr + row * stride_k + kv_head * HEAD_DIM, cos_row, sin_row,
+            out1, out2 = _rotate(k_ptr + row * stride_k + kv_head * HEAD_DIM, cos, sin,
                                  lk_ptr + row * stride_lk + kv_head * HEAD_DIM, lk_rank, HALF,
                                  HAS_LK)
             dst = slot * stride_cache_slot + kv_head * HEAD_DIM
@@ -408,18 +417,24 @@ def _silu_mul_kernel(gate_ptr, stride_gate, up_ptr, stride_up, out_ptr, stride_o
                      lg_ptr, stride_lg, lg_ranks_ptr, lu_ptr, stride_lu, lu_ranks_ptr,
                      row_slots_ptr, BLOCK: tl.constexpr, HAS_LG: tl.constexpr,
                      HAS_LU: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
+    # Before the PDL wait: the row's ranks (its slot is a step input).
+    let_dependents_launch(PDL)
+    lg_rank = 0
+    if HAS_LG:
+        lg_rank = _lora_rank(lg_ranks_ptr, row_slots_ptr, row)
+    lu_rank = 0
+    if HAS_LU:
+        lu_rank = _lora_rank(lu_ranks_ptr, row_slots_ptr, row)
+    wait_for_previous_only(PDL)
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
     if HAS_LG:
-        gate = _plus_lora(gate, lg_ptr + row * stride_lg, cols, mask,
-                          _lora_rank(lg_ranks_ptr, row_slots_ptr, row))
+        gate = _plus_lora(gate, lg_ptr + row * stride_lg, cols, mask, lg_rank)
     if HAS_LU:
-        up = _plus_lora(up, lu_ptr + row * stride_lu, cols, mask,
-                        _lora_rank(lu_ranks_ptr, row_slots_ptr, row))
+        up = _plus_lora(up, lu_ptr + row * stride_lu, cols, mask, lu_rank)
     dtype = gate.dtype
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dtype)  # as layers.silu_and_mul: fp32, then rounded

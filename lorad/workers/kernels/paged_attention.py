@@ -7,6 +7,12 @@ merges a sequence's splits one after another, in split order. A split's bounds a
 order depend only on that sequence's context length, never on the batch or on the grid, so a
 row's result has the same bits in any batch. No host sync and a grid fixed by shapes alone, so a
 decode step can be captured in a CUDA graph. Prefill chunks are paged_prefill_attention.py's.
+
+Launched with PDL (kernels/pdl.py), both kernels read the context lengths before their wait (a
+step input), and in short batches (PREFETCH_MAX_SEQS) the split kernel asks L2 for the K/V lines
+of its first split below each sequence's last position: cached by earlier steps, where only the last position is the step's
+own token, written by the kernel ahead. The chain of round trips a split waits on at small
+batches (lengths, block table, K/V) then starts while the kernels ahead still run.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
-from lorad.workers.kernels.pdl import launch_options, wait_for_previous
+from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch, prefetch_l2,
+                                       wait_for_previous_only)
 
 # Context tokens per split. Larger splits write fewer partial results (fp32 [head_dim] per query
 # head and split); smaller ones give short batches more programs. Fixed: the split bounds are part
@@ -36,6 +43,14 @@ SPLIT_WARPS = 4  # the split kernel's warps (scripts/bench_paged_attention.py --
 # H200 (2026-12-01) 3 took the kernel alone from 9.8 to 8.3 us at batch 1 but from 48.1 to 52.3 at
 # batch 64, and in the engine gained nothing at batch 1 and lost 0.08 ms at 32.
 SPLIT_STAGES = 2
+# Splits the reduce kernel loads at once (each group's partial results in one round of loads),
+# merged one after another in split order as before.
+REDUCE_GROUP = 8
+L2_LINE_BYTES = 128
+# The split kernel's L2 prefetch before its PDL wait, in steps of at most this many sequences.
+# The prefetch adds no arithmetic but costs registers (triton 3.6, sm_90, 8B shape: 157 a
+# thread against 119, 3 programs an SM against 4), which only short batches can spare.
+PREFETCH_MAX_SEQS = 16
 
 
 @triton.jit
@@ -76,11 +91,20 @@ def _decode_split_kernel(
         stride_part_seq, stride_part_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, TILE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+        DOT_PRECISION: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+        PREFETCH: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    context_len = tl.load(lens_ptr + seq)
+    let_dependents_launch(PDL)
+    context_len = tl.load(lens_ptr + seq)  # a step input: read before the wait
+    if PREFETCH:
+        first = tl.program_id(2) * SPLIT
+        if first < context_len - 1:
+            _prefetch_split(k_cache_ptr, v_cache_ptr, tables_ptr + seq.to(tl.int64) * stride_table,
+                            first, context_len - 1, kv_head, stride_k_block, stride_k_token,
+                            stride_k_head, stride_v_block, stride_v_token, stride_v_head,
+                            HEAD_DIM, BLOCK_SIZE, SPLIT, LINES, LINE_ELEMS)
+    wait_for_previous_only(PDL)
     # Program p takes splits p, p + num_programs(2), ... of this sequence's context (none for a
     # padding row); splits past it are never read by the reduce. A split's arithmetic is the
     # same whichever program takes it.
@@ -91,6 +115,27 @@ def _decode_split_kernel(
                       stride_v_block, stride_v_token, stride_v_head, stride_table,
                       stride_part_seq, stride_part_head, GROUP, HEAD_DIM, BLOCK_SIZE, SPLIT, TILE,
                       BLOCK_H, BLOCK_D, DOT_PRECISION)
+
+
+@triton.jit
+def _prefetch_split(k_cache_ptr, v_cache_ptr, table, first, end, kv_head, stride_k_block,
+                    stride_k_token, stride_k_head, stride_v_block, stride_v_token, stride_v_head,
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+                    LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    """Before the PDL wait: the L2 lines of one KV head's keys and values at positions [first,
+    min(first + SPLIT, end)), through the block table (the step's input). end excludes the step's
+    own token. Masked positions point at block 0, a real block, as prefetch_l2 asks."""
+    # One lane per (position, line), flat: a shape of its own, so no value of it is shared
+    # with (and kept alive for) the split's loop.
+    lane = tl.arange(0, SPLIT * LINES)
+    pos = first + lane // LINES
+    line = tl.minimum((lane % LINES) * LINE_ELEMS, HEAD_DIM - 1)
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos < end, other=0).to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    prefetch_l2(k_cache_ptr + block * stride_k_block + offset * stride_k_token
+                + kv_head * stride_k_head + line)
+    prefetch_l2(v_cache_ptr + block * stride_v_block + offset * stride_v_token
+                + kv_head * stride_v_head + line)
 
 
 @triton.jit
@@ -139,26 +184,44 @@ def _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, part_acc_ptr, par
 def _decode_reduce_kernel(
         part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out_ptr,
         stride_part_seq, stride_part_head, stride_out_seq, num_seqs,
-        HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+        HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
+        GROUP_SPLITS: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0)  # an output row; rows from num_seqs on pad the batch
     head = tl.program_id(1)
+    let_dependents_launch(PDL)
+    # A step input: read before the wait.
     context_len = tl.load(lens_ptr + seq, mask=seq < num_seqs, other=0)
+    wait_for_previous_only(PDL)
     num_splits = tl.cdiv(context_len, SPLIT)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     part = seq.to(tl.int64) * stride_part_seq + head * stride_part_head
+    group = tl.arange(0, GROUP_SPLITS)
     top = tl.full([], float("-inf"), tl.float32)
-    for split in range(0, num_splits):
-        top = tl.maximum(top, tl.load(part_max_ptr + part + split))
-    # Merged one split after another in split order: the same additions whatever the batch.
+    for first in range(0, num_splits, GROUP_SPLITS):
+        maxes = tl.load(part_max_ptr + part + first + group, mask=first + group < num_splits,
+                        other=float("-inf"))
+        top = tl.maximum(top, tl.max(maxes, axis=0))  # a max: exact in any order
+    # Merged one split after another in split order: the same additions whatever the batch. A
+    # group's partial results are loaded at once, then taken out one split at a time (a sum of
+    # one value and -0.0s is that value, bit for bit).
     acc = tl.zeros([BLOCK_D], tl.float32)
     total = tl.zeros([], tl.float32)
-    for split in range(0, num_splits):
-        weight = tl.exp(tl.load(part_max_ptr + part + split) - top)
-        acc += weight * tl.load(part_acc_ptr + (part + split) * HEAD_DIM + dims, mask=dim_ok,
-                                other=0.0)
-        total += weight * tl.load(part_sum_ptr + part + split)
+    for first in range(0, num_splits, GROUP_SPLITS):
+        live = first + group < num_splits
+        weights = tl.exp(tl.load(part_max_ptr + part + first + group, mask=live,
+                                 other=float("-inf")) - top)
+        sums = tl.load(part_sum_ptr + part + first + group, mask=live, other=0.0)
+        rows = tl.load(part_acc_ptr + (part + first + group)[:, None] * HEAD_DIM + dims[None, :],
+                       mask=live[:, None] & dim_ok[None, :], other=0.0)  # [GROUP_SPLITS, BLOCK_D]
+        for j in tl.static_range(GROUP_SPLITS):
+            pick = group == j
+            weight = tl.sum(tl.where(pick, weights, -0.0), axis=0)
+            row = tl.sum(tl.where(pick[:, None], rows, -0.0), axis=0)
+            split_sum = tl.sum(tl.where(pick, sums, -0.0), axis=0)
+            in_context = first + j < num_splits
+            acc = tl.where(in_context, acc + weight * row, acc)
+            total = tl.where(in_context, total + weight * split_sum, total)
     # total >= 1 when there is any context (the top split's sum counts its max key once); with
     # none, acc is 0 and so is the row: a padding sequence or row reads nothing, writes zeros.
     out = acc / tl.maximum(total, 1e-30)
@@ -216,6 +279,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if split_programs is None:
         split_programs = SPLIT_PROGRAMS
     pdl = launch_options(q.device, out.shape[0])
+    # The prefetch's lines of one cached K/V row: the row's bytes in L2 lines, a power of two.
+    line_elems = max(1, L2_LINE_BYTES // k_cache.element_size())
+    lines = next_power_of_2(cdiv(head_dim, line_elems))
     _decode_split_kernel[(num_seqs, num_kv_heads, min(max_splits, split_programs or max_splits))](
         q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -223,10 +289,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_max.stride(0), part_max.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split_size,
         TILE=tile_size, BLOCK_H=max(16, next_power_of_2(group)),
-        BLOCK_D=block_d, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
-        **pdl)
+        BLOCK_D=block_d, DOT_PRECISION=precision, LINES=lines, LINE_ELEMS=line_elems,
+        PREFETCH=pdl["PDL"] and num_seqs <= PREFETCH_MAX_SEQS, num_warps=num_warps,
+        num_stages=num_stages, **pdl)
     _decode_reduce_kernel[(out.shape[0], num_q_heads)](
         part_acc, part_max, part_sum, context_lens, out,
         part_max.stride(0), part_max.stride(1), out.stride(0), num_seqs,
-        HEAD_DIM=head_dim, SPLIT=split_size, BLOCK_D=block_d, num_warps=1, **pdl)
+        HEAD_DIM=head_dim, SPLIT=split_size, BLOCK_D=block_d, GROUP_SPLITS=REDUCE_GROUP,
+        num_warps=1, **pdl)
     return out
