@@ -203,25 +203,20 @@ def _decode_reduce_kernel(
                         other=float("-inf"))
         top = tl.maximum(top, tl.max(maxes, axis=0))  # a max: exact in any order
     # Merged one split after another in split order: the same additions whatever the batch. A
-    # group's partial results are loaded at once, then taken out one split at a time (a sum of
-    # one value and -0.0s is that value, bit for bit).
+    # group's loads do not depend on the sums, so they are issued together, one round trip a
+    # group instead of one a split. Steps past the last split read the last one again (no
+    # scalar masks) and leave the sums alone.
     acc = tl.zeros([BLOCK_D], tl.float32)
     total = tl.zeros([], tl.float32)
     for first in range(0, num_splits, GROUP_SPLITS):
-        live = first + group < num_splits
-        weights = tl.exp(tl.load(part_max_ptr + part + first + group, mask=live,
-                                 other=float("-inf")) - top)
-        sums = tl.load(part_sum_ptr + part + first + group, mask=live, other=0.0)
-        rows = tl.load(part_acc_ptr + (part + first + group)[:, None] * HEAD_DIM + dims[None, :],
-                       mask=live[:, None] & dim_ok[None, :], other=0.0)  # [GROUP_SPLITS, BLOCK_D]
         for j in tl.static_range(GROUP_SPLITS):
-            pick = group == j
-            weight = tl.sum(tl.where(pick, weights, -0.0), axis=0)
-            row = tl.sum(tl.where(pick[:, None], rows, -0.0), axis=0)
-            split_sum = tl.sum(tl.where(pick, sums, -0.0), axis=0)
-            in_context = first + j < num_splits
-            acc = tl.where(in_context, acc + weight * row, acc)
-            total = tl.where(in_context, total + weight * split_sum, total)
+            split = tl.minimum(first + j, num_splits - 1)
+            weight = tl.exp(tl.load(part_max_ptr + part + split) - top)
+            row = tl.load(part_acc_ptr + (part + split) * HEAD_DIM + dims, mask=dim_ok, other=0.0)
+            split_sum = tl.load(part_sum_ptr + part + split)
+            live = first + j < num_splits
+            acc = tl.where(live, acc + weight * row, acc)
+            total = tl.where(live, total + weight * split_sum, total)
     # total >= 1 when there is any context (the top split's sum counts its max key once); with
     # none, acc is 0 and so is the row: a padding sequence or row reads nothing, writes zeros.
     out = acc / tl.maximum(total, 1e-30)
