@@ -9,8 +9,8 @@ row's result has the same bits in any batch. No host sync and a grid fixed by sh
 decode step can be captured in a CUDA graph. Prefill chunks are paged_prefill_attention.py's.
 
 Launched with PDL (kernels/pdl.py), both kernels read the context lengths before their wait (a
-step input), and in short batches (PREFETCH_MAX_SEQS, PREFETCH_TOKENS) the split kernel asks L2
-for the K/V lines of its first split below each sequence's last position: cached by earlier steps, where only the last position is the step's
+step input), and in short batches (PREFETCH_MAX_SEQS) the split kernel asks L2 for the K/V lines
+of its first split below each sequence's last position: cached by earlier steps, where only the last position is the step's
 own token, written by the kernel ahead. The chain of round trips a split waits on at small
 batches (lengths, block table, K/V) then starts while the kernels ahead still run.
 """
@@ -51,13 +51,6 @@ L2_LINE_BYTES = 128
 # The prefetch adds no arithmetic but costs registers (triton 3.6, sm_90, 8B shape: 157 a
 # thread against 119, 3 programs an SM against 4), which only short batches can spare.
 PREFETCH_MAX_SEQS = 16
-# And only while the step's first splits hold at most this many tokens (sequences x the tokens
-# of a sequence's first splits, one per program): 4,096 tokens of an 8B-shaped layer's K and V
-# are 16 MiB of L2. More is not early any more (the programs past the first wave launch after
-# the wait) and thrashes L2: on an H200 with no such bound, batch 8 at 4,096 tokens took the
-# kernel pair from 49.8 to 54.2 us, where batch 1 went from 19.0 to 16.4 and batch 8 at 512
-# tokens from 11.6 to 10.5 (scripts/bench_paged_attention.py, 2026-12-01).
-PREFETCH_TOKENS = 4096
 
 
 @triton.jit
@@ -99,15 +92,14 @@ def _decode_split_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, TILE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
-        PREFETCH: tl.constexpr, PREFETCH_TOKENS: tl.constexpr, PDL: tl.constexpr):
+        PREFETCH: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     let_dependents_launch(PDL)
     context_len = tl.load(lens_ptr + seq)  # a step input: read before the wait
     if PREFETCH:
         first = tl.program_id(2) * SPLIT
-        first_splits = tl.num_programs(0) * tl.minimum(context_len, SPLIT * tl.num_programs(2))
-        if (first < context_len - 1) & (first_splits <= PREFETCH_TOKENS):
+        if first < context_len - 1:
             _prefetch_split(k_cache_ptr, v_cache_ptr, tables_ptr + seq.to(tl.int64) * stride_table,
                             first, context_len - 1, kv_head, stride_k_block, stride_k_token,
                             stride_k_head, stride_v_block, stride_v_token, stride_v_head,
@@ -293,8 +285,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split_size,
         TILE=tile_size, BLOCK_H=max(16, next_power_of_2(group)),
         BLOCK_D=block_d, DOT_PRECISION=precision, LINES=lines, LINE_ELEMS=line_elems,
-        PREFETCH=pdl["PDL"] and num_seqs <= PREFETCH_MAX_SEQS, PREFETCH_TOKENS=PREFETCH_TOKENS,
-        num_warps=num_warps,
+        PREFETCH=pdl["PDL"] and num_seqs <= PREFETCH_MAX_SEQS, num_warps=num_warps,
         num_stages=num_stages, **pdl)
     _decode_reduce_kernel[(out.shape[0], num_q_heads)](
         part_acc, part_max, part_sum, context_lens, out,
