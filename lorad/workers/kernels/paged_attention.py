@@ -9,10 +9,11 @@ row's result has the same bits in any batch. No host sync and a grid fixed by sh
 decode step can be captured in a CUDA graph. Prefill chunks are paged_prefill_attention.py's.
 
 Launched with PDL (kernels/pdl.py), both kernels read the context lengths before their wait (a
-step input), and in short batches (PREFETCH_MAX_SEQS) the split kernel asks L2 for the K/V lines
-of its first split below each sequence's last position: cached by earlier steps, where only the last position is the step's
-own token, written by the kernel ahead. The chain of round trips a split waits on at small
-batches (lengths, block table, K/V) then starts while the kernels ahead still run.
+step input), and in steps of PREFETCH_MAX_SEQS sequences or fewer the split kernel asks L2 for
+the K/V lines of its first split below each sequence's last position: earlier steps cached
+them, and only the last position is the step's own token, written by the kernel ahead. The
+chain of round trips a split waits on in such a step (length, block table, K/V) then starts
+while the kernels ahead still run. The reduce kernel issues a group of splits' loads at once.
 """
 
 from __future__ import annotations
@@ -47,10 +48,16 @@ SPLIT_STAGES = 2
 # merged one after another in split order as before.
 REDUCE_GROUP = 8
 L2_LINE_BYTES = 128
-# The split kernel's L2 prefetch before its PDL wait, in steps of at most this many sequences.
-# The prefetch adds no arithmetic but costs registers (triton 3.6, sm_90, 8B shape: 157 a
-# thread against 119, 3 programs an SM against 4), which only short batches can spare.
-PREFETCH_MAX_SEQS = 16
+# The split kernel's L2 prefetch before its PDL wait, in steps of at most this many sequences:
+# at most 2 x 8 KV heads x SPLIT_PROGRAMS = 256 programs, one wave at 3 an SM. The prefetch
+# adds no arithmetic but costs registers (triton 3.6, sm_90, 8B shape: 157 a thread against
+# 119, 3 programs an SM against 4), which only a step with few programs can spare. On an H200
+# (scripts/bench_paged_attention.py --table-tokens 8192, 2026-12-01, us per split + reduce,
+# this kernel against the one before the prefetch and the grouped reduce) with the prefetch
+# variant up to 16 sequences: batch 1 6.9 against 9.8 at 512 tokens, 16.4 against 19.0 at
+# 4,096; batch 8 10.5 against 11.6 at 512 but 53.4 against 49.9 at 4,096; batch 16 17.4
+# against 15.1 at 512, 93.8 against 86.0 at 4,096. Without it from 32 on: the same as before.
+PREFETCH_MAX_SEQS = 2
 
 
 @triton.jit

@@ -9,7 +9,8 @@ so the arithmetic and every result are the same with PDL on or off, and only the
 launches shrinks. Before the wait a kernel may read what the host or an earlier step wrote
 (the step's inputs, filled before its first kernel; tables changed only between steps) and warm
 L2 with prefetch_l2: a chain of PDL kernels may run while a kernel several launches back is
-still writing, so only such data is safe there. In a CUDA graph the launches keep that relation. scripts/bench_pdl.py measured the gap it saves on an H200.
+still writing, so only such data is safe there. In a CUDA graph the launches keep that
+relation. scripts/bench_pdl.py measured the gap it saves on an H200.
 ENABLED off (scripts/bench_engine.py --no-pdl) launches them plainly, as do steps of more than
 MAX_ROWS rows (MAX_ROWS_WITH_LORA in a step that launches LoRA kernels, see step()).
 """
@@ -109,7 +110,8 @@ def prefetch_l2(ptrs):
     """Before a PDL kernel's wait: ask L2 for the lines holding ptrs (any shape of pointers), so
     the loads after the wait find them there. A hint that reads nothing into registers and
     changes no result; every pointer must be a valid address (masked lanes point somewhere real).
-    Compiled for CUDA only: call it under `if PDL:` (the interpreter has no inline PTX)."""
+    Compiled for CUDA only: call it under a constexpr that is false off CUDA, as PDL is (the
+    interpreter has no inline PTX)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
                               dtype=tl.int32, is_pure=False, pack=1)
 
