@@ -145,14 +145,16 @@ def model_specs() -> list[Spec]:
     # With every LoRA delta added, as the model launches them with adapters loaded.
     lora = {"row_slots_ptr": "i64", **{f"{name}_ranks_ptr": "i32"
                                        for name in ("lora", "lq", "lk", "lv", "lg", "lu")}}
+    split = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "SPLIT": paged_attention.SPLIT_SIZE,
+             "TILE": paged_attention.TILE_TOKENS, "BLOCK_H": 16, "BLOCK_D": 128,
+             "DOT_PRECISION": "tf32", "LINES": 2, "LINE_ELEMS": 64, "PDL": True}
+    split_types = {"q_ptr": bf16, "k_cache_ptr": bf16, "v_cache_ptr": bf16, "tables_ptr": "i32",
+                   "lens_ptr": "i32"}
     return [
-        Spec("decode attention, split", paged_attention._decode_split_kernel,
-             {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "SPLIT": paged_attention.SPLIT_SIZE,
-              "TILE": paged_attention.TILE_TOKENS, "BLOCK_H": 16, "BLOCK_D": 128,
-              "DOT_PRECISION": "tf32", "LINES": 2, "LINE_ELEMS": 64, "PREFETCH": True, "PDL": True},
-             paged_attention.SPLIT_WARPS, 2,
-             {"q_ptr": bf16, "k_cache_ptr": bf16, "v_cache_ptr": bf16, "tables_ptr": "i32",
-              "lens_ptr": "i32"}),
+        # Up to paged_attention.PREFETCH_MAX_SEQS sequences with the L2 prefetch, more without.
+        *(Spec(f"decode attention, split{' + prefetch' if prefetch else ''}",
+               paged_attention._decode_split_kernel, {**split, "PREFETCH": prefetch},
+               paged_attention.SPLIT_WARPS, 2, split_types) for prefetch in (True, False)),
         Spec("decode attention, reduce", paged_attention._decode_reduce_kernel,
              {"HEAD_DIM": 128, "SPLIT": paged_attention.SPLIT_SIZE, "BLOCK_D": 128,
               "GROUP_SPLITS": paged_attention.REDUCE_GROUP, "PDL": True}, 1, 3,

@@ -132,9 +132,7 @@ def _prefetch_split(k_cache_ptr, v_cache_ptr, table, first, end, kv_head, stride
     """Before the PDL wait: the L2 lines of one KV head's keys and values at positions [first,
     min(first + SPLIT, end)), through the block table (the step's input). end excludes the step's
     own token. Masked positions point at block 0, a real block, as prefetch_l2 asks."""
-    # One lane per (position, line), flat: a shape of its own, so no value of it is shared
-    # with (and kept alive for) the split's loop.
-    lane = tl.arange(0, SPLIT * LINES)
+    lane = tl.arange(0, SPLIT * LINES)  # one lane per (position, line of its row)
     pos = first + lane // LINES
     line = tl.minimum((lane % LINES) * LINE_ELEMS, HEAD_DIM - 1)
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos < end, other=0).to(tl.int64)
