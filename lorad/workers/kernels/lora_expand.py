@@ -190,8 +190,8 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     t: [num_tables, num_rows, num_k_chunks, width] float32 from lora_shrink; outs[i]: [num_rows,
     out_i] float32, or the model dtype (then widened, added to in fp32 and rounded back once; rows
     may be strided, as column slices of one projection output are); b_tables[i]: [num_slots, out_i,
-    max_rank_i] fp32, bf16 or fp16 (read as fp32), contiguous; rank_tables[i]: [num_slots]
-    int32; scale_tables[i]: [num_slots] float32.
+    max_rank_i] fp32, bf16 or fp16 (all of one dtype; exact_dot splits them exactly into bf16
+    terms), contiguous; rank_tables[i]: [num_slots] int32; scale_tables[i]: [num_slots] float32.
 
     deltas: outs[i] are fp32 buffers that get the delta alone, scale * (t B^T) rounded to fp32,
     at the same elements (nothing else is written): a later kernel adds it to the rounded base

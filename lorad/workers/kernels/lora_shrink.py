@@ -8,12 +8,12 @@ ITEMS_PER_SM). Splitting K is what fills the GPU at decode: a whole [BLOCK_R, K]
 left a 14336-wide down projection at batch 1 with 8 programs, each waiting on one load after
 another. Each step is one MMA (exact_dot: a [BLOCK_M, BLOCK_K] tile of x against [BLOCK_K, BLOCK_R]
 of A, fp32 accumulation on the tensor cores), so a tile's empty lanes (a tile of one row: distinct
-adapters) cost little. Every row gets the same arithmetic whatever shares its
-step: an MMA computes a row's outputs from that row alone, the chunk's steps are taken in order,
-with one tile shape and one chunk size for every table and batch; each chunk's partial sum has its
-own place in t, so no atomics. Rows of slot 0 are neither read nor written; ranks at or past a
-slot's rank (all of them for a slot the table does not edit) are read with the rest, so that no load
-waits on the rank, but not written.
+adapters) cost little. Every row gets the same arithmetic whatever shares its step: an MMA
+computes a row's outputs from that row alone, the chunk's steps are taken in order, with one tile
+shape and one chunk size for every table and batch; each chunk's partial sum has its own place in
+t, so no atomics. Rows of slot 0 are neither read nor written; ranks at or past a slot's rank (all
+of them for a slot the table does not edit) are read with the rest, so that no load waits on the
+rank, but not written.
 """
 
 from __future__ import annotations
@@ -256,9 +256,10 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     rank_tables[i][slot] > 0), nothing else.
 
     x: [num_rows, in_features] (bf16, fp16 or fp32); a_tables[i]: [num_slots, max_rank_i,
-    in_features] fp32, bf16 or fp16 (read as fp32), contiguous; rank_tables[i]: [num_slots]
-    int32. num_target_items: where a work item starts taking several chunks (None:
-    ITEMS_PER_SM per multiprocessor, read at the call; 0: never); it changes no bit of t."""
+    in_features] fp32, bf16 or fp16 (all of one dtype; exact_dot splits them exactly into bf16
+    terms), contiguous; rank_tables[i]: [num_slots] int32. num_target_items: where a work item
+    starts taking several chunks (None: ITEMS_PER_SM per multiprocessor, read at the call; 0:
+    never); it changes no bit of t."""
     if not 1 <= len(a_tables) <= MAX_TABLES or len(rank_tables) != len(a_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its ranks")
     config = config or DEFAULT_CONFIG  # read at the call: benchmarks swap it
