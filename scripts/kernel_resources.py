@@ -172,7 +172,7 @@ def model_specs() -> list[Spec]:
         Spec("silu * up", fused_ops._silu_mul_kernel,
              {"BLOCK": fused_ops.SILU_BLOCK, "HAS_LG": True, "HAS_LU": True, "PDL": True}, 4, 3,
              {"gate_ptr": bf16, "up_ptr": bf16, "out_ptr": bf16, **lora}),
-        gemv_spec(decode_gemv.MODEL_CONFIG, 4096),
+        *(gemv_spec(decode_gemv.model_config(p), 4096) for p in decode_gemv.MODEL_PROJECTIONS),
         Spec("token draw, chunk stats", token_draw._chunk_stats_kernel,
              {"CHUNK": token_draw.CHUNK}, token_draw._warps(token_draw.CHUNK), 3, {}),
     ]

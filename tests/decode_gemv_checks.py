@@ -52,11 +52,12 @@ LORA_GPU_SHAPES = {
     "down": LoraShape(4096, 14336, ((0, 4096, 16),), 65)}
 
 
-def _config(tile: str):
-    from lorad.workers.kernels.decode_gemv import DEFAULT_CONFIG, MODEL_CONFIG, GemvConfig
+def _config(tile: str, shape_name: str = "qkv"):
+    from lorad.workers.kernels.decode_gemv import DEFAULT_CONFIG, GemvConfig, model_config
+    # "model": the model's tile for the projection the shape is named after (its MODEL_TILES).
     # The interpreter runs programs one after another: a small tile keeps its loops short.
     # "rows16": the model's 16 rows of x per tile, with a small tile's loops.
-    return {"default": DEFAULT_CONFIG, "model": MODEL_CONFIG,
+    return {"default": DEFAULT_CONFIG, "model": model_config(shape_name),
             "small": GemvConfig(block_n=32, block_k=64, num_warps=1, num_stages=2),
             "rows16": GemvConfig(block_m=16, block_n=32, block_k=32, num_warps=1,
                                  num_stages=2),
@@ -114,10 +115,11 @@ def check_matches_reference(device: str, dtype: torch.dtype = torch.bfloat16, ou
     for shape_name, (n, k) in (shapes or CPU_SHAPES).items():
         for kind in ("normal", "integers", "one_hot"):
             x_all, w = _inputs(gen, max(batches), n, k, dtype, device, kind)
-            for num_rows in (b for b in batches if b <= _config(tile).block_m):
-                where = f"{shape_name} {dtype} out {out} M={num_rows} tile {tile} {kind} inputs"
+            config = _config(tile, shape_name)
+            for num_rows in (b for b in batches if b <= config.block_m):
+                where = f"{shape_name} {dtype} out {out} M={num_rows} tile {config} {kind} inputs"
                 x = x_all[:num_rows]
-                got = decode_matmul(x, w, out_dtype, config=_config(tile))
+                got = decode_matmul(x, w, out_dtype, config=config)
                 if got.dtype != (out_dtype or dtype):
                     raise AssertionError(f"{where}: dtype {got.dtype}")
                 if kind == "normal":
@@ -137,9 +139,10 @@ def check_rows_independent_of_batch(device: str, dtype: torch.dtype = torch.bflo
     rows past the batch in x's buffer (NaN here) are never read."""
     from lorad.workers.kernels.decode_gemv import decode_matmul
     gen = torch.Generator(device).manual_seed(5)
-    out_dtype, config = OUT_DTYPES[out], _config(tile)
-    most = config.block_m  # the tile's rows: the widest batch
+    out_dtype = OUT_DTYPES[out]
     for shape_name, (n, k) in (shapes or CPU_SHAPES).items():
+        config = _config(tile, shape_name)
+        most = config.block_m  # the tile's rows: the widest batch
         x, w = _inputs(gen, most, n, k, dtype, device)
         full = decode_matmul(x, w, out_dtype, config=config)
         for num_rows in (b for b in batches if b <= most):

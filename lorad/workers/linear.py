@@ -29,14 +29,16 @@ def base_matmul(x: torch.Tensor, weight: torch.Tensor, projection: str,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x weight^T summed in fp32, rounded to x's dtype (out_dtype None) or left in fp32: on the
     kernel path in a step of few rows (a decode step), for the projections named in
-    kernels/decode_gemv.py's MODEL_PROJECTIONS (q/k/v; o, gate/up and down can be), the GEMV,
-    launched with PDL like the kernels around it (cuBLAS's are not); cuBLAS otherwise."""
+    kernels/decode_gemv.py's MODEL_PROJECTIONS (q/k/v and gate/up; o and down can be), the GEMV
+    with that projection's tile, launched with PDL like the kernels around it (cuBLAS's are
+    not); cuBLAS otherwise."""
     if kernel_path(x.device):
         from lorad.workers.kernels import decode_gemv  # lazily: the CPU never imports triton
-        config = decode_gemv.MODEL_CONFIG  # its block_m: the most rows it takes
-        if (projection in decode_gemv.MODEL_PROJECTIONS
-                and decode_gemv.supports(x, weight, out_dtype, config)):
-            return decode_gemv.decode_matmul(x, weight, out_dtype, config)
+        if projection in decode_gemv.MODEL_PROJECTIONS:
+            # The tile's block_m is the most rows the GEMV takes (supports says).
+            config = decode_gemv.model_config(projection, weight.dtype)
+            if decode_gemv.supports(x, weight, out_dtype, config):
+                return decode_gemv.decode_matmul(x, weight, out_dtype, config)
     if out_dtype is None or out_dtype == x.dtype:
         return F.linear(x, weight)
     return torch.mm(x, weight.t(), out_dtype=out_dtype)

@@ -21,18 +21,17 @@ Deliberately not here: split-K (a narrow N, such as a tensor-parallel shard, giv
 programs; cuBLAS may win there), more than MAX_ROWS rows (prefill takes cuBLAS), bias, the LoRA
 shrink (lora_shrink.py, launched beside this kernel).
 
-The model (linear.py's base_matmul) uses it for the q/k/v projection in steps of up to 16 rows
-(MODEL_PROJECTIONS, MODEL_CONFIG's 16 rows). On an H200 (scripts/bench_engine.py --variant,
-2026-12-01 15:09 UTC, graph replay ms, against cuBLAS in the same run): 64 adapters loaded and idle
-4.65 against 4.73 at batch 1; at 14:54-14:59, with a first weight tile loaded before the PDL wait
-(since dropped: no difference, docs/tried/gemv-prefetch.patch), 4.64-4.65 against 4.67-4.69 at
-batch 1, 4.78-4.80 against 4.85-4.86 at 8, 4.98 against 5.04-5.05 at 16; one adapter on every row
-the same within 0.02; from 17 rows on cuBLAS runs anyway. For o, gate/up and down cuBLAS stays: the
-GEMV made batch 1 slower there (14:49, o with 16-output blocks 4.86 ms against 4.65, gate/up 4.75,
-o and down 5.56), as it did for all four without PDL (4.89 against 4.76, 2026-11-29): o's and
-down's 4096 outputs give it 128 programs where cuBLAS splits K. Splitting K into 2, 4 or 8 parts
-whose fp32 sums the residual add adds was slower too (16:27 UTC: 4.72 to 4.95 against 4.65;
-docs/tried/gemv-parts.patch).
+The model (linear.py's base_matmul) uses it for the q/k/v and gate/up projections in steps of up
+to 16 rows (MODEL_PROJECTIONS, model_config's tiles of 16 rows); o and down keep cuBLAS. On an
+H200 (scripts/bench_engine.py --variant, 2026-12-01 23:56 UTC, graph replay ms, against q/k/v alone
+in blocks of 32 outputs in the same run), q/k/v in blocks of 64 and gate/up in blocks of 64 x 128,
+3 stages: 64 adapters idle 4.42 against 4.56-4.58 at batch 1, 4.49 against 4.67 at 4, 4.57
+against 4.72-4.74 at 8; one adapter on every row 4.75 against 4.78-4.80 at 1, 4.89 against 4.93
+at 8; 64 distinct 4.74 against 4.79-4.82 at 1, 5.04 against 5.22 at 8. The tile matters: gate/up
+in blocks of 32 x 128 took 4.49 at batch 1 (3 stages; 4 stages: 5.03), and its 896 programs then
+cost one adapter 0.10 ms at batch 16 (23:51). o and down lose on the GEMV (23:27-23:51, batch 1:
+down 4.75-5.30 against 4.52-4.58 in every tile, split or not; o ties, in 2 parts too; in 4 parts whose
+fp32 sums the residual add adds, 4.65).
 """
 
 from __future__ import annotations
@@ -83,10 +82,25 @@ class GemvConfig:
 
 
 DEFAULT_CONFIG = GemvConfig()
-# The model's base projections (linear.py's base_matmul) named here take this kernel, with this
-# tile, in steps of at most its block_m rows on CUDA; the others, and larger steps, take cuBLAS.
-MODEL_PROJECTIONS: tuple[str, ...] = ("qkv",)
-MODEL_CONFIG = GemvConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)
+# The model's base projections (linear.py's base_matmul) named here take this kernel, with
+# model_config's tile, in steps of at most its block_m rows on CUDA; the others, and larger steps,
+# take cuBLAS.
+MODEL_PROJECTIONS: tuple[str, ...] = ("qkv", "gate_up")
+MODEL_CONFIG = GemvConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)
+# Per projection, the fields of MODEL_CONFIG its tile sets otherwise: gate/up's 28,672 outputs
+# in blocks of 64 make 448 programs, which stay resident together at 3 stages of 128 inputs.
+MODEL_TILES: dict[str, dict[str, int]] = {"gate_up": {"block_k": 128, "num_stages": 3}}
+
+
+def model_config(projection: str, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
+    """The model's tile for `projection` and weights of `dtype`: MODEL_CONFIG with that
+    projection's MODEL_TILES, block_k halved for 4-byte weights (fp32), so that the tile's
+    pipelined loads take the shared memory of the 2-byte tile (q/k/v's fp32 tile of 64 x 256 at
+    4 stages asks 240 KiB, over an H200's 227)."""
+    fields = dict(MODEL_TILES.get(projection, {}))
+    if dtype.itemsize > 2:
+        fields["block_k"] = max(16, fields.get("block_k", MODEL_CONFIG.block_k) // 2)
+    return MODEL_CONFIG if not fields else GemvConfig(**{**MODEL_CONFIG.__dict__, **fields})
 
 
 @dataclass(frozen=True)
