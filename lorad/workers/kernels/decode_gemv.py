@@ -23,15 +23,18 @@ shrink (lora_shrink.py, launched beside this kernel).
 
 The model (linear.py's base_matmul) uses it for the q/k/v and gate/up projections in steps of up
 to 16 rows (MODEL_PROJECTIONS, model_config's tiles of 16 rows); o and down keep cuBLAS. On an
-H200 (scripts/bench_engine.py --variant, 2026-12-01 23:56 UTC, graph replay ms, against q/k/v alone
-in blocks of 32 outputs in the same run), q/k/v in blocks of 64 and gate/up in blocks of 64 x 128,
-3 stages: 64 adapters idle 4.42 against 4.56-4.58 at batch 1, 4.49 against 4.67 at 4, 4.57
-against 4.72-4.74 at 8; one adapter on every row 4.75 against 4.78-4.80 at 1, 4.89 against 4.93
-at 8; 64 distinct 4.74 against 4.79-4.82 at 1, 5.04 against 5.22 at 8. The tile matters: gate/up
-in blocks of 32 x 128 took 4.49 at batch 1 (3 stages; 4 stages: 5.03), and its 896 programs then
-cost one adapter 0.10 ms at batch 16 (23:51). o and down lose on the GEMV (23:27-23:51, batch 1:
-down 4.75-5.30 against 4.52-4.58 in every tile, split or not; o ties, in 2 parts too; in 4 parts whose
-fp32 sums the residual add adds, 4.65).
+H200 (scripts/bench_engine.py --variant, graph replay ms, against q/k/v alone in blocks of 32
+outputs in the same run), q/k/v in blocks of 64 and gate/up in blocks of 64 x 128 at 3 stages:
+- 2026-12-01 23:28 UTC: 64 adapters idle 4.42 against 4.56-4.58 at batch 1, 4.49 against 4.67
+  at 4, 4.57 against 4.72-4.74 at 8; one adapter on every row 4.75 against 4.78-4.80 at 1, 4.89
+  against 4.93 at 8; 64 distinct 4.74 against 4.79-4.82 at 1, 5.04 against 5.22 at 8;
+- 23:32: idle 4.45 against 4.57 at batch 1 and 4.85 against 4.95 at 16; one adapter 4.81
+  against 4.83 at 1, 5.20 against 5.20 at 16; 64 distinct 4.81 against 4.83 at 1, 5.64 against
+  5.81 at 16 (gate/up on cuBLAS past 8 rows: 5.81).
+The tile matters: gate/up in blocks of 32 x 128 took 4.49 at batch 1 at 3 stages and 5.03 at 4,
+and its 896 programs cost one adapter 0.10 ms at batch 16 (23:27). o and down lose on the GEMV
+(23:14-23:27, batch 1, against 4.52-4.58): down 4.75-5.30 in every tile tried, in 4 parts of K
+too; o ties (in 2 parts of K too; in 4 parts, 4.65).
 """
 
 from __future__ import annotations
