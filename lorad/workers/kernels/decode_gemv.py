@@ -39,6 +39,7 @@ too; o ties (in 2 parts of K too; in 4 parts, 4.65).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -99,11 +100,17 @@ def model_config(projection: str, dtype: torch.dtype = torch.bfloat16) -> GemvCo
     """The model's tile for `projection` and weights of `dtype`: MODEL_CONFIG with that
     projection's MODEL_TILES, block_k halved for 4-byte weights (fp32), so that the tile's
     pipelined loads take the shared memory of the 2-byte tile (q/k/v's fp32 tile of 64 x 256 at
-    4 stages asks 240 KiB, over an H200's 227)."""
-    fields = dict(MODEL_TILES.get(projection, {}))
-    if dtype.itemsize > 2:
-        fields["block_k"] = max(16, fields.get("block_k", MODEL_CONFIG.block_k) // 2)
-    return MODEL_CONFIG if not fields else GemvConfig(**{**MODEL_CONFIG.__dict__, **fields})
+    4 stages asks 240 KiB, over an H200's 227). Read at each call (benchmarks swap the settings);
+    the tile is built once per distinct setting, since base_matmul asks for every projection."""
+    return _tile(MODEL_CONFIG, tuple(MODEL_TILES.get(projection, {}).items()), dtype.itemsize)
+
+
+@functools.lru_cache(maxsize=64)
+def _tile(base: GemvConfig, fields: tuple[tuple[str, int], ...], itemsize: int) -> GemvConfig:
+    changed = dict(fields)
+    if itemsize > 2:
+        changed["block_k"] = max(16, changed.get("block_k", base.block_k) // 2)
+    return base if not changed else GemvConfig(**{**base.__dict__, **changed})
 
 
 @dataclass(frozen=True)
