@@ -457,14 +457,17 @@ def bench_transformers(config_dir: str, adapter_folder: Path, args) -> None:
 @contextlib.contextmanager
 def lora_configs(variant: str):
     """The LoRA kernels' default configs as --lora-configs names them, for the block."""
-    saved = lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG, lora_tiles.BLOCK_M
+    saved = (lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG,
+             lora_expand.SMALL_STEP_CONFIG, lora_tiles.BLOCK_M)
     for part in variant.split("+"):
         kernel, _, values = part.partition("=")
         numbers = [int(v) for v in values.split(",") if v.isdigit()]
         if kernel == "shrink" and len(numbers) == 5:
             lora_shrink.DEFAULT_CONFIG = lora_shrink.ShrinkConfig(*numbers)
         elif kernel == "expand" and len(numbers) == 2:
+            # Every step's expand: the small steps' config too.
             lora_expand.DEFAULT_CONFIG = lora_expand.ExpandConfig(*numbers)
+            lora_expand.SMALL_STEP_CONFIG = lora_expand.DEFAULT_CONFIG
         elif kernel == "tiles" and len(numbers) == 1 and numbers[0] in (16, 32, 64):
             lora_tiles.BLOCK_M = numbers[0]
         else:
@@ -472,7 +475,8 @@ def lora_configs(variant: str):
     try:
         yield
     finally:
-        lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG, lora_tiles.BLOCK_M = saved
+        (lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG, lora_expand.SMALL_STEP_CONFIG,
+         lora_tiles.BLOCK_M) = saved
 
 
 @contextlib.contextmanager

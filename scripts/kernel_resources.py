@@ -220,7 +220,7 @@ def main() -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # quiets triton 3.9's notice
     shrinks = [lora_shrink.DEFAULT_CONFIG] + parse_configs(
         args.shrink, lora_shrink.ShrinkConfig, 5)
-    expands = [lora_expand.DEFAULT_CONFIG] + parse_configs(
+    expands = [lora_expand.DEFAULT_CONFIG, lora_expand.SMALL_STEP_CONFIG] + parse_configs(
         args.expand, lambda n, w: lora_expand.ExpandConfig(n, w), 2)
     specs = lora_specs(shrinks, expands, args.block_m) + model_specs()
     print(f"# triton {triton.__version__}, sm_{args.arch}, LoRA tiles of {args.block_m} rows; "

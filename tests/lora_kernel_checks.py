@@ -328,6 +328,49 @@ def check_block_groups_change_no_bit(device: str, shape: Shape, x_dtype: torch.d
                             f"block per item")
 
 
+def check_block_widths_change_no_bit(device: str, shape: Shape, x_dtype: torch.dtype,
+                                     num_rows: int = 21, widths: tuple[int, ...] = (16, 32, 64),
+                                     table_dtype: torch.dtype = torch.float32) -> None:
+    """The expand's outputs are the same bits at every width of its blocks of outputs (the
+    step's config picks one, lora_expand.step_config), into delta buffers and in place, and it
+    writes the same elements (NaN buffers keep their NaN elsewhere)."""
+    from lorad.workers.kernels.lora_expand import ExpandConfig, lora_expand
+    from lorad.workers.kernels.lora_shrink import lora_shrink
+    from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
+    gen = torch.Generator().manual_seed(11)
+    tables = make_tables(shape, gen, device, table_dtype)
+    row_slots = mixed_slots(num_rows, shape.num_slots, gen).to(device)
+    x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
+    base = [torch.randn(num_rows, n, generator=gen).to(device, x_dtype)
+            for n in shape.out_features]
+    counts = torch.bincount(row_slots[row_slots != 0].cpu())
+    tiles = LoraTiles.build(row_slots, count_tiles(int(c) for c in counts))
+    t = lora_shrink(x, tables.a, tables.ranks, tiles)
+
+    def expand(width: int, deltas: bool) -> list[torch.Tensor]:
+        if deltas:
+            outs = [torch.full((num_rows, n), float("nan"), device=device)
+                    for n in shape.out_features]
+        else:
+            outs = [b.clone() for b in base]
+        lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles,
+                    config=ExpandConfig(block_n=width), deltas=deltas)
+        return outs
+
+    for deltas in (True, False):
+        want = expand(widths[0], deltas)
+        changed = (any(not w.isnan().all() for w in want) if deltas
+                   else any(not torch.equal(w, b) for w, b in zip(want, base)))
+        if not changed:
+            raise AssertionError("the expand wrote nothing: this check could not fail")
+        for width in widths[1:]:
+            for i, (got, w) in enumerate(zip(expand(width, deltas), want)):
+                if not torch.equal(got.nan_to_num(12345.0), w.nan_to_num(12345.0)):
+                    raise AssertionError(
+                        f"{'deltas' if deltas else 'in place'}: output {i} at blocks of {width} "
+                        f"outputs differs from blocks of {widths[0]}")
+
+
 def check_exact_dot_keeps_every_bit(device: str) -> None:
     """exact_dot's split into bf16 terms loses nothing: an fp32 (3 terms) or fp16 (2 terms) tile
     times a permutation matrix comes back bit for bit on either side of the product, where one
@@ -452,6 +495,11 @@ CHECKS = {
     "exact_dot": (check_exact_dot_keeps_every_bit, {}),
     "block_groups_qkv": (check_block_groups_change_no_bit,
                          dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16, block_n=16)),
+    "block_widths_qkv": (check_block_widths_change_no_bit,
+                         dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16)),
+    "block_widths_pair_bf16_tables": (check_block_widths_change_no_bit,
+                                      dict(shape=CPU_SHAPES["pair"], x_dtype=torch.bfloat16,
+                                           table_dtype=torch.bfloat16)),
     "reference_qkv_bf16_tables": (check_matches_reference,
                                   dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16,
                                        batch_sizes=(1, 19), table_dtype=torch.bfloat16)),

@@ -16,6 +16,7 @@ import torch
 
 from lorad.workers.batch import ForwardBatch
 from tests.lora_kernel_checks import (GPU_SHAPES, Shape, check_block_groups_change_no_bit,
+                                      check_block_widths_change_no_bit,
                                       check_chunk_groups_change_no_bit,
                                       check_exact_dot_keeps_every_bit,
                                       check_layer_path, check_matches_reference,
@@ -153,6 +154,15 @@ def test_block_groups_change_no_bit(name: str) -> None:
     """The expand's blocks of outputs taken one per work item or in groups, at batch 64."""
     check_block_groups_change_no_bit("cuda", GPU_SHAPES[name], torch.bfloat16, num_rows=64,
                                      targets=(1, 100, 800))
+
+
+@pytest.mark.parametrize("name", ["qkv", "gate_up", "down"])
+@pytest.mark.parametrize("table_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_block_widths_change_no_bit(name: str, table_dtype: torch.dtype) -> None:
+    """The expand's blocks of 128 outputs (large steps) and 256 (small ones), and 64 and 512,
+    give the same bits, at batch 64."""
+    check_block_widths_change_no_bit("cuda", GPU_SHAPES[name], torch.bfloat16, num_rows=64,
+                                     widths=(128, 256, 64, 512), table_dtype=table_dtype)
 
 
 def test_exact_dot_keeps_every_bit() -> None:

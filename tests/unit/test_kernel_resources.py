@@ -30,12 +30,14 @@ def test_reports_the_expand_at_each_config():
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [LINE.match(line) for line in done.stdout.splitlines()]
     rows = [m for m in rows if m]
-    # The default config and the one asked for, each with 3 fp32 tables, 1, and 3 bf16 ones.
+    # The default config, the small steps' one and the one asked for, each with 3 fp32 tables,
+    # 1, and 3 bf16 ones.
     names = [m.group(5) for m in rows]
-    assert len(rows) == 6, done.stdout
+    assert len(rows) == 9, done.stdout
     assert sum("block_n=128," in n for n in names) == 3, done.stdout
+    assert sum("block_n=256," in n for n in names) == 3, done.stdout
     assert sum("block_n=64," in n for n in names) == 3, done.stdout
-    assert sum("3 bf16 table(s)" in n for n in names) == 2, done.stdout
+    assert sum("3 bf16 table(s)" in n for n in names) == 3, done.stdout
     for m in rows:
         registers, _, _, programs = (int(m.group(i)) for i in range(1, 5))
         assert 16 <= registers <= 255 and programs >= 1, m.group(0)

@@ -56,6 +56,22 @@ class ExpandConfig:
 
 
 DEFAULT_CONFIG = ExpandConfig()
+# The config of steps of up to SMALL_STEP_ROWS rows: blocks of 256 outputs, twice the B bytes
+# per load. The block changes no bit (an MMA computes each output from its own column of B:
+# check_block_widths_change_no_bit), so it may follow the step's size. On an H200
+# (bench_engine.py --variant, 2026-12-02 00:52 UTC, graph replay ms, against 128 in the same
+# run): 64 distinct adapters at batch 32 6.85 against 7.09 and 7.10, one adapter 5.77 against
+# 5.80 and 5.81, batch 1 the same within 0.01; at batch 64, 9.32 against 9.25 and 9.26 with 64
+# distinct adapters (one adapter 6.94 against 7.05), so batch 64 keeps 128. 8 warps at 256:
+# 7.52 at batch 32; 512 outputs on 8 warps: 7.25; 256 at 4 stages: 6.91.
+SMALL_STEP_ROWS = 32
+SMALL_STEP_CONFIG = ExpandConfig(block_n=256)
+
+
+def step_config(num_rows: int) -> ExpandConfig:
+    """The config of an expand over num_rows rows: SMALL_STEP_CONFIG up to SMALL_STEP_ROWS rows,
+    else DEFAULT_CONFIG (both read at the call: benchmarks swap them)."""
+    return SMALL_STEP_CONFIG if num_rows <= SMALL_STEP_ROWS else DEFAULT_CONFIG
 # Work items per multiprocessor past which an expand work item takes several consecutive blocks
 # of outputs (its tile looked up and its t summed once): with distinct adapters at batch 64, one
 # block per item makes 64 x 224 items for gate/up of 4 KB of B each. On an H200 (bench_engine.py
@@ -196,13 +212,14 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     deltas: outs[i] are fp32 buffers that get the delta alone, scale * (t B^T) rounded to fp32,
     at the same elements (nothing else is written): a later kernel adds it to the rounded base
     output (lorad.workers.lora.LoraDelta), which then need not exist yet.
+    config: the tile (None: step_config of the step's rows).
     num_target_items: where a work item starts taking several blocks of outputs (None:
     ITEMS_PER_SM per multiprocessor, read at the call; 0: never); it changes no bit."""
     num_tables = len(b_tables)
     if not 1 <= num_tables <= MAX_TABLES or not (len(outs) == len(rank_tables)
                                                   == len(scale_tables) == num_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its output, ranks and scales")
-    config = config or DEFAULT_CONFIG  # read at the call: benchmarks swap it
+    config = config or step_config(t.shape[1])
     assert t.dim() == 4 and t.shape[0] == num_tables and t.stride(3) == 1
     assert tiles.num_rows == t.shape[1], "tiles of another batch"
     for out, b in zip(outs, b_tables):
