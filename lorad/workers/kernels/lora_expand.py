@@ -66,6 +66,19 @@ DEFAULT_CONFIG = ExpandConfig()
 # 7.52 at batch 32; 512 outputs on 8 warps: 7.25; 256 at 4 stages: 6.91.
 SMALL_STEP_ROWS = 32
 SMALL_STEP_CONFIG = ExpandConfig(block_n=256)
+# The most bytes of B one pipeline stage holds: block_n narrows to fit wide ranks and 4-byte
+# tables (it changes no bit), so the stages fit shared memory. 32 KiB is the default tile's at
+# rank 64 in fp32 (128 x 64 x 4), which runs on an H200; the small steps' tile there (256 x 64
+# x 4 at 3 stages) did not fit (tests/gpu/test_lora_kernels_gpu.py, ranks_to_64, 2026-12-02).
+MAX_B_STAGE_BYTES = 32 * 1024
+
+
+def fitting_block_n(block_n: int, rank_pad: int, itemsize: int) -> int:
+    """block_n, halved until a stage of B (block_n x rank_pad x itemsize bytes) holds at most
+    MAX_B_STAGE_BYTES, and at least 16 (a tl.dot side)."""
+    while block_n > 16 and block_n * rank_pad * itemsize > MAX_B_STAGE_BYTES:
+        block_n //= 2
+    return block_n
 
 
 def step_config(num_rows: int) -> ExpandConfig:
@@ -212,7 +225,8 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     deltas: outs[i] are fp32 buffers that get the delta alone, scale * (t B^T) rounded to fp32,
     at the same elements (nothing else is written): a later kernel adds it to the rounded base
     output (lorad.workers.lora.LoraDelta), which then need not exist yet.
-    config: the tile (None: step_config of the step's rows).
+    config: the tile (None: step_config of the step's rows); its block_n narrows to
+    fitting_block_n for wide ranks and fp32 tables.
     num_target_items: where a work item starts taking several blocks of outputs (None:
     ITEMS_PER_SM per multiprocessor, read at the call; 0: never); it changes no bit."""
     num_tables = len(b_tables)
@@ -231,7 +245,9 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         assert b.dtype == b_tables[0].dtype, "tables of one launch share a dtype"
     if tiles.max_tiles == 0:
         return
-    blocks_end = table_block_ends([b.shape[1] for b in b_tables], config.block_n)
+    rank_pad = max(16, next_power_of_2(max(b.shape[2] for b in b_tables)))
+    block_n = fitting_block_n(config.block_n, rank_pad, b_tables[0].element_size())
+    blocks_end = table_block_ends([b.shape[1] for b in b_tables], block_n)
     num_blocks = blocks_end[-1]
     grid = (min(tiles.max_tiles * num_blocks, num_programs or max_programs(t.device)),)
     padded_outs, padded_b = pad_tables(outs), pad_tables(b_tables)
@@ -244,8 +260,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles,
         target_items(ITEMS_PER_SM, t.device) if num_target_items is None else num_target_items,
         NUM_TABLES=num_tables, NUM_STAGES=config.num_stages,
-        BLOCK_M=tiles.block_m, BLOCK_N=config.block_n,
-        RANK_PAD=max(16, next_power_of_2(max(b.shape[2] for b in b_tables))),
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, RANK_PAD=rank_pad,
         MAX_CHUNKS=next_power_of_2(t.shape[2]), B_PARTS=bf16_parts(b_tables[0].dtype),
         DELTA=deltas,
         TRIGGER_LATE=pdl.LORA_TRIGGER_LATE,
