@@ -59,7 +59,7 @@ DEFAULT_CONFIG = ExpandConfig()
 # The config of steps of up to SMALL_STEP_ROWS rows: blocks of 256 outputs, twice the B bytes
 # per load. The block changes no bit (an MMA computes each output from its own column of B:
 # check_block_widths_change_no_bit), so it may follow the step's size. On an H200
-# (bench_engine.py --variant, 2026-12-02 00:52 UTC, graph replay ms, against 128 in the same
+# (bench_engine.py --variant, 2026-12-02 00:53 UTC, graph replay ms, against 128 in the same
 # run): 64 distinct adapters at batch 32 6.85 against 7.09 and 7.10, one adapter 5.77 against
 # 5.80 and 5.81, batch 1 the same within 0.01; at batch 64, 9.32 against 9.25 and 9.26 with 64
 # distinct adapters (one adapter 6.94 against 7.05), so batch 64 keeps 128. 8 warps at 256:
