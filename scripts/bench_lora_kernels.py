@@ -179,7 +179,7 @@ def bench_per_kernel(layers, ranks, scales, batches) -> None:
                                        ("expand", run_expand, expand_mb)):
                     seconds = time_graph(fn) / len(layers)
                     print(f"{num_rows:>5} {mixture:>9} {name:>7} {kernel:>6} "
-                          f"{seconds * 1e6:>9.2f} {mb / 1e3 / (seconds * 1e6) * 1e3:>7.0f} "
+                          f"{seconds * 1e6:>9.2f} {mb / 1e3 / seconds:>7.0f} "
                           f"{mb:>9.2f}", flush=True)
 
 
