@@ -42,6 +42,15 @@ MAX_TABLES = 3  # q/k/v share an input; gate/up share one
 # the FMA kernels before the MMA ones; with these, 19:22 UTC, off: the same at batch 32, 7.28
 # against 7.29, and at batch 1.)
 ITEMS_PER_SM = 6
+# Steps of more rows than this launch the shrink without PDL even where the step's other kernels
+# take it (None: as the step's kernels). Launched with PDL, the shrink's programs take their
+# places on every SM before the norm ahead of it ends, and the base matmul beside it, which cuBLAS
+# launches plainly, waits for them to leave: with 64 distinct adapters at batch 64 q/k/v's matmul
+# started 9.3 us after the norm's end (profile_graph.py, H200, 2026-12-02 00:47 UTC). A setting
+# for benchmarks to compare (bench_engine.py --variant 'lora_shrink.PDL_MAX_ROWS=32'); not
+# measured yet.
+PDL_MAX_ROWS: int | None = None
+NO_PDL = {"PDL": False, "launch_pdl": False}
 
 
 def pad_tables(tables: Sequence) -> list:
@@ -292,5 +301,6 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
         NUM_STAGES=config.num_stages, X_PARTS=bf16_parts(x.dtype),
         A_PARTS=bf16_parts(a_tables[0].dtype), num_warps=config.num_warps,
         TRIGGER_LATE=pdl.LORA_TRIGGER_LATE,
-        **launch_options(x.device, num_rows))
+        **(launch_options(x.device, num_rows)
+           if PDL_MAX_ROWS is None or num_rows <= PDL_MAX_ROWS else NO_PDL))
     return out
