@@ -192,13 +192,14 @@ def print_table(rows, num_layers: int) -> None:
               f"{moved / 1e6:>9.1f}")
 
 
-# (block_r, block_k, k_chunk, num_warps, num_stages) and (block_n, num_warps, num_stages).
-SWEEP_SHRINK = [shrink.ShrinkConfig(16, 128, 512, 1, 3), shrink.ShrinkConfig(16, 128, 512, 4, 3),
-                shrink.ShrinkConfig(16, 64, 512, 2, 3), shrink.ShrinkConfig(16, 256, 512, 2, 2),
-                shrink.ShrinkConfig(16, 128, 256, 2, 3), shrink.ShrinkConfig(16, 128, 1024, 2, 3)]
-SWEEP_EXPAND = [expand.ExpandConfig(64, 1, 1), expand.ExpandConfig(64, 2, 1),
-                expand.ExpandConfig(128, 2, 1), expand.ExpandConfig(256, 4, 1),
-                expand.ExpandConfig(256, 8, 1)]
+# (block_r, block_k, k_chunk, num_warps, num_stages) and (block_n, num_warps, num_stages): the
+# defaults' neighbours, deeper pipelines and wider loads (the MMA kernels, 2026-12-02).
+SWEEP_SHRINK = [shrink.ShrinkConfig(16, 128, 512, 2, 4), shrink.ShrinkConfig(16, 128, 512, 4, 4),
+                shrink.ShrinkConfig(16, 64, 512, 2, 6), shrink.ShrinkConfig(16, 256, 512, 2, 3),
+                shrink.ShrinkConfig(16, 128, 1024, 2, 4)]
+SWEEP_EXPAND = [expand.ExpandConfig(128, 4, 4), expand.ExpandConfig(128, 4, 6),
+                expand.ExpandConfig(256, 4, 3), expand.ExpandConfig(256, 4, 4),
+                expand.ExpandConfig(64, 2, 6), expand.ExpandConfig(512, 8, 3)]
 
 
 def main() -> int:
