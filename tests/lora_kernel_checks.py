@@ -278,6 +278,42 @@ def check_chunk_groups_change_no_bit(device: str, shape: Shape, x_dtype: torch.d
                                      f"differs from one chunk per item")
 
 
+def _expand_runner(device: str, shape: Shape, x_dtype: torch.dtype, num_rows: int, seed: int,
+                   table_dtype: torch.dtype = torch.float32):
+    """-> (expand, base) over one step's fixed inputs (random tables, mixed slots, x and its
+    shrink): expand(deltas, **kwargs) runs lora_expand with those keyword arguments into fresh
+    NaN delta buffers (deltas) or into copies of the base outputs `base`, and returns them."""
+    from lorad.workers.kernels.lora_expand import lora_expand
+    from lorad.workers.kernels.lora_shrink import lora_shrink
+    from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
+    gen = torch.Generator().manual_seed(seed)
+    tables = make_tables(shape, gen, device, table_dtype)
+    row_slots = mixed_slots(num_rows, shape.num_slots, gen).to(device)
+    x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
+    base = [torch.randn(num_rows, n, generator=gen).to(device, x_dtype)
+            for n in shape.out_features]
+    counts = torch.bincount(row_slots[row_slots != 0].cpu())
+    tiles = LoraTiles.build(row_slots, count_tiles(int(c) for c in counts))
+    t = lora_shrink(x, tables.a, tables.ranks, tiles)
+
+    def expand(deltas: bool, **kwargs) -> list[torch.Tensor]:
+        if deltas:
+            outs = [torch.full((num_rows, n), float("nan"), device=device)
+                    for n in shape.out_features]
+        else:
+            outs = [b.clone() for b in base]
+        lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles, deltas=deltas,
+                    **kwargs)
+        return outs
+
+    return expand, base
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit for bit, NaN (an element never written) equal to NaN."""
+    return torch.equal(got.nan_to_num(12345.0), want.nan_to_num(12345.0))
+
+
 def check_block_groups_change_no_bit(device: str, shape: Shape, x_dtype: torch.dtype,
                                      num_rows: int = 21, targets: tuple[int, ...] = (1, 5, 40),
                                      block_n: int | None = None) -> None:
@@ -287,41 +323,22 @@ def check_block_groups_change_no_bit(device: str, shape: Shape, x_dtype: torch.d
     items, into delta buffers and in place; and they write exactly where one block per item
     writes (NaN buffers keep their NaN elsewhere).
     block_n: the expand's block (None: its default), small to give tiny tables several."""
-    from lorad.workers.kernels.lora_expand import DEFAULT_CONFIG, ExpandConfig, lora_expand
-    from lorad.workers.kernels.lora_shrink import lora_shrink
-    from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
+    from lorad.workers.kernels.lora_expand import DEFAULT_CONFIG, ExpandConfig
     config = ExpandConfig(block_n=block_n) if block_n else DEFAULT_CONFIG
     if max(-(-n // config.block_n) for n in shape.out_features) < 3:
         raise AssertionError(f"{shape}: fewer than 3 blocks of {config.block_n} outputs in every "
                              f"table, nothing to group")
-    gen = torch.Generator().manual_seed(7)
-    tables = make_tables(shape, gen, device)
-    row_slots = mixed_slots(num_rows, shape.num_slots, gen).to(device)
-    x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
-    base = [torch.randn(num_rows, n, generator=gen).to(device, x_dtype)
-            for n in shape.out_features]
-    counts = torch.bincount(row_slots[row_slots != 0].cpu())
-    tiles = LoraTiles.build(row_slots, count_tiles(int(c) for c in counts))
-    t = lora_shrink(x, tables.a, tables.ranks, tiles)
-
-    def expand(target: int, programs: int | None, deltas: bool) -> list[torch.Tensor]:
-        if deltas:
-            outs = [torch.full((num_rows, n), float("nan"), device=device)
-                    for n in shape.out_features]
-        else:
-            outs = [b.clone() for b in base]
-        lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles, num_programs=programs,
-                    config=config, deltas=deltas, num_target_items=target)
-        return outs
-
+    expand, _ = _expand_runner(device, shape, x_dtype, num_rows, seed=7)
     for deltas in (True, False):
-        want = expand(0, None, deltas)
+        want = expand(deltas, config=config, num_target_items=0)
         if deltas and all(w.isnan().all() for w in want):
             raise AssertionError("the expand wrote nothing: this check could not fail")
         for target in targets:
             for programs in (None, 3):
-                for i, (got, w) in enumerate(zip(expand(target, programs, deltas), want)):
-                    if not torch.equal(got.nan_to_num(12345.0), w.nan_to_num(12345.0)):
+                got = expand(deltas, config=config, num_target_items=target,
+                             num_programs=programs)
+                for i, (g, w) in enumerate(zip(got, want)):
+                    if not _same_bits(g, w):
                         raise AssertionError(
                             f"target {target}, {programs or 'default'} programs, "
                             f"{'deltas' if deltas else 'in place'}: output {i} differs from one "
@@ -334,38 +351,19 @@ def check_block_widths_change_no_bit(device: str, shape: Shape, x_dtype: torch.d
     """The expand's outputs are the same bits at every width of its blocks of outputs (the
     step's config picks one, lora_expand.step_config), into delta buffers and in place, and it
     writes the same elements (NaN buffers keep their NaN elsewhere)."""
-    from lorad.workers.kernels.lora_expand import ExpandConfig, lora_expand
-    from lorad.workers.kernels.lora_shrink import lora_shrink
-    from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
-    gen = torch.Generator().manual_seed(11)
-    tables = make_tables(shape, gen, device, table_dtype)
-    row_slots = mixed_slots(num_rows, shape.num_slots, gen).to(device)
-    x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
-    base = [torch.randn(num_rows, n, generator=gen).to(device, x_dtype)
-            for n in shape.out_features]
-    counts = torch.bincount(row_slots[row_slots != 0].cpu())
-    tiles = LoraTiles.build(row_slots, count_tiles(int(c) for c in counts))
-    t = lora_shrink(x, tables.a, tables.ranks, tiles)
-
-    def expand(width: int, deltas: bool) -> list[torch.Tensor]:
-        if deltas:
-            outs = [torch.full((num_rows, n), float("nan"), device=device)
-                    for n in shape.out_features]
-        else:
-            outs = [b.clone() for b in base]
-        lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles,
-                    config=ExpandConfig(block_n=width), deltas=deltas)
-        return outs
-
+    from lorad.workers.kernels.lora_expand import ExpandConfig
+    expand, base = _expand_runner(device, shape, x_dtype, num_rows, seed=11,
+                                  table_dtype=table_dtype)
     for deltas in (True, False):
-        want = expand(widths[0], deltas)
+        want = expand(deltas, config=ExpandConfig(block_n=widths[0]))
         changed = (any(not w.isnan().all() for w in want) if deltas
                    else any(not torch.equal(w, b) for w, b in zip(want, base)))
         if not changed:
             raise AssertionError("the expand wrote nothing: this check could not fail")
         for width in widths[1:]:
-            for i, (got, w) in enumerate(zip(expand(width, deltas), want)):
-                if not torch.equal(got.nan_to_num(12345.0), w.nan_to_num(12345.0)):
+            got = expand(deltas, config=ExpandConfig(block_n=width))
+            for i, (g, w) in enumerate(zip(got, want)):
+                if not _same_bits(g, w):
                     raise AssertionError(
                         f"{'deltas' if deltas else 'in place'}: output {i} at blocks of {width} "
                         f"outputs differs from blocks of {widths[0]}")
