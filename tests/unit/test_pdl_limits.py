@@ -1,6 +1,7 @@
 """kernels/pdl.py's row limits: MAX_ROWS outside a step or in one without LoRA launches,
-MAX_ROWS_WITH_LORA inside one with them, the previous setting back after the block. The launches
-themselves (and that PDL changes no bit) are checked on a GPU in tests/gpu/test_cuda_graphs.py."""
+MAX_ROWS_WITH_LORA inside one with them, the previous setting back after the block, and a
+kernel's own lower limit (max_rows). The launches themselves (and that PDL changes no bit) are
+checked on a GPU in tests/gpu/test_cuda_graphs.py."""
 
 from __future__ import annotations
 
@@ -43,3 +44,13 @@ def test_never_off_cuda_or_when_disabled(pdl, monkeypatch):
         assert not pdl.use_pdl(torch.device("cpu"), 1)
         monkeypatch.setattr(pdl, "ENABLED", False)
         assert not pdl.use_pdl(torch.device("cuda", 0), 1)
+
+
+def test_a_kernel_limit_only_lowers_the_step_limit(pdl):
+    cuda = torch.device("cuda", 0)
+    with pdl.step(with_lora=True):
+        assert pdl.use_pdl(cuda, 32, max_rows=32) and not pdl.use_pdl(cuda, 33, max_rows=32)
+        assert not pdl.use_pdl(cuda, 1, max_rows=0)
+        assert pdl.use_pdl(cuda, 64, max_rows=None)
+        assert not pdl.use_pdl(cuda, 65, max_rows=128)  # never above the step's own
+        assert pdl.launch_options(cuda, 48, 32) == {"PDL": False, "launch_pdl": False}

@@ -50,7 +50,6 @@ ITEMS_PER_SM = 6
 # for benchmarks to compare (bench_engine.py --variant 'lora_shrink.PDL_MAX_ROWS=32'); not
 # measured yet.
 PDL_MAX_ROWS: int | None = None
-NO_PDL = {"PDL": False, "launch_pdl": False}
 
 
 def pad_tables(tables: Sequence) -> list:
@@ -301,6 +300,5 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
         NUM_STAGES=config.num_stages, X_PARTS=bf16_parts(x.dtype),
         A_PARTS=bf16_parts(a_tables[0].dtype), num_warps=config.num_warps,
         TRIGGER_LATE=pdl.LORA_TRIGGER_LATE,
-        **(launch_options(x.device, num_rows)
-           if PDL_MAX_ROWS is None or num_rows <= PDL_MAX_ROWS else NO_PDL))
+        **launch_options(x.device, num_rows, PDL_MAX_ROWS))
     return out

@@ -51,11 +51,13 @@ def step(with_lora: bool):
         _lora_step = saved
 
 
-def use_pdl(device: torch.device, num_rows: int) -> bool:
+def use_pdl(device: torch.device, num_rows: int, max_rows: int | None = None) -> bool:
     """Whether a kernel over num_rows rows on `device` launches with PDL: CUDA compute capability
     9.0 or later, and a step of at most MAX_ROWS rows (MAX_ROWS_WITH_LORA in a step with LoRA
-    launches)."""
+    launches), and of at most max_rows, a kernel's own limit (None: none)."""
     limit = MAX_ROWS_WITH_LORA if _lora_step else MAX_ROWS
+    if max_rows is not None:
+        limit = min(limit, max_rows)
     if not ENABLED or device.type != "cuda" or num_rows > limit:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -64,10 +66,11 @@ def use_pdl(device: torch.device, num_rows: int) -> bool:
     return _CAPABLE[index]
 
 
-def launch_options(device: torch.device, num_rows: int) -> dict[str, bool]:
+def launch_options(device: torch.device, num_rows: int,
+                   max_rows: int | None = None) -> dict[str, bool]:
     """The launch's keyword arguments for a kernel that starts with wait_for_previous(PDL): its
-    PDL constexpr and triton's launch_pdl, both use_pdl(device, num_rows)."""
-    pdl = use_pdl(device, num_rows)
+    PDL constexpr and triton's launch_pdl, both use_pdl(device, num_rows, max_rows)."""
+    pdl = use_pdl(device, num_rows, max_rows)
     return {"PDL": pdl, "launch_pdl": pdl}
 
 
