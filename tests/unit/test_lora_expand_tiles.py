@@ -7,11 +7,10 @@ import importlib.util
 
 import pytest
 
+from tests.unit.test_gemv_model_tiles import H200_SHARED
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
-
-H200_SHARED_BYTES = 232_448  # per block, opt-in
-
 
 @pytest.mark.parametrize("itemsize", (2, 4), ids=("bf16", "fp32"))
 @pytest.mark.parametrize("rank_pad", (16, 32, 64, 128, 256, 512))
@@ -23,7 +22,7 @@ def test_b_stages_fit_shared_memory(rank_pad: int, itemsize: int) -> None:
         stage = block_n * rank_pad * itemsize
         assert stage <= lora_expand.MAX_B_STAGE_BYTES or block_n == 16
         # B's stages leave room for the rest of the program (t's tile, the MMA's operands).
-        assert stage * config.num_stages <= H200_SHARED_BYTES // 2, (config, rank_pad, itemsize)
+        assert stage * config.num_stages <= H200_SHARED // 2, (config, rank_pad, itemsize)
 
 
 def test_rank_16_keeps_the_configured_blocks() -> None:

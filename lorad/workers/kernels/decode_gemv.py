@@ -39,6 +39,7 @@ too; o ties (in 2 parts of K too; in 4 parts, 4.65).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -110,7 +111,7 @@ def _tile(base: GemvConfig, fields: tuple[tuple[str, int], ...], itemsize: int) 
     changed = dict(fields)
     if itemsize > 2:
         changed["block_k"] = max(16, changed.get("block_k", base.block_k) // 2)
-    return base if not changed else GemvConfig(**{**base.__dict__, **changed})
+    return dataclasses.replace(base, **changed) if changed else base
 
 
 @dataclass(frozen=True)
