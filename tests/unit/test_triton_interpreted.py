@@ -24,6 +24,8 @@ Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3
 from __future__ import annotations
 
 import importlib.util
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -38,24 +40,50 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 MODULES = {module.__name__: module.CHECKS for module in (
     lora_kernel_checks, paged_attention_checks, fused_ops_checks, decode_gemv_checks,
     model_kernel_checks, token_draw_checks)}
-_results: dict[str, dict | str] = {}  # module -> its results, or why its run failed
+# The modules' interpreter run times on a 2-core machine, longest first (2026-12-02: 107, 93,
+# 54, 22, 21, 11 s): two runners finish together when the long runs start first.
+SLOWEST_FIRST = ("tests.lora_kernel_checks", "tests.model_kernel_checks",
+                 "tests.decode_gemv_checks", "tests.fused_ops_checks",
+                 "tests.paged_attention_checks", "tests.token_draw_checks")
 
 
-def _results_of(module: str) -> dict:
-    if module not in _results:
-        try:
-            _results[module] = interpret_in_subprocess(module)
-        except AssertionError as exc:
-            _results[module] = str(exc)
-    if isinstance(_results[module], str):
-        pytest.fail(_results[module], pytrace=False)
-    return _results[module]
+# module -> its run: its results, or why it failed. Started by the first test of any module.
+_runs: dict[str, Future] = {}
+
+
+def _interpret(module: str) -> dict | str:
+    try:
+        return interpret_in_subprocess(module)
+    except AssertionError as exc:
+        return str(exc)
+
+
+def _start_runs(session: pytest.Session) -> None:
+    """Start the interpreter runs of every check module that the session's selected tests
+    need, as many at once as this machine has cores (each run is one thread; CI has 2, and the
+    runs took 308 s one after another there), the slowest first. Their tests then only wait."""
+    wanted = {item.callspec.params["module"] for item in session.items
+              if getattr(item, "originalname", None) == "test_interpreted"}
+    order = [m for m in SLOWEST_FIRST if m in wanted] + sorted(wanted - set(SLOWEST_FIRST))
+    pool = ThreadPoolExecutor(max(1, min(len(order), len(os.sched_getaffinity(0)))))
+    for module in order:
+        _runs[module] = pool.submit(_interpret, module)
+    pool.shutdown(wait=False)  # the threads end with their runs
+
+
+def _results_of(module: str, session: pytest.Session) -> dict:
+    if not _runs:
+        _start_runs(session)
+    results = _runs[module].result()
+    if isinstance(results, str):
+        pytest.fail(results, pytrace=False)
+    return results
 
 
 @pytest.mark.parametrize("module,name", [(module, name) for module, checks in MODULES.items()
                                          for name in checks])
-def test_interpreted(module, name):
-    results = _results_of(module)
+def test_interpreted(module, name, request):
+    results = _results_of(module, request.session)
     assert name in results, f"{name} did not run"
     outcome = results[name]["outcome"]
     assert outcome == "ok", f"{name} ({results[name]['seconds']} s) failed under the Triton " \
