@@ -8,11 +8,13 @@ and 4096, with the bandwidth achieved against the K and V bytes read.
                                             [--contexts 1024,4096] [--iters 50]
                                             [--table-tokens 8192] [--split-programs=-1,0]
                                             [--stages 2,3] [--layouts nhd,hnd]
+                                            [--preload 0,1]
 
 Each row times one kernel pair (split + reduce) replayed from a CUDA graph, as a decode step runs
 it, and also launched eagerly. --layouts hnd stores each block's KV heads one after another
 (a head's block_size tokens contiguous) instead of lorad's token-major blocks (nhd), passed to the
-kernel as a strided view of the same shape. Block tables are shuffled; consecutive calls read
+kernel as a strided view of the same shape. --preload 1 reads each split's first block ids
+early (paged_attention.PRELOAD_TABLE). Block tables are shuffled; consecutive calls read
 different blocks (several table sets per graph when one call's KV would fit in L2), so small rows
 are not served from L2. Prints a table and the conditions; a benchmark, not a test.
 """
@@ -29,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lorad.workers.kernels.paged_attention import (  # noqa: E402
-    SPLIT_PROGRAMS, SPLIT_SIZE, SPLIT_STAGES, SPLIT_WARPS, TILE_TOKENS, paged_decode_attention)
+    PRELOAD_TABLE, SPLIT_PROGRAMS, SPLIT_SIZE, SPLIT_STAGES, SPLIT_WARPS, TILE_TOKENS,
+    paged_decode_attention)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -55,7 +58,7 @@ def time_ms(fn, iters: int) -> float:
 
 def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: int,
           table_tokens: int, split_programs: int, tile_size: int, num_warps: int,
-          num_stages: int) -> dict:
+          num_stages: int, preload: bool) -> dict:
     device = k_cache.device
     blocks_per_seq = context // BLOCK_SIZE
     width = max(blocks_per_seq, table_tokens // BLOCK_SIZE)  # a graph's table: the longest context
@@ -73,7 +76,7 @@ def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: in
         paged_decode_attention(q, k_cache, v_cache, tables[i], lens, scale, out=out,
                                split_size=split_size, split_programs=split_programs,
                                tile_size=tile_size, num_warps=num_warps,
-                               num_stages=num_stages)
+                               num_stages=num_stages, preload=preload)
 
     for i in range(num_sets):  # compile, and touch every set once
         call(i)
@@ -106,6 +109,9 @@ def main() -> int:
                              f"table's width, -1: the kernel's default, {SPLIT_PROGRAMS}; write "
                              "--split-programs=-1,0)")
     parser.add_argument("--stages", type=ints, default=[SPLIT_STAGES])
+    parser.add_argument("--preload", type=ints, default=[int(PRELOAD_TABLE)],
+                        help="0: block ids read in the split's loop; 1: each split's first "
+                             "block ids read early (paged_attention.PRELOAD_TABLE); 0,1: both")
     parser.add_argument("--layouts", default="nhd",
                         help="nhd (lorad's: [block, token, head, dim]) and/or hnd ([block, head, "
                              "token, dim] seen through a strided view)")
@@ -141,23 +147,23 @@ def main() -> int:
           "the kernel's default)")
     header = (f"{'split':>5} {'tile':>4} {'warps':>5} {'progs':>5} {'batch':>5} {'context':>7} "
               f"{'splits':>6} {'KV MiB':>8} {'graph us':>9} {'eager us':>9} {'GB/s':>7} "
-              f"{'sets':>4} {'stages':>6} {'layout':>6}")
+              f"{'sets':>4} {'stages':>6} {'layout':>6} {'preload':>7}")
     print(header)
     print("-" * len(header))
-    configs = [(s, t, w, p, n, layout) for s in args.split_sizes for t in args.tile_sizes
+    configs = [(s, t, w, p, n, layout, e) for s in args.split_sizes for t in args.tile_sizes
                if t <= s for w in args.warps for p in args.split_programs for n in args.stages
-               for layout in caches]
-    for split_size, tile_size, warps, programs, stages, layout in configs:
+               for layout in caches for e in args.preload]
+    for split_size, tile_size, warps, programs, stages, layout, preload in configs:
         k_cache, v_cache = caches[layout]
         for context in args.contexts:
             for batch in args.batches:
                 r = bench(k_cache, v_cache, batch, context, split_size, args.iters,
                           args.table_tokens, None if programs < 0 else programs, tile_size, warps,
-                          stages)
+                          stages, bool(preload))
                 print(f"{split_size:>5} {tile_size:>4} {warps:>5} {programs:>5} {batch:>5} "
                       f"{context:>7} {r['splits']:>6} {r['kv_mb']:>8.1f} {r['graph_us']:>9.1f} "
                       f"{r['eager_us']:>9.1f} {r['gbps']:>7.0f} {r['sets']:>4} {stages:>6} "
-                      f"{layout:>6}", flush=True)
+                      f"{layout:>6} {preload:>7}", flush=True)
     return 0
 
 

@@ -76,7 +76,8 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -
 
 
 def check_decode_matches_reference(device="cpu", dtype=torch.float32, group=4, shape=TINY,
-                                   contexts=TINY_CONTEXTS, seed=0) -> None:
+                                   contexts=TINY_CONTEXTS, seed=0,
+                                   preload: bool | None = None) -> None:
     from lorad.workers.kernels.paged_attention import paged_decode_attention
     from lorad.workers.kernels.paged_attention_reference import paged_decode_attention_reference
 
@@ -93,10 +94,11 @@ def check_decode_matches_reference(device="cpu", dtype=torch.float32, group=4, s
     padded = torch.full((len(contexts) + 3, q_heads * shape.head_dim), float("nan"), dtype=dtype,
                         device=device)
     paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=padded,
-                           split_size=shape.split_size, tile_size=shape.tile_size)
+                           split_size=shape.split_size, tile_size=shape.tile_size,
+                           preload=preload)
     out = padded[:len(contexts)]
     want = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
-    assert_close(out, want, tolerance(dtype), f"decode {dtype} group {group}")
+    assert_close(out, want, tolerance(dtype), f"decode {dtype} group {group} preload {preload}")
     empty = lens == 0
     assert torch.equal(out[empty], torch.zeros_like(out[empty])), "context 0 rows not zero"
     tail = padded[len(contexts):]
@@ -105,7 +107,8 @@ def check_decode_matches_reference(device="cpu", dtype=torch.float32, group=4, s
 
 def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, group=3,
                                            shape=TINY, contexts=TINY_CONTEXTS,
-                                           batch_sizes=(3,), seed=1) -> None:
+                                           batch_sizes=(3,), seed=1,
+                                           preload: bool | None = None) -> None:
     """A row has the same bits alone, in batches of other sizes and orders, beside padding rows,
     beside a longer neighbour that widens the block table (and so the grid), and with its splits
     taken by fewer programs, each looping over several."""
@@ -130,7 +133,7 @@ def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, gr
         batch_q = torch.cat([q[rows], randn(gen, pad, *q.shape[1:], dtype=dtype)])
         return paged_decode_attention(batch_q, k_cache, v_cache, batch_tables, batch_lens, scale,
                                       split_size=shape.split_size, tile_size=shape.tile_size,
-                                      split_programs=split_programs)
+                                      split_programs=split_programs, preload=preload)
 
     everyone = list(range(len(all_contexts)))
     reference = run(everyone)
@@ -147,7 +150,34 @@ def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, gr
         for j, r in enumerate(rows):
             assert torch.equal(got[j], reference[r]), (
                 f"decode row of context {all_contexts[r]} differs in batch {rows} "
-                f"(split programs {programs[i % 4]})")
+                f"(split programs {programs[i % 4]}, preload {preload})")
+
+
+def check_decode_preload_same_bits(device="cpu", dtype=torch.float32, group=4, shape=TINY,
+                                   contexts=TINY_CONTEXTS, seed=4) -> None:
+    """Reading each split's first block ids early (paged_attention.PRELOAD_TABLE) computes the
+    same tiles in the same order: the same bits as reading them in the loop, with one program
+    per split and with programs that loop over several splits (block ids read in the loop for
+    every split past a program's first). The block tables are wider than
+    any context, with other blocks' ids past each one, which must not be read as K or V."""
+    from lorad.workers.kernels.paged_attention import paged_decode_attention
+
+    gen, rng = torch.Generator(device).manual_seed(seed), random.Random(seed)
+    k_cache, v_cache = random_cache(shape, dtype, gen)
+    tables = random_tables(shape, contexts, rng, device, extra_blocks=9)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    q = randn(gen, len(contexts), group * shape.num_kv_heads, shape.head_dim, dtype=dtype)
+    scale = shape.head_dim ** -0.5
+    for split_programs in (0, 2):  # one program per split; programs taking two or more
+        late, early = (paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                                              split_size=shape.split_size,
+                                              tile_size=shape.tile_size,
+                                              split_programs=split_programs, preload=preload)
+                       for preload in (False, True))
+        for i, n in enumerate(contexts):
+            assert torch.equal(early[i], late[i]), (
+                f"decode row of context {n}: other bits with the block ids read early "
+                f"(split programs {split_programs})")
 
 
 def check_prefill_matches_reference(device="cpu", dtype=torch.float32, group=4, shape=TINY,
@@ -279,6 +309,14 @@ CHECKS = {
     "decode_bf16_group4": (check_decode_matches_reference, dict(dtype=torch.bfloat16, group=4)),
     "decode_batch_invariance_fp32": (check_decode_rows_independent_of_batch,
                                      dict(contexts=(0, 1, 17, 33, 64, 100))),
+    # The same with the block ids read early (PRELOAD_TABLE), and its bits against late.
+    "decode_fp32_group4_preload": (check_decode_matches_reference, dict(group=4, preload=True)),
+    "decode_bf16_group3_preload": (check_decode_matches_reference,
+                                   dict(dtype=torch.bfloat16, group=3, preload=True)),
+    "decode_batch_invariance_fp32_preload": (check_decode_rows_independent_of_batch,
+                                             dict(contexts=(0, 1, 17, 33, 64, 100),
+                                                  preload=True)),
+    "decode_preload_same_bits_fp32": (check_decode_preload_same_bits, {}),
     **{f"prefill_fp32_group{g}": (check_prefill_matches_reference, dict(group=g))
        for g in (1, 3, 4)},
     "prefill_bf16_group3": (check_prefill_matches_reference, dict(dtype=torch.bfloat16, group=3)),

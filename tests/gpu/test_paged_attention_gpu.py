@@ -16,9 +16,9 @@ import torch
 
 from tests.paged_attention_checks import (
     LLAMA_8B, Shape, assert_close, check_attention_matches_cpu_path,
-    check_decode_matches_reference, check_decode_rows_independent_of_batch,
-    check_prefill_matches_reference, check_write_kv, random_cache, random_tables, randn,
-    tolerance)
+    check_decode_matches_reference, check_decode_preload_same_bits,
+    check_decode_rows_independent_of_batch, check_prefill_matches_reference, check_write_kv,
+    random_cache, random_tables, randn, tolerance)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -52,6 +52,22 @@ def test_decode_matches_reference_at_batch(batch):
 def test_decode_rows_independent_of_batch(dtype):
     check_decode_rows_independent_of_batch("cuda", DTYPES[dtype], 4, LLAMA_8B, CONTEXTS,
                                            batch_sizes=(7, 32, 64))
+
+
+# paged_attention.PRELOAD_TABLE (off by default, a setting to measure): the same checks with
+# each split's first block ids read early, and its bits against reading them in the loop.
+def test_decode_with_early_block_ids_matches_reference():
+    check_decode_matches_reference("cuda", torch.bfloat16, 4, LLAMA_8B, CONTEXTS, preload=True)
+
+
+def test_decode_with_early_block_ids_rows_independent_of_batch():
+    check_decode_rows_independent_of_batch("cuda", torch.bfloat16, 4, LLAMA_8B, CONTEXTS,
+                                           batch_sizes=(7, 64), preload=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_early_block_ids_change_no_bit(dtype):
+    check_decode_preload_same_bits("cuda", DTYPES[dtype], 4, LLAMA_8B, CONTEXTS)
 
 
 @pytest.mark.parametrize("group", (1, 3, 4))

@@ -58,6 +58,15 @@ L2_LINE_BYTES = 128
 # 4,096; batch 8 10.5 against 11.6 at 512 but 53.4 against 49.9 at 4,096; batch 16 17.4
 # against 15.1 at 512, 93.8 against 86.0 at 4,096. Without it from 32 on: the same as before.
 PREFETCH_MAX_SEQS = 2
+# The split kernel reads the block ids of each program's first split's first tile before its
+# PDL wait (the block tables are a step input), not masked by the context length, so that the
+# two loads run together: after the wait that split's first K/V loads wait on nothing else
+# (instead of the block ids, then K/V), and a program that starts after the wait waits on (length
+# and ids at once) -> K/V instead of length -> ids -> K/V. Every split then takes its first tile
+# apart from the rest, so which program or batch computes a split still does not change its
+# arithmetic. A setting for benchmarks to compare (bench_paged_attention.py --preload 0,1;
+# bench_engine.py --variant 'paged_attention.PRELOAD_TABLE=True'); not measured yet, hence off.
+PRELOAD_TABLE = False
 
 
 @triton.jit
@@ -67,7 +76,19 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, pos_ok, kv_head, dims, di
     """-> (k, v) [TILE, BLOCK_D]: one KV head's keys and values at context positions pos, read
     through the sequence's block table (zeros where not pos_ok); shared with the prefill
     kernel."""
-    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+    return load_kv_blocks(k_cache_ptr, v_cache_ptr, block, pos, pos_ok, kv_head, dims, dim_ok,
+                          stride_k_block, stride_k_token, stride_k_head, stride_v_block,
+                          stride_v_token, stride_v_head, BLOCK_SIZE)
+
+
+@triton.jit
+def load_kv_blocks(k_cache_ptr, v_cache_ptr, block, pos, pos_ok, kv_head, dims, dim_ok,
+                   stride_k_block, stride_k_token, stride_k_head, stride_v_block, stride_v_token,
+                   stride_v_head, BLOCK_SIZE: tl.constexpr):
+    """load_kv_tile with the positions' block ids given: block [TILE], pos's entries of the
+    block table (any valid id where not pos_ok)."""
+    block = block.to(tl.int64)
     offset = pos % BLOCK_SIZE
     kv_ok = pos_ok[:, None] & dim_ok[None, :]
     k = tl.load(k_cache_ptr + block[:, None] * stride_k_block + offset[:, None] * stride_k_token
@@ -89,39 +110,68 @@ def online_softmax_step(scores, v, row_max, row_sum, acc, DOT_PRECISION: tl.cons
     return new_max, row_sum, acc
 
 
-@triton.jit(do_not_specialize=["stride_table", "stride_part_seq", "stride_part_head"])
+@triton.jit
+def _attend_tile(q, k, v, pos_ok, scale, row_max, row_sum, acc, DOT_PRECISION: tl.constexpr):
+    """One tile of a decode split: the query heads' scores against the tile's keys (masked where
+    not pos_ok) into the online softmax. -> (row_max, row_sum, acc)."""
+    # Scaled after the product, as transformers does. [BLOCK_H, TILE]
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    scores = tl.where(pos_ok[None, :], scores, float("-inf"))
+    return online_softmax_step(scores, v, row_max, row_sum, acc, DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize=["stride_table", "table_width", "stride_part_seq",
+                               "stride_part_head"])
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr,
         part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
         stride_q_seq, stride_q_head, stride_k_block, stride_k_token, stride_k_head,
-        stride_v_block, stride_v_token, stride_v_head, stride_table,
+        stride_v_block, stride_v_token, stride_v_head, stride_table, table_width,
         stride_part_seq, stride_part_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, TILE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
-        PREFETCH: tl.constexpr, PDL: tl.constexpr):
+        PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     let_dependents_launch(PDL)
     context_len = tl.load(lens_ptr + seq)  # a step input: read before the wait
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    first = tl.program_id(2)  # this program's first split
+    blocks = 0  # with PRELOAD, the block ids of the current split's first tile; else unused
+    if PRELOAD:  # also a step input, and not masked by the length: the two loads run together
+        blocks = _first_tile_blocks(table, first, table_width, SPLIT, TILE, BLOCK_SIZE)
     if PREFETCH:
-        first = tl.program_id(2) * SPLIT
-        if first < context_len - 1:
-            _prefetch_split(k_cache_ptr, v_cache_ptr, tables_ptr + seq.to(tl.int64) * stride_table,
-                            first, context_len - 1, kv_head, stride_k_block, stride_k_token,
-                            stride_k_head, stride_v_block, stride_v_token, stride_v_head,
-                            HEAD_DIM, BLOCK_SIZE, SPLIT, LINES, LINE_ELEMS)
+        first_pos = first * SPLIT
+        if first_pos < context_len - 1:
+            _prefetch_split(k_cache_ptr, v_cache_ptr, table, first_pos, context_len - 1, kv_head,
+                            stride_k_block, stride_k_token, stride_k_head, stride_v_block,
+                            stride_v_token, stride_v_head, HEAD_DIM, BLOCK_SIZE, SPLIT, LINES,
+                            LINE_ELEMS)
     wait_for_previous_only(PDL)
     # Program p takes splits p, p + num_programs(2), ... of this sequence's context (none for a
     # padding row); splits past it are never read by the reduce. A split's arithmetic is the
     # same whichever program takes it.
-    for split in range(tl.program_id(2), tl.cdiv(context_len, SPLIT), tl.num_programs(2)):
-        _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, part_acc_ptr, part_max_ptr,
-                      part_sum_ptr, scale, seq, kv_head, split, context_len, stride_q_seq,
+    for split in range(first, tl.cdiv(context_len, SPLIT), tl.num_programs(2)):
+        if PRELOAD:
+            if split != first:  # the first split's were read before the wait
+                blocks = _first_tile_blocks(table, split, table_width, SPLIT, TILE, BLOCK_SIZE)
+        _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, table, part_acc_ptr, part_max_ptr,
+                      part_sum_ptr, scale, seq, kv_head, split, context_len, blocks, stride_q_seq,
                       stride_q_head, stride_k_block, stride_k_token, stride_k_head,
-                      stride_v_block, stride_v_token, stride_v_head, stride_table,
-                      stride_part_seq, stride_part_head, GROUP, HEAD_DIM, BLOCK_SIZE, SPLIT, TILE,
-                      BLOCK_H, BLOCK_D, DOT_PRECISION)
+                      stride_v_block, stride_v_token, stride_v_head, stride_part_seq,
+                      stride_part_head, GROUP, HEAD_DIM, BLOCK_SIZE, SPLIT, TILE, BLOCK_H, BLOCK_D,
+                      DOT_PRECISION, PRELOAD)
+
+
+@triton.jit
+def _first_tile_blocks(table, split, table_width, SPLIT: tl.constexpr, TILE: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr):
+    """-> [TILE] the block table's entries for the positions of `split`'s first tile, read
+    within the table's width only (entries past the context are valid ids, never used to read
+    K or V), so that the load waits on nothing but the table's address."""
+    entries = (split * SPLIT + tl.arange(0, TILE)) // BLOCK_SIZE
+    return tl.load(table + entries, mask=entries < table_width, other=0)
 
 
 @triton.jit
@@ -144,13 +194,17 @@ def _prefetch_split(k_cache_ptr, v_cache_ptr, table, first, end, kv_head, stride
 
 
 @triton.jit
-def _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, part_acc_ptr, part_max_ptr,
-                  part_sum_ptr, scale, seq, kv_head, split, context_len, stride_q_seq,
-                  stride_q_head, stride_k_block, stride_k_token, stride_k_head, stride_v_block,
-                  stride_v_token, stride_v_head, stride_table, stride_part_seq, stride_part_head,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  SPLIT: tl.constexpr, TILE: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, table, part_acc_ptr, part_max_ptr,
+                  part_sum_ptr, scale, seq, kv_head, split, context_len, first_blocks,
+                  stride_q_seq, stride_q_head, stride_k_block, stride_k_token, stride_k_head,
+                  stride_v_block, stride_v_token, stride_v_head, stride_part_seq,
+                  stride_part_head, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, TILE: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  FIRST_GIVEN: tl.constexpr):
+    """One split into its partial results. FIRST_GIVEN: first_blocks holds the block ids of the
+    split's first tile (_first_tile_blocks), which is then taken before the loop over the
+    others, with the same arithmetic; otherwise first_blocks is unused."""
     split_start = split * SPLIT
     split_end = tl.minimum(split_start + SPLIT, context_len)
     heads = tl.arange(0, BLOCK_H)  # this KV head's query heads, padded up to a dot's 16 rows
@@ -164,19 +218,25 @@ def _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, part_acc_ptr, par
     row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    table = tables_ptr + seq.to(tl.int64) * stride_table
-    for tile_start in range(split_start, split_end, TILE):
+    # A split's first tile always holds a real key, so the new max is finite from then on.
+    loop_start = split_start
+    if FIRST_GIVEN:
+        pos = split_start + tl.arange(0, TILE)
+        pos_ok = pos < split_end
+        k, v = load_kv_blocks(k_cache_ptr, v_cache_ptr, first_blocks, pos, pos_ok, kv_head, dims,
+                              dim_ok, stride_k_block, stride_k_token, stride_k_head,
+                              stride_v_block, stride_v_token, stride_v_head, BLOCK_SIZE)
+        row_max, row_sum, acc = _attend_tile(q, k, v, pos_ok, scale, row_max, row_sum, acc,
+                                             DOT_PRECISION)
+        loop_start = split_start + TILE
+    for tile_start in range(loop_start, split_end, TILE):
         pos = tile_start + tl.arange(0, TILE)
         pos_ok = pos < split_end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, pos_ok, kv_head, dims, dim_ok,
                             stride_k_block, stride_k_token, stride_k_head, stride_v_block,
                             stride_v_token, stride_v_head, BLOCK_SIZE)
-        # Scaled after the product, as transformers does. [BLOCK_H, TILE]
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        scores = tl.where(pos_ok[None, :], scores, float("-inf"))
-        # A split's first tile always holds a real key, so the new max is finite from then on.
-        row_max, row_sum, acc = online_softmax_step(scores, v, row_max, row_sum, acc,
-                                                    DOT_PRECISION)
+        row_max, row_sum, acc = _attend_tile(q, k, v, pos_ok, scale, row_max, row_sum, acc,
+                                             DOT_PRECISION)
 
     part = seq.to(tl.int64) * stride_part_seq + q_heads * stride_part_head + split  # [BLOCK_H]
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
@@ -235,7 +295,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            tile_size: int | None = None,
                            split_programs: int | None = None,
                            num_warps: int | None = None,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None,
+                           preload: bool | None = None) -> torch.Tensor:
     """q: [num_seqs, q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32
     -> out [num_seqs, q_heads * head_dim] in q's dtype (zero rows where context_len is 0). A
@@ -247,8 +308,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split_programs: programs per (sequence, KV head), each looping over splits (default
     SPLIT_PROGRAMS; 0: one per split of the widest context the table holds). Which program takes
     a split does not change its arithmetic; neither do num_warps and num_stages, the split
-    kernel's warps and pipeline depth (split_size and tile_size do). None: the module's
-    SPLIT_SIZE, TILE_TOKENS, SPLIT_PROGRAMS, SPLIT_WARPS, SPLIT_STAGES, read at the call."""
+    kernel's warps and pipeline depth (split_size and tile_size do). preload: read each split's
+    first block ids early (PRELOAD_TABLE). None: the module's SPLIT_SIZE, TILE_TOKENS,
+    SPLIT_PROGRAMS, SPLIT_WARPS, SPLIT_STAGES, PRELOAD_TABLE, read at the call."""
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -260,6 +322,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tile_size = min(TILE_TOKENS if tile_size is None else tile_size, split_size)
     num_warps = SPLIT_WARPS if num_warps is None else num_warps
     num_stages = SPLIT_STAGES if num_stages is None else num_stages
+    preload = PRELOAD_TABLE if preload is None else preload
     assert split_size % tile_size == 0, "a split is whole tiles"
     if out is None:
         out = torch.empty(num_seqs, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
@@ -286,11 +349,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        part_max.stride(0), part_max.stride(1),
+        block_tables.shape[1], part_max.stride(0), part_max.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split_size,
         TILE=tile_size, BLOCK_H=max(16, next_power_of_2(group)),
         BLOCK_D=block_d, DOT_PRECISION=precision, LINES=lines, LINE_ELEMS=line_elems,
-        PREFETCH=pdl["PDL"] and num_seqs <= PREFETCH_MAX_SEQS, num_warps=num_warps,
+        PREFETCH=pdl["PDL"] and num_seqs <= PREFETCH_MAX_SEQS, PRELOAD=preload,
+        num_warps=num_warps,
         num_stages=num_stages, **pdl)
     _decode_reduce_kernel[(out.shape[0], num_q_heads)](
         part_acc, part_max, part_sum, context_lens, out,
