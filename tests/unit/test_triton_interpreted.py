@@ -41,10 +41,10 @@ MODULES = {module.__name__: module.CHECKS for module in (
     lora_kernel_checks, paged_attention_checks, fused_ops_checks, decode_gemv_checks,
     model_kernel_checks, token_draw_checks)}
 # The modules' interpreter run times on a 2-core machine, longest first (2026-12-02: 107, 93,
-# 54, 22, 21, 11 s): two runners finish together when the long runs start first.
+# 54, 39, 22, 11 s): two runners finish together when the long runs start first.
 SLOWEST_FIRST = ("tests.lora_kernel_checks", "tests.model_kernel_checks",
-                 "tests.decode_gemv_checks", "tests.fused_ops_checks",
-                 "tests.paged_attention_checks", "tests.token_draw_checks")
+                 "tests.decode_gemv_checks", "tests.paged_attention_checks",
+                 "tests.fused_ops_checks", "tests.token_draw_checks")
 
 
 # module -> its run: its results, or why it failed. Started by the first test of any module.
