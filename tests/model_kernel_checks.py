@@ -82,9 +82,50 @@ def check_kernel_path_matches_torch_path(device: str, dtype: torch.dtype) -> Non
                              f"(max {(alone - batched).abs().max().item():.2e})")
 
 
+def check_decode_graph_inputs_match_plain_steps(device: str, dtype: torch.dtype) -> None:
+    """On the kernel path, decode steps through the decode graphs' static inputs (run eagerly,
+    as on the CPU: the LoRA row tiles come from those inputs, filled on the host) give the same
+    bits as the plain step, whose tiles are built from its chunks: a step of three adapters
+    (one of them on two rows) and the base model. (tests/unit/test_decode_graphs.py checks the
+    tiles the inputs hold over many steps.)"""
+    from lorad.workers.batch import ForwardBatch
+    from lorad.workers.cuda_graph import DecodeGraphs
+    from lorad.workers.kernel_path import KERNELS_ON_CPU_ENV
+    from tests.model_steps import build_model, make_streams
+    from tests.tiny_adapters import make_peft_adapter
+    from tests.tiny_models import make_tiny_llama
+    assert device == "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        checkpoint = make_tiny_llama(root / "llama", with_tokenizer=False, seed=6,
+                                     hidden_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2)
+        adapters = [make_peft_adapter(checkpoint, root / f"a{i}", r=2 + 2 * i, seed=40 + i,
+                                      magnitude=0.2) for i in range(3)]
+        model = build_model(checkpoint, adapters, dtype, torch.device("cpu"), NUM_BLOCKS,
+                            BLOCK_SIZE)
+    streams = make_streams([1, 2, 0, 3, 1], [5, 3, 6, 4, 2], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS,
+                           seed=6)
+    graphs = DecodeGraphs(model, max_num_seqs=8, max_model_len=16, block_size=BLOCK_SIZE,
+                          num_adapters=3)
+    os.environ[KERNELS_ON_CPU_ENV] = "1"
+    try:
+        model.forward(ForwardBatch.build([s.prefill_chunk() for s in streams], BLOCK_SIZE))
+        chunks = [stream.decode_chunk(11) for stream in streams]
+        via_inputs = graphs.run(chunks)
+        plain = model.forward(ForwardBatch.build(chunks, BLOCK_SIZE))  # the same K/V again
+        if not torch.equal(via_inputs, plain):
+            raise AssertionError(f"{dtype}: the graphs' inputs gave other bits (max "
+                                 f"{(via_inputs - plain).abs().max().item():.2e})")
+    finally:
+        os.environ.pop(KERNELS_ON_CPU_ENV, None)
+
+
 CHECKS = {
     "kernel_path_fp32": (check_kernel_path_matches_torch_path, dict(dtype=torch.float32)),
     "kernel_path_bf16": (check_kernel_path_matches_torch_path, dict(dtype=torch.bfloat16)),
+    "decode_graph_inputs_fp32": (check_decode_graph_inputs_match_plain_steps,
+                                 dict(dtype=torch.float32)),
 }
 
 

@@ -40,6 +40,9 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, unused entries 0
     context_lens: torch.Tensor  # [num_seqs] int32
     query_starts: torch.Tensor  # [num_seqs + 1] int32: seq i's rows are query_starts[i]:[i+1]
+    # The LoRA kernels' row tiles (tile_slot, tile_rows, num_tiles: LoraTiles' tensors) where
+    # the batch's maker filled them (a decode graph's static inputs); None: built from `seqs`.
+    lora_tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def is_decode(self) -> bool:

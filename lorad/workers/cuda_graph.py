@@ -4,7 +4,8 @@ A decode step (every sequence runs one token and samples it) of at most the larg
 sequences replays the graph of the smallest bucket that holds it. The step's inputs are copied
 into static buffers; the bucket's spare sequences and rows are padding (token 0, KV slot -1 so
 nothing is written, adapter slot 0, context length 0) and their logits are dropped. Each row's
-adapter slot is an input, so one graph serves any mixture of adapters. Prefill and mixed steps
+adapter slot is an input, and so are the LoRA kernels' row tiles, built on the host, so one
+graph serves any mixture of adapters. Prefill and mixed steps
 always run eagerly.
 
 With several ranks over NCCL the collectives are captured inside the graph. Over gloo they cannot be
@@ -22,9 +23,11 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from lorad.workers.batch import MIN_ROWS, ForwardBatch, SeqChunk, kv_slot
+from lorad.workers.kernels.lora_tiles import BLOCK_M, host_tiles
 
 log = logging.getLogger("lorad.worker")
 
@@ -57,10 +60,12 @@ class DecodeInputs:
     """The static tensors every bucket's graph reads, and the host buffers they are filled from.
 
     Buffers are sized for the largest bucket; bucket B's batch views their first B sequences and
-    rows_of(B) rows, so every graph reads the same memory."""
+    rows_of(B) rows, so every graph reads the same memory. With lora_tiles, they also hold the
+    LoRA kernels' row tiles (lora_tiles.host_tiles), written when a step's adapters differ from
+    the last step's that had any, so the graphs build none on the device."""
 
     def __init__(self, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, lora_tiles: bool = False) -> None:
         self.block_size = block_size
         self.device = device
         num_rows = rows_of(max_seqs)
@@ -88,14 +93,16 @@ class DecodeInputs:
         # sequence's grows by one block every block_size steps) is not written again.
         self._tables: list[list[int] | None] = [None] * max_seqs
         self._copied: torch.cuda.Event | None = None  # recorded after the last step's copies
+        self._tiles = _TileBuffers(num_rows, device, pin) if lora_tiles else None
 
     def batch(self, bucket: int, seqs: list[SeqChunk]) -> ForwardBatch:
         """Bucket `bucket`'s view of the buffers; `seqs` describe them to eager code only."""
         num_rows = rows_of(bucket)
         ids, positions, slots, adapters = (self.rows[i, :num_rows] for i in range(len(ROW_FIELDS)))
+        tiles = None if self._tiles is None else self._tiles.views(num_rows)
         return ForwardBatch(ids, positions, slots, adapters, seqs, self.sample_rows[:bucket],
                             bucket, self.block_tables[:bucket], self.context_lens[:bucket],
-                            self.query_starts[:bucket + 1])
+                            self.query_starts[:bucket + 1], tiles)
 
     def fill(self, chunks: list[Chunk], bucket: int) -> None:
         """Copy a decode step (see is_decode_step) into bucket `bucket`'s part of the buffers,
@@ -133,6 +140,8 @@ class DecodeInputs:
         self.rows.copy_(self._host_rows, non_blocking=True)
         self.context_lens[:bucket].copy_(self._host_context_lens[:bucket], non_blocking=True)
         self.block_tables[:bucket].copy_(self._host_block_tables[:bucket], non_blocking=True)
+        if self._tiles is not None and any(adapters):  # only the LoRA graphs read the tiles
+            self._tiles.fill(adapters)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -142,6 +151,53 @@ class DecodeInputs:
         ForwardBatch.build describes them, then one padding sequence per spare slot."""
         step = ForwardBatch.build(chunks, self.block_size, "cpu", min_rows=rows_of(bucket))
         return step.seqs + [SeqChunk(i, 1, 0, [], 0) for i in range(len(chunks), bucket)]
+
+
+class _TileBuffers:
+    """DecodeInputs' LoRA row tiles: [tile_slot | tile_rows | num_tiles] in one int64 buffer of
+    the largest bucket's rows (each part at a 128-byte offset, so a bucket's views have the
+    same alignment whatever its size, and triton one compiled variant), and its pinned staging.
+    Entries past a step's tiles hold slot 0 and empty lanes, so every bucket's view is whole."""
+
+    ALIGN = 16  # int64 entries: 128 bytes
+
+    def __init__(self, num_rows: int, device: torch.device, pin: bool) -> None:
+        self.num_rows, self.block_m = num_rows, BLOCK_M
+        self._rows_at = _aligned(num_rows, self.ALIGN)
+        self._count_at = self._rows_at + _aligned(num_rows * BLOCK_M, self.ALIGN)
+        size = self._count_at + 1
+        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self._np = self._host.numpy()
+        self._np[self._rows_at:self._count_at] = -1  # no tiles yet: every lane empty
+        self.device_buffer = self._host.to(device)
+        self._adapters: list[int] | None = None  # whose tiles the buffers hold
+
+    def views(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tile_slot [num_rows], tile_rows [num_rows, BLOCK_M], num_tiles [1]) on the device."""
+        buf = self.device_buffer
+        tile_rows = buf[self._rows_at:self._rows_at + self.num_rows * self.block_m]
+        return (buf[:num_rows], tile_rows.view(self.num_rows, self.block_m)[:num_rows],
+                buf[self._count_at:self._count_at + 1])
+
+    def fill(self, adapters: list[int]) -> None:
+        """The tiles of a decode step whose row i has adapter slot adapters[i] (rows past them
+        slot 0), copied to the device after the step's other inputs (the caller synchronized
+        on the last step's copies); nothing when the last one had the same slots."""
+        if adapters == self._adapters:
+            return
+        row_slots = np.zeros(self.num_rows, dtype=np.int64)
+        row_slots[:len(adapters)] = adapters
+        tile_slot, tile_rows, num_tiles = host_tiles(row_slots, self.block_m)
+        rows_at = self._rows_at
+        self._np[:self.num_rows] = tile_slot
+        self._np[rows_at:rows_at + tile_rows.size] = tile_rows.reshape(-1)
+        self._np[self._count_at] = num_tiles
+        self.device_buffer.copy_(self._host, non_blocking=True)
+        self._adapters = list(adapters)
+
+
+def _aligned(n: int, align: int) -> int:
+    return -(-n // align) * align
 
 
 class SegmentedGraph:
@@ -202,7 +258,7 @@ class DecodeGraphs:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.num_adapters = num_adapters
         self.inputs = DecodeInputs(max_num_seqs, self.max_blocks_per_seq, block_size,
-                                   model.device)
+                                   model.device, lora_tiles=num_adapters > 0)
         # (bucket, with_lora) -> its graph, and the static [bucket, vocab] fp32 logits it writes
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph | SegmentedGraph] = {}
         self._logits: dict[tuple[int, bool], torch.Tensor] = {}

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -75,7 +76,13 @@ class LoraRows:
                 max_tiles = max_tiles_any_mixture(batch.row_adapter_slots.shape[0])
             else:
                 max_tiles = count_tiles(len(rows[slot]) for slot in slots)
-            tiles = LoraTiles.build(batch.row_adapter_slots, max_tiles) if max_tiles else None
+            tiles = None
+            if max_tiles and not HOST_TILES:
+                tiles = LoraTiles.build(batch.row_adapter_slots, max_tiles)
+            elif max_tiles and batch.lora_tiles is not None:
+                tiles = LoraTiles(*batch.lora_tiles, max_tiles)
+            elif max_tiles:  # built here, from the chunks: no kernels for it in the step
+                tiles = LoraTiles.from_host(_row_slots(batch), max_tiles, device)
             return cls(slots, [], tiles, launch_always, batch.row_adapter_slots)
         if launch_always:
             raise ValueError("launch_always is for the kernel path (CUDA graphs)")
@@ -90,6 +97,14 @@ class LoraRows:
     def launches(self, lora: "LoraSlots") -> bool:
         """Kernel path: whether `lora`'s tables take part (a fact known to Python, no sync)."""
         return self.launch_always or any(lora.ranks[slot] for slot in self.slots)
+
+
+def _row_slots(batch: ForwardBatch) -> np.ndarray:
+    """[num_rows] int64: each row's adapter slot, from the chunk list (padding rows 0)."""
+    slots = np.zeros(batch.row_adapter_slots.shape[0], dtype=np.int64)
+    for chunk in batch.seqs:
+        slots[chunk.token_start:chunk.token_start + chunk.num_tokens] = chunk.adapter_slot
+    return slots
 
 
 class LoraSlots(nn.Module):
@@ -223,6 +238,12 @@ class PendingShrink:
             deltas[i] = LoraDelta(buffer, lora.rank_table, row_slots)
         return tuple(deltas)
 
+
+# The LoRA kernels' row tiles come from the host (the step's chunks, or a decode graph's static
+# inputs). False: built on the device from the row slots (LoraTiles.build, some 30 small kernels
+# in each step that has adapters), as before 2026-12-02; a setting for bench_engine.py
+# --variant 'lora.HOST_TILES=False' to measure what the host build saves (not measured yet).
+HOST_TILES = True
 
 # Shrinks run on a side stream on CUDA, beside the base matmul they do not depend on (False: on
 # the current stream, one after the other; scripts/bench_engine.py compares the two).

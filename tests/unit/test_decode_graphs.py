@@ -118,6 +118,36 @@ def test_block_tables_follow_tables_grown_in_place(model):
     assert inputs.context_lens[:2].tolist() == [2, 0]
 
 
+def test_lora_tiles_are_the_steps_tiles(model):
+    """With adapters, the static inputs hold each step's LoRA row tiles, as LoraTiles.build
+    makes them from the step's row slots: after a change of adapters, after the same adapters
+    again (not rewritten), after a step all on the base model (which the LoRA graphs never see,
+    so the tiles stay), and in a smaller bucket after a larger one."""
+    from lorad.workers.kernels.lora_tiles import LoraTiles
+
+    graphs = DecodeGraphs(model, max_num_seqs=32, max_model_len=MAX_LEN, block_size=BLOCK_SIZE,
+                          num_adapters=3)
+    inputs = graphs.inputs
+    steps = [[1] * 20, [1, 2, 3, 0] * 5, [1, 2, 3, 0] * 5, [0] * 6, [3, 3, 0, 2, 1],
+             [2] * 17 + [1] * 15, [0, 0, 1]]
+    for adapters in steps:
+        chunks = [([5], 3, [i + 1], True, slot) for i, slot in enumerate(adapters)]
+        bucket = graphs.bucket_for(len(chunks))
+        inputs.fill(chunks, bucket)
+        if not any(adapters):
+            continue  # the base graph runs: it reads no tiles
+        rows = rows_of(bucket)
+        want = LoraTiles.build(torch.tensor(adapters + [0] * (rows - len(adapters))), rows)
+        got = inputs.batch(bucket, inputs.seqs(chunks, bucket)).lora_tiles
+        for name, tensor in zip(("tile_slot", "tile_rows", "num_tiles"), got):
+            assert torch.equal(tensor, getattr(want, name)), (adapters, name)
+    # Without adapters loaded there is nothing to hold.
+    plain = DecodeGraphs(model, max_num_seqs=4, max_model_len=MAX_LEN, block_size=BLOCK_SIZE,
+                         num_adapters=0)
+    plain.inputs.fill([([5], 3, [1], True, 0)], 1)
+    assert plain.inputs.batch(1, []).lora_tiles is None
+
+
 def _kv_snapshot(model) -> list[torch.Tensor]:
     return [t.clone() for layer in model.model.layers
             for t in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)]

@@ -40,9 +40,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 MODULES = {module.__name__: module.CHECKS for module in (
     lora_kernel_checks, paged_attention_checks, fused_ops_checks, decode_gemv_checks,
     model_kernel_checks, token_draw_checks)}
-# The modules' interpreter run times on a 2-core machine, longest first (2026-12-02: 107, 93,
+# The modules' interpreter run times on a 2-core machine, longest first (2026-12-02: 118, 107,
 # 54, 39, 22, 11 s): two runners finish together when the long runs start first.
-SLOWEST_FIRST = ("tests.lora_kernel_checks", "tests.model_kernel_checks",
+SLOWEST_FIRST = ("tests.model_kernel_checks", "tests.lora_kernel_checks",
                  "tests.decode_gemv_checks", "tests.paged_attention_checks",
                  "tests.fused_ops_checks", "tests.token_draw_checks")
 

@@ -1,9 +1,12 @@
-"""Row tiles for the LoRA kernels: a step's adapter rows grouped by slot, built on the device.
+"""Row tiles for the LoRA kernels: a step's adapter rows grouped by slot.
 
 The rows are sorted by slot (stably; slot-0 rows last) and cut into tiles of at most BLOCK_M rows
-of one slot, so a program reads its slot's factors once for the whole tile. Plain torch ops with
-static shapes and no host sync, so building the tiles can be captured in a CUDA graph along with
-the kernels. No triton import: the model builds tiles without touching the kernel modules.
+of one slot, so a program reads its slot's factors once for the whole tile. The model builds them
+on the host, where each row's slot is known from the step's chunks (host_tiles; the decode
+graphs' inputs hold them as a step input, cuda_graph.py): a device build is some 30 small
+kernels each step. LoraTiles.build makes the same tiles on the device from a tensor of slots
+(plain torch ops with static shapes and no host sync), for benchmarks and tests. No triton
+import: the model builds tiles without touching the kernel modules.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Rows per tile: shrink and expand share the tiles, so they share this (the kernels take it from the
@@ -42,6 +46,14 @@ class LoraTiles:
         return self.tile_rows.shape[1]
 
     @classmethod
+    def from_host(cls, row_slots: np.ndarray, max_tiles: int,
+                  device: torch.device | str) -> "LoraTiles":
+        """host_tiles(row_slots), copied to `device`."""
+        tile_slot, tile_rows, num_tiles = host_tiles(row_slots)
+        return cls(torch.from_numpy(tile_slot).to(device), torch.from_numpy(tile_rows).to(device),
+                   torch.tensor([num_tiles], dtype=torch.int64, device=device), max_tiles)
+
+    @classmethod
     def build(cls, row_slots: torch.Tensor, max_tiles: int) -> "LoraTiles":
         """row_slots: [num_rows] int64, each row's adapter slot (0: none)."""
         num_rows = row_slots.shape[0]
@@ -68,6 +80,31 @@ class LoraTiles:
         in_tile = (lanes < num_rows) & (sorted_slots[lanes.clamp(max=last)] == tile_slot[:, None])
         tile_rows = torch.where(in_tile, sorted_rows[lanes.clamp(max=last)], -1)
         return cls(tile_slot, tile_rows, num_tiles, max_tiles)
+
+
+def host_tiles(row_slots: np.ndarray,
+               block_m: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """LoraTiles.build's tiles on the host, from row_slots [num_rows] int64 (each row's slot, 0
+    for none): -> (tile_slot [num_rows], tile_rows [num_rows, block_m], num_tiles), int64 numpy
+    arrays holding slot 0 and empty lanes (-1) past the tiles. block_m: None for BLOCK_M, read
+    at the call."""
+    block_m = BLOCK_M if block_m is None else block_m
+    num_rows = len(row_slots)
+    tile_slot = np.zeros(num_rows, dtype=np.int64)
+    tile_rows = np.full((num_rows, block_m), -1, dtype=np.int64)
+    rows = np.flatnonzero(row_slots)
+    if rows.size == 0:
+        return tile_slot, tile_rows, 0
+    rows = rows[np.argsort(row_slots[rows], kind="stable")]  # by slot, in row order within one
+    slots = row_slots[rows]
+    positions = np.arange(rows.size)
+    new_slot = np.ones(rows.size, dtype=bool)
+    new_slot[1:] = slots[1:] != slots[:-1]
+    lane = (positions - np.maximum.accumulate(np.where(new_slot, positions, 0))) % block_m
+    tile = np.cumsum(lane == 0) - 1  # a slot's rows in tiles of block_m, slots ascending
+    tile_rows[tile, lane] = rows
+    tile_slot[tile] = slots
+    return tile_slot, tile_rows, int(tile[-1]) + 1
 
 
 def count_tiles(rows_per_slot: Iterable[int]) -> int:

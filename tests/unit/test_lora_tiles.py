@@ -1,0 +1,75 @@
+"""The LoRA kernels' row tiles built on the host (what the model uses) against the device build
+(LoraTiles.build, the same tiles from a tensor of slots): equal for every mixture, at both tile
+heights the kernels take; the tile count and the bound on it for any mixture."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from lorad.workers.kernels import lora_tiles
+from lorad.workers.kernels.lora_tiles import (LoraTiles, count_tiles, host_tiles,
+                                              max_tiles_any_mixture)
+
+
+def _mixtures(rng: random.Random, count: int) -> list[list[int]]:
+    """Random steps: sizes 1 to 150, a few slots to many, base rows among them or none."""
+    mixtures = [[0], [1], [0] * 40, [3] * 33, list(range(1, 65)), [2, 0] * 20]
+    while len(mixtures) < count:
+        num_rows = rng.randrange(1, 151)
+        num_slots = rng.choice([1, 2, 4, 64])
+        base_share = rng.choice([0.0, 0.3, 0.9])
+        mixtures.append([0 if rng.random() < base_share else rng.randrange(1, num_slots + 1)
+                         for _ in range(num_rows)])
+    return mixtures
+
+
+@pytest.mark.parametrize("block_m", (16, 32))
+def test_host_tiles_equal_the_device_build(block_m, monkeypatch):
+    monkeypatch.setattr(lora_tiles, "BLOCK_M", block_m)
+    for slots in _mixtures(random.Random(block_m), 300):
+        device = LoraTiles.build(torch.tensor(slots, dtype=torch.int64), len(slots))
+        host = LoraTiles.from_host(np.array(slots, dtype=np.int64), len(slots), "cpu")
+        for name in ("tile_slot", "tile_rows", "num_tiles"):
+            got, want = getattr(host, name), getattr(device, name)
+            assert got.dtype == want.dtype and torch.equal(got, want), (slots, name)
+        assert host.block_m == block_m and host.num_rows == len(slots)
+        per_slot = [slots.count(slot) for slot in set(slots) - {0}]
+        assert int(host.num_tiles) == count_tiles(per_slot) <= max_tiles_any_mixture(len(slots))
+
+
+def test_host_tiles_keep_row_order_within_a_slot():
+    row_slots = np.zeros(30, dtype=np.int64)
+    row_slots[[0, 3, 4]] = 5
+    row_slots[10:28] = 2
+    tile_slot, tile_rows, num_tiles = host_tiles(row_slots, block_m=16)
+    assert num_tiles == 3 and tile_slot.tolist() == [2, 2, 5] + [0] * 27  # slots ascending
+    assert tile_rows[0].tolist() == list(range(10, 26))  # a slot's rows in tiles of 16, in order
+    assert tile_rows[1].tolist() == [26, 27] + [-1] * 14
+    assert tile_rows[2].tolist() == [0, 3, 4] + [-1] * 13
+    assert (tile_rows[3:] == -1).all()
+    assert host_tiles(np.zeros(4, dtype=np.int64))[2] == 0
+
+
+def test_a_steps_rows_get_the_same_tiles_from_the_host_and_the_device(monkeypatch):
+    """LoraRows.from_batch: the host build from the chunks (the default) and the device build
+    from the row slots (lora.HOST_TILES off) give the kernels the same tiles, prompt chunks and
+    padding rows included."""
+    from lorad.workers import lora
+    from lorad.workers.batch import ForwardBatch
+
+    chunks = [(list(range(5, 25)), 0, [1, 2, 3, 4, 5], True, 2), ([7], 9, [6, 7, 8], True, 0),
+              ([8], 3, [9], True, 1), (list(range(3)), 0, [10], False, 2), ([9], 4, [11, 12],
+                                                                            True, 3)]
+    batch = ForwardBatch.build(chunks, 4, "cpu", min_rows=32)
+    tiles = {}
+    for host in (True, False):
+        monkeypatch.setattr(lora, "HOST_TILES", host)
+        tiles[host] = lora.LoraRows.from_batch(batch, use_kernels=True).tiles
+    for name in ("tile_slot", "tile_rows", "num_tiles", "max_tiles"):
+        assert torch.equal(torch.as_tensor(getattr(tiles[True], name)),
+                           torch.as_tensor(getattr(tiles[False], name))), name
+    assert int(tiles[True].num_tiles) == 4  # slot 2: 20 + 3 rows in two tiles; slots 1, 3
