@@ -5,8 +5,7 @@ sequences replays the graph of the smallest bucket that holds it. The step's inp
 into static buffers; the bucket's spare sequences and rows are padding (token 0, KV slot -1 so
 nothing is written, adapter slot 0, context length 0) and their logits are dropped. Each row's
 adapter slot is an input, and so are the LoRA kernels' row tiles, built on the host, so one
-graph serves any mixture of adapters. Prefill and mixed steps
-always run eagerly.
+graph serves any mixture of adapters. Prefill and mixed steps always run eagerly.
 
 With several ranks over NCCL the collectives are captured inside the graph. Over gloo they cannot be
 (gloo reduces host memory), so the step is captured in segments that end at each collective
@@ -169,7 +168,7 @@ class _TileBuffers:
         self._host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self._np = self._host.numpy()
         self._np[self._rows_at:self._count_at] = -1  # no tiles yet: every lane empty
-        self.device_buffer = self._host.to(device)
+        self.device_buffer = self._host.to(device, copy=True)
         self._adapters: list[int] | None = None  # whose tiles the buffers hold
 
     def views(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
