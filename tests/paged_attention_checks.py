@@ -158,8 +158,8 @@ def check_decode_preload_same_bits(device="cpu", dtype=torch.float32, group=4, s
     """Reading each split's first block ids early (paged_attention.PRELOAD_TABLE) computes the
     same tiles in the same order: the same bits as reading them in the loop, with one program
     per split and with programs that loop over several splits (block ids read in the loop for
-    every split past a program's first). The block tables are wider than
-    any context, with other blocks' ids past each one, which must not be read as K or V."""
+    every split past a program's first). The block tables are wider than any context, with
+    other blocks' ids past each one, which must not be read as K or V."""
     from lorad.workers.kernels.paged_attention import paged_decode_attention
 
     gen, rng = torch.Generator(device).manual_seed(seed), random.Random(seed)

@@ -3,7 +3,8 @@ sees the kernels and the model's kernel path.
 
 Each check module runs once, in its own subprocess with TRITON_INTERPRET=1 (the variable must be
 set before triton is imported, and the interpreter is patched there: tests/triton_interpreter.py),
-so neither leaks into other tests or the processes they start. Each check is its own test here.
+so neither leaks into other tests or the processes they start; as many run at once as there are
+cores. Each check is its own test here.
 Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3-8B's shapes.
 
 - tests/lora_kernel_checks.py: the LoRA shrink and expand against the plain-torch reference, row
