@@ -16,6 +16,7 @@ the same bits alone as in a batch on the kernel path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -32,31 +33,47 @@ MAX_LEN = 48
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
 
-def _forward(model, chunks, kernels: bool) -> torch.Tensor:
-    from lorad.workers.batch import ForwardBatch
+@contextlib.contextmanager
+def _kernel_path(on: bool = True):
+    """The model's kernel path on CPU tensors for the block (LORAD_TEST_KERNELS_ON_CPU)."""
     from lorad.workers.kernel_path import KERNELS_ON_CPU_ENV
-    if kernels:
+    if on:
         os.environ[KERNELS_ON_CPU_ENV] = "1"
     try:
-        return model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, "cpu"))
+        yield
     finally:
         os.environ.pop(KERNELS_ON_CPU_ENV, None)
 
 
-def check_kernel_path_matches_torch_path(device: str, dtype: torch.dtype) -> None:
-    from tests.model_steps import build_model, make_streams, scenario_steps
+def _forward(model, chunks, kernels: bool) -> torch.Tensor:
+    from lorad.workers.batch import ForwardBatch
+    with _kernel_path(kernels):
+        return model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, "cpu"))
+
+
+def _tiny_models(dtype: torch.dtype, count: int, seed: int, rank_step: int,
+                 adapter_seed: int) -> list:
+    """`count` models of one tiny Llama (4 query / 2 KV heads, hidden 64) with three adapters of
+    ranks 2, 2 + rank_step, 2 + 2 * rank_step, each with its own KV pool."""
+    from tests.model_steps import build_model
     from tests.tiny_adapters import make_peft_adapter
     from tests.tiny_models import make_tiny_llama
-    assert device == "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        checkpoint = make_tiny_llama(root / "llama", with_tokenizer=False, seed=4,
+        checkpoint = make_tiny_llama(root / "llama", with_tokenizer=False, seed=seed,
                                      hidden_size=64, num_attention_heads=4,
                                      num_key_value_heads=2)
-        adapters = [make_peft_adapter(checkpoint, root / f"a{i}", r=2 + 3 * i, seed=30 + i,
-                                      magnitude=0.2) for i in range(3)]
-        models = {path: build_model(checkpoint, adapters, dtype, torch.device("cpu"),
-                                    NUM_BLOCKS, BLOCK_SIZE) for path in ("torch", "kernels")}
+        adapters = [make_peft_adapter(checkpoint, root / f"a{i}", r=2 + rank_step * i,
+                                      seed=adapter_seed + i, magnitude=0.2) for i in range(3)]
+        return [build_model(checkpoint, adapters, dtype, torch.device("cpu"), NUM_BLOCKS,
+                            BLOCK_SIZE) for _ in range(count)]
+
+
+def check_kernel_path_matches_torch_path(device: str, dtype: torch.dtype) -> None:
+    from tests.model_steps import make_streams, scenario_steps
+    assert device == "cpu"
+    models = dict(zip(("torch", "kernels"), _tiny_models(dtype, 2, seed=4, rank_step=3,
+                                                         adapter_seed=30)))
     streams = {path: make_streams([2, 0, 1, 3], [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS,
                                   seed=4) for path in models}
     steps = {path: scenario_steps(streams[path]) for path in models}
@@ -88,37 +105,22 @@ def check_decode_graph_inputs_match_plain_steps(device: str, dtype: torch.dtype)
     bits as the plain step, whose tiles are built from its chunks: a step of three adapters
     (one of them on two rows) and the base model. (tests/unit/test_decode_graphs.py checks the
     tiles the inputs hold over many steps.)"""
-    from lorad.workers.batch import ForwardBatch
     from lorad.workers.cuda_graph import DecodeGraphs
-    from lorad.workers.kernel_path import KERNELS_ON_CPU_ENV
-    from tests.model_steps import build_model, make_streams
-    from tests.tiny_adapters import make_peft_adapter
-    from tests.tiny_models import make_tiny_llama
+    from tests.model_steps import make_streams
     assert device == "cpu"
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        checkpoint = make_tiny_llama(root / "llama", with_tokenizer=False, seed=6,
-                                     hidden_size=64, num_attention_heads=4,
-                                     num_key_value_heads=2)
-        adapters = [make_peft_adapter(checkpoint, root / f"a{i}", r=2 + 2 * i, seed=40 + i,
-                                      magnitude=0.2) for i in range(3)]
-        model = build_model(checkpoint, adapters, dtype, torch.device("cpu"), NUM_BLOCKS,
-                            BLOCK_SIZE)
+    model, = _tiny_models(dtype, 1, seed=6, rank_step=2, adapter_seed=40)
     streams = make_streams([1, 2, 0, 3, 1], [5, 3, 6, 4, 2], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS,
                            seed=6)
     graphs = DecodeGraphs(model, max_num_seqs=8, max_model_len=16, block_size=BLOCK_SIZE,
                           num_adapters=3)
-    os.environ[KERNELS_ON_CPU_ENV] = "1"
-    try:
-        model.forward(ForwardBatch.build([s.prefill_chunk() for s in streams], BLOCK_SIZE))
-        chunks = [stream.decode_chunk(11) for stream in streams]
+    _forward(model, [s.prefill_chunk() for s in streams], kernels=True)
+    chunks = [stream.decode_chunk(11) for stream in streams]
+    with _kernel_path():
         via_inputs = graphs.run(chunks)
-        plain = model.forward(ForwardBatch.build(chunks, BLOCK_SIZE))  # the same K/V again
-        if not torch.equal(via_inputs, plain):
-            raise AssertionError(f"{dtype}: the graphs' inputs gave other bits (max "
-                                 f"{(via_inputs - plain).abs().max().item():.2e})")
-    finally:
-        os.environ.pop(KERNELS_ON_CPU_ENV, None)
+    plain = _forward(model, chunks, kernels=True)  # the same K/V again
+    if not torch.equal(via_inputs, plain):
+        raise AssertionError(f"{dtype}: the graphs' inputs gave other bits (max "
+                             f"{(via_inputs - plain).abs().max().item():.2e})")
 
 
 CHECKS = {
