@@ -12,6 +12,7 @@ from tests.unit.test_gemv_model_tiles import H200_SHARED
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
 
+
 @pytest.mark.parametrize("itemsize", (2, 4), ids=("bf16", "fp32"))
 @pytest.mark.parametrize("rank_pad", (16, 32, 64, 128, 256, 512))
 def test_b_stages_fit_shared_memory(rank_pad: int, itemsize: int) -> None:

@@ -85,6 +85,8 @@ def step_config(num_rows: int) -> ExpandConfig:
     """The config of an expand over num_rows rows: SMALL_STEP_CONFIG up to SMALL_STEP_ROWS rows,
     else DEFAULT_CONFIG (both read at the call: benchmarks swap them)."""
     return SMALL_STEP_CONFIG if num_rows <= SMALL_STEP_ROWS else DEFAULT_CONFIG
+
+
 # Work items per multiprocessor past which an expand work item takes several consecutive blocks
 # of outputs (its tile looked up and its t summed once): with distinct adapters at batch 64, one
 # block per item makes 64 x 224 items for gate/up of 4 KB of B each. On an H200 (bench_engine.py
