@@ -77,12 +77,16 @@ class LoraRows:
             else:
                 max_tiles = count_tiles(len(rows[slot]) for slot in slots)
             tiles = None
-            if max_tiles and not HOST_TILES:
-                tiles = LoraTiles.build(batch.row_adapter_slots, max_tiles)
-            elif max_tiles and batch.lora_tiles is not None:
+            if max_tiles and HOST_TILES and batch.lora_tiles is not None:
                 tiles = LoraTiles(*batch.lora_tiles, max_tiles)
-            elif max_tiles:  # built here, from the chunks: no kernels for it in the step
+            elif max_tiles and HOST_TILES and not _capturing(device):
+                # Built here, from the chunks: no kernels for it in the step.
                 tiles = LoraTiles.from_host(_row_slots(batch), max_tiles, device)
+            elif max_tiles:
+                # On the device, from the row slots: also where a CUDA graph is being captured
+                # without tiles among its inputs, since tiles copied from the host would be
+                # this mixture's, fixed into every replay.
+                tiles = LoraTiles.build(batch.row_adapter_slots, max_tiles)
             return cls(slots, [], tiles, launch_always, batch.row_adapter_slots)
         if launch_always:
             raise ValueError("launch_always is for the kernel path (CUDA graphs)")
@@ -97,6 +101,11 @@ class LoraRows:
     def launches(self, lora: "LoraSlots") -> bool:
         """Kernel path: whether `lora`'s tables take part (a fact known to Python, no sync)."""
         return self.launch_always or any(lora.ranks[slot] for slot in self.slots)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on `device`'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _row_slots(batch: ForwardBatch) -> np.ndarray:
