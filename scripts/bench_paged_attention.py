@@ -8,13 +8,14 @@ and 4096, with the bandwidth achieved against the K and V bytes read.
                                             [--contexts 1024,4096] [--iters 50]
                                             [--table-tokens 8192] [--split-programs=-1,0]
                                             [--stages 2,3] [--layouts nhd,hnd]
-                                            [--preload 0,1]
+                                            [--preload=-1,0,1]
 
 Each row times one kernel pair (split + reduce) replayed from a CUDA graph, as a decode step runs
 it, and also launched eagerly. --layouts hnd stores each block's KV heads one after another
 (a head's block_size tokens contiguous) instead of lorad's token-major blocks (nhd), passed to the
 kernel as a strided view of the same shape. --preload 1 reads each split's first block ids
-early (paged_attention.PRELOAD_TABLE). Block tables are shuffled; consecutive calls read
+early (the kernel's default in steps of up to paged_attention.PRELOAD_MAX_SEQS sequences), 0 in
+the loop, -1 (the default) as the kernel picks. Block tables are shuffled; consecutive calls read
 different blocks (several table sets per graph when one call's KV would fit in L2), so small rows
 are not served from L2. Prints a table and the conditions; a benchmark, not a test.
 """
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lorad.workers.kernels.paged_attention import (  # noqa: E402
-    PRELOAD_TABLE, SPLIT_PROGRAMS, SPLIT_SIZE, SPLIT_STAGES, SPLIT_WARPS, TILE_TOKENS,
+    SPLIT_PROGRAMS, SPLIT_SIZE, SPLIT_STAGES, SPLIT_WARPS, TILE_TOKENS,
     paged_decode_attention)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -58,7 +59,7 @@ def time_ms(fn, iters: int) -> float:
 
 def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: int,
           table_tokens: int, split_programs: int, tile_size: int, num_warps: int,
-          num_stages: int, preload: bool) -> dict:
+          num_stages: int, preload: bool | None) -> dict:
     device = k_cache.device
     blocks_per_seq = context // BLOCK_SIZE
     width = max(blocks_per_seq, table_tokens // BLOCK_SIZE)  # a graph's table: the longest context
@@ -109,9 +110,10 @@ def main() -> int:
                              f"table's width, -1: the kernel's default, {SPLIT_PROGRAMS}; write "
                              "--split-programs=-1,0)")
     parser.add_argument("--stages", type=ints, default=[SPLIT_STAGES])
-    parser.add_argument("--preload", type=ints, default=[int(PRELOAD_TABLE)],
+    parser.add_argument("--preload", type=ints, default=[-1],
                         help="0: block ids read in the split's loop; 1: each split's first "
-                             "block ids read early (paged_attention.PRELOAD_TABLE); 0,1: both")
+                             "block ids read early; -1: as the kernel picks by batch "
+                             "(paged_attention.PRELOAD_MAX_SEQS); write --preload=-1,0,1")
     parser.add_argument("--layouts", default="nhd",
                         help="nhd (lorad's: [block, token, head, dim]) and/or hnd ([block, head, "
                              "token, dim] seen through a strided view)")
@@ -159,7 +161,7 @@ def main() -> int:
             for batch in args.batches:
                 r = bench(k_cache, v_cache, batch, context, split_size, args.iters,
                           args.table_tokens, None if programs < 0 else programs, tile_size, warps,
-                          stages, bool(preload))
+                          stages, None if preload < 0 else bool(preload))
                 print(f"{split_size:>5} {tile_size:>4} {warps:>5} {programs:>5} {batch:>5} "
                       f"{context:>7} {r['splits']:>6} {r['kv_mb']:>8.1f} {r['graph_us']:>9.1f} "
                       f"{r['eager_us']:>9.1f} {r['gbps']:>7.0f} {r['sets']:>4} {stages:>6} "

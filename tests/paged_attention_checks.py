@@ -111,7 +111,8 @@ def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, gr
                                            preload: bool | None = None) -> None:
     """A row has the same bits alone, in batches of other sizes and orders, beside padding rows,
     beside a longer neighbour that widens the block table (and so the grid), and with its splits
-    taken by fewer programs, each looping over several."""
+    taken by fewer programs, each looping over several. With preload None a row alone reads its
+    first block ids early and in the other batches in the loop (PRELOAD_MAX_SEQS is 1)."""
     from lorad.workers.kernels.paged_attention import paged_decode_attention
 
     gen, rng = torch.Generator(device).manual_seed(seed), random.Random(seed)
@@ -155,10 +156,10 @@ def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, gr
 
 def check_decode_preload_same_bits(device="cpu", dtype=torch.float32, group=4, shape=TINY,
                                    contexts=TINY_CONTEXTS, seed=4) -> None:
-    """Reading each split's first block ids early (paged_attention.PRELOAD_TABLE) computes the
-    same tiles in the same order: the same bits as reading them in the loop, with one program
-    per split and with programs that loop over several splits (block ids read in the loop for
-    every split past a program's first). The block tables are wider than any context, with
+    """Reading each split's first block ids early (paged_decode_attention's `preload`) computes
+    the same tiles in the same order: the same bits as reading them in the loop, with one
+    program per split and with programs that loop over several splits (block ids read in the
+    loop for every split past a program's first). The block tables are wider than any context, with
     other blocks' ids past each one, which must not be read as K or V."""
     from lorad.workers.kernels.paged_attention import paged_decode_attention
 
@@ -309,7 +310,7 @@ CHECKS = {
     "decode_bf16_group4": (check_decode_matches_reference, dict(dtype=torch.bfloat16, group=4)),
     "decode_batch_invariance_fp32": (check_decode_rows_independent_of_batch,
                                      dict(contexts=(0, 1, 17, 33, 64, 100))),
-    # The same with the block ids read early (PRELOAD_TABLE), and its bits against late.
+    # The same with the block ids read early at every batch, and its bits against late.
     "decode_fp32_group4_preload": (check_decode_matches_reference, dict(group=4, preload=True)),
     "decode_bf16_group3_preload": (check_decode_matches_reference,
                                    dict(dtype=torch.bfloat16, group=3, preload=True)),

@@ -54,8 +54,9 @@ def test_decode_rows_independent_of_batch(dtype):
                                            batch_sizes=(7, 32, 64))
 
 
-# paged_attention.PRELOAD_TABLE (off by default, a setting to measure): the same checks with
-# each split's first block ids read early, and its bits against reading them in the loop.
+# Each split's first block ids read early (by default only in steps of up to PRELOAD_MAX_SEQS
+# sequences): the same checks with it at every batch, and its bits against reading them in the
+# loop.
 def test_decode_with_early_block_ids_matches_reference():
     check_decode_matches_reference("cuda", torch.bfloat16, 4, LLAMA_8B, CONTEXTS, preload=True)
 

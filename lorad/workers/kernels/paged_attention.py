@@ -64,9 +64,15 @@ PREFETCH_MAX_SEQS = 2
 # (instead of the block ids, then K/V), and a program that starts after the wait waits on (length
 # and ids at once) -> K/V instead of length -> ids -> K/V. Every split then takes its first tile
 # apart from the rest, so which program or batch computes a split still does not change its
-# arithmetic. A setting for benchmarks to compare (bench_paged_attention.py --preload 0,1;
-# bench_engine.py --variant 'paged_attention.PRELOAD_TABLE=True'); not measured yet, hence off.
-PRELOAD_TABLE = False
+# arithmetic (check_decode_preload_same_bits). In steps of at most this many sequences. On an
+# H200 (2026-12-02 04:50 UTC, bench_paged_attention.py --table-tokens 8192 --preload 0,1, us
+# per split + reduce from a graph, late against early): batch 1 7.8 against 6.9 at 512 tokens,
+# 17.0 against 16.7 at 4,096; batch 8 11.5 against 11.4, 49.0 against 55.6; batch 32 26.7
+# against 28.8, 156.6 against 183.2; batch 64 48.1 against 55.8, 304.6 against 356.7. In the
+# engine (bench_engine.py --variant 'paged_attention.PRELOAD_TABLE=True', then on at every
+# batch; graph replay ms) batch 1 4.758 and 4.760 against main's 4.776 to 4.801 (one adapter,
+# 64 distinct), batch 64 9.466 against 9.258 and 9.268 with 64 distinct adapters.
+PRELOAD_MAX_SEQS = 1
 
 
 @triton.jit
@@ -308,9 +314,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split_programs: programs per (sequence, KV head), each looping over splits (default
     SPLIT_PROGRAMS; 0: one per split of the widest context the table holds). Which program takes
     a split does not change its arithmetic; neither do num_warps and num_stages, the split
-    kernel's warps and pipeline depth (split_size and tile_size do). preload: read each split's
-    first block ids early (PRELOAD_TABLE). None: the module's SPLIT_SIZE, TILE_TOKENS,
-    SPLIT_PROGRAMS, SPLIT_WARPS, SPLIT_STAGES, PRELOAD_TABLE, read at the call."""
+    kernel's warps and pipeline depth (split_size and tile_size do), nor preload, whether each
+    split's first block ids are read early. None: the module's SPLIT_SIZE, TILE_TOKENS,
+    SPLIT_PROGRAMS, SPLIT_WARPS, SPLIT_STAGES, and preload in steps of up to PRELOAD_MAX_SEQS
+    sequences, read at the call."""
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -322,7 +329,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tile_size = min(TILE_TOKENS if tile_size is None else tile_size, split_size)
     num_warps = SPLIT_WARPS if num_warps is None else num_warps
     num_stages = SPLIT_STAGES if num_stages is None else num_stages
-    preload = PRELOAD_TABLE if preload is None else preload
+    preload = num_seqs <= PRELOAD_MAX_SEQS if preload is None else preload
     assert split_size % tile_size == 0, "a split is whole tiles"
     if out is None:
         out = torch.empty(num_seqs, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
