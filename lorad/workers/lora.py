@@ -251,7 +251,7 @@ class PendingShrink:
 # The LoRA kernels' row tiles come from the host (the step's chunks, or a decode graph's static
 # inputs). False: built on the device from the row slots (LoraTiles.build, some 30 small kernels
 # in each step that has adapters), as before 2026-12-02. On an H200 (bench_engine.py --variant
-# 'lora.HOST_TILES=False', 2026-12-02 04:50 UTC, graph replay ms, host against device, one
+# 'lora.HOST_TILES=False', 2026-12-02 04:54 UTC, graph replay ms, host against device, one
 # adapter / 64 distinct): batch 1 4.776-4.801 / 4.773-4.793 against 4.862 / 4.859, batch 32
 # 5.736-5.752 / 6.831-6.841 against 5.810 / 6.885, batch 64 7.029-7.050 / 9.258-9.268 against
 # 7.107 / 9.315.

@@ -93,8 +93,14 @@ def step_config(num_rows: int) -> ExpandConfig:
 # --variant, 2026-12-01 19:22 and 19:28 UTC, graph replay ms) against 0: 64 distinct
 # adapters at batch 32 7.29 against 7.71 (2 stages; fp32 tables: 9.04 against 9.60), at batch 64
 # 9.30 against 11.10 (3 stages); one adapter the same within 0.02. 12 per multiprocessor: batch
-# 64 9.99 against 9.69 (2 stages); 3: 9.39 against 9.30, batch 32 7.01 against 7.10.
-ITEMS_PER_SM = 6
+# 64 9.99 against 9.69 (2 stages); 3: 9.39 against 9.30, batch 32 7.01 against 7.10. 4 against
+# 6 (2026-12-02 05:15 UTC, the same kind of run): 64 distinct adapters at batch 64 8.953 against
+# 9.178 and 9.190, at 32 6.771 against 6.765; one adapter the same within 0.02 (8: 9.391 at 64).
+# With the shrink's ITEMS_PER_SM at 3 as well, in two runs at 05:16 (against main's 9.190 and
+# 9.181 between them): 8.857 and 8.856 at batch 64, 6.760 and 6.764 at 32; one adapter 5.676 and
+# 5.654 against 5.674 at 32, 6.970 and 6.971 against 6.973 at 64. Expand 3 and shrink 2: 9.175
+# at 64, 6.925 at 32.
+ITEMS_PER_SM = 4
 
 
 @triton.jit

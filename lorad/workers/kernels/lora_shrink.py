@@ -40,8 +40,11 @@ MAX_TABLES = 3  # q/k/v share an input; gate/up share one
 # batch 64 13.33 against 13.45 and 13.49 with bf16 tables, 13.15 against 13.39 with fp32 ones; at
 # batch 32 and with one adapter the same within 0.04. 12 per multiprocessor: 13.40. (Those were
 # the FMA kernels before the MMA ones; with these, 19:22 UTC, off: the same at batch 32, 7.28
-# against 7.29, and at batch 1.)
-ITEMS_PER_SM = 6
+# against 7.29, and at batch 1.) 3 against 6 on the tensor-core kernels (2026-12-02 05:15 UTC,
+# graph replay ms): 64 distinct adapters at batch 64 9.017 against 9.178 and 9.190, at 32 6.721
+# against 6.765; one adapter 5.662 and 6.962 against 5.678 and 6.975 at 32 and 64; 12: 9.217 at
+# 64. With the expand's ITEMS_PER_SM at 4 too: below.
+ITEMS_PER_SM = 3
 # Steps of more rows than this launch the shrink without PDL even where the step's other kernels
 # take it (None: as the step's kernels). Launched with PDL, the shrink's programs take their
 # places on every SM before the norm ahead of it ends, and the base matmul beside it, which cuBLAS
