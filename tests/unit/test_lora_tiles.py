@@ -73,3 +73,27 @@ def test_a_steps_rows_get_the_same_tiles_from_the_host_and_the_device(monkeypatc
         assert torch.equal(torch.as_tensor(getattr(tiles[True], name)),
                            torch.as_tensor(getattr(tiles[False], name))), name
     assert int(tiles[True].num_tiles) == 4  # slot 2: 20 + 3 rows in two tiles; slots 1, 3
+
+
+def test_a_step_captured_without_tiles_builds_them_on_the_device(monkeypatch):
+    """Inside a CUDA graph capture whose batch holds no tiles, LoraRows.from_batch builds them on
+    the device from the row slots: tiles copied from the host would fix the captured mixture
+    into every replay (tests/gpu/test_lora_kernels_gpu.py captures such a step on the H200; here
+    the capture is stood in for, so that CI covers which build is taken)."""
+    from lorad.workers import lora
+    from lorad.workers.batch import ForwardBatch
+
+    chunks = [([7], 9, [6, 7, 8], True, 2), ([8], 3, [9], True, 0), ([9], 4, [11, 12], True, 1)]
+    batch = ForwardBatch.build(chunks, 4, "cpu", min_rows=16)
+    assert batch.lora_tiles is None
+    outside = lora.LoraRows.from_batch(batch, launch_always=True, use_kernels=True).tiles
+
+    def no_host_copy(*args, **kwargs):
+        raise AssertionError("tiles copied from the host during a capture")
+
+    monkeypatch.setattr(lora, "_capturing", lambda device: True)
+    monkeypatch.setattr(LoraTiles, "from_host", no_host_copy)
+    inside = lora.LoraRows.from_batch(batch, launch_always=True, use_kernels=True).tiles
+    for name in ("tile_slot", "tile_rows", "num_tiles", "max_tiles"):
+        assert torch.equal(torch.as_tensor(getattr(inside, name)),
+                           torch.as_tensor(getattr(outside, name))), name
