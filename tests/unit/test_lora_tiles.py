@@ -54,6 +54,12 @@ def test_host_tiles_keep_row_order_within_a_slot():
     assert host_tiles(np.zeros(4, dtype=np.int64))[2] == 0
 
 
+def _assert_same_tiles(got: LoraTiles, want: LoraTiles) -> None:
+    for name in ("tile_slot", "tile_rows", "num_tiles", "max_tiles"):
+        assert torch.equal(torch.as_tensor(getattr(got, name)),
+                           torch.as_tensor(getattr(want, name))), name
+
+
 def test_a_steps_rows_get_the_same_tiles_from_the_host_and_the_device(monkeypatch):
     """LoraRows.from_batch: the host build from the chunks (the default) and the device build
     from the row slots (lora.HOST_TILES off) give the kernels the same tiles, prompt chunks and
@@ -69,9 +75,7 @@ def test_a_steps_rows_get_the_same_tiles_from_the_host_and_the_device(monkeypatc
     for host in (True, False):
         monkeypatch.setattr(lora, "HOST_TILES", host)
         tiles[host] = lora.LoraRows.from_batch(batch, use_kernels=True).tiles
-    for name in ("tile_slot", "tile_rows", "num_tiles", "max_tiles"):
-        assert torch.equal(torch.as_tensor(getattr(tiles[True], name)),
-                           torch.as_tensor(getattr(tiles[False], name))), name
+    _assert_same_tiles(tiles[True], tiles[False])
     assert int(tiles[True].num_tiles) == 4  # slot 2: 20 + 3 rows in two tiles; slots 1, 3
 
 
@@ -94,6 +98,4 @@ def test_a_step_captured_without_tiles_builds_them_on_the_device(monkeypatch):
     monkeypatch.setattr(lora, "_capturing", lambda device: True)
     monkeypatch.setattr(LoraTiles, "from_host", no_host_copy)
     inside = lora.LoraRows.from_batch(batch, launch_always=True, use_kernels=True).tiles
-    for name in ("tile_slot", "tile_rows", "num_tiles", "max_tiles"):
-        assert torch.equal(torch.as_tensor(getattr(inside, name)),
-                           torch.as_tensor(getattr(outside, name))), name
+    _assert_same_tiles(inside, outside)

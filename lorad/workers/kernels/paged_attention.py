@@ -69,9 +69,9 @@ PREFETCH_MAX_SEQS = 2
 # per split + reduce from a graph, late against early): batch 1 7.8 against 6.9 at 512 tokens,
 # 17.0 against 16.7 at 4,096; batch 8 11.5 against 11.4, 49.0 against 55.6; batch 32 26.7
 # against 28.8, 156.6 against 183.2; batch 64 48.1 against 55.8, 304.6 against 356.7. In the
-# engine (bench_engine.py --variant 'paged_attention.PRELOAD_TABLE=True', then on at every
-# batch; graph replay ms) batch 1 4.758 and 4.760 against main's 4.776 to 4.801 (one adapter,
-# 64 distinct), batch 64 9.466 against 9.258 and 9.268 with 64 distinct adapters. With
+# engine (bench_engine.py --variant, on at every batch, the setting then PRELOAD_TABLE; graph
+# replay ms) batch 1 4.758 and 4.760 against main's 4.776 to 4.801 (one adapter, 64
+# distinct), batch 64 9.466 against 9.258 and 9.268 with 64 distinct adapters. With
 # PRELOAD_MAX_SEQS at 1, against 0 (05:11 UTC, batch 1): 4.410 and 4.400 against 4.394 with 64
 # adapters loaded and none used, 4.713 and 4.715 against 4.737 with one adapter, 4.715 and
 # 4.703 against 4.725 with 64 distinct; batches 32 and 64 the same within 0.02.
