@@ -179,8 +179,12 @@ def table_rows(case: str, kernels: list[dict]) -> list[list[str]]:
 
 
 def find_ncu() -> str | None:
-    return shutil.which("ncu") or next(
-        (p for p in ("/usr/local/cuda/bin/ncu",) if os.access(p, os.X_OK)), None)
+    """ncu on PATH, else CUDA's usual place, else None."""
+    found = shutil.which("ncu")
+    if found:
+        return found
+    fallback = "/usr/local/cuda/bin/ncu"
+    return fallback if os.access(fallback, os.X_OK) else None
 
 
 def main() -> int:
