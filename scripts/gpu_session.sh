@@ -9,13 +9,14 @@
 # triton, transformers, peft...), and lorad is used from the checkout through PYTHONPATH.
 # Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, bench-sampler.log,
 # sampler-profile.log, bench-gemv.log, bench-gemv-lora.log, bench-norm-shrink.log, profile.log,
-# graph-profile.log and traces/, bench.log, bench.md).
+# graph-profile.log and traces/, ncu.log and ncu/, bench.log, bench.md).
 # Time limits: tests 320 s and the sampler's unit tests 60 s, the LoRA kernels 120 s, attention
 # and the sampler 60 s each, the sampler's profile 45 s (LORAD_SESSION_MICRO=0 skips these
 # four), the GEMV sweep 75 s (LORAD_SESSION_GEMV=0 skips it), the fused-LoRA kernels'
 # benchmarks 120 s (LORAD_SESSION_FUSED=0 skips them), the decode profile 90 s
 # (LORAD_SESSION_PROFILE=0 skips it), the graph replays' timeline 150 s (off unless
-# LORAD_SESSION_GRAPH_PROFILE=1), the engine 210 s (LORAD_SESSION_ENGINE=0 skips it; so does
+# LORAD_SESSION_GRAPH_PROFILE=1), the kernels' hardware counters 120 s (off unless
+# LORAD_SESSION_NCU=1), the engine 210 s (LORAD_SESSION_ENGINE=0 skips it; so does
 # LORAD_SESSION_TESTS=0 the tests). LORAD_SESSION_QUICK=1 makes the engine
 # benchmark shorter (--quick); LORAD_SESSION_ENGINE_ARGS, LORAD_SESSION_LORA_ARGS and
 # LORAD_SESSION_ATTENTION_ARGS pass more options to the engine, LoRA and attention benchmarks.
@@ -106,6 +107,11 @@ fi
 if [[ ${LORAD_SESSION_GRAPH_PROFILE:-0} == 1 ]]; then
   read -ra graph_args <<<"${LORAD_SESSION_GRAPH_ARGS:-}"
   run_bench graph-profile.log 150 profile_graph.py --trace-out "$OUT/traces" "${graph_args[@]}"
+fi
+# Nsight Compute's counters of the decode kernels (LORAD_SESSION_NCU=1 runs it; 60 s on an H200
+# for its four cases); ncu's CSV of each case lands in $OUT/ncu.
+if [[ ${LORAD_SESSION_NCU:-0} == 1 ]]; then
+  run_bench ncu.log 120 ncu_decode_kernels.py --csv-out "$OUT/ncu"
 fi
 
 bench_status=skipped
