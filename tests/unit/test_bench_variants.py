@@ -53,3 +53,18 @@ def test_a_setting_it_cannot_read_is_refused(text):
         with bench_engine.settings(f"pdl.MAX_ROWS=7+{text}"):
             pass
     assert pdl.MAX_ROWS == before  # what it had set before the bad part is put back
+
+
+def test_the_batch_32_target_gives_the_replay_ratio_beside_the_tokens_verdict():
+    import bench_engine
+    saved = list(bench_engine.rows)
+    bench_engine.rows[:] = []
+    try:
+        bench_engine.add_row("base", 32, "graph", 5.61e-3, 5.43e-3, 4.10e-3)
+        bench_engine.add_row("one", 32, "graph", 6.10e-3, 5.70e-3, 4.12e-3)
+        table = bench_engine.targets()
+    finally:
+        bench_engine.rows[:] = saved
+    line = next(line for line in table.splitlines() if "batch 32, vs base" in line)
+    # 32 / 6.10 ms against 32 / 5.61 ms by tokens/s; 5.43 / 5.70 by replay
+    assert "0.92x (5,246 vs 5,704 tok/s; by graph replay 0.953x) | not met |" in line
