@@ -33,13 +33,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-HIDDEN, INTERMEDIATE, RANK, NUM_ADAPTERS = 4096, 14336, 16, 64
-# Launch groups of one layer: (input features, output features of each table sharing x).
-LORA_GROUPS = {"qkv": (HIDDEN, (HIDDEN, 1024, 1024)), "o": (HIDDEN, (HIDDEN,)),
-               "gate_up": (HIDDEN, (INTERMEDIATE, INTERMEDIATE)), "down": (INTERMEDIATE, (HIDDEN,))}
-# The base matmuls: (output features, input features).
-MATMULS = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTERMEDIATE, HIDDEN),
-           "down": (HIDDEN, INTERMEDIATE)}
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from profile_graph import PROJECTIONS  # noqa: E402  (a layer's launch groups, in order)
+
 CASES = ("many64", "one32", "attn64", "mm64")
 KERNEL_FILTER = "regex:_shrink_kernel|_expand_kernel|_decode_|gemm|nvjet|xmma|splitK|cutlass"
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "SchedulerStats",
@@ -56,12 +54,12 @@ COLUMNS = (("Duration", "us"), ("DRAM Throughput", "DRAM %"), ("L2 Hit Rate", "L
 
 # --- what runs under ncu ----------------------------------------------------------------------
 
-def drive(case: str) -> None:
-    """Launch each kernel of `case` once (under ncu, which profiles the ones its filter names)."""
+def drive(case: str, device: str = "cuda") -> None:
+    """Launch each kernel of `case` once (under ncu, which profiles the ones its filter names):
+    one layer's tables as bench_lora_kernels.py makes them, KV as bench_paged_attention.py's."""
     import torch
     import torch.nn.functional as F
-    sys.path.insert(0, str(REPO))
-    device = torch.device("cuda")
+    from bench_lora_kernels import GROUPS, NUM_ADAPTERS, RANK, make_layers
     torch.manual_seed(0)
     if case in ("many64", "one32"):
         from lorad.workers.kernels.lora_expand import lora_expand
@@ -73,35 +71,36 @@ def drive(case: str) -> None:
         ranks = torch.full((NUM_ADAPTERS + 1,), RANK, dtype=torch.int32, device=device)
         ranks[0] = 0
         scales = torch.full((NUM_ADAPTERS + 1,), 2.0, device=device)
-        for num_in, num_outs in LORA_GROUPS.values():
-            n = len(num_outs)
-            x = torch.randn(len(slots), num_in, device=device).bfloat16()
-            a = [(torch.randn(NUM_ADAPTERS + 1, RANK, num_in, device=device)
-                  / num_in ** 0.5).bfloat16() for _ in num_outs]
-            b = [torch.randn(NUM_ADAPTERS + 1, out, RANK, device=device).bfloat16()
-                 for out in num_outs]
-            deltas = [torch.empty(len(slots), out, device=device) for out in num_outs]
-            t = lora_shrink(x, a, [ranks] * n, tiles)
-            lora_expand(t, deltas, b, [ranks] * n, [scales] * n, tiles, deltas=True)
+        (layer,) = make_layers(1, len(slots), torch.device(device), torch.bfloat16)
+        for name in PROJECTIONS:
+            group = layer[name]
+            n = len(group.a)
+            t = lora_shrink(group.x, group.a, [ranks] * n, tiles)
+            lora_expand(t, group.outs, group.b, [ranks] * n, [scales] * n, tiles, deltas=True)
     elif case == "attn64":
+        from bench_paged_attention import BLOCK_SIZE, DTYPE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS
         from lorad.workers.kernels.paged_attention import paged_decode_attention
-        batch, context, block_size, num_blocks = 64, 512, 16, 8192
-        k = torch.randn(num_blocks, block_size, 8, 128, device=device, dtype=torch.bfloat16)
+        batch, context, num_blocks, table_tokens = 64, 512, 8192, 8192
+        k = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=device,
+                        dtype=DTYPE)
         v = torch.randn_like(k)
-        tables = torch.zeros(batch, 8192 // block_size, dtype=torch.int32, device=device)
-        used = context // block_size
+        tables = torch.zeros(batch, table_tokens // BLOCK_SIZE, dtype=torch.int32, device=device)
+        used = context // BLOCK_SIZE
         tables[:, :used] = torch.randperm(num_blocks, device=device)[:batch * used].view(
             batch, used).int()
         lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-        q = torch.randn(batch, 32, 128, device=device, dtype=torch.bfloat16)
-        paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5)
+        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
+        paged_decode_attention(q, k, v, tables, lens, HEAD_DIM ** -0.5)
     elif case == "mm64":
-        for num_out, num_in in MATMULS.values():
+        # Each projection group's weights as one matrix, as the model multiplies them.
+        for name in PROJECTIONS:
+            num_in, num_outs = GROUPS[name]
             F.linear(torch.randn(64, num_in, device=device).bfloat16(),
-                     torch.randn(num_out, num_in, device=device).bfloat16())
+                     torch.randn(sum(num_outs), num_in, device=device).bfloat16())
     else:
         raise SystemExit(f"unknown case {case!r}: one of {', '.join(CASES)}")
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 # --- reading ncu's CSV ------------------------------------------------------------------------
@@ -140,13 +139,13 @@ def kernel_labels(case: str, kernels: list[dict]) -> list[str]:
             if "_shrink_kernel" in name:
                 group += 1
             kind = "shrink" if "_shrink_kernel" in name else "expand"
-            labels.append(f"{list(LORA_GROUPS)[group % len(LORA_GROUPS)]} {kind}")
+            labels.append(f"{PROJECTIONS[group % len(PROJECTIONS)]} {kind}")
         elif case == "mm64":
             if "splitKreduce" in name:
-                labels.append(f"{list(MATMULS)[group % len(MATMULS)]} split-K reduce")
+                labels.append(f"{PROJECTIONS[group % len(PROJECTIONS)]} split-K reduce")
             else:
                 group += 1
-                labels.append(f"{list(MATMULS)[group % len(MATMULS)]} matmul")
+                labels.append(f"{PROJECTIONS[group % len(PROJECTIONS)]} matmul")
         else:
             labels.append("attention " + ("reduce" if "reduce" in name else "split"))
     return labels
