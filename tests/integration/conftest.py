@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -74,7 +75,30 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
+# Where free_port draws from: below the kernel's ephemeral range. A port from bind(0) is an
+# ephemeral one, which the daemon's own connections (gloo's, ZeroMQ's) may take while its
+# workers start, before its HTTP listener binds it: seen in CI as "cannot listen on
+# 127.0.0.1:32969 ... address already in use" (2026-12-02).
+LOW_PORT = 10000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
+    """A loopback port nothing holds now, outside the ephemeral range (where known: Linux);
+    else one bind(0) gives."""
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = LOW_PORT
+    rng = random.SystemRandom()
+    for _ in range(100 if ephemeral_low > LOW_PORT else 0):
+        port = rng.randrange(LOW_PORT, ephemeral_low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

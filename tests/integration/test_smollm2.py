@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.integration.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +91,7 @@ def reference(demo_model_dir: Path) -> list[Expected]:
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda n: f"parallel{n}")
 def server(request, demo_model_dir: Path, tmp_path_factory) -> Iterator[Server]:
     parallel = request.param
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp(f"lorad-parallel{parallel}") / "lorad.log"
     command = [_lorad_command(), "--model", str(demo_model_dir), "--name", NAME,
                "--parallel", str(parallel), "--dtype", "float32", "--device", "cpu",
@@ -116,12 +117,6 @@ def _lorad_command() -> str:
     if found is None:
         pytest.fail("the `lorad` command is not installed; run scripts/setup", pytrace=False)
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_until_healthy(server: Server) -> None:
