@@ -20,7 +20,8 @@ def patch_triton_interpreter() -> None:
       and it hands numpy's matmul a transposed operand (tl.trans) as a strided view, for which
       BLAS sums in another order than for the same values laid out plainly: give it both operands
       contiguous, so that equal values give equal bits whichever way they were made (an MMA on
-      the GPU does not see the layout either);
+      the GPU does not see the layout either); and where both are fp32 it sums each element in
+      one order whatever its place (see patched_dot);
     - fp32 -> bf16 casts truncate, where the GPU rounds to nearest even; round as torch does.
     """
     import numpy as np
@@ -43,7 +44,18 @@ def patch_triton_interpreter() -> None:
         return interpreter.TensorHandle(np.ascontiguousarray(x.data), x.dtype.scalar)
 
     def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+        a, b = widen(a), widen(b)
+        if not (a.data.dtype == b.data.dtype == d.data.dtype == np.float32):
+            return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        # Every output element summed over K in one order, whatever its place in the tile:
+        # BLAS's sgemm (what np.matmul calls) sums an element at a tile's edge in another order
+        # than one inside it on some CPUs (OpenBLAS's Haswell kernels on an AMD EPYC), so a row's
+        # bits would move with its lane, which an MMA on the GPU never does. The products are
+        # exact in float64 (fp32 x fp32), added one K slice after another, rounded to fp32 once.
+        products = (a.data.astype(np.float64)[..., :, :, None]
+                    * b.data.astype(np.float64)[..., None, :, :])  # [..., M, K, N]
+        total = np.add.reduce(products, axis=-2).astype(np.float32)
+        return interpreter.TensorHandle(total + d.data, d.dtype.scalar)
 
     interpreter.InterpreterBuilder.create_dot = patched_dot
     cast_impl = interpreter.InterpreterBuilder.cast_impl
