@@ -230,7 +230,7 @@ def check_refusals(device: str) -> None:
 
 
 def make_lora_case(shape: LoraShape, gen: torch.Generator, device: str):
-    """-> (factor tables from lora_kernel_checks.make_tables, NaN beyond each slot's rank; the
+    """-> (factor tables from lora_kernel_checks.make_tables, poisoned beyond each slot's rank; the
     GemvLoraTables over them)."""
     from lorad.workers.kernels.decode_gemv import GemvLoraTable
     tables = make_tables(Shape(shape.num_slots, shape.k, tuple(e - s for s, e, _ in shape.tables),

@@ -49,9 +49,16 @@ SENTINEL = -7777.0  # in rows the kernels must not write
 X_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+# What B's tables hold past each slot's rank in the checks: finite, as the expand requires (it
+# multiplies them by exact zeros instead of masking them), but far from LoraSlots' zeros, so a
+# kernel that let them into a result would be caught.
+B_PADDING = 3.0e4
+
+
 @dataclass
 class Tables:
-    # The table dtype (fp32 unless asked), rank padding poisoned with NaN.
+    # The table dtype (fp32 unless asked), rank padding poisoned: A's with NaN, B's with
+    # B_PADDING.
     a: list[torch.Tensor]  # [num_slots, max_rank, in]
     b: list[torch.Tensor]  # [num_slots, out, max_rank]
     ranks: list[torch.Tensor]  # [num_slots] int32; slot 0 and some others 0
@@ -71,7 +78,7 @@ def make_tables(shape: Shape, gen: torch.Generator, device: str,
         a /= shape.in_features ** 0.5
         for slot, rank in enumerate(ranks):
             a[slot, rank:] = float("nan")
-            b[slot, :, rank:] = float("nan")
+            b[slot, :, rank:] = B_PADDING
         tables.a.append(a.to(device, dtype))
         tables.b.append(b.to(device, dtype))
         tables.ranks.append(torch.tensor(ranks, dtype=torch.int32, device=device))
@@ -413,9 +420,13 @@ def check_no_adapter_rows(device: str, shape: Shape, x_dtype: torch.dtype) -> No
 
 
 def fill_lora_slots(lora, tables: Tables, i: int) -> None:
-    """Give a LoraSlots table i's factors (NaN padding zeroed: LoraSlots pads with zeros)."""
+    """Give a LoraSlots table i's factors (the poisoned padding zeroed: LoraSlots pads with
+    zeros)."""
     lora.lora_a.copy_(tables.a[i].nan_to_num(0.0))
-    lora.lora_b.copy_(tables.b[i].nan_to_num(0.0))
+    b = tables.b[i].clone()
+    for slot, rank in enumerate(tables.ranks[i].tolist()):
+        b[slot, :, rank:] = 0.0
+    lora.lora_b.copy_(b)
     lora.ranks = tables.ranks[i].tolist()
     lora.scales = tables.scales[i].tolist()
     lora.rank_table.copy_(tables.ranks[i])

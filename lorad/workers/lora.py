@@ -166,6 +166,9 @@ class LoraSlots(nn.Module):
         assert self.lora_a.dtype in (torch.float32, STORED_DTYPES[module.dtype])
         self.lora_a[slot, :r].copy_(a_slice[:, self.in_start:self.in_end])
         self.lora_b[slot, :, :r].copy_(b_slice[self.out_start:self.out_end])
+        # Past the rank: zeros, not what an adapter of a higher rank left in the slot.
+        self.lora_a[slot, r:].zero_()
+        self.lora_b[slot, :, r:].zero_()
         self.ranks[slot] = r
         self.scales[slot] = module.scale
         self.rank_table[slot] = r

@@ -114,8 +114,16 @@ def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_
     # exactly as a work item of that block alone would compute it.
     # No load waits on the slot's rank: t, B, the scale and the base output are all requested
     # once the tile is known, and the rank only masks what they bring (a chain of one load
-    # instead of three). t past the slot's rank was never written and B there is padding: both
-    # are replaced by zeros before the MMA, which then adds exact zeros for them.
+    # instead of three). t past the slot's rank was never written: it is replaced by zeros
+    # before the MMA. B there is padding, which the tables must hold finite (LoraSlots keeps
+    # zeros there), and is used as it is: the MMA then adds exact zeros for it (0 x finite). A
+    # select on B as well cost each block a round trip through shared memory (triton 3.6,
+    # sm_90: the load's shared buffer -> registers -> shared memory again for the MMA); without
+    # it, on an H200 (2026-12-02 10:25 UTC), the expand alone with 64 distinct adapters at batch
+    # 64 took 28.4 against 36.1 us for gate/up, 12.2 against 13.8 for q/k/v (bench_lora_kernels.py
+    # --per-kernel), and the engine's graph replay 8.61 and 8.62 against 8.83 and 8.85 ms
+    # (bench_engine.py --variant; batch 32: 6.63 and 6.64 against 6.76 and 6.77; one adapter
+    # and four mixed within 0.03 at batches 1, 32 and 64).
     rank = tl.load(ranks_ptr + slot)
     scale = tl.load(scales_ptr + slot)
     chunks = tl.arange(0, MAX_CHUNKS)
@@ -138,7 +146,6 @@ def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_
         mask = in_tile[:, None] & in_n[None, :] & edited[:, None]
         b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank + ranks_j[None, :]
         bj = tl.load(b_rows, mask=in_n[:, None] & in_r[None, :], other=0.0)  # [BLOCK_N, RANK_PAD]
-        bj = tl.where(has_j[None, :], bj, tl.zeros_like(bj))
         # t's fp32 sums split into three bf16 terms (exactly), B into its own: exact products.
         acc = exact_dot(tj, tl.trans(bj), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
                         3, B_PARTS)
@@ -228,7 +235,8 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     out_i] float32, or the model dtype (then widened, added to in fp32 and rounded back once; rows
     may be strided, as column slices of one projection output are); b_tables[i]: [num_slots, out_i,
     max_rank_i] fp32, bf16 or fp16 (all of one dtype; exact_dot splits them exactly into bf16
-    terms), contiguous; rank_tables[i]: [num_slots] int32; scale_tables[i]: [num_slots] float32.
+    terms), contiguous, finite past each slot's rank (their values there are multiplied by zero,
+    so any finite value adds nothing; LoraSlots holds zeros there); rank_tables[i]: [num_slots] int32; scale_tables[i]: [num_slots] float32.
 
     deltas: outs[i] are fp32 buffers that get the delta alone, scale * (t B^T) rounded to fp32,
     at the same elements (nothing else is written): a later kernel adds it to the rounded base
