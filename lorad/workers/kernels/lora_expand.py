@@ -236,7 +236,8 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     may be strided, as column slices of one projection output are); b_tables[i]: [num_slots, out_i,
     max_rank_i] fp32, bf16 or fp16 (all of one dtype; exact_dot splits them exactly into bf16
     terms), contiguous, finite past each slot's rank (their values there are multiplied by zero,
-    so any finite value adds nothing; LoraSlots holds zeros there); rank_tables[i]: [num_slots] int32; scale_tables[i]: [num_slots] float32.
+    so any finite value adds nothing; LoraSlots holds zeros there); rank_tables[i]: [num_slots]
+    int32; scale_tables[i]: [num_slots] float32.
 
     deltas: outs[i] are fp32 buffers that get the delta alone, scale * (t B^T) rounded to fp32,
     at the same elements (nothing else is written): a later kernel adds it to the rounded base
