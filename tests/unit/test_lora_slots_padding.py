@@ -7,20 +7,8 @@ from __future__ import annotations
 import torch
 
 from lorad.config.adapters import LoraModule
+from lorad.workers.loader import WholeTensor
 from lorad.workers.lora import LoraSlots
-
-
-class Slice:
-    """A safetensors slice stand-in over a tensor: get_shape() and indexing."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def get_shape(self) -> list[int]:
-        return list(self.tensor.shape)
-
-    def __getitem__(self, index) -> torch.Tensor:
-        return self.tensor[index]
 
 
 def module(rank: int) -> LoraModule:
@@ -31,11 +19,11 @@ def module(rank: int) -> LoraModule:
 def test_a_lower_rank_leaves_zeros_past_it():
     slots = LoraSlots(3, 4, 6, 5, (0, 6), (0, 5), torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
-    slots.load(1, module(4), Slice(torch.randn(4, 6, generator=gen)),
-               Slice(torch.randn(5, 4, generator=gen)))
+    slots.load(1, module(4), WholeTensor(torch.randn(4, 6, generator=gen)),
+               WholeTensor(torch.randn(5, 4, generator=gen)))
     assert slots.lora_b[1].abs().min() > 0  # the rank-4 factors fill the slot
     a2, b2 = torch.randn(2, 6, generator=gen), torch.randn(5, 2, generator=gen)
-    slots.load(1, module(2), Slice(a2), Slice(b2))
+    slots.load(1, module(2), WholeTensor(a2), WholeTensor(b2))
     assert torch.equal(slots.lora_a[1, :2], a2) and torch.equal(slots.lora_b[1, :, :2], b2)
     assert torch.count_nonzero(slots.lora_a[1, 2:]) == 0
     assert torch.count_nonzero(slots.lora_b[1, :, 2:]) == 0
