@@ -1,5 +1,5 @@
-"""Real coordinator daemons for the HTTP tests: the `lorad` entry point in a subprocess on a tiny
-random checkpoint, a free loopback port, and a private runtime folder checked empty afterwards.
+"""Real coordinator daemons for the integration and multi-GPU tests: the `lorad` entry point in
+a subprocess on a tiny random checkpoint, a free loopback port, and a private runtime folder checked empty afterwards.
 
 The command is `python -m lorad.daemon` (what the `lorad` console script runs), so the tests do
 not depend on the package being pip-installed.
@@ -25,7 +25,7 @@ import pytest
 
 from tests.tiny_models import make_tiny_llama
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 180.0
 
 

@@ -1,7 +1,7 @@
 """Checks of the decode GEMV kernel (lorad/workers/kernels/decode_gemv.py) against plain torch,
 on any device.
 
-tests/unit/test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
+test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
 subprocess, on tiny shapes with a tiny tile and with the default one; tests/gpu/
 test_decode_gemv_gpu.py calls them on CUDA at Llama-3-8B's projection shapes. Each check takes
 fresh random inputs and raises AssertionError naming what differed: the result against a float64
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.lora_kernel_checks import Shape, assert_close, make_tables, mixed_slots
-from tests.triton_interpreter import run_checks
+from tests.kernels.lora_kernel_checks import Shape, assert_close, make_tables, mixed_slots
+from tests.kernels.triton_interpreter import run_checks
 
 # (N, K): N never a multiple of the block; K a multiple of the small tile's block_k (64) only,
 # of both tiles' (256), and of neither (100: the masked path).

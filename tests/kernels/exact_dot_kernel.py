@@ -1,6 +1,6 @@
 """A test kernel for lora_shrink.exact_dot: one [16, 16] x [16, 16] product, with the number of
 bf16 terms each side is split into chosen by the caller. Imported by the checks once the
-interpreter is set (tests/lora_kernel_checks.py)."""
+interpreter is set (lora_kernel_checks.py)."""
 
 from __future__ import annotations
 

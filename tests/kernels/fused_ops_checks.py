@@ -3,7 +3,7 @@ path they replace (RMSNorm and silu_and_mul in lorad.workers.layers, apply_rotar
 write in lorad.workers.rotary / kv_cache; add_rms_norm and lora_shrink for the fused add + norm +
 shrink), on any device.
 
-tests/unit/test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
+test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
 subprocess; tests/gpu/test_fused_ops_gpu.py calls them on CUDA at Llama-3-8B's sizes. Each check
 takes fresh random inputs, poisons every output the kernel must write, and raises AssertionError
 naming what differed: the result against the torch path (equal up to the kernel's own sum order
@@ -17,9 +17,9 @@ import sys
 
 import torch
 
-from tests.lora_kernel_checks import SENTINEL, Shape, make_tables, mixed_slots
-from tests.lora_kernel_checks import assert_close as assert_shrink_close
-from tests.triton_interpreter import run_checks
+from tests.kernels.lora_kernel_checks import SENTINEL, Shape, make_tables, mixed_slots
+from tests.kernels.lora_kernel_checks import assert_close as assert_shrink_close
+from tests.kernels.triton_interpreter import run_checks
 
 POISON = float("nan")
 

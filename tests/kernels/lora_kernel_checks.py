@@ -1,7 +1,7 @@
 """Checks of the LoRA shrink/expand kernels against the plain-torch reference, on any device.
 
-tests/unit/test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
-subprocess (`python -m tests.lora_kernel_checks`), so the interpreter's setting and its patch stay
+test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a subprocess
+(`python -m tests.kernels.lora_kernel_checks`), so the interpreter's setting and its patch stay
 out of every other test; tests/gpu/test_lora_kernels_gpu.py calls them on CUDA at the 8B model's
 shapes (and checks CUDA graph replay there).
 Every check takes fresh random inputs, poisons what the kernels must not touch, and raises
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lorad.workers.batch import ForwardBatch
-from tests.triton_interpreter import run_checks
+from tests.kernels.triton_interpreter import run_checks
 
 
 @dataclass(frozen=True)
@@ -380,7 +380,7 @@ def check_exact_dot_keeps_every_bit(device: str) -> None:
     """exact_dot's split into bf16 terms loses nothing: an fp32 (3 terms) or fp16 (2 terms) tile
     times a permutation matrix comes back bit for bit on either side of the product, where one
     term fewer does not (so the check can fail)."""
-    from tests.exact_dot_kernel import exact_dot_kernel
+    from tests.kernels.exact_dot_kernel import exact_dot_kernel
     gen = torch.Generator().manual_seed(8)
     perm = torch.eye(16)[torch.randperm(16, generator=gen)]
     for dtype, parts in ((torch.float32, 3), (torch.float16, 2)):

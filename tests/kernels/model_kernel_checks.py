@@ -5,7 +5,7 @@ The kernel path is what `kernel_path()` selects on CUDA: one matmul for q/k/v an
 the LoRA shrink and expand kernels writing fp32 deltas that the next kernel adds, rotary fused
 with the KV write, the paged attention kernels, add + RMSNorm and silu * up kernels. LORAD_TEST_KERNELS_ON_CPU
 turns it on for CPU tensors (read at each call), so one process runs both paths.
-tests/unit/test_triton_interpreted.py runs these checks in a subprocess with TRITON_INTERPRET=1.
+test_triton_interpreted.py runs these checks in a subprocess with TRITON_INTERPRET=1.
 
 Each check builds a tiny Llama with three adapters twice (one model per path, each with its own
 KV pool) and runs the same steps through both: prompts in chunks, a step mixing a prompt chunk
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tests.triton_interpreter import run_checks
+from tests.kernels.triton_interpreter import run_checks
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

@@ -1,7 +1,7 @@
 """Checks of the paged attention kernels against the plain-torch reference, on any device.
 
-tests/unit/test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
-subprocess (`python -m tests.paged_attention_checks`), so the interpreter's setting and its patches
+test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a subprocess
+(`python -m tests.kernels.paged_attention_checks`), so the interpreter's setting and its patches
 stay out of every other test; tests/gpu/test_paged_attention_gpu.py calls them on CUDA at real
 shapes. Every check takes fresh random inputs, poisons its outputs, and raises AssertionError
 naming what differed.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.triton_interpreter import run_checks
+from tests.kernels.triton_interpreter import run_checks
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""scripts/kernel_resources.py, the offline register report, runs here without a GPU: it compiles
+"""benchmarks/kernel_resources.py, the offline register report, runs here without a GPU: it compiles
 lorad's kernels for sm_90 with the installed triton and reads each one's registers back.
 """
 
@@ -21,8 +21,8 @@ LINE = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(.+)$")
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts/kernel_resources.py"), *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "benchmarks.kernel_resources", *args],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
 def test_reports_the_expand_at_each_config():

@@ -1,4 +1,4 @@
-"""scripts/probe_lora_row_bits.py, the GPU diagnostic of which rows' LoRA bits move with the batch,
+"""benchmarks/probe_lora_row_bits.py, the GPU diagnostic of which rows' LoRA bits move with the batch,
 runs here on the CPU under triton's interpreter at a tiny shape, where every row keeps its bits."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 def probe(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    return subprocess.run([sys.executable, str(REPO / "scripts/probe_lora_row_bits.py"), *args],
-                          capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([sys.executable, "-m", "benchmarks.probe_lora_row_bits", *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
 
 
 def test_every_row_keeps_its_bits_under_the_interpreter():

@@ -2,23 +2,23 @@
 sees the kernels and the model's kernel path.
 
 Each check module runs once, in its own subprocess with TRITON_INTERPRET=1 (the variable must be
-set before triton is imported, and the interpreter is patched there: tests/triton_interpreter.py),
+set before triton is imported, and the interpreter is patched there: triton_interpreter.py),
 so neither leaks into other tests or the processes they start; as many run at once as there are
 cores. Each check is its own test here.
 Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3-8B's shapes.
 
-- tests/lora_kernel_checks.py: the LoRA shrink and expand against the plain-torch reference, row
+- lora_kernel_checks.py: the LoRA shrink and expand against the plain-torch reference, row
   bits across batches and mixtures, the layer path against the CPU's.
-- tests/paged_attention_checks.py: decode and prefill attention and the KV write against the
+- paged_attention_checks.py: decode and prefill attention and the KV write against the
   reference (2 KV heads, head_dim 16, blocks of 4, decode splits of 32 in tiles of 16), and the
   CUDA attention path against the per-sequence CPU path.
-- tests/fused_ops_checks.py: residual add + RMSNorm, rotary + KV write, silu * up against the
+- fused_ops_checks.py: residual add + RMSNorm, rotary + KV write, silu * up against the
   torch path they replace; add + RMSNorm + LoRA shrink against add_rms_norm and lora_shrink.
-- tests/decode_gemv_checks.py: the decode GEMV against a float64 x w^T (bit-exact on integer
+- decode_gemv_checks.py: the decode GEMV against a float64 x w^T (bit-exact on integer
   inputs), row bits across batches, weight views, refused inputs; a tiny tile and the default.
-- tests/model_kernel_checks.py: the whole model's kernel path (LORAD_TEST_KERNELS_ON_CPU) against
+- model_kernel_checks.py: the whole model's kernel path (LORAD_TEST_KERNELS_ON_CPU) against
   its torch path on the same weights and steps, with three adapters.
-- tests/token_draw_checks.py: the sampler's draw and running sum against float64 references, rows
+- token_draw_checks.py: the sampler's draw and running sum against float64 references, rows
   across batches, removed tokens, the distribution, and the sampler's use of it.
 """
 
@@ -30,9 +30,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from tests import (decode_gemv_checks, fused_ops_checks, lora_kernel_checks, model_kernel_checks,
-                   paged_attention_checks, token_draw_checks)
-from tests.triton_interpreter import interpret_in_subprocess
+from tests.kernels import (decode_gemv_checks, fused_ops_checks, lora_kernel_checks,
+                           model_kernel_checks, paged_attention_checks, token_draw_checks)
+from tests.kernels.triton_interpreter import interpret_in_subprocess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (the test extra has it on Linux "
@@ -43,9 +43,9 @@ MODULES = {module.__name__: module.CHECKS for module in (
     model_kernel_checks, token_draw_checks)}
 # The modules' interpreter run times on a 2-core machine, longest first (2026-12-02: 118, 107,
 # 54, 39, 22, 11 s): two runners finish together when the long runs start first.
-SLOWEST_FIRST = ("tests.model_kernel_checks", "tests.lora_kernel_checks",
-                 "tests.decode_gemv_checks", "tests.paged_attention_checks",
-                 "tests.fused_ops_checks", "tests.token_draw_checks")
+SLOWEST_FIRST = ("tests.kernels.model_kernel_checks", "tests.kernels.lora_kernel_checks",
+                 "tests.kernels.decode_gemv_checks", "tests.kernels.paged_attention_checks",
+                 "tests.kernels.fused_ops_checks", "tests.kernels.token_draw_checks")
 
 
 # module -> its run: its results, or why it failed. Started by the first test of any module.

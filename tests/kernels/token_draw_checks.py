@@ -1,7 +1,7 @@
 """Checks of the sampler's GPU sums (lorad/workers/kernels/token_draw.py): the draw and the
 cumulative sum against float64 torch references, on any device.
 
-tests/unit/test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
+test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
 subprocess, at a vocabulary of three chunks of 1024 (the last partial); tests/gpu/
 test_token_draw_gpu.py calls them on CUDA at Llama 3's vocabulary and the kernel's own chunk.
 Each check raises AssertionError naming what differed. The kernel module is imported inside the
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from tests.triton_interpreter import run_checks
+from tests.kernels.triton_interpreter import run_checks
 
 CPU_VOCAB = 2500
 CPU_CHUNK = 1024

@@ -101,7 +101,7 @@ def interpret_in_subprocess(module: str, timeout_s: float = 600) -> dict[str, di
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", module], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
