@@ -3,8 +3,8 @@
 shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336; bf16), batches 1, 4, 16
 and 32, over a sweep of tile configs, with the bandwidth achieved against the weight bytes.
 
-    python scripts/bench_decode_gemv.py [--batches 1,4,16,32] [--tp 1] [--budget-s 40]
-    python scripts/bench_decode_gemv.py --lora [--batches 1,8,32]
+    python -m benchmarks.bench_decode_gemv [--batches 1,4,16,32] [--tp 1] [--budget-s 40]
+    python -m benchmarks.bench_decode_gemv --lora [--batches 1,8,32]
 
 Each time is one launch of a CUDA graph of back-to-back launches, as a decode step runs them,
 so launch overhead stays out; the launches cycle over copies of the weight that hold well past
@@ -24,16 +24,12 @@ the same one): t is random.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import triton  # noqa: E402
 
@@ -43,9 +39,7 @@ from lorad.workers.kernels.decode_gemv import (DEFAULT_CONFIG, MAX_ROWS,  # noqa
 from lorad.workers.kernels.lora_expand import lora_expand  # noqa: E402
 from lorad.workers.kernels.lora_shrink import num_k_chunks  # noqa: E402
 from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles  # noqa: E402
-# scripts/ is on sys.path as the script's folder
-from bench_engine import copy_bandwidth  # noqa: E402
-from bench_lora_kernels import time_graph  # noqa: E402
+from benchmarks.common import conditions, copy_bandwidth, time_graph  # noqa: E402
 
 # name -> (N, K, split by tensor parallelism along N (column-parallel) or K (row-parallel))
 SHAPES = {"qkv": (6144, 4096, "N"), "o": (4096, 4096, "K"), "gate_up": (28672, 4096, "N"),
@@ -158,8 +152,7 @@ class LoraProblem(Problem):
 def bench_lora(batches: list[int]) -> None:
     torch.manual_seed(0)
     problems = [LoraProblem(shape, n, k) for shape, (n, k, _) in SHAPES.items()]
-    print(f"# decode GEMV with LoRA, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, triton {triton.__version__}, bf16; {LORA_ADAPTERS} "
+    print(f"# decode GEMV with LoRA, {conditions('cuda')}, bf16; {LORA_ADAPTERS} "
           f"adapters of rank {LORA_RANK}, fp32 tables; us per launch from a CUDA graph of "
           f"{LAUNCHES} launches over weight (and B) copies {L2_FLUSH_BYTES >> 20} MiB apart; "
           f"default config {name(DEFAULT_CONFIG)}; the shrink not timed; wrong: a result off "
@@ -286,8 +279,7 @@ def main() -> int:
     problems = [Problem(shape, n // args.tp if split == "N" else n,
                         k // args.tp if split == "K" else k)
                 for shape, (n, k, split) in SHAPES.items()]
-    print(f"# decode GEMV vs cuBLAS, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, triton {triton.__version__}, bf16, tp {args.tp}")
+    print(f"# decode GEMV vs cuBLAS, {conditions('cuda')}, bf16, tp {args.tp}")
     print(f"# device copy {copy_bandwidth() / 1e9:.0f} GB/s (read + write); GB/s below: weight "
           f"bytes / time per launch, from a CUDA graph of {LAUNCHES} launches over weight copies "
           f"{L2_FLUSH_BYTES >> 20} MiB apart; default config {name(DEFAULT_CONFIG)} (block_n, "

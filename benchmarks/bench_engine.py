@@ -21,10 +21,8 @@ import argparse
 import ast
 import contextlib
 import dataclasses
-import datetime
 import gc
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,7 +33,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from lorad.config import ModelConfig  # noqa: E402
 from lorad.config.adapters import TARGET_MODULES, AdapterArg, load_adapter  # noqa: E402
@@ -49,6 +46,7 @@ from lorad.workers.kernels import paged_attention, pdl  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
 from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
+from benchmarks.common import conditions, copy_bandwidth, time_cuda  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
 VARIANT_MODULES = {"decode_gemv": decode_gemv, "lora": lora_module, "lora_expand": lora_expand,
@@ -136,32 +134,9 @@ def parse_args() -> argparse.Namespace:
 
 # --- ceilings ---------------------------------------------------------------------------------
 
-def time_cuda(fn, repeats: int, warmup: int = 2) -> float:
-    """Median seconds of fn() over `repeats` runs, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy, read + write counted (the median of 10)."""
-    src = torch.randn(1 << 30, device=CUDA, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    seconds = time_cuda(lambda: dst.copy_(src), 10)
-    return 2 * src.numel() * src.element_size() / seconds  # 4 GiB back on return
-
-
 def measure_ceilings() -> tuple[float, float]:
     """-> (copy bandwidth in bytes/s, read + write counted; bf16 matmul FLOP/s), on random data."""
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(CUDA)
     a = torch.randn(8192, 8192, device=CUDA, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=CUDA, dtype=torch.bfloat16)
     seconds = time_cuda(lambda: a @ b, 10)
@@ -532,18 +507,6 @@ def capture(model, args, num_adapters: int) -> DecodeGraphs | None:
     return graphs
 
 
-def versions() -> str:
-    import importlib.metadata as md
-
-    found = []
-    for name in ("torch", "triton", "transformers", "peft"):
-        try:
-            found.append(f"{name} {md.version(name)}")
-        except md.PackageNotFoundError:
-            found.append(f"{name} -")
-    return ", ".join(found)
-
-
 def table(conditions: list[str]) -> str:
     def num(value, digits=2) -> str:
         return "" if value is None else f"{value:,.{digits}f}"
@@ -698,8 +661,7 @@ def main() -> int:
                                           " in steps with LoRA launches)")
     conditions = [
         f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB),"
-        f" CUDA {torch.version.cuda}; {versions()}; Python {platform.python_version()}; "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f" CUDA {torch.version.cuda}; {conditions()}",
         f"measured here: device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write), "
         f"bf16 matmul {flops / 1e12:.0f} TFLOP/s (8192^3, random data)",
         f"model {Path(args.config).name}: random weights, bf16, world size 1, graphs captured "

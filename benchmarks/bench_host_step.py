@@ -2,7 +2,7 @@
 """The worker's host work per decode step, without the model: what every step costs the leader's
 CPU besides the forward and the sampling (on a GPU, time in which the GPU waits).
 
-    python scripts/bench_host_step.py [--batches 1,8,32,64,128] [--steps 50]
+    python -m benchmarks.bench_host_step [--batches 1,8,32,64,128] [--steps 50]
 
 `batch` sequences, each decoding after a 600-token prompt (blocks of 16), as the worker loop
 runs them: the live-set digest (only computed at --parallel 2 and more), plan(), the plan's
@@ -14,14 +14,9 @@ table and the conditions; a benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lorad.protocol import StepResult, decode, encode  # noqa: E402
 from lorad.protocol.messages import SamplingParams  # noqa: E402
@@ -29,6 +24,7 @@ from lorad.workers.agreement import live_digest  # noqa: E402
 from lorad.workers.block_manager import BlockManager  # noqa: E402
 from lorad.workers.planner import Planner, PlannerLimits  # noqa: E402
 from lorad.workers.sequence import Sequence  # noqa: E402
+from benchmarks.common import conditions  # noqa: E402
 
 PARTS = ("digest", "plan", "chunks", "apply", "encode", "worker total", "coordinator decode")
 
@@ -68,8 +64,7 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8,32,64,128")
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
-    print(f"# worker host work per decode step, {datetime.date.today()}, "
-          f"{platform.processor() or platform.machine()}, Python {platform.python_version()}; "
+    print(f"# worker host work per decode step, {conditions('cpu')}; "
           f"us, median of {args.steps} steps")
     print(f"{'batch':>5} " + " ".join(f"{part:>18}" for part in PARTS))
     for batch in (int(b) for b in args.batches.split(",") if b):

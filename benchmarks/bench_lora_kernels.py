@@ -14,7 +14,7 @@ triton; prints the conditions with the table.
 --per-kernel also times each projection's shrink and expand on their own (a graph of that one
 kernel over every layer), against the bytes that kernel alone must read.
 
-Usage: scripts/bench_lora_kernels.py [--layers 32] [--batches 1,8,32,64,128] [--sweep]
+Usage: python -m benchmarks.bench_lora_kernels [--layers 32] [--batches 1,8,32,64,128] [--sweep]
        [--sweep-batches 1,32,128] [--sweep-kernels shrink,expand] [--programs-per-sm 4,8,32]
        [--table-dtype bf16|fp32] [--per-kernel]
 """
@@ -22,23 +22,17 @@ Usage: scripts/bench_lora_kernels.py [--layers 32] [--batches 1,8,32,64,128] [--
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import triton  # noqa: E402
 
 from lorad.workers.kernels import lora_expand as expand  # noqa: E402
 from lorad.workers.kernels import lora_shrink as shrink  # noqa: E402
 from lorad.workers.kernels import lora_tiles  # noqa: E402
 from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles  # noqa: E402
-from bench_engine import time_cuda  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+from benchmarks.common import conditions, time_cuda, time_graph  # noqa: E402
 
 HIDDEN, INTERMEDIATE, RANK, NUM_ADAPTERS = 4096, 14336, 16, 64
 # Launch groups of one layer: (input features, output features of each table sharing x).
@@ -97,19 +91,6 @@ def step_bytes(num_layers: int, num_rows: int, num_distinct: int, itemsize: int 
             total += num_rows * num_chunks * RANK * 4 * 2  # t's partials written and read
         total += num_rows * num_in * 2  # x (bf16), once per launch
     return total * num_layers
-
-
-def time_graph(fn, replays: int = 20) -> float:
-    """Median seconds of one replay of fn captured as a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_cuda(graph.replay, replays, warmup=3)
 
 
 def mixtures(num_rows: int) -> dict[str, list[int]]:
@@ -232,8 +213,7 @@ def main() -> int:
     print(f"# LoRA shrink+expand, one decode step: {args.layers} layers x (qkv, o, gate_up, down); "
           f"hidden {HIDDEN}, intermediate {INTERMEDIATE}, rank {RANK}, {NUM_ADAPTERS} adapters "
           f"loaded, x bf16, tables {args.table_dtype}")
-    print(f"# {datetime.date.today()}, {torch.cuda.get_device_name(device)}, torch "
-          f"{torch.__version__}, triton {triton.__version__}, python {platform.python_version()}")
+    print(f"# {conditions(device)}")
     print(f"# shrink {shrink.DEFAULT_CONFIG}, expand {expand.DEFAULT_CONFIG}")
     print("# graph us: the step replayed as a CUDA graph (exact tiles); any-mix us: the graph "
           "sized for any mixture; GB/s: MB moved / graph us")

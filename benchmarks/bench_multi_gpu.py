@@ -158,7 +158,7 @@ def cmd_logits(args) -> int:
 class Daemon:
     def __init__(self, model_dir: Path, flags: list[str], log_path: Path, entry=None,
                  env: dict | None = None) -> None:
-        from tests.integration.conftest import free_port
+        from tests.daemons import free_port
         self.runtime = Path(tempfile.mkdtemp(prefix="lrd-"))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -9,28 +9,27 @@ each batch (1, 8, 32, 64) and mixture (every row on one adapter; a distinct adap
 built outside the graph, with the bound a graph for any mixture uses (as serving does). Needs
 CUDA and triton; prints the conditions with the table. Does not check results: the tests do.
 
-Usage: scripts/bench_norm_shrink.py [--layers 32] [--batches 1,8,32,64]
+Usage: python -m benchmarks.bench_norm_shrink [--layers 32] [--batches 1,8,32,64]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import conditions
+
 
 HIDDEN, RANK, NUM_ADAPTERS, EPS = 4096, 16, 64, 1e-5
 GROUPS = {"q/k/v": 3, "gate/up": 2}  # tables sharing the normed input
 
 
 def bench(num_layers: int, batches: list[int], device: torch.device) -> list[tuple]:
-    # scripts/ is on sys.path as the script's folder; its mixtures cycle over 64 adapters too
-    from bench_lora_kernels import mixtures, time_graph
+    # bench_lora_kernels' mixtures cycle over 64 adapters too
+    from benchmarks.bench_lora_kernels import mixtures
+    from benchmarks.common import time_graph
     from lorad.workers.kernels.fused_ops import add_rms_norm, add_rms_norm_shrink
     from lorad.workers.kernels.lora_shrink import lora_shrink
     from lorad.workers.kernels.lora_tiles import LoraTiles, max_tiles_any_mixture
@@ -82,8 +81,7 @@ def main() -> int:
           f"{NUM_ADAPTERS} adapters + slot 0, {args.layers} layers of distinct fp32 A tables, "
           f"delta fp32, residual and normed bf16; per call, from one CUDA graph of "
           f"{args.layers} calls")
-    print(f"# {datetime.date.today()}, {torch.cuda.get_device_name(device)}, torch "
-          f"{torch.__version__}, triton {triton.__version__}, python {platform.python_version()}")
+    print(f"# {conditions(device)}")
     print("\n| tables | batch | mixture | add_rms_norm + lora_shrink us | add_rms_norm_shrink us "
           "| speed-up |")
     print("|---|---:|---|---:|---:|---:|")

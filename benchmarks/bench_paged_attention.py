@@ -3,7 +3,7 @@
 (32 query / 8 KV heads, head_dim 128, blocks of 16 tokens, bf16), batch 1 to 128 at contexts 1024
 and 4096, with the bandwidth achieved against the K and V bytes read.
 
-    python scripts/bench_paged_attention.py [--split-sizes 256] [--tile-sizes 64,128]
+    python -m benchmarks.bench_paged_attention [--split-sizes 256] [--tile-sizes 64,128]
                                             [--warps 4,8] [--batches 1,8,32,64,128]
                                             [--contexts 1024,4096] [--iters 50]
                                             [--table-tokens 8192] [--split-programs=-1,0]
@@ -23,17 +23,14 @@ are not served from L2. Prints a table and the conditions; a benchmark, not a te
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lorad.workers.kernels.paged_attention import (  # noqa: E402
     SPLIT_PROGRAMS, SPLIT_SIZE, SPLIT_STAGES, SPLIT_WARPS, TILE_TOKENS,
     paged_decode_attention)
+from benchmarks.common import conditions  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -140,8 +137,7 @@ def main() -> int:
         else:
             parser.error(f"--layouts: {layout!r} is not nhd or hnd")
     k_cache, v_cache = next(iter(caches.values()))
-    print(f"# decode attention, {datetime.date.today()}, {torch.cuda.get_device_name(device)}, "
-          f"torch {torch.__version__}, triton {triton.__version__}")
+    print(f"# decode attention, {conditions(device)}")
     print(f"# {NUM_Q_HEADS} query / {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, blocks of "
           f"{BLOCK_SIZE}, {DTYPE}, KV pool {2 * k_cache.nbytes / 2**30:.1f} GiB; "
           f"GB/s = K+V bytes read / graph time; block tables {args.table_tokens or 'context'} "

@@ -2,7 +2,7 @@
 """Programmatic dependent launch (PDL) on this GPU: what it saves between back-to-back kernels
 in a CUDA graph, as a decode step has them. A benchmark, not a test.
 
-    python scripts/bench_pdl.py [--layers 32] [--repeats 20]
+    python -m benchmarks.bench_pdl [--layers 32] [--repeats 20]
 
 Each case is a graph of `layers` repetitions of a decode layer's pattern at batch 1, hidden 4096:
 - "triton chain": five small Triton kernels in a row (each reads the row the one before wrote);
@@ -16,13 +16,14 @@ Prints us per graph replay (median) and per kernel transition; the outputs of bo
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from benchmarks.common import conditions, time_cuda
 
 
 @triton.jit
@@ -76,35 +77,19 @@ def build(case: str, pdl: bool, layers: int, hidden: int):
     return graph, result, (x, weights, mats, bufs)  # the graph reads these: keep them alive
 
 
-def time_graph(graph, repeats: int) -> float:
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    print(f"# PDL, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-          f"{triton.__version__}; us per graph replay, median of {args.repeats}")
+    print(f"# PDL, {conditions('cuda')}; us per graph replay, median of {args.repeats}")
     print(f"{'case':>14} {'plain us':>9} {'pdl us':>9} {'saved/transition us':>20} same")
     for case, transitions in (("triton chain", 5), ("with matmuls", 2)):
         plain_graph, plain_out, plain_inputs = build(case, False, args.layers, args.hidden)
         pdl_graph, pdl_out, pdl_inputs = build(case, True, args.layers, args.hidden)
-        plain = min(time_graph(plain_graph, args.repeats) for _ in range(3))
-        pdl = min(time_graph(pdl_graph, args.repeats) for _ in range(3))
+        plain = 1e6 * min(time_cuda(plain_graph.replay, args.repeats, 3) for _ in range(3))
+        pdl = 1e6 * min(time_cuda(pdl_graph.replay, args.repeats, 3) for _ in range(3))
         plain_graph.replay(), pdl_graph.replay()
         torch.cuda.synchronize()
         same = torch.equal(plain_out, pdl_out)

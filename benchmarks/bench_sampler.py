@@ -2,7 +2,7 @@
 """The leader's sampler alone: milliseconds per step to pick one token per row from [batch, vocab]
 fp32 logits, greedy and with the warpers, on the CPU (torch's ops) or a GPU (the Triton draw).
 
-    python scripts/bench_sampler.py [--device cuda] [--batches 1,8,32,64] [--vocab 128256]
+    python -m benchmarks.bench_sampler [--device cuda] [--batches 1,8,32,64] [--vocab 128256]
         [--profile "top-k 50"]
 
 Every row of a step uses the same parameters; each figure is the median of --repeats steps
@@ -14,18 +14,15 @@ profile of one more step of that case: host and device time per op, the host's f
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from lorad.protocol.messages import SamplingParams  # noqa: E402
 from lorad.workers.sampler import Sampler  # noqa: E402
+from benchmarks.common import conditions  # noqa: E402
 
 CASES = {  # name -> (temperature, top_k, top_p)
     "greedy": (0.0, 0, 1.0),
@@ -47,8 +44,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     batches = [int(b) for b in args.batches.split(",") if b]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"# sampler, {datetime.date.today()}, {name}, torch {torch.__version__}, vocab "
+    print(f"# sampler, {conditions(device)}; vocab "
           f"{args.vocab}, {args.threads} CPU thread(s); ms per step, median of {args.repeats}")
     print(f"{'batch':>5} " + " ".join(f"{case:>17}" for case in CASES))
     for batch in batches:

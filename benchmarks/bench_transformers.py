@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import cpu_name  # scripts/ is on sys.path as the script's folder
+from benchmarks.common import cpu_name
 
 PROMPT_ID_RANGE = (100, 1000)  # as bench.py draws its random prompts
 

@@ -4,7 +4,7 @@ architecture, compiled offline: no GPU needed, only triton (its wheel carries pt
 cuobjdump). A kernel that spills, or whose registers leave few programs per multiprocessor,
 shows here before any device time is spent on it.
 
-    python scripts/kernel_resources.py [--arch 90] [--expand BLOCK_N,WARPS ...]
+    python -m benchmarks.kernel_resources [--arch 90] [--expand BLOCK_N,WARPS ...]
         [--shrink BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES ...] [--block-m ROWS] [--only TEXT]
 
 Each kernel is compiled with the constexprs, warps and stages the model launches it with at the
@@ -26,9 +26,6 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 import triton  # noqa: E402

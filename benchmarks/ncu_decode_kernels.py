@@ -15,7 +15,7 @@ Cases:
   attn64  decode attention (split + reduce): 64 sequences of 512 tokens, a table of 8192
   mm64    cuBLAS's base matmuls (F.linear) of the four projections at 64 rows
 
-    python3 scripts/ncu_decode_kernels.py [--cases many64,one32,attn64,mm64] [--csv-out DIR]
+    python -m benchmarks.ncu_decode_kernels [--cases many64,one32,attn64,mm64] [--csv-out DIR]
 
 Needs a CUDA GPU, triton and ncu (on PATH or /usr/local/cuda/bin); ncu runs with
 --clock-control none, so the GPU keeps its own clocks.
@@ -33,10 +33,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
-from profile_graph import PROJECTIONS  # noqa: E402  (a layer's launch groups, in order)
+from benchmarks.profile_graph import PROJECTIONS  # noqa: E402  (a layer's launch groups, in order)
 
 CASES = ("many64", "one32", "attn64", "mm64")
 KERNEL_FILTER = "regex:_shrink_kernel|_expand_kernel|_decode_|gemm|nvjet|xmma|splitK|cutlass"
@@ -59,7 +57,7 @@ def drive(case: str, device: str = "cuda") -> None:
     one layer's tables as bench_lora_kernels.py makes them, KV as bench_paged_attention.py's."""
     import torch
     import torch.nn.functional as F
-    from bench_lora_kernels import GROUPS, NUM_ADAPTERS, RANK, make_layers
+    from benchmarks.bench_lora_kernels import GROUPS, NUM_ADAPTERS, RANK, make_layers
     torch.manual_seed(0)
     if case in ("many64", "one32"):
         from lorad.workers.kernels.lora_expand import lora_expand
@@ -78,7 +76,8 @@ def drive(case: str, device: str = "cuda") -> None:
             t = lora_shrink(group.x, group.a, [ranks] * n, tiles)
             lora_expand(t, group.outs, group.b, [ranks] * n, [scales] * n, tiles, deltas=True)
     elif case == "attn64":
-        from bench_paged_attention import BLOCK_SIZE, DTYPE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS
+        from benchmarks.bench_paged_attention import (BLOCK_SIZE, DTYPE, HEAD_DIM, NUM_KV_HEADS,
+                                                      NUM_Q_HEADS)
         from lorad.workers.kernels.paged_attention import paged_decode_attention
         batch, context, num_blocks, table_tokens = 64, 512, 8192, 8192
         k = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=device,
@@ -207,7 +206,7 @@ def main() -> int:
                    "details"]
         for section in SECTIONS:
             command += ["--section", section]
-        command += [sys.executable, str(Path(__file__).resolve()), "--drive", case]
+        command += [sys.executable, "-m", "benchmarks.ncu_decode_kernels", "--drive", case]
         done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
         if args.csv_out:
             Path(args.csv_out).mkdir(parents=True, exist_ok=True)

@@ -5,11 +5,12 @@ tests/gpu/test_lora_kernels_gpu.py::test_rows_independent_of_batch says whether 
 their bits; this says which rows of one mixed batch do not, with each one's slot, (tile, lane) and
 largest difference, and whether the same batch run twice repeats (a race would not), so a kernel
 change that breaks the invariance for some lanes or tables only shows where. It runs the LoRA
-shrink and expand of the lorad tree given by --tree (this checkout by default; a tried kernel's
-copy too), at the 8B model's shapes on CUDA, or at the interpreter's tiny shapes on the CPU under
-TRITON_INTERPRET=1. Exit status 1 when any row differs.
+shrink and expand of the checkout it runs from (a tried kernel's copy: run it from that copy's
+root with this checkout on PYTHONPATH), at the 8B model's shapes on CUDA, or at the
+interpreter's tiny shapes on the CPU under TRITON_INTERPRET=1. Exit status 1 when any row
+differs.
 
-Usage: scripts/probe_lora_row_bits.py [--shape qkv] [--rows 128] [--seed 1] [--tree DIR]
+Usage: python -m benchmarks.probe_lora_row_bits [--shape qkv] [--rows 128] [--seed 1]
 """
 
 from __future__ import annotations
@@ -18,20 +19,15 @@ import argparse
 import os
 import sys
 from collections import Counter
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qkv", help="a GPU_SHAPES (CUDA) or CPU_SHAPES (CPU) name "
-                                                  "of tests/lora_kernel_checks.py")
+                                                  "of tests/kernels/lora_kernel_checks.py")
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--tree", default=str(REPO), help="the checkout whose lorad/ and tests/ run")
     args = p.parse_args()
-    sys.path.insert(0, str(Path(args.tree).resolve()))
     import torch
 
     cpu = os.environ.get("TRITON_INTERPRET") == "1"
@@ -40,11 +36,11 @@ def main() -> int:
               file=sys.stderr)
         return 2
     if cpu:
-        from tests.triton_interpreter import patch_triton_interpreter
+        from tests.kernels.triton_interpreter import patch_triton_interpreter
         patch_triton_interpreter()
         torch.set_num_threads(1)
     from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
-    from tests import lora_kernel_checks as checks
+    from tests.kernels import lora_kernel_checks as checks
 
     device = "cpu" if cpu else "cuda"
     shapes = checks.CPU_SHAPES if cpu else checks.GPU_SHAPES

@@ -16,11 +16,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_engine import (BLOCK_SIZE, CUDA, build_lorad, decode_steps, load_adapters,  # noqa: E402
-                          write_adapter)
+from benchmarks.bench_engine import (BLOCK_SIZE, CUDA, build_lorad, decode_steps,  # noqa: E402
+                                     load_adapters, write_adapter)
 from lorad.config import ModelConfig  # noqa: E402
 from lorad.workers.batch import ForwardBatch  # noqa: E402
 

@@ -25,8 +25,6 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 # The projections in the order a layer launches its matmuls and its LoRA shrinks and expands.
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -156,7 +154,8 @@ def trace_kernels(path: Path) -> list[dict]:
 def main() -> int:
     import torch
 
-    from bench_engine import BLOCK_SIZE, build_lorad, load_adapters, settings, write_adapter
+    from benchmarks.bench_engine import (BLOCK_SIZE, build_lorad, load_adapters, settings,
+                                         write_adapter)
     from lorad.config import ModelConfig
     from lorad.workers.cuda_graph import DecodeGraphs
 
@@ -204,7 +203,7 @@ def profile_cases(graphs, cases: list[tuple[str, int]], args, blocks_per_seq: in
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench_engine import decode_steps, slots_for
+    from benchmarks.bench_engine import decode_steps, slots_for
     for case, batch in cases:
         slots = slots_for(case, batch, args.num_adapters)
         steps = list(decode_steps(slots, args.context, blocks_per_seq, 3))
