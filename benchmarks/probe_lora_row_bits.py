@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 from collections import Counter
+from pathlib import Path
 
 
 def main() -> int:
@@ -39,6 +40,7 @@ def main() -> int:
         from tests.kernels.triton_interpreter import patch_triton_interpreter
         patch_triton_interpreter()
         torch.set_num_threads(1)
+    import lorad
     from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
     from tests.kernels import lora_kernel_checks as checks
 
@@ -81,7 +83,7 @@ def main() -> int:
                        for a, b in zip(one_out, batch_out))
             differing.append((row, int(slots[row]), lane_of.get(row), t_differs, tables_out, diff))
     print(f"# {device}, shape {args.shape} {shape}, {args.rows} rows, seed {args.seed}, "
-          f"lorad from {args.tree}")
+          f"lorad from {Path(lorad.__file__).parent.parent}")
     print(f"the same batch twice gives the same bits: {repeats}")
     print(f"rows with other bits alone than in the batch: {len(differing)} of {int(edited.sum())}")
     for row, slot, where, t_differs, tables_out, diff in differing[:20]:
