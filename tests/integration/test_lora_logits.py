@@ -128,11 +128,14 @@ def runs(checkpoint, tmp_path_factory) -> dict[int, Path]:
 
 @pytest.fixture(scope="module")
 def reference(checkpoint) -> dict[tuple[int, str], torch.Tensor]:
+    return peft_reference(*checkpoint)
+
+
+def peft_reference(base: Path, folders: dict[str, Path]) -> dict[tuple[int, str], torch.Tensor]:
     """(slot, sequence) -> peft's fp32 logits [seq_len, vocab] of the full sequence."""
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
-    base, folders = checkpoint
     model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32,
                                              attn_implementation="eager").eval()
     refs = {}
