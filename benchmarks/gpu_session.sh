@@ -1,26 +1,20 @@
 #!/usr/bin/env bash
-# One GPU session on a lent H200, in one device call: the gpu-marked tests, the kernel
-# micro-benchmarks, then the engine benchmark; the short tables are printed last.
+# One GPU session in one call: the gpu-marked tests, then the benchmarks asked for; each part
+# under its own time limit, its log in $OUT, a summary last.
 #
-# Run from the repository root through the device tool, with the pyzmq wheel carried:
-#   cp /work/shared/wheels-gpu/*.whl .whl/      (here, once; .whl/ is git-ignored)
-#   run(command="bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
-# Installs only the carried wheel (into /tmp/site); everything else is the image's (torch,
-# triton, transformers, peft...), and lorad is used from the checkout through PYTHONPATH.
-# Logs go to $OUT (gpu-tests.log, bench-lora.log, bench-attention.log, bench-sampler.log,
-# sampler-profile.log, bench-gemv.log, bench-gemv-lora.log, bench-norm-shrink.log, profile.log,
-# graph-profile.log and traces/, ncu.log and ncu/, bench.log, bench.md).
-# Time limits: tests 320 s and the sampler's unit tests 60 s, the LoRA kernels 120 s, attention
-# and the sampler 60 s each, the sampler's profile 45 s (LORAD_SESSION_MICRO=0 skips these
-# four), the GEMV sweep 75 s (LORAD_SESSION_GEMV=0 skips it), the fused-LoRA kernels'
-# benchmarks 120 s (LORAD_SESSION_FUSED=0 skips them), the decode profile 90 s
-# (LORAD_SESSION_PROFILE=0 skips it), the graph replays' timeline 150 s (off unless
-# LORAD_SESSION_GRAPH_PROFILE=1), the kernels' hardware counters 120 s (off unless
-# LORAD_SESSION_NCU=1), the engine 210 s (LORAD_SESSION_ENGINE=0 skips it; so does
-# LORAD_SESSION_TESTS=0 the tests). LORAD_SESSION_QUICK=1 makes the engine
-# benchmark shorter (--quick); LORAD_SESSION_ENGINE_ARGS, LORAD_SESSION_LORA_ARGS and
-# LORAD_SESSION_ATTENTION_ARGS pass more options to the engine, LoRA and attention benchmarks.
-# Everything on is more than 10 minutes: switch parts off to fit.
+# Usage, from the repository root (on a lent GPU through the device tool, with the pyzmq wheel
+# carried when the image lacks pyzmq: cp /work/shared/wheels-gpu/*.whl .whl/ here, once):
+#   bash benchmarks/gpu_session.sh [PART ...]          e.g. run(..., carry=[".whl"])
+# PARTS (default: tests kernels engine; "multi" joins when two GPUs are visible):
+#   tests     pytest -m gpu tests/gpu, and the sampler's CPU test that depends on torch's build
+#   kernels   bench_lora_kernels, bench_paged_attention, bench_sampler, bench_decode_gemv
+#   engine    bench_engine (the decode step against its memory floor)
+#   multi     bench_multi_gpu (world 1, 2, 4 over NCCL)
+#   profile   profile_decode;  graph: profile_graph (traces in $OUT/traces);
+#   ncu       ncu_decode_kernels (CSVs in $OUT/ncu)
+# Environment: OUT (default /tmp/lorad-gpu-session); LORAD_TEST_ARGS (default tests/gpu);
+# LORAD_BENCH_ARGS_<module>, e.g. LORAD_BENCH_ARGS_bench_engine="--quick", options for one
+# benchmark. Everything at once is more than 10 minutes: ask for parts.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -29,7 +23,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # Ranks on one host talk over loopback (the machine has no other network worth resolving).
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 started=$SECONDS
+declare -A status
 
 say() { printf '\n=== %s (%ds) ===\n' "$*" "$((SECONDS - started))"; }
 
@@ -37,108 +33,69 @@ say "setup"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     || echo "gpu_session: installing the carried wheels failed"
-else
-  echo "gpu_session: no .whl/*.whl carried: pyzmq is missing, worker-process tests will fail"
 fi
-export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm,clocks.mem \
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+num_gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version,clocks.sm,clocks.mem \
   --format=csv 2>&1 | tee "$OUT/env.txt"
-python3 - <<'EOF' 2>&1 | tee -a "$OUT/env.txt"
-import importlib.metadata as md, platform, torch
-names = ("torch", "triton", "transformers", "peft", "pyzmq", "msgpack", "aiohttp", "safetensors")
-found = []
-for name in names:
-    try:
-        found.append(f"{name} {md.version(name)}")
-    except md.PackageNotFoundError:
-        found.append(f"{name} MISSING")
-print(f"python {platform.python_version()}; " + ", ".join(found))
-print(f"cuda available: {torch.cuda.is_available()}, devices: {torch.cuda.device_count()}, "
-      f"torch cuda {torch.version.cuda}")
-EOF
+python3 -c 'from benchmarks.common import conditions; print(conditions("cuda"))' 2>&1 \
+  | tee -a "$OUT/env.txt"
 
-tests_status=skipped
-if [[ ${LORAD_SESSION_TESTS:-1} == 1 ]]; then  # LORAD_SESSION_TESTS=0 skips the tests
-  say "gpu tests"
-  # LORAD_SESSION_TEST_ARGS: the tests to run (default tests/gpu), e.g. one file or -k EXPR.
-  read -ra test_args <<<"${LORAD_SESSION_TEST_ARGS:-tests/gpu}"
-  timeout -k 10 320 python3 -m pytest -m gpu "${test_args[@]}" -q -p no:cacheprovider -o addopts="" \
-    -rfE --durations=8 2>&1 | tee "$OUT/gpu-tests.log"
-  tests_status=${PIPESTATUS[0]}
-  # CPU tests that depend on the torch version: the sampler's uniforms come from torch's CPU
-  # generator in blocks, which must give single draws' values on this image's torch too.
-  timeout -k 10 60 python3 -m pytest tests/unit/test_sampler.py -q -p no:cacheprovider \
-    -o addopts="" -rfE 2>&1 | tee -a "$OUT/gpu-tests.log"
-  unit_status=${PIPESTATUS[0]}
-  (( tests_status == 0 )) && tests_status=$unit_status
+parts=("$@")
+if (( ${#parts[@]} == 0 )); then
+  parts=(tests kernels engine)
+  (( num_gpus >= 2 )) && parts+=(multi)
 fi
 
-run_bench() {  # log name, timeout s, script[, its arguments]: a micro-benchmark or profile
-  local log=$1 limit=$2
-  shift 2
-  [[ -f scripts/$1 ]] || return 0
-  say "$*"
-  timeout -k 5 "$limit" python3 "scripts/$1" "${@:2}" 2>&1 | tee "$OUT/$log"
+bench() {  # log name, time limit s, module[, its arguments]: one benchmark or profile
+  local log=$1 limit=$2 module=$3
+  shift 3
+  local var="LORAD_BENCH_ARGS_$module" extra=()
+  read -ra extra <<<"${!var:-}"
+  say "$module $* ${extra[*]}"
+  timeout -k 5 "$limit" python3 -m "benchmarks.$module" "$@" "${extra[@]}" 2>&1 \
+    | tee "$OUT/$log"
+  status[$log]=${PIPESTATUS[0]}
 }
-if [[ ${LORAD_SESSION_MICRO:-1} == 1 ]]; then  # LORAD_SESSION_MICRO=0 skips these four
-  # Options split on spaces, e.g. LORAD_SESSION_LORA_ARGS="--sweep --sweep-kernels expand",
-  # LORAD_SESSION_ATTENTION_ARGS="--table-tokens 8192 --split-programs=0,16".
-  read -ra lora_args <<<"${LORAD_SESSION_LORA_ARGS:-}"
-  read -ra attention_args <<<"${LORAD_SESSION_ATTENTION_ARGS:-}"
-  run_bench bench-lora.log 120 bench_lora_kernels.py "${lora_args[@]}"
-  run_bench bench-attention.log 60 bench_paged_attention.py "${attention_args[@]}"
-  run_bench bench-sampler.log 60 bench_sampler.py --device cuda
-  # Where a lone top-k row's time goes (host and device per op).
-  run_bench sampler-profile.log 45 bench_sampler.py --device cuda --batches 1 --repeats 3 \
-    --profile "top-k 50"
-fi
-# The decode GEMV's tile sweep against cuBLAS (LORAD_SESSION_GEMV=0 skips it).
-[[ ${LORAD_SESSION_GEMV:-1} == 1 ]] && run_bench bench-gemv.log 75 bench_decode_gemv.py
-# The kernels that would fold the LoRA launches into others, against the launches they replace:
-# the GEMV's LoRA epilogue against lora_expand, add + RMSNorm + shrink against the two
-# (LORAD_SESSION_FUSED=0 skips them).
-if [[ ${LORAD_SESSION_FUSED:-1} == 1 ]]; then
-  run_bench bench-gemv-lora.log 75 bench_decode_gemv.py --lora
-  run_bench bench-norm-shrink.log 45 bench_norm_shrink.py
-fi
-[[ ${LORAD_SESSION_PROFILE:-1} == 1 ]] && run_bench profile.log 90 profile_decode.py
-# Graph replays on a timeline (LORAD_SESSION_GRAPH_PROFILE=1 runs it; LORAD_SESSION_GRAPH_ARGS
-# passes options, e.g. "--cases base:1,one:32"); each case's kernels land in $OUT/traces.
-if [[ ${LORAD_SESSION_GRAPH_PROFILE:-0} == 1 ]]; then
-  read -ra graph_args <<<"${LORAD_SESSION_GRAPH_ARGS:-}"
-  run_bench graph-profile.log 150 profile_graph.py --trace-out "$OUT/traces" "${graph_args[@]}"
-fi
-# Nsight Compute's counters of the decode kernels (LORAD_SESSION_NCU=1 runs it; 60 s on an H200
-# for its four cases); ncu's CSV of each case lands in $OUT/ncu.
-if [[ ${LORAD_SESSION_NCU:-0} == 1 ]]; then
-  run_bench ncu.log 120 ncu_decode_kernels.py --csv-out "$OUT/ncu"
-fi
 
-bench_status=skipped
-if [[ ${LORAD_SESSION_ENGINE:-1} == 1 ]]; then  # LORAD_SESSION_ENGINE=0 skips it
-  say "engine benchmark"
-  quick=()
-  [[ ${LORAD_SESSION_QUICK:-0} == 1 ]] && quick=(--quick)
-  read -ra extra <<<"${LORAD_SESSION_ENGINE_ARGS:-}"
-  timeout -k 10 210 python3 scripts/bench_engine.py "${quick[@]}" "${extra[@]}" \
-    --table-out "$OUT/bench.md" \
-    2>&1 | tee "$OUT/bench.log"
-  bench_status=${PIPESTATUS[0]}
-fi
+for part in "${parts[@]}"; do
+  case $part in
+    tests)
+      say "gpu tests"
+      read -ra test_args <<<"${LORAD_TEST_ARGS:-tests/gpu}"
+      timeout -k 10 320 python3 -m pytest -m gpu "${test_args[@]}" -q -p no:cacheprovider \
+        -o addopts="" -rfE --durations=8 2>&1 | tee "$OUT/gpu-tests.log"
+      status[gpu-tests.log]=${PIPESTATUS[0]}
+      # The sampler's uniforms come from torch's CPU generator in blocks, which must give single
+      # draws' values on this image's torch too.
+      timeout -k 10 60 python3 -m pytest tests/unit/test_sampler.py -q -p no:cacheprovider \
+        -o addopts="" -rfE 2>&1 | tee "$OUT/sampler-tests.log"
+      status[sampler-tests.log]=${PIPESTATUS[0]} ;;
+    kernels)
+      bench bench-lora.log 120 bench_lora_kernels
+      bench bench-attention.log 60 bench_paged_attention
+      bench bench-sampler.log 60 bench_sampler --device cuda
+      bench bench-gemv.log 75 bench_decode_gemv ;;
+    engine) bench bench-engine.log 210 bench_engine --table-out "$OUT/bench-engine.md" ;;
+    multi) bench bench-multi-gpu.log 240 bench_multi_gpu --table-out "$OUT/bench-multi-gpu.md" ;;
+    profile) bench profile.log 90 profile_decode ;;
+    graph) bench graph-profile.log 150 profile_graph --trace-out "$OUT/traces" ;;
+    ncu) bench ncu.log 120 ncu_decode_kernels --csv-out "$OUT/ncu" ;;
+    *) echo "gpu_session: unknown part $part (see the header of $0)" >&2; status[$part]=2 ;;
+  esac
+done
 
 say "summary"
-echo "--- gpu tests (exit $tests_status; 124 = timed out): $OUT/gpu-tests.log"
-grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)\b" "$OUT/gpu-tests.log" | tail -n 25
-for log in "$OUT/bench-lora.log" "$OUT/bench-attention.log" "$OUT/bench-sampler.log" \
-    "$OUT/sampler-profile.log" "$OUT/bench-gemv.log" \
-    "$OUT/bench-gemv-lora.log" "$OUT/bench-norm-shrink.log" "$OUT/profile.log" \
-    "$OUT/graph-profile.log"; do
-  [[ -f $log ]] && { echo "--- $(basename "$log")"; grep -vE "^\s*$" "$log" | tail -n 30; }
+failed=0
+for log in "${!status[@]}"; do
+  code=${status[$log]}
+  echo "--- $log: exit $code$( ((code == 124 || code == 137)) && echo ' (timed out)')"
+  (( code == 0 )) || failed=1
 done
-echo "--- engine benchmark (exit $bench_status; 124 = timed out)"
-if [[ -s $OUT/bench.md ]]; then
-  cat "$OUT/bench.md"
-elif [[ -f $OUT/bench.log ]]; then
-  tail -n 40 "$OUT/bench.log"
-fi
+[[ -f $OUT/gpu-tests.log ]] \
+  && grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)\b" "$OUT/gpu-tests.log" | tail -n 25
+for table in "$OUT"/bench-*.md; do
+  [[ -s $table ]] && { echo "--- $(basename "$table")"; cat "$table"; }
+done
 echo "--- whole session: $((SECONDS - started)) s"
+exit $failed
