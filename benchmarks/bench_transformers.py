@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import cpu_name
+from scripts.bench import cpu_name  # as bench.py names the machine
 
 PROMPT_ID_RANGE = (100, 1000)  # as bench.py draws its random prompts
 

@@ -67,20 +67,11 @@ def versions(names: tuple[str, ...] = VERSIONS) -> str:
     return ", ".join(found)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def device_name(device: torch.device | str) -> str:
     device = torch.device(device)
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
 
 
 def commit() -> str:
