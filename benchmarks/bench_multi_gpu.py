@@ -265,7 +265,7 @@ def cmd_bench(args) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd")
     rp = sub.add_parser("rank", help="one rank (started by the benchmark itself)")
     for sp in (p, rp):
