@@ -2,7 +2,7 @@
 
 The demo model is converted by scripts/prepare_demo_model.py (the same converter serve-demo
 uses) once per cache, not per run: its marker file makes a matching folder a no-op. Tiny random
-checkpoints live in tests/tiny_models.py.
+checkpoints live in tests/tiny_models.py, real daemons in tests/daemons.py.
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# The daemon helpers and fixtures (tiny_model, tiny_adapters, start_lorad, ...) of the
+# integration tests, shared with tests/gpu.
+pytest_plugins = ("tests.daemons",)
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -3,7 +3,7 @@ the one place the model, attention and LoRA layers ask.
 
 The kernel path needs triton (the `gpu` extra) and a CUDA device, or, for tests only, the
 LORAD_TEST_KERNELS_ON_CPU=1 hook with TRITON_INTERPRET=1: the same kernels on CPU tensors, so CI
-checks the model's GPU path end to end without a GPU (tests/model_kernel_checks.py).
+checks the model's GPU path end to end without a GPU (tests/kernels/model_kernel_checks.py).
 """
 
 from __future__ import annotations

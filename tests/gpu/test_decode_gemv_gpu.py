@@ -5,7 +5,7 @@ reference (bit-exact on integer and one-hot inputs), bf16 out and fp32 out, a ro
 in every batch, weight views, and a CUDA graph replaying the eager bits. The LoRA epilogue at the
 same shapes (q/k/v, gate/up, o and down tables; rank 16, 64 adapters; batches 1, 8, 32): against
 lora_shrink + lora_expand on the plain GEMV's output, row bits across batches and mixtures, and a
-graph replaying new slots. The checks are tests/decode_gemv_checks.py's, which the CPU
+graph replaying new slots. The checks are tests/kernels/decode_gemv_checks.py's, which the CPU
 interpreter runs on tiny shapes.
 """
 
@@ -16,12 +16,13 @@ import importlib.util
 import pytest
 import torch
 
-from tests.decode_gemv_checks import (GPU_SHAPES, LORA_GPU_SHAPES, check_lora_matches_expand,
-                                      check_lora_refusals, check_lora_rows_independent,
-                                      check_matches_reference, check_refusals,
-                                      check_rows_independent_of_batch, check_views,
-                                      make_lora_case, run_shrink)
-from tests.lora_kernel_checks import mixed_slots
+from tests.kernels.decode_gemv_checks import (GPU_SHAPES, LORA_GPU_SHAPES,
+                                              check_lora_matches_expand, check_lora_refusals,
+                                              check_lora_rows_independent,
+                                              check_matches_reference, check_refusals,
+                                              check_rows_independent_of_batch, check_views,
+                                              make_lora_case, run_shrink)
+from tests.kernels.lora_kernel_checks import mixed_slots
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),

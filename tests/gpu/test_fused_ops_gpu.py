@@ -1,7 +1,7 @@
 """The fused elementwise kernels on CUDA at Llama-3-8B's sizes (hidden 4096, intermediate 14336,
 32 query / 8 KV heads of 128, q/k/v LoRA tables of rank 16): against the torch path, with
 poisoned outputs, a row alone equal to the row in a batch. The checks are
-tests/fused_ops_checks.py's, which the CPU interpreter runs on tiny shapes.
+tests/kernels/fused_ops_checks.py's, which the CPU interpreter runs on tiny shapes.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import importlib.util
 import pytest
 import torch
 
-from tests.fused_ops_checks import (check_add_rms_norm, check_add_rms_norm_shrink,
+from tests.kernels.fused_ops_checks import (check_add_rms_norm, check_add_rms_norm_shrink,
                                     check_lora_deltas_added, check_rotary_write_kv,
                                     check_silu_and_mul)
-from tests.lora_kernel_checks import GPU_SHAPES
+from tests.kernels.lora_kernel_checks import GPU_SHAPES
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),

@@ -25,7 +25,7 @@ from lorad.workers.cuda_graph import DecodeGraphs
 from lorad.workers.engine import Engine
 from lorad.workers.planner import Planner, PlannerLimits
 from lorad.workers.sequence import Sequence
-from tests.compiled_variants import forget_compiled, num_compiled
+from tests.kernels.compiled_variants import forget_compiled, num_compiled
 from tests.model_steps import Stream, build_model, make_streams, scenario_steps
 from tests.tiny_adapters import cast_adapter, make_peft_adapter
 from tests.tiny_models import make_tiny_llama

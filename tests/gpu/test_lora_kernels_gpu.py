@@ -4,7 +4,7 @@ independent of the batch, nothing written without adapter rows, the layer path e
 torch path, and a CUDA graph replaying any mixture with the eager bits; bf16 and fp16 tables
 (adapters stored so) against the reference and bit for bit against fp32 tables of their values.
 
-The checks are tests/lora_kernel_checks.py, the same the interpreter runs on tiny shapes.
+The checks are tests/kernels/lora_kernel_checks.py, the same the interpreter runs on tiny shapes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lorad.workers.batch import ForwardBatch
-from tests.lora_kernel_checks import (GPU_SHAPES, Shape, check_block_groups_change_no_bit,
+from tests.kernels.lora_kernel_checks import (GPU_SHAPES, Shape, check_block_groups_change_no_bit,
                                       check_block_widths_change_no_bit,
                                       check_chunk_groups_change_no_bit,
                                       check_exact_dot_keeps_every_bit,

@@ -3,7 +3,8 @@
 across batches of 1 to 128 sequences, a decode step replayed from a CUDA graph with no host sync,
 and the model's attention layer against the per-sequence CPU path in fp32.
 
-The checks are tests/paged_attention_checks.py's, the ones the CPU interpreter runs on tiny shapes.
+The checks are tests/kernels/paged_attention_checks.py's, the ones the CPU interpreter runs on
+tiny shapes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import random
 import pytest
 import torch
 
-from tests.paged_attention_checks import (
+from tests.kernels.paged_attention_checks import (
     LLAMA_8B, Shape, assert_close, check_attention_matches_cpu_path,
     check_decode_matches_reference, check_decode_preload_same_bits,
     check_decode_rows_independent_of_batch, check_prefill_matches_reference, check_write_kv,

@@ -11,7 +11,7 @@ import torch
 
 from lorad.protocol.messages import SamplingParams
 from lorad.workers.sampler import Sampler, warm_up, warp_rows
-from tests.compiled_variants import forget_compiled, num_compiled
+from tests.kernels.compiled_variants import forget_compiled, num_compiled
 
 pytestmark = pytest.mark.gpu
 

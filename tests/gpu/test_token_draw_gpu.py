@@ -1,12 +1,12 @@
 """The sampler's draw and running sum on the GPU at Llama 3's vocabulary (128,256 tokens, 32
-chunks): tests/token_draw_checks.py's checks on CUDA, at the kernel's own chunk. The sampler
+chunks): tests/kernels/token_draw_checks.py's checks on CUDA, at the kernel's own chunk. The sampler
 (repeat draws, no dependence on neighbours) is in test_sampler_gpu.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests import token_draw_checks as checks
+from tests.kernels import token_draw_checks as checks
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from lorad.workers.loop import CORRUPT_SLOT_RANK_ENV
-from tests.integration.conftest import adapter_flags
+from tests.daemons import adapter_flags
 from tests.integration.test_http_api import post
 
 PROMPT_IDS = [5, 17, 42, 99, 7, 250, 31, 64]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.integration.conftest import REPO, adapter_flags
+from tests.daemons import REPO, adapter_flags
 
 SCRIPT = REPO / "scripts" / "adapter_mix.py"
 MODELS = ("tiny", "a", "b")

@@ -54,7 +54,7 @@ def _body(resp) -> dict | str:
 
 @pytest.fixture(scope="module")
 def keyed_daemon(tiny_model, tmp_path_factory):
-    from tests.integration.conftest import start_daemon
+    from tests.daemons import start_daemon
 
     key_file = tmp_path_factory.mktemp("key") / "api-key"
     key_file.write_text(KEY + "\n")

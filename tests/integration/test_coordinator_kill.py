@@ -10,7 +10,7 @@ import signal
 import time
 import urllib.request
 
-from tests.integration.conftest import _running
+from tests.daemons import _running
 from tests.integration.streams import Stream
 
 WORKERS_GONE_WITHIN_S = 6.0

@@ -11,7 +11,7 @@ import re
 import openai
 import pytest
 
-from tests.integration.conftest import REPO, start_daemon
+from tests.daemons import REPO, start_daemon
 
 pytestmark = pytest.mark.slow
 

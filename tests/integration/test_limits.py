@@ -26,7 +26,7 @@ MAX_QUEUED = 2
 
 @pytest.fixture(scope="module")
 def limited(long_model):
-    from tests.integration.conftest import start_daemon
+    from tests.daemons import start_daemon
 
     daemon = start_daemon(long_model, "--kv-cache-blocks", "1024", "--max-num-seqs", "1",
                           "--max-queued-requests", str(MAX_QUEUED))

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lorad.config import ModelConfig
 from lorad.config.adapters import AdapterArg, load_registry
-from tests.integration.conftest import adapter_flags, start_daemon
+from tests.daemons import adapter_flags, start_daemon
 
 BASE = "tiny"
 PROMPT_IDS = [5, 17, 42, 99, 7, 250, 31, 64]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import free_port
+from tests.daemons import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,14 +1,11 @@
 """`--adapter` / `--adapter-strength` parsing and their one-line errors (exit 2), the registry
 reaching WorkerConfig, and `lorad check-adapter`'s report, exit status and per-rank memory.
 
-Errors of the real entry point run it in a subprocess, so the exact stderr a user sees is
-asserted and nothing loads in-process.
+Errors of the real entry point, run in a subprocess: tests/integration/test_entry_point.py.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +20,6 @@ from lorad.config.model import ModelConfig
 from tests.adapter_folders import edit_config
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -78,23 +73,6 @@ def test_bad_adapter_flags_are_one_line(argv, needles, capsys):
     assert err.count("\n") == 1 and err.startswith("lorad: error: ")
     for needle in needles:
         assert needle in err, (needle, err)
-
-
-def _run_lorad(*args: str) -> subprocess.CompletedProcess:
-    code = "import sys; from lorad.daemon.main import main; sys.exit(main())"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
-
-
-def test_registry_errors_exit_2_before_anything_loads(base_dir, adapters, tmp_path):
-    good, dora = adapters
-    result = _run_lorad("--model", str(base_dir), "--adapter", f"sql={tmp_path / 'missing'}")
-    assert result.returncode == 2 and result.stderr.count("\n") == 1
-    assert f"--adapter sql={tmp_path / 'missing'}: no such folder" in result.stderr
-    result = _run_lorad("--model", str(base_dir), "--adapter", f"ok={good}",
-                        "--adapter", f"dora={dora}")
-    assert result.returncode == 2 and result.stderr.count("\n") == 1
-    assert f"--adapter dora={dora}: adapter_config.json: use_dora=true" in result.stderr
 
 
 def test_registry_reaches_the_worker_config(base_dir, adapters, tmp_path):
@@ -157,14 +135,6 @@ def test_check_adapter_bad_flags_exit_2(base_dir, adapters, argv, needle, capsys
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("lorad check-adapter: error: ") and needle in err
-
-
-def test_check_adapter_through_the_lorad_command(adapters, tmp_path):
-    good, _ = adapters
-    result = _run_lorad("check-adapter", str(good))
-    assert result.returncode == 0 and f"{good}: ok" in result.stdout
-    result = _run_lorad("check-adapter", str(good), "--model", str(tmp_path / "none"))
-    assert result.returncode == 2 and "--model" in result.stderr
 
 
 # --- per-rank memory -----------------------------------------------------------------------------

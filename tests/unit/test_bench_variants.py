@@ -1,22 +1,19 @@
-"""scripts/bench_engine.py --variant (also profile_graph.py's): settings applied for the block,
+"""benchmarks/bench_engine.py --variant (also profile_graph.py's): settings applied for the block,
 put back after it, even when it fails, and a setting it cannot read refused by name."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (the `gpu` extra)")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 
 def test_settings_apply_inside_the_block_only():
-    import bench_engine
+    from benchmarks import bench_engine
     from lorad.workers import lora
     from lorad.workers.kernels import lora_tiles, pdl
     before = (lora.MATMUL_FIRST, lora_tiles.PROGRAMS_PER_SM, pdl.MAX_ROWS)
@@ -33,7 +30,7 @@ def test_settings_apply_inside_the_block_only():
 
 
 def test_a_dict_sets_some_fields_of_a_dataclass_setting():
-    import bench_engine
+    from benchmarks import bench_engine
     from lorad.workers.kernels import decode_gemv
     before = decode_gemv.MODEL_CONFIG
     projections = decode_gemv.MODEL_PROJECTIONS
@@ -46,7 +43,7 @@ def test_a_dict_sets_some_fields_of_a_dataclass_setting():
 
 @pytest.mark.parametrize("text", ["nomodule.X=1", "pdl.NO_SUCH_NAME=1", "pdl.MAX_ROWS="])
 def test_a_setting_it_cannot_read_is_refused(text):
-    import bench_engine
+    from benchmarks import bench_engine
     from lorad.workers.kernels import pdl
     before = pdl.MAX_ROWS
     with pytest.raises(SystemExit, match="--variant: cannot read"):
@@ -56,7 +53,7 @@ def test_a_setting_it_cannot_read_is_refused(text):
 
 
 def test_the_batch_32_target_gives_the_replay_ratio_beside_the_tokens_verdict():
-    import bench_engine
+    from benchmarks import bench_engine
     saved = list(bench_engine.rows)
     bench_engine.rows[:] = []
     try:

@@ -1,19 +1,14 @@
 """The `lorad` command line: defaults, sizes, and one-line errors (exit 2) that name the flag.
 
-Model-folder checks run through the real entry point in a subprocess, so nothing loads in-process
-and the exact stderr a user sees is asserted.
+Model-folder checks through the real entry point: tests/integration/test_entry_point.py.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from lorad.config.cli import build_parser, byte_size, parse_args
-from tests.tiny_models import write_tokenizer
 
 
 def test_defaults_and_name_from_folder(tmp_path):
@@ -117,46 +112,3 @@ def test_help_is_grouped():
     for group in ("model:", "parallelism and devices:", "scheduler and KV cache:",
                   "HTTP server:", "limits:", "process:"):
         assert group in text
-
-
-def _run_lorad(*args: str) -> subprocess.CompletedProcess:
-    code = "import sys; from lorad.daemon.main import main; sys.exit(main())"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=60, cwd=Path(__file__).resolve().parents[2])
-
-
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    """A config.json without a tokenizer."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text(
-        '{"model_type": "llama", "vocab_size": 400, "hidden_size": 64, "intermediate_size": 128,'
-        ' "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,'
-        ' "max_position_embeddings": 256, "eos_token_id": 2}')
-    return folder
-
-
-def test_model_folder_errors_before_any_worker(tmp_path, model_dir):
-    result = _run_lorad("--model", str(tmp_path / "missing"))
-    assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and "--model" in result.stderr
-    result = _run_lorad("--model", str(model_dir))
-    assert result.returncode == 2 and "tokenizer.json" in result.stderr
-    assert result.stderr.count("\n") == 1
-
-
-def test_max_model_len_may_not_exceed_the_model(model_dir):
-    write_tokenizer(model_dir)
-    result = _run_lorad("--model", str(model_dir), "--max-model-len", "257")
-    assert result.returncode == 2
-    assert "--max-model-len" in result.stderr and "256" in result.stderr
-    assert result.stderr.count("\n") == 1
-
-
-def test_parallel_above_the_kv_heads_is_refused_before_any_worker(model_dir):
-    write_tokenizer(model_dir)
-    result = _run_lorad("--model", str(model_dir), "--parallel", "3")
-    assert result.returncode == 2
-    assert "--parallel 3" in result.stderr and "2 key-value heads" in result.stderr
-    assert result.stderr.count("\n") == 1 and "worker" not in result.stderr

@@ -1,15 +1,10 @@
-"""scripts/ncu_decode_kernels.py's reading of ncu's CSV (the profiling itself needs a GPU and
+"""benchmarks/ncu_decode_kernels.py's reading of ncu's CSV (the profiling itself needs a GPU and
 ncu): kernels grouped by ID in launch order, labelled by the driver's launch order, durations
 in microseconds whatever unit ncu scaled them to."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import ncu_decode_kernels as ncu  # noqa: E402
+from benchmarks import ncu_decode_kernels as ncu
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
           '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'

@@ -1,16 +1,11 @@
-"""scripts/profile_graph.py's timeline arithmetic (the profiling itself needs a GPU): replays cut
+"""benchmarks/profile_graph.py's timeline arithmetic (the profiling itself needs a GPU): replays cut
 apart, kernels named by projection, gaps charged to the kinds around them, LoRA beside matmuls."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import profile_graph as pg  # noqa: E402
+from benchmarks import profile_graph as pg
 
 
 def kernel(name: str, ts: float, dur: float, stream: int = 7) -> dict:

@@ -1,8 +1,8 @@
 """Plain-torch references for the paged attention kernels: the same inputs, the same math, in fp32.
 
 One loop per sequence over its context gathered through its block table; slow and obviously right.
-The kernels are compared with these on fresh random inputs (tests/paged_attention_checks.py).
-Not used by the serving path.
+The kernels are compared with these on fresh random inputs
+(tests/kernels/paged_attention_checks.py). Not used by the serving path.
 """
 
 from __future__ import annotations

@@ -1,0 +1,97 @@
+"""What the benchmarks share: timing on the GPU (CUDA events, graph replays), the copy rate that
+the memory floors divide by, and the conditions line a table opens with (date, machine,
+versions, commit).
+
+Not a harness: each benchmark builds its own cases and prints its own table. Run the tools from
+the repository root as `python -m benchmarks.NAME`, so that this checkout's lorad is imported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+VERSIONS = ("torch", "triton", "transformers", "peft")
+
+
+def time_cuda(fn, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of fn() over `repeats` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def time_graph(fn, replays: int = 20) -> float:
+    """Median seconds of one replay of fn captured as a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_cuda(graph.replay, replays, warmup=3)
+
+
+def copy_bandwidth(device: torch.device | str = "cuda") -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, read + write counted (the median of 10)."""
+    src = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    seconds = time_cuda(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() * src.element_size() / seconds  # 4 GiB back on return
+
+
+def versions(names: tuple[str, ...] = VERSIONS) -> str:
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} -")
+    return ", ".join(found)
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def commit() -> str:
+    """This checkout's commit, with "+changes" when the tree differs from it; "-" without git
+    (a device machine gets a copy of the working tree, not always its history)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    try:
+        head = git("rev-parse", "--short=10", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.TimeoutExpired):
+        return "-"
+    return (head + ("+changes" if changed else "")) if head else "-"
+
+
+def conditions(device: torch.device | str | None = None) -> str:
+    """`2026-12-03 20:15 UTC; NVIDIA H200; torch ..., triton ...; Python 3.11.9; commit ...`."""
+    parts = [f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"]
+    if device is not None:
+        parts.append(device_name(device))
+    parts += [versions(), f"Python {platform.python_version()}", f"commit {commit()}"]
+    return "; ".join(parts)

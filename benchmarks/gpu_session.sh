@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# One GPU session in one call: the gpu-marked tests, then the benchmarks asked for; each part
+# under its own time limit, its log in $OUT, a summary last.
+#
+# Usage, from the repository root (on a lent GPU through the device tool, with the pyzmq wheel
+# carried when the image lacks pyzmq: cp /work/shared/wheels-gpu/*.whl .whl/ here, once):
+#   bash benchmarks/gpu_session.sh [PART ...]          e.g. run(..., carry=[".whl"])
+# PARTS (default: tests kernels engine; "multi" joins when two GPUs are visible):
+#   tests     pytest -m gpu tests/gpu, and the sampler's CPU test that depends on torch's build
+#   kernels   bench_lora_kernels, bench_paged_attention, bench_sampler, bench_decode_gemv
+#   engine    bench_engine (the decode step against its memory floor)
+#   multi     bench_multi_gpu (world 1, 2, 4 over NCCL)
+#   profile   profile_decode;  graph: profile_graph (traces in $OUT/traces);
+#   ncu       ncu_decode_kernels (CSVs in $OUT/ncu)
+# Environment: OUT (default /tmp/lorad-gpu-session); LORAD_TEST_ARGS (default tests/gpu);
+# LORAD_BENCH_ARGS_<module>, e.g. LORAD_BENCH_ARGS_bench_engine="--quick", options for one
+# benchmark. Everything at once is more than 10 minutes: ask for parts.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+OUT=${OUT:-/tmp/lorad-gpu-session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# Ranks on one host talk over loopback (the machine has no other network worth resolving).
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+started=$SECONDS
+declare -A status
+
+say() { printf '\n=== %s (%ds) ===\n' "$*" "$((SECONDS - started))"; }
+
+say "setup"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    || echo "gpu_session: installing the carried wheels failed"
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+num_gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version,clocks.sm,clocks.mem \
+  --format=csv 2>&1 | tee "$OUT/env.txt"
+python3 -c 'from benchmarks.common import conditions; print(conditions("cuda"))' 2>&1 \
+  | tee -a "$OUT/env.txt"
+
+parts=("$@")
+if (( ${#parts[@]} == 0 )); then
+  parts=(tests kernels engine)
+  (( num_gpus >= 2 )) && parts+=(multi)
+fi
+
+bench() {  # log name, time limit s, module[, its arguments]: one benchmark or profile
+  local log=$1 limit=$2 module=$3
+  shift 3
+  local var="LORAD_BENCH_ARGS_$module" extra=()
+  read -ra extra <<<"${!var:-}"
+  say "$module $* ${extra[*]}"
+  timeout -k 5 "$limit" python3 -m "benchmarks.$module" "$@" "${extra[@]}" 2>&1 \
+    | tee "$OUT/$log"
+  status[$log]=${PIPESTATUS[0]}
+}
+
+for part in "${parts[@]}"; do
+  case $part in
+    tests)
+      say "gpu tests"
+      read -ra test_args <<<"${LORAD_TEST_ARGS:-tests/gpu}"
+      timeout -k 10 320 python3 -m pytest -m gpu "${test_args[@]}" -q -p no:cacheprovider \
+        -o addopts="" -rfE --durations=8 2>&1 | tee "$OUT/gpu-tests.log"
+      status[gpu-tests.log]=${PIPESTATUS[0]}
+      # The sampler's uniforms come from torch's CPU generator in blocks, which must give single
+      # draws' values on this image's torch too.
+      timeout -k 10 60 python3 -m pytest tests/unit/test_sampler.py -q -p no:cacheprovider \
+        -o addopts="" -rfE 2>&1 | tee "$OUT/sampler-tests.log"
+      status[sampler-tests.log]=${PIPESTATUS[0]} ;;
+    kernels)
+      bench bench-lora.log 120 bench_lora_kernels
+      bench bench-attention.log 60 bench_paged_attention
+      bench bench-sampler.log 60 bench_sampler --device cuda
+      bench bench-gemv.log 75 bench_decode_gemv ;;
+    engine) bench bench-engine.log 210 bench_engine --table-out "$OUT/bench-engine.md" ;;
+    multi) bench bench-multi-gpu.log 240 bench_multi_gpu --table-out "$OUT/bench-multi-gpu.md" ;;
+    profile) bench profile.log 90 profile_decode ;;
+    graph) bench graph-profile.log 150 profile_graph --trace-out "$OUT/traces" ;;
+    ncu) bench ncu.log 120 ncu_decode_kernels --csv-out "$OUT/ncu" ;;
+    *) echo "gpu_session: unknown part $part (see the header of $0)" >&2; status[$part]=2 ;;
+  esac
+done
+
+say "summary"
+failed=0
+for log in "${!status[@]}"; do
+  code=${status[$log]}
+  echo "--- $log: exit $code$( ((code == 124 || code == 137)) && echo ' (timed out)')"
+  (( code == 0 )) || failed=1
+done
+[[ -f $OUT/gpu-tests.log ]] \
+  && grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)\b" "$OUT/gpu-tests.log" | tail -n 25
+for table in "$OUT"/bench-*.md; do
+  [[ -s $table ]] && { echo "--- $(basename "$table")"; cat "$table"; }
+done
+echo "--- whole session: $((SECONDS - started)) s"
+exit $failed

@@ -1,0 +1,139 @@
+"""The model's kernel path (the one CUDA runs) end to end on CPU tensors, under Triton's
+interpreter, against the torch path on the same weights.
+
+The kernel path is what `kernel_path()` selects on CUDA: one matmul for q/k/v and one for gate/up,
+the LoRA shrink and expand kernels writing fp32 deltas that the next kernel adds, rotary fused
+with the KV write, the paged attention kernels, add + RMSNorm and silu * up kernels. LORAD_TEST_KERNELS_ON_CPU
+turns it on for CPU tensors (read at each call), so one process runs both paths.
+test_triton_interpreted.py runs these checks in a subprocess with TRITON_INTERPRET=1.
+
+Each check builds a tiny Llama with three adapters twice (one model per path, each with its own
+KV pool) and runs the same steps through both: prompts in chunks, a step mixing a prompt chunk
+with decodes, and decode steps mixing the base model and adapters. Every step's logits must agree
+within the dtype's tolerance (the kernels sum in other orders), and a decode row's logits must be
+the same bits alone as in a batch on the kernel path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tests.kernels.triton_interpreter import run_checks
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+MAX_LEN = 48
+# max|kernel path - torch path| / max|torch path| per step
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+@contextlib.contextmanager
+def _kernel_path(on: bool = True):
+    """The model's kernel path on CPU tensors for the block (LORAD_TEST_KERNELS_ON_CPU)."""
+    from lorad.workers.kernel_path import KERNELS_ON_CPU_ENV
+    if on:
+        os.environ[KERNELS_ON_CPU_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(KERNELS_ON_CPU_ENV, None)
+
+
+def _forward(model, chunks, kernels: bool) -> torch.Tensor:
+    from lorad.workers.batch import ForwardBatch
+    with _kernel_path(kernels):
+        return model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, "cpu"))
+
+
+def _tiny_models(dtype: torch.dtype, count: int, seed: int, rank_step: int,
+                 adapter_seed: int) -> list:
+    """`count` models of one tiny Llama (4 query / 2 KV heads, hidden 64) with three adapters of
+    ranks 2, 2 + rank_step, 2 + 2 * rank_step, each with its own KV pool."""
+    from tests.model_steps import build_model
+    from tests.tiny_adapters import make_peft_adapter
+    from tests.tiny_models import make_tiny_llama
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        checkpoint = make_tiny_llama(root / "llama", with_tokenizer=False, seed=seed,
+                                     hidden_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2)
+        adapters = [make_peft_adapter(checkpoint, root / f"a{i}", r=2 + rank_step * i,
+                                      seed=adapter_seed + i, magnitude=0.2) for i in range(3)]
+        return [build_model(checkpoint, adapters, dtype, torch.device("cpu"), NUM_BLOCKS,
+                            BLOCK_SIZE) for _ in range(count)]
+
+
+def check_kernel_path_matches_torch_path(device: str, dtype: torch.dtype) -> None:
+    from tests.model_steps import make_streams, scenario_steps
+    assert device == "cpu"
+    models = dict(zip(("torch", "kernels"), _tiny_models(dtype, 2, seed=4, rank_step=3,
+                                                         adapter_seed=30)))
+    streams = {path: make_streams([2, 0, 1, 3], [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS,
+                                  seed=4) for path in models}
+    steps = {path: scenario_steps(streams[path]) for path in models}
+    assert steps["torch"] == steps["kernels"]
+    for i, chunks in enumerate(steps["torch"]):
+        want = _forward(models["torch"], chunks, kernels=False)
+        got = _forward(models["kernels"], chunks, kernels=True)
+        if not torch.isfinite(got).all():
+            raise AssertionError(f"step {i}: the kernel path gave non-finite logits")
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        if err > TOLERANCE[dtype]:
+            raise AssertionError(f"step {i} ({dtype}): kernel path vs torch path relative error "
+                                 f"{err:.2e} over {TOLERANCE[dtype]:.0e}")
+    # A row's bits on the kernel path: the last decode step's first sequence (an adapter row)
+    # rerun alone over the same KV (its token's K/V are rewritten with the same values), then
+    # the whole step again. Both batches pad to the same 8 rows, so the CPU matmuls see one
+    # shape; the kernels must not care what the other rows hold.
+    last = steps["kernels"][-1]
+    alone = _forward(models["kernels"], last[:1], kernels=True)[0]
+    batched = _forward(models["kernels"], last, kernels=True)[0]
+    if not torch.equal(alone, batched):
+        raise AssertionError(f"{dtype}: a decode row's logits differ alone and in its batch "
+                             f"(max {(alone - batched).abs().max().item():.2e})")
+
+
+def check_decode_graph_inputs_match_plain_steps(device: str, dtype: torch.dtype) -> None:
+    """On the kernel path, decode steps through the decode graphs' static inputs (run eagerly,
+    as on the CPU: the LoRA row tiles come from those inputs, filled on the host) give the same
+    bits as the plain step, whose tiles are built from its chunks: a step of three adapters
+    (one of them on two rows) and the base model. (tests/unit/test_decode_graphs.py checks the
+    tiles the inputs hold over many steps.)"""
+    from lorad.workers.cuda_graph import DecodeGraphs
+    from tests.model_steps import make_streams
+    assert device == "cpu"
+    model, = _tiny_models(dtype, 1, seed=6, rank_step=2, adapter_seed=40)
+    streams = make_streams([1, 2, 0, 3, 1], [5, 3, 6, 4, 2], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS,
+                           seed=6)
+    graphs = DecodeGraphs(model, max_num_seqs=8, max_model_len=16, block_size=BLOCK_SIZE,
+                          num_adapters=3)
+    _forward(model, [s.prefill_chunk() for s in streams], kernels=True)
+    chunks = [stream.decode_chunk(11) for stream in streams]
+    with _kernel_path():
+        via_inputs = graphs.run(chunks)
+    plain = _forward(model, chunks, kernels=True)  # the same K/V again
+    if not torch.equal(via_inputs, plain):
+        raise AssertionError(f"{dtype}: the graphs' inputs gave other bits (max "
+                             f"{(via_inputs - plain).abs().max().item():.2e})")
+
+
+CHECKS = {
+    "kernel_path_fp32": (check_kernel_path_matches_torch_path, dict(dtype=torch.float32)),
+    "kernel_path_bf16": (check_kernel_path_matches_torch_path, dict(dtype=torch.bfloat16)),
+    "decode_graph_inputs_fp32": (check_decode_graph_inputs_match_plain_steps,
+                                 dict(dtype=torch.float32)),
+}
+
+
+def main(names: list[str]) -> int:
+    return run_checks(CHECKS, names)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
