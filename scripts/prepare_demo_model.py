@@ -75,8 +75,8 @@ def convert(gguf_path: Path, dest: Path) -> None:
     try:
         from gguf import GGUFReader
     except ImportError:
-        raise DemoModelError("the gguf package is not installed; scripts/setup demo (or any "
-                             "setup that serve-demo runs) installs it") from None
+        raise DemoModelError("the gguf package is not installed (the demo extra has it: "
+                             "scripts/setup demo)") from None
 
     reader = GGUFReader(gguf_path)
     meta = {name: field.contents() for name, field in reader.fields.items()
