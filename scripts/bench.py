@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Load a running lorad (or any OpenAI-compatible server) with concurrent streaming requests.
 
-Prints one table: output tokens/s, requests/s, time to first token and inter-token latency
-(p50/p99), with the conditions (date, machine, workload). Every request sets ignore_eos, so each
-one generates exactly --max-tokens tokens. Does not start or configure the server: say how it was
-started with --note. Standard library + aiohttp.
+Prints a table of output tokens/s, requests/s, time to first token and inter-token latency
+(p50/p99), then one of each model id's requests, with the conditions (date, machine, workload). Every request
+sets ignore_eos, so each one generates exactly --max-tokens tokens. Tokens are timed by the usage
+lorad puts on every chunk when asked, so text held back (random weights) does not hide them. Does
+not start or configure the server: say how it was started with --note. Stdlib + aiohttp.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import platform
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 
 import aiohttp
+
+from bench_clock import Outcome, TokenClock
+from bench_models import ModelListError, ModelPicker, check_served, read_model_file
 
 CHAT_PROMPTS = (
     "Explain how a bicycle stays upright while moving.",
@@ -35,22 +38,12 @@ CHAT_PROMPTS = (
 PROMPT_ID_RANGE = (100, 1000)
 
 
-@dataclass
-class Outcome:
-    ok: bool = False
-    error: str = ""
-    ttft_s: float | None = None
-    gaps_s: list[float] = field(default_factory=list)  # between chunks that carried text
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_chunks: int = 0
-
-
-def build_body(args: argparse.Namespace, index: int) -> tuple[str, dict]:
-    model = args.models[index % len(args.models)]  # rotate: a mixed-adapter burst
+def build_body(args: argparse.Namespace, index: int, model: str) -> tuple[str, dict]:
+    # continuous_usage_stats: lorad (and vLLM) then count the tokens on every chunk and send a
+    # chunk per step even when its text is held back; other servers ignore it.
     common = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
-              "seed": args.seed + index}
+              "stream": True, "ignore_eos": True, "seed": args.seed + index,
+              "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if args.chat:
         prompt = CHAT_PROMPTS[index % len(CHAT_PROMPTS)]
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
@@ -60,17 +53,10 @@ def build_body(args: argparse.Namespace, index: int) -> tuple[str, dict]:
     return "/v1/completions", {**common, "prompt": prompt_ids}
 
 
-def chunk_text(chunk: dict) -> str:
-    text = ""
-    for choice in chunk.get("choices") or []:
-        text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-    return text
-
-
 async def run_one(session: aiohttp.ClientSession, args: argparse.Namespace, index: int) -> Outcome:
-    path, body = build_body(args, index)
-    outcome = Outcome()
-    started = last = time.perf_counter()
+    path, body = build_body(args, index, args.picker.pick(index))
+    outcome = Outcome(body["model"])
+    clock = TokenClock(outcome, time.perf_counter())
     try:
         async with session.post(args.url + path, json=body) as response:
             if response.status != 200:
@@ -84,25 +70,19 @@ async def run_one(session: aiohttp.ClientSession, args: argparse.Namespace, inde
                 if data == b"[DONE]":
                     outcome.ok = not outcome.error
                     break
+                now = time.perf_counter()
                 chunk = json.loads(data)
                 if "error" in chunk:
                     outcome.error = str(chunk["error"].get("message", chunk["error"]))[:200]
                     continue
+                clock.chunk(chunk, now)
                 if chunk.get("usage"):
                     outcome.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
                     outcome.num_output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk_text(chunk):
-                    now = time.perf_counter()
-                    if outcome.ttft_s is None:
-                        outcome.ttft_s = now - started
-                    else:
-                        outcome.gaps_s.append(now - last)
-                    last = now
-                    outcome.num_chunks += 1
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"[:200]
     if outcome.ok and not outcome.num_output_tokens:
-        outcome.num_output_tokens = outcome.num_chunks  # server sent no usage: one per chunk
+        outcome.num_output_tokens = clock.num_tokens  # the server sent no usage at all
     return outcome
 
 
@@ -125,11 +105,11 @@ async def run_all(args: argparse.Namespace, num_requests: int,
         return outcomes, time.perf_counter() - started
 
 
-async def served_model(url: str) -> str:
+async def served_models(url: str) -> list[str]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         async with session.get(url + "/v1/models") as response:
             response.raise_for_status()
-            return (await response.json())["data"][0]["id"]
+            return [card["id"] for card in (await response.json())["data"]]
 
 
 def percentile(values: list[float], pct: float) -> float | None:
@@ -161,6 +141,8 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) -> 
     gaps = [g * 1000 for o in done for g in o.gaps_s]
     num_output = sum(o.num_output_tokens for o in done)
     prompt_lens = sorted({o.num_prompt_tokens for o in done})
+    itl = ("per token, by the usage on every chunk" if done and all(o.usage_per_chunk for o in done)
+           else "per chunk with text (the server sent no usage per chunk)")
 
     def ms(values: list[float]) -> str:
         if not values:
@@ -175,9 +157,12 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) -> 
         f"date:      {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
         f"machine:   {os.cpu_count()} cores, {cpu_name()}, {platform.system()} "
         f"{platform.machine()}",
-        f"server:    {args.url}, model {args.model}" + (f", {args.note}" if args.note else ""),
+        f"server:    {args.url}" + (f", {args.note}" if args.note else ""),
+        f"models:    {args.picker.describe()}"
+        + (f" (from {args.models_from_file})" if args.models_from_file else ""),
         f"workload:  {workload}, max_tokens {args.max_tokens}, ignore_eos, "
         f"temperature {args.temperature}",
+        f"latency:   TTFT to the first token's chunk; ITL {itl}",
         "",
         "| metric | value |",
         "|---|---|",
@@ -186,8 +171,20 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) -> 
         f"| time to first token p50 / p99 (ms) | {ms(ttfts)} |",
         f"| inter-token latency p50 / p99 (ms) | {ms(gaps)} |",
         f"| completed / failed requests | {len(done)} / {len(failed)} |",
+        f"| requests timed to first token / with any text | "
+        f"{len(ttfts)} / {sum(o.num_text_chunks > 0 for o in done)} |",
         f"| wall time (s) | {wall_s:.1f} |",
+        "",
+        "| model | requests | failed | output tokens | TTFT p50 (ms) |",
+        "|---|---|---|---|---|",
     ]
+    for model in args.picker.models:  # list order: hot to cold under --zipf
+        mine = [o for o in outcomes if o.model == model]
+        ok = [o for o in mine if o.ok]
+        ttft = [o.ttft_s * 1000 for o in ok if o.ttft_s is not None]
+        p50 = f"{percentile(ttft, 50):.1f}" if ttft else "n/a"
+        lines.append(f"| {model} | {len(mine)} | {len(mine) - len(ok)} | "
+                     f"{sum(o.num_output_tokens for o in ok)} | {p50} |")
     if any(o.num_output_tokens != args.max_tokens for o in done):
         lines.append("note: some requests generated fewer than max_tokens tokens "
                      "(the server may not honour ignore_eos)")
@@ -199,9 +196,15 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) -> 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    parser.add_argument("--model", help="model id (default: the first one /v1/models lists); "
-                        "several ids separated by commas rotate over the requests, e.g. "
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument("--model", help="model id (default: the first one /v1/models lists); "
+                        "several ids separated by commas spread over the requests, e.g. "
                         "SmolLM2-135M-Instruct,pirate,uppercase for a mixed-adapter burst")
+    models.add_argument("--models-from-file", metavar="FILE",
+                        help="model ids to spread the requests over, one per line")
+    parser.add_argument("--zipf", type=float, metavar="S",
+                        help="pick each request's model id by a Zipf law of exponent S over the "
+                        "list's order (seeded by --seed; 0 is uniform); default: round-robin")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     parser.add_argument("--requests", type=int, default=32, help="measured requests in all")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
@@ -220,14 +223,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("concurrency", "requests", "max_tokens", "prompt_len"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.zipf is not None and not args.zipf >= 0:  # also refuses NaN
+        parser.error(f"--zipf must be 0 or more, got {args.zipf}")
     args.url = args.url.rstrip("/")
     return args
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    if args.model is None:
-        args.model = await served_model(args.url)
-    args.models = [m for m in args.model.split(",") if m]
+    served = await served_models(args.url)
+    if args.models_from_file:
+        models = read_model_file(args.models_from_file)
+    elif args.model:
+        models = [m for m in args.model.split(",") if m]
+    else:
+        models = served[:1]
+    check_served(models, served, args.url)
+    args.picker = ModelPicker(models, args.zipf, args.seed)
     if args.warmup:
         warm, _ = await run_all(args, args.warmup, first_index=1_000_000)
         if not any(o.ok for o in warm):
@@ -242,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return asyncio.run(main_async(args))
+    except ModelListError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
     except (aiohttp.ClientError, OSError) as exc:
         print(f"bench: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1

@@ -18,16 +18,23 @@ class CompletionFormat:
     object_name = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, response_id: str, model: str, include_usage: bool = False) -> None:
+    def __init__(self, response_id: str, model: str, include_usage: bool = False,
+                 continuous_usage: bool = False) -> None:
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
+        # vLLM's continuous_usage_stats, which counts only together with include_usage: every
+        # chunk carries the counts so far, and sse.py sends a chunk for every step's tokens.
+        self.continuous_usage = include_usage and continuous_usage
 
-    def _envelope(self, choices: list[dict], object_name: str) -> dict:
+    def _envelope(self, choices: list[dict], object_name: str,
+                  counts: tuple[int, int] | None = None) -> dict:
         body = {"id": self.response_id, "object": object_name, "created": self.created,
                 "model": self.model, "choices": choices}
-        if self.include_usage:
+        if self.continuous_usage and counts is not None:
+            body["usage"] = usage(*counts)
+        elif self.include_usage:
             body["usage"] = None  # filled only in the final usage chunk, as OpenAI does
         return body
 
@@ -37,12 +44,15 @@ class CompletionFormat:
         body["usage"] = usage(num_prompt, num_completion)
         return body
 
-    def opening_chunks(self) -> list[dict]:
-        return []
+    def opening_chunk(self, num_prompt: int) -> dict:
+        """The stream's first chunk, sent when the first token exists, whatever its text."""
+        return self.chunk("", None, num_prompt, 0)
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
+    def chunk(self, text: str, finish_reason: str | None, num_prompt: int,
+              num_completion: int) -> dict:
         return self._envelope([{"index": 0, "text": text, "logprobs": None,
-                                "finish_reason": finish_reason}], self.object_name)
+                                "finish_reason": finish_reason}], self.object_name,
+                              (num_prompt, num_completion))
 
     def usage_chunk(self, num_prompt: int, num_completion: int) -> dict:
         body = self._envelope([], self.object_name)
@@ -62,17 +72,22 @@ class ChatFormat(CompletionFormat):
         body["usage"] = usage(num_prompt, num_completion)
         return body
 
-    def opening_chunks(self) -> list[dict]:
-        return [self._chunk({"role": "assistant", "content": ""}, None)]
+    def opening_chunk(self, num_prompt: int) -> dict:
+        # OpenAI's first chunk: the role, with empty content.
+        return self._chunk({"role": "assistant", "content": ""}, None, (num_prompt, 0))
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
-        return self._chunk({"content": text} if text else {}, finish_reason)
+    def chunk(self, text: str, finish_reason: str | None, num_prompt: int,
+              num_completion: int) -> dict:
+        # Mid-stream chunks keep "content" even when empty, for clients that index it; the
+        # finish chunk without text has an empty delta, as OpenAI's does.
+        delta = {"content": text} if text or finish_reason is None else {}
+        return self._chunk(delta, finish_reason, (num_prompt, num_completion))
 
     def usage_chunk(self, num_prompt: int, num_completion: int) -> dict:
         body = self._envelope([], self.chunk_object_name)
         body["usage"] = usage(num_prompt, num_completion)
         return body
 
-    def _chunk(self, delta: dict, finish_reason: str | None) -> dict:
+    def _chunk(self, delta: dict, finish_reason: str | None, counts: tuple[int, int]) -> dict:
         return self._envelope([{"index": 0, "delta": delta, "logprobs": None,
-                                "finish_reason": finish_reason}], self.chunk_object_name)
+                                "finish_reason": finish_reason}], self.chunk_object_name, counts)

@@ -144,7 +144,8 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
     # and the draining switch hold exactly.
     sampling = _sampling(state.model, prompt_ids, options, prompt_param)
     fmt = format_cls(f"{format_cls.id_prefix}{uuid.uuid4().hex}", choice.model_id,
-                     include_usage=options.stream and options.include_usage)
+                     include_usage=options.stream and options.include_usage,
+                     continuous_usage=options.stream and options.continuous_usage)
     request[ADMITTED_KEY] = True
     with state.admission.ticket(started) as ticket:
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompt_ids,

@@ -35,6 +35,8 @@ class SamplingOptions:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    # vLLM's stream_options.continuous_usage_stats: usage on every chunk (with include_usage)
+    continuous_usage: bool
     ignore_eos: bool
 
 
@@ -135,6 +137,8 @@ def _options(body: dict, max_tokens_field: str) -> SamplingOptions:
         stop=_stop(body.get("stop")),
         stream=stream,
         include_usage=_bool(stream_options or {}, "include_usage", False, "stream_options."),
+        continuous_usage=_bool(stream_options or {}, "continuous_usage_stats", False,
+                               "stream_options."),
         ignore_eos=_bool(body, "ignore_eos", False),
     )
 

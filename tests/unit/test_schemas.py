@@ -19,6 +19,7 @@ def test_completion_defaults():
     assert opts.max_tokens is None and opts.seed is None and opts.stop == ()
     assert (opts.temperature, opts.top_p, opts.top_k) == (1.0, 1.0, 0)
     assert not opts.stream and not opts.include_usage and not opts.ignore_eos
+    assert not opts.continuous_usage
 
 
 def test_completion_fields():
@@ -30,7 +31,13 @@ def test_completion_fields():
     assert req.prompt == [1, 2, 3]
     assert (opts.max_tokens, opts.temperature, opts.top_p, opts.top_k) == (7, 0.0, 0.5, 0)
     assert opts.seed == -5 and opts.stop == ("\n",) and opts.stream and opts.include_usage
-    assert opts.ignore_eos
+    assert opts.ignore_eos and not opts.continuous_usage
+
+
+def test_continuous_usage_stats_is_read_from_stream_options():
+    req = parse_completion({**COMPLETION, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    assert req.options.include_usage and req.options.continuous_usage
 
 
 def test_one_element_prompt_batches_are_unwrapped():
@@ -104,6 +111,8 @@ def _refused(parse, body, param):
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"stream": True, "stream_options": []}, "stream_options"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
+     "stream_options.continuous_usage_stats"),
     ({"ignore_eos": "true"}, "ignore_eos"),
 ])
 def test_completion_refusals(patch, param):

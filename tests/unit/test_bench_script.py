@@ -1,0 +1,115 @@
+"""scripts/bench.py's pure parts, bench_models.py and bench_clock.py: the model picker (round-robin;
+Zipf deterministic given the seed, hottest first, S=0 uniform), the model file's checks, and how a
+stream's chunks become a first token and per-token latencies, with and without per-chunk usage."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+
+import pytest
+
+from tests.daemons import REPO
+
+
+def _load(name: str):
+    # scripts/ is not a package: bench.py imports its siblings by name (scripts/ is first on the
+    # path when it runs), so each is loaded from its file under that same name.
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+bench_models = _load("bench_models")
+bench_clock = _load("bench_clock")
+MODELS = [f"m{i}" for i in range(8)]
+
+
+def picks(zipf, seed, n=4000, models=MODELS) -> list[str]:
+    picker = bench_models.ModelPicker(models, zipf, seed)
+    return [picker.pick(i) for i in range(n)]
+
+
+def test_round_robin_without_zipf():
+    assert picks(None, 0, n=10, models=["a", "b", "c"]) == list("abcabcabca")
+
+
+def test_zipf_is_deterministic_given_the_seed_and_independent_of_order():
+    assert picks(1.1, 7) == picks(1.1, 7)
+    assert picks(1.1, 7) != picks(1.1, 8)
+    picker = bench_models.ModelPicker(MODELS, 1.1, 7)
+    assert [picker.pick(i) for i in reversed(range(50))] == picks(1.1, 7, n=50)[::-1]
+
+
+def test_zipf_puts_the_hottest_id_first_in_list_order():
+    counts = Counter(picks(1.2, 0))
+    ranked = [model for model, _ in counts.most_common()]
+    assert ranked[0] == "m0" and counts["m0"] > 2 * counts["m1"] > 0
+    assert counts["m0"] > counts["m1"] > counts["m3"] > counts["m7"] > 0
+    # P(m0) = 1 / sum(1/k^1.2, k=1..8) = 0.4286: 1714 of 4000, sigma 31
+    assert 1560 < counts["m0"] < 1870
+
+
+def test_zipf_zero_is_uniform():
+    counts = Counter(picks(0.0, 3, n=8000))
+    assert set(counts) == set(MODELS)
+    assert all(850 < c < 1150 for c in counts.values()), counts  # 1000 each, +-4.8 sigma
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "no model ids"),
+    ("# only a comment\n\n", "no model ids"),
+    ("a\nb\n a \n", "line 3 repeats 'a' (first on line 1)"),
+])
+def test_bad_model_files_are_refused_in_one_line(tmp_path, text, message):
+    path = tmp_path / "ids.txt"
+    path.write_text(text)
+    with pytest.raises(bench_models.ModelListError) as err:
+        bench_models.read_model_file(str(path))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_model_file_order_and_unserved_ids(tmp_path):
+    path = tmp_path / "ids.txt"
+    path.write_text("b\n\n# cold ones\na\nzz\n")
+    assert bench_models.read_model_file(str(path)) == ["b", "a", "zz"]
+    with pytest.raises(bench_models.ModelListError, match=r"1 of 3 .* 'zz'"):
+        bench_models.check_served(["b", "a", "zz"], ["base", "a", "b"], "http://x")
+    with pytest.raises(bench_models.ModelListError, match="cannot read"):
+        bench_models.read_model_file(str(tmp_path / "missing.txt"))
+    with pytest.raises(bench_models.ModelListError, match="--zipf"):
+        bench_models.ModelPicker(["a"], -1.0)
+
+
+def chunk(text: str | None, completion_tokens: int | None) -> dict:
+    usage = None if completion_tokens is None else {"prompt_tokens": 3,
+                                                     "completion_tokens": completion_tokens}
+    return {"choices": [{"index": 0, "text": text}], "usage": usage}
+
+
+def test_usage_on_every_chunk_times_each_token_even_without_text():
+    outcome = bench_clock.Outcome("m")
+    clock = bench_clock.TokenClock(outcome, started=10.0)
+    for now, c in [(10.5, chunk("", 0)),   # the opening chunk: no token yet
+                   (10.5, chunk("", 1)),   # first token, text held back
+                   (10.6, chunk("", 2)),
+                   (10.9, chunk("ab", 5)),  # three tokens in 0.3 s
+                   (11.0, {"choices": [], "usage": {"completion_tokens": 5}})]:
+        clock.chunk(c, now)
+    assert outcome.ttft_s == pytest.approx(0.5) and outcome.usage_per_chunk
+    assert outcome.gaps_s == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    assert clock.num_tokens == 5 and outcome.num_text_chunks == 1
+
+
+def test_without_usage_the_first_chunk_is_the_first_token_then_one_per_text_chunk():
+    outcome = bench_clock.Outcome("m")
+    clock = bench_clock.TokenClock(outcome, started=0.0)
+    for now, c in [(0.2, chunk("", None)), (0.3, chunk("", None)), (0.5, chunk("x", None)),
+                   (0.6, chunk("y", None))]:
+        clock.chunk(c, now)
+    assert outcome.ttft_s == pytest.approx(0.2) and not outcome.usage_per_chunk
+    assert outcome.gaps_s == pytest.approx([0.3, 0.1])
