@@ -224,7 +224,7 @@ def _lora_delta(gen: torch.Generator, out: torch.Tensor, row_slots: torch.Tensor
                 ranks: list[int]):
     """A LoraDelta for `out`: random fp32 deltas on the rows whose slot has a rank, NaN (never
     to be read into a result) on every other row."""
-    from lorad.workers.lora import LoraDelta
+    from lorad.workers.kernels.lora_common import LoraDelta
     ranks_t = torch.tensor(ranks, dtype=torch.int32, device=out.device)
     delta = _rand(gen, *out.shape, dtype=torch.float32, device=str(out.device), scale=0.5)
     delta[ranks_t[row_slots] == 0] = POISON

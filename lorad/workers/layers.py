@@ -8,12 +8,16 @@ and the reference those kernels are tested against.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.linear import load_replicated
-from lorad.workers.lora import LoraDelta
+
+if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
+    from lorad.workers.kernels.lora_common import LoraDelta
 
 
 class RMSNorm(nn.Module):

@@ -9,15 +9,19 @@ owns its LoRA slots (lora.py), sharded the same way as its weight, and adds the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lorad.workers.kernel_path import kernel_path
-from lorad.workers.lora import (LoraDelta, LoraRows, LoraSlots, PendingShrink, matmul_and_shrink,
+from lorad.workers.lora import (LoraRows, LoraSlots, PendingShrink, matmul_and_shrink,
                                 matmul_with_deltas)
 from lorad.workers.parallel import TensorParallel
+
+if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
+    from lorad.workers.kernels.lora_common import LoraDelta
 
 
 def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ...]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from lorad.config.adapters import LoraModule
 from lorad.workers.batch import ForwardBatch
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles, max_tiles_any_mixture
+
+if TYPE_CHECKING:  # a kernel module (imports triton, which the CPU path never loads)
+    from lorad.workers.kernels.lora_common import LoraDelta
 
 
 def check_factor_shape(name: str, got, want: tuple[int, ...]) -> None:
@@ -242,6 +246,7 @@ class PendingShrink:
         """The expand of each edited output into its fp32 buffer (one per edited table, in
         order), on the shrink's stream, then the join: -> each output's LoraDelta or None.
         The buffers must exist before the fork (see matmul_with_deltas)."""
+        from lorad.workers.kernels.lora_common import LoraDelta
         with _on_stream(self.side):
             self._expand(buffers, deltas=True)
         self.wait()
@@ -321,7 +326,8 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
     if not edited:
         return (None if matmul is None else matmul()), None
     # Lazily: the CPU never imports triton.
-    from lorad.workers.kernels.lora_shrink import MAX_TABLES, lora_shrink
+    from lorad.workers.kernels.lora_common import MAX_TABLES
+    from lorad.workers.kernels.lora_shrink import lora_shrink
     assert len(edited) <= MAX_TABLES, f"at most {MAX_TABLES} projections share an input"
     tables = [loras[i] for i in edited]
     side = _side_stream(x.device)
@@ -338,25 +344,6 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
     if matmul is not None and not MATMUL_FIRST:
         out = matmul()
     return out, PendingShrink(tuple(loras), t, edited, rows.tiles, side)
-
-
-@dataclass(frozen=True)
-class LoraDelta:
-    """One projection's LoRA delta on the kernel path, for the kernel that reads the projection's
-    output next (add + RMSNorm, silu * up, rotary + KV write) to add: `delta[row]` widened-added
-    to the rounded base output and rounded once, as the in-place expand would have, on the rows
-    whose slot the table edits (`ranks[row_slots[row]] > 0`); its other rows hold no values.
-    Computed on the side stream beside the base matmul (shrink, then expand into `delta`), so
-    that no LoRA launch waits for the matmul."""
-
-    delta: torch.Tensor  # [num_rows, out_end - out_start] float32
-    ranks: torch.Tensor  # [num_slots] int32: the table's rank_table
-    row_slots: torch.Tensor  # [num_rows] int64
-
-    def apply_reference(self, out: torch.Tensor) -> torch.Tensor:
-        """What a consumer kernel makes of `out` (plain torch, for tests)."""
-        edited = (self.ranks[self.row_slots] > 0)[:, None]
-        return torch.where(edited, (out.float() + self.delta).to(out.dtype), out)
 
 
 def matmul_with_deltas(loras: Sequence[LoraSlots | None], x: torch.Tensor,

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
-from lorad.workers.kernels.lora_shrink import MAX_TABLES
+from lorad.workers.kernels.lora_common import MAX_TABLES
 from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch,
                                        wait_for_previous_only)
 

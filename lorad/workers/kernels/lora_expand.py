@@ -28,12 +28,12 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.launch_math import next_power_of_2
-from lorad.workers.kernels.lora_shrink import (MAX_TABLES, bf16_parts, exact_dot, group_size,
-                                               load_tile, pad_tables, table_block_ends)
+from lorad.workers.kernels.lora_common import (BF16_PARTS, MAX_TABLES, bf16_parts, exact_dot,
+                                               group_size, load_tile, pad_tables,
+                                               table_block_ends)
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs, target_items
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
-from lorad.workers.lora import STORED_DTYPES
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
 
     deltas: outs[i] are fp32 buffers that get the delta alone, scale * (t B^T) rounded to fp32,
     at the same elements (nothing else is written): a later kernel adds it to the rounded base
-    output (lorad.workers.lora.LoraDelta), which then need not exist yet.
+    output (lora_common.LoraDelta), which then need not exist yet.
     config: the tile (None: step_config of the step's rows); its block_n narrows to
     fitting_block_n for wide ranks and fp32 tables.
     num_target_items: where a work item starts taking several blocks of outputs (None:
@@ -258,7 +258,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         assert out.dtype == torch.float32 or not deltas
         assert out.stride(1) == 1
         assert out.shape == (t.shape[1], b.shape[1])
-        assert b.dtype in STORED_DTYPES.values() and b.is_contiguous() and b.shape[2] <= t.shape[3]
+        assert b.dtype in BF16_PARTS and b.is_contiguous() and b.shape[2] <= t.shape[3]
         assert b.dtype == b_tables[0].dtype, "tables of one launch share a dtype"
     if tiles.max_tiles == 0:
         return

@@ -26,12 +26,13 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.launch_math import cdiv
+from lorad.workers.kernels.lora_common import (BF16_PARTS, MAX_TABLES, bf16_parts, exact_dot,
+                                               group_size, load_tile, pad_tables,
+                                               table_block_ends)
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs, target_items
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
-from lorad.workers.lora import STORED_DTYPES
 
-MAX_TABLES = 3  # q/k/v share an input; gate/up share one
 # Work items per multiprocessor past which a shrink work item takes several K chunks in one
 # sweep (its tile looked up once, its loads running on across the chunks): with distinct
 # adapters at batch 64 one chunk per item made 3,072 items of 8 KB for q/k/v, each a chain of
@@ -53,21 +54,6 @@ ITEMS_PER_SM = 3
 # for benchmarks to compare (bench_engine.py --variant 'lora_shrink.PDL_MAX_ROWS=32'); not
 # measured yet.
 PDL_MAX_ROWS: int | None = None
-
-
-def pad_tables(tables: Sequence) -> list:
-    """1 to MAX_TABLES per-table arguments, padded to MAX_TABLES with the first: the kernels
-    take MAX_TABLES of each and read only the first NUM_TABLES."""
-    return list(tables) + [tables[0]] * (MAX_TABLES - len(tables))
-
-
-def table_block_ends(sizes: Sequence[int], block: int) -> list[int]:
-    """[0, e_0, e_1, ...]: table i owns the kernel's blocks [e_{i-1}, e_i) of `block` each,
-    sizes[i] being its ranks or outputs."""
-    ends = [0]
-    for size in sizes:
-        ends.append(ends[-1] + cdiv(size, block))
-    return ends
 
 
 @dataclass(frozen=True)
@@ -105,70 +91,6 @@ def num_k_chunks(in_features: int, config: ShrinkConfig | None = None) -> int:
     """The partial sums per row and rank that lora_shrink writes for this input width (config
     None: DEFAULT_CONFIG, read at the call)."""
     return cdiv(in_features, (config or DEFAULT_CONFIG).k_chunk)
-
-
-@triton.jit
-def load_tile(tile_slot_ptr, tile_rows_ptr, tile, BLOCK_M: tl.constexpr):
-    """-> (slot, rows [BLOCK_M], in_tile [BLOCK_M]) of row tile `tile` (LoraTiles.tile_slot and
-    tile_rows), loaded side by side: neither load waits on the other. Empty lanes get row 0,
-    masked by in_tile."""
-    slot = tl.load(tile_slot_ptr + tile)
-    rows = tl.load(tile_rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    in_tile = rows >= 0
-    return slot, tl.maximum(rows, 0), in_tile
-
-
-@triton.jit
-def _bf16_term(rest, i: tl.constexpr, PARTS: tl.constexpr):
-    """-> (term i of a value being split into PARTS bf16 terms, what is left after it): `rest`
-    starts as the value (in fp32 unless PARTS is 1) and each term is its bf16 rounding."""
-    term = rest.to(tl.bfloat16)
-    if i + 1 < PARTS:
-        rest = rest - term.to(tl.float32)
-    return term, rest
-
-
-@triton.jit
-def _split_start(value, PARTS: tl.constexpr):
-    """The `rest` _bf16_term starts from: the value itself when it is one bf16 term, else fp32."""
-    if PARTS == 1:
-        start = value
-    else:
-        start = value.to(tl.float32)
-    return start
-
-
-@triton.jit
-def exact_dot(a, b, acc, A_PARTS: tl.constexpr, B_PARTS: tl.constexpr):
-    """acc + a @ b on the tensor cores with every product exact: a and b are each split into
-    A_PARTS and B_PARTS bf16 terms (1 for bf16, 2 for fp16, 3 for fp32: the terms add up to the
-    value exactly), and each pair of terms is one tl.dot accumulating in fp32. An MMA computes an
-    output element from its own row of a and column of b, so a row's result never depends on
-    the other rows of its tile."""
-    rb = _split_start(b, B_PARTS)
-    for j in tl.static_range(B_PARTS):
-        bj, rb = _bf16_term(rb, j, B_PARTS)
-        ra = _split_start(a, A_PARTS)
-        for i in tl.static_range(A_PARTS):
-            ai, ra = _bf16_term(ra, i, A_PARTS)
-            acc = tl.dot(ai, bj, acc)
-    return acc
-
-
-@triton.jit
-def group_size(num_items, most, target_items):
-    """Consecutive pieces (K chunks, output blocks) a work item takes: 1 while the step's
-    num_items (counted one piece each) are within target_items, more as they pass it, at most
-    `most`; always 1 when target_items is 0. It changes which item computes a piece, never how."""
-    group = tl.maximum(tl.minimum(num_items // tl.maximum(target_items, 1), most), 1)
-    if target_items == 0:
-        group = 1
-    return group
-
-
-def bf16_parts(dtype: torch.dtype) -> int:
-    """The bf16 terms exact_dot splits a value of this dtype into."""
-    return {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}[dtype]
 
 
 @triton.jit
@@ -277,7 +199,7 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     num_rows, num_in = x.shape
     assert tiles.num_rows == num_rows, "tiles of another batch"
     for a in a_tables:
-        assert a.dtype in STORED_DTYPES.values() and a.is_contiguous() and a.shape[2] == num_in
+        assert a.dtype in BF16_PARTS and a.is_contiguous() and a.shape[2] == num_in
         assert a.dtype == a_tables[0].dtype, "tables of one launch share a dtype"
     x = x if x.stride(1) == 1 else x.contiguous()
     width = max(a.shape[1] for a in a_tables)

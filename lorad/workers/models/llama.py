@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,9 +27,12 @@ from lorad.workers.kv_cache import PagedKVCache, kv_bytes_per_block
 from lorad.workers.layers import RMSNorm, silu_and_mul
 from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear, projection_with_deltas
 from lorad.workers.loader import load_adapter_weights, load_random_weights, load_weights
-from lorad.workers.lora import LoraDelta, LoraRows, add_lora_deltas
+from lorad.workers.lora import LoraRows, add_lora_deltas
 from lorad.workers.parallel import TensorParallel
 from lorad.workers.rotary import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
+    from lorad.workers.kernels.lora_common import LoraDelta
 
 
 def _launches(device: torch.device, with_lora: bool):
