@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import triton  # noqa: E402
 
-from lorad.workers.kernels.decode_gemv import (DEFAULT_CONFIG, MAX_ROWS,  # noqa: E402
-                                               GemvConfig, GemvLora, GemvLoraTable,
-                                               decode_matmul)
+from lorad.workers.kernels.configs import TileConfig  # noqa: E402
+from lorad.workers.kernels.decode_gemv import (MAX_ROWS, GemvConfig, GemvLora,  # noqa: E402
+                                               GemvLoraTable, decode_matmul)
 from lorad.workers.kernels.lora_expand import lora_expand  # noqa: E402
 from lorad.workers.kernels.lora_shrink import num_k_chunks  # noqa: E402
 from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles  # noqa: E402
@@ -61,6 +61,8 @@ L2_FLUSH_BYTES = 256 << 20  # weight bytes read between two reads of one copy: w
 LAUNCHES = 24  # per graph replay
 REPLAYS = 8  # timed replays: LAUNCHES * REPLAYS = 192 launches per time
 # Most plausible first, so a budget cut drops the long shots: w tiles of 8 to 32 KiB per stage.
+DEFAULT_CONFIG = GemvConfig()  # the kernel's own default tile
+PDL_ROWS = 32  # with PDL up to 32 rows, as these timings always had
 SWEEP = [DEFAULT_CONFIG] + sorted(
     {GemvConfig(block_n=n, block_k=k, num_warps=w, num_stages=s)
      for n, k, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4))}
@@ -94,13 +96,14 @@ class Problem:
             + torch.finfo(DTYPE).eps * self.want.abs()
 
     def correct(self, config: GemvConfig) -> bool:
-        got = decode_matmul(self.x, self.weights[0], config=config).double()
+        got = decode_matmul(self.x, self.weights[0], config=config, pdl_rows=PDL_ROWS).double()
         return bool(((got - self.want).abs() <= self.bound).all())
 
     def time_kernel(self, num_rows: int, config: GemvConfig) -> float:
         x = self.x[:num_rows]
-        return time_per_launch(lambda i: decode_matmul(x, self.weights[i], config=config),
-                               len(self.weights))
+        return time_per_launch(
+            lambda i: decode_matmul(x, self.weights[i], config=config, pdl_rows=PDL_ROWS),
+            len(self.weights))
 
     def time_cublas(self, num_rows: int) -> float:
         x = self.x[:num_rows]
@@ -129,7 +132,7 @@ class LoraProblem(Problem):
         else:
             slots = torch.arange(1, num_rows + 1, device="cuda")
         counts = torch.bincount(slots).tolist()[1:]
-        tiles = LoraTiles.build(slots, count_tiles(c for c in counts if c))
+        tiles = LoraTiles.build(slots, count_tiles((c for c in counts if c), TileConfig().block_m))
         t = torch.randn(len(self.ranges), num_rows, num_k_chunks(self.k), LORA_RANK,
                         device="cuda") / 4
         num_tables = len(self.ranges)
@@ -139,13 +142,15 @@ class LoraProblem(Problem):
 
         def expand(out: torch.Tensor, i: int) -> torch.Tensor:
             lora_expand(t, [out[:, start:end] for start, end in self.ranges], self.b[i],
-                        [self.ranks] * num_tables, [self.scales] * num_tables, tiles)
+                        [self.ranks] * num_tables, [self.scales] * num_tables, tiles,
+                        pdl_rows=PDL_ROWS)
             return out
 
         launches = {"cuBLAS + expand": lambda i: expand(F.linear(x, self.weights[i]), i),
-                    "GEMV + expand": lambda i: expand(decode_matmul(x, self.weights[i]), i),
+                    "GEMV + expand": lambda i: expand(
+                        decode_matmul(x, self.weights[i], pdl_rows=PDL_ROWS), i),
                     "GEMV + epilogue": lambda i: decode_matmul(x, self.weights[i],
-                                                               lora=loras[i])}
+                                                               lora=loras[i], pdl_rows=PDL_ROWS)}
         want = launches["GEMV + expand"](0).float()
         times = {}
         for way, launch in launches.items():

@@ -53,11 +53,14 @@ LORA_GPU_SHAPES = {
 
 
 def _config(tile: str, shape_name: str = "qkv"):
-    from lorad.workers.kernels.decode_gemv import DEFAULT_CONFIG, GemvConfig, model_config
-    # "model": the model's tile for the projection the shape is named after (its MODEL_TILES).
+    from lorad.workers.kernels.configs import GemvConfig, GemvModelTiles
+    # "model": the model's tile for the projection the shape is named after (GemvModelTiles;
+    # other shapes, o and down among them, which the model leaves to cuBLAS, get q/k/v's).
     # The interpreter runs programs one after another: a small tile keeps its loops short.
     # "rows16": the model's 16 rows of x per tile, with a small tile's loops.
-    return {"default": DEFAULT_CONFIG, "model": model_config(shape_name),
+    tiles = GemvModelTiles()
+    model = tiles.gate_up if shape_name == "gate_up" else tiles.qkv
+    return {"default": GemvConfig(), "model": model,
             "small": GemvConfig(block_n=32, block_k=64, num_warps=1, num_stages=2),
             "rows16": GemvConfig(block_m=16, block_n=32, block_k=32, num_warps=1,
                                  num_stages=2),
@@ -243,11 +246,11 @@ def make_lora_case(shape: LoraShape, gen: torch.Generator, device: str):
 def run_shrink(x: torch.Tensor, tables, row_slots: torch.Tensor, tile: str):
     """-> (t from lora_shrink, NaN where it writes nothing; the tiles), K chunks of 64 on the
     interpreter's tile (so tiny K makes several), the default's 512 otherwise."""
-    from lorad.workers.kernels.lora_shrink import DEFAULT_CONFIG, ShrinkConfig, lora_shrink
+    from lorad.workers.kernels.lora_shrink import ShrinkConfig, lora_shrink
     from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
-    config = ShrinkConfig(block_k=32, k_chunk=64) if tile == "lora" else DEFAULT_CONFIG
+    config = ShrinkConfig(block_k=32, k_chunk=64) if tile == "lora" else ShrinkConfig()
     counts = torch.bincount(row_slots[row_slots != 0].cpu())
-    tiles = LoraTiles.build(row_slots, count_tiles(int(c) for c in counts))
+    tiles = LoraTiles.build(row_slots, count_tiles((int(c) for c in counts), 16))
     num_chunks = -(-x.shape[1] // config.k_chunk)
     t = torch.full((len(tables.a), x.shape[0], num_chunks, max(a.shape[1] for a in tables.a)),
                    float("nan"), device=x.device)

@@ -1,6 +1,6 @@
 """The decode GEMV on CUDA at Llama-3-8B's projection shapes (qkv 6144x4096, o 4096x4096, gate_up
 28672x4096, down 4096x14336; batches 1, 2, 8, 16, 32) with the default tile and the model's tile
-for each projection (decode_gemv.model_config; 16 rows: batches to 16): against a float64
+for each projection (configs.GemvModelTiles; 16 rows: batches to 16): against a float64
 reference (bit-exact on integer and one-hot inputs), bf16 out and fp32 out, a row's bits the same
 in every batch, weight views, and a CUDA graph replaying the eager bits. The LoRA epilogue at the
 same shapes (q/k/v, gate/up, o and down tables; rank 16, 64 adapters; batches 1, 8, 32): against

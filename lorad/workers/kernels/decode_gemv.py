@@ -13,105 +13,33 @@ order over K, and an MMA computes each output element from its own row of x alon
 epilogue keeps that: each row gathers its own slot's rows of B and its own row of the shrink's
 output, and adds its delta under a mask of its own rank.
 Launched with PDL (kernels/pdl.py) in a decode step, as lorad's other kernels are: it lets the
-kernel after it launch at its start, then waits for the one before it. (Letting it launch only
-after the last store was slower: on an H200, bench_engine.py --variant, 2026-12-01 14:54-14:59
-UTC, graph replay ms, q/k/v in the model, 64 adapters idle: batch 1 4.71-4.73 against 4.64-4.65,
-8 4.83-4.85 against 4.78-4.80, 16 5.00-5.01 against 4.98.)
+kernel after it launch at its start, then waits for the one before it (letting it launch only
+after the last store was slower: docs/performance-log.md: GEMV triggers late).
 Deliberately not here: split-K (a narrow N, such as a tensor-parallel shard, gives few
 programs; cuBLAS may win there), more than MAX_ROWS rows (prefill takes cuBLAS), bias, the LoRA
 shrink (lora_shrink.py, launched beside this kernel).
 
 The model (linear.py's base_matmul) uses it for the q/k/v and gate/up projections in steps of up
-to 16 rows (MODEL_PROJECTIONS, model_config's tiles of 16 rows); o and down keep cuBLAS. On an
-H200 (scripts/bench_engine.py --variant, graph replay ms, against q/k/v alone in blocks of 32
-outputs in the same run), q/k/v in blocks of 64 and gate/up in blocks of 64 x 128 at 3 stages:
-- 2026-12-01 23:28 UTC: 64 adapters idle 4.42 against 4.56-4.58 at batch 1, 4.49 against 4.67
-  at 4, 4.57 against 4.72-4.74 at 8; one adapter on every row 4.75 against 4.78-4.80 at 1, 4.89
-  against 4.93 at 8; 64 distinct 4.74 against 4.79-4.82 at 1, 5.04 against 5.22 at 8;
-- 23:32: idle 4.45 against 4.57 at batch 1 and 4.85 against 4.95 at 16; one adapter 4.81
-  against 4.83 at 1, 5.20 against 5.20 at 16; 64 distinct 4.81 against 4.83 at 1, 5.64 against
-  5.81 at 16 (gate/up on cuBLAS past 8 rows: 5.81).
-The tile matters: gate/up in blocks of 32 x 128 took 4.49 at batch 1 at 3 stages and 5.03 at 4,
-and its 896 programs cost one adapter 0.10 ms at batch 16 (23:27). o and down lose on the GEMV
-(23:14-23:27, batch 1, against 4.52-4.58): down 4.75-5.30 in every tile tried, in 4 parts of K
-too; o ties (in 2 parts of K too; in 4 parts, 4.65).
+to 16 rows, each with its own tile (configs.GemvModelTiles); o and down keep cuBLAS.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.configs import GEMV_MAX_ROWS, GemvConfig
 from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 from lorad.workers.kernels.lora_common import MAX_TABLES
 from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch,
                                        wait_for_previous_only)
 
-# The widest x tile: a decode step of up to 32 sequences in one tile (a multiple of the MMA's 16).
-MAX_ROWS = 32
+# The widest x tile: a decode step of up to 32 sequences in one tile.
+MAX_ROWS = GEMV_MAX_ROWS
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    # Rows of the x tile: the most rows one call takes (a multiple of 16, at most MAX_ROWS).
-    block_m: int = MAX_ROWS
-    # Outputs per program: N / block_n programs, each reading block_n rows of w in full.
-    block_n: int = 32
-    # Inputs per step: block_n * block_k elements of w per load, num_stages - 1 loads in flight.
-    block_k: int = 256
-    num_warps: int = 4
-    num_stages: int = 4
-    # LoRA ranks per epilogue step: the [MAX_ROWS, block_n, lora_block_r] products of each row's
-    # t with its own B rows stay in registers (4 warps: 32 fp32 each at 32 x 32 x 4).
-    lora_block_r: int = 4
-
-    def __post_init__(self) -> None:
-        if self.block_m not in (16, 32):
-            raise ValueError(f"block_m {self.block_m} is not 16 or 32")
-        for name in ("block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} {value} is not a power of two >= 16 (a tl.dot side)")
-        for name in ("num_warps", "lora_block_r"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} {value} is not a power of two")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages {self.num_stages} is below 1")
-
-
-DEFAULT_CONFIG = GemvConfig()
-# The model's base projections (linear.py's base_matmul) named here take this kernel, with
-# model_config's tile, in steps of at most its block_m rows on CUDA; the others, and larger steps,
-# take cuBLAS.
-MODEL_PROJECTIONS: tuple[str, ...] = ("qkv", "gate_up")
-MODEL_CONFIG = GemvConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)
-# Per projection, the fields of MODEL_CONFIG its tile sets otherwise: gate/up's 28,672 outputs
-# in blocks of 64 make 448 programs, which stay resident together at 3 stages of 128 inputs.
-MODEL_TILES: dict[str, dict[str, int]] = {"gate_up": {"block_k": 128, "num_stages": 3}}
-
-
-def model_config(projection: str, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
-    """The model's tile for `projection` and weights of `dtype`: MODEL_CONFIG with that
-    projection's MODEL_TILES, block_k halved for 4-byte weights (fp32), so that the tile's
-    pipelined loads take the shared memory of the 2-byte tile (q/k/v's fp32 tile of 64 x 256 at
-    4 stages asks 240 KiB, over an H200's 227). Read at each call (benchmarks swap the settings);
-    the tile is built once per distinct setting, since base_matmul asks for every projection."""
-    return _tile(MODEL_CONFIG, tuple(MODEL_TILES.get(projection, {}).items()), dtype.itemsize)
-
-
-@functools.lru_cache(maxsize=64)
-def _tile(base: GemvConfig, fields: tuple[tuple[str, int], ...], itemsize: int) -> GemvConfig:
-    changed = dict(fields)
-    if itemsize > 2:
-        changed["block_k"] = max(16, changed.get("block_k", base.block_k) // 2)
-    return dataclasses.replace(base, **changed) if changed else base
 
 
 @dataclass(frozen=True)
@@ -259,7 +187,7 @@ def _lora_epilogue(acc, rows, cols, slots, ranks, scales, t_ptr, stride_t_row, s
 
 
 def unsupported(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-                config: GemvConfig = DEFAULT_CONFIG) -> str:
+                config: GemvConfig = GemvConfig()) -> str:
     """Why decode_matmul cannot take these inputs with this tile, or "" when it can."""
     if x.dim() != 2 or w.dim() != 2:
         return f"x and w must be 2-D, got x {tuple(x.shape)} and w {tuple(w.shape)}"
@@ -279,7 +207,7 @@ def unsupported(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None 
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-             config: GemvConfig = DEFAULT_CONFIG) -> bool:
+             config: GemvConfig = GemvConfig()) -> bool:
     """Whether decode_matmul takes these inputs with this tile (else the caller uses F.linear)."""
     return not unsupported(x, w, out_dtype, config)
 
@@ -326,15 +254,16 @@ def _check_lora(lora: GemvLora, num_rows: int, num_out: int, config: GemvConfig,
 
 
 def decode_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-                  config: GemvConfig = DEFAULT_CONFIG,
-                  lora: GemvLora | None = None) -> torch.Tensor:
+                  config: GemvConfig = GemvConfig(), lora: GemvLora | None = None,
+                  pdl_rows: int = 0) -> torch.Tensor:
     """-> [M, N] = x w^T, summed in fp32 and stored as out_dtype (None: x's dtype, one rounding;
     torch.float32: the unrounded sum). Raises ValueError for inputs it does not take.
 
     x: [M, K] with M <= config.block_m, bf16, fp16 or fp32 (copied if its rows are not packed,
     which decode inputs are); w: [N, K] of x's dtype with contiguous rows (a slice of a larger
     matrix's rows or columns is fine). lora: each row's delta on the outputs its tables cover, as
-    lora_expand adds it to this result (out rounded: rounded once more after the fp32 add)."""
+    lora_expand adds it to this result (out rounded: rounded once more after the fp32 add).
+    pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no PDL)."""
     reason = unsupported(x, w, out_dtype, config)
     if reason:
         raise ValueError(f"decode_matmul: {reason}")
@@ -357,7 +286,7 @@ def decode_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
         lora_args = [t, t.stride(0), t.stride(1), t.stride(2), t.shape[2], lora.row_slots]
     padded = tables + [GemvLoraTable(t, t, t, 0, 0)] * (MAX_TABLES - len(tables))
     grid = (cdiv(num_out, config.block_n),)
-    pdl = launch_options(x.device, num_rows)
+    pdl = launch_options(x.device, num_rows, pdl_rows)
     _decode_gemv_kernel[grid](
         x, w, w.stride(0), out, num_rows, num_out, num_in, *lora_args,
         *(tb.b for tb in padded), *(tb.ranks for tb in padded), *(tb.scales for tb in padded),

@@ -102,11 +102,13 @@ def _add_rms_norm_kernel(delta_ptr, stride_delta, res_ptr, stride_res, res_out_p
 
 
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, lora: LoraDelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, lora: LoraDelta | None = None,
+                 pdl_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (hidden, normed): hidden = residual + delta.to(weight.dtype) (delta alone when residual
     is None), normed = RMSNorm(hidden). delta: [num_rows, H] fp32 or model dtype; residual:
     [num_rows, H] model dtype, overwritten with hidden (returned as hidden). lora: delta's LoRA
-    delta, added to delta (in the model dtype) first, as LoraDelta says."""
+    delta, added to delta (in the model dtype) first, as LoraDelta says. pdl_rows: the step's
+    PDL row limit (kernels/pdl.py; 0: no PDL)."""
     num_rows, hidden_size = delta.shape
     assert weight.shape == (hidden_size,) and delta.stride(1) == 1
     dtype = weight.dtype
@@ -127,7 +129,7 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: tor
         _row_slots([lora], delta),
         HAS_RES=residual is not None, HAS_LORA=lora is not None, BLOCK=block,
         num_warps=_norm_warps(block),
-        **launch_options(delta.device, num_rows))
+        **launch_options(delta.device, num_rows, pdl_rows))
     return residual_out, normed
 
 
@@ -371,8 +373,8 @@ def _rotary_kv_kernel(q_ptr, stride_q, k_ptr, stride_k, v_ptr, stride_v, q_out_p
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_table: torch.Tensor, sin_table: torch.Tensor, slot_mapping: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
-                    head_dim: int, loras: Sequence[LoraDelta | None] = (None, None, None)
-                    ) -> torch.Tensor:
+                    head_dim: int, loras: Sequence[LoraDelta | None] = (None, None, None),
+                    pdl_rows: int = 0) -> torch.Tensor:
     """Rotate q and k by each row's position, write rotated k and v into the paged cache at the
     row's slot (-1: padding, not written); -> rotated q [num_rows, q_heads, head_dim].
 
@@ -380,7 +382,7 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     one projection output are fine: rows may be strided, columns contiguous); cos_table,
     sin_table: [max_positions, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads,
     head_dim], contiguous. loras: q's, k's and v's LoRA deltas (or None), added to them first, as
-    LoraDelta says."""
+    LoraDelta says. pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no PDL)."""
     num_rows = q.shape[0]
     num_kv_heads = k_cache.shape[2]
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two for the kernel"
@@ -400,7 +402,7 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         HEAD_DIM=head_dim,
         HAS_LQ=loras[0] is not None, HAS_LK=loras[1] is not None, HAS_LV=loras[2] is not None,
         num_warps=1,
-        **launch_options(q.device, num_rows),
+        **launch_options(q.device, num_rows, pdl_rows),
         # No fused multiply-add: in fp32 it would skip the product's rounding that torch does.
         enable_fp_fusion=False)
     return q_out
@@ -442,10 +444,12 @@ def _silu_mul_kernel(gate_ptr, stride_gate, up_ptr, stride_up, out_ptr, stride_o
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor,
-                 loras: Sequence[LoraDelta | None] = (None, None)) -> torch.Tensor:
+                 loras: Sequence[LoraDelta | None] = (None, None),
+                 pdl_rows: int = 0) -> torch.Tensor:
     """silu(gate) * up -> [num_rows, N], contiguous. gate, up: [num_rows, N], columns contiguous
     (the two halves of one projection output are fine). loras: gate's and up's LoRA deltas (or
-    None), added to them first, as LoraDelta says."""
+    None), added to them first, as LoraDelta says. pdl_rows: the step's PDL row limit
+    (kernels/pdl.py; 0: no PDL)."""
     num_rows, n = gate.shape
     assert up.shape == gate.shape and gate.stride(1) == 1 and up.stride(1) == 1
     out = torch.empty(num_rows, n, dtype=gate.dtype, device=gate.device)
@@ -456,5 +460,5 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor,
         *_lora_args(loras[0], gate), *_lora_args(loras[1], up), _row_slots(loras, gate),
         BLOCK=SILU_BLOCK,
         HAS_LG=loras[0] is not None, HAS_LU=loras[1] is not None,
-        num_warps=4, **launch_options(gate.device, num_rows))
+        num_warps=4, **launch_options(gate.device, num_rows, pdl_rows))
     return out

@@ -9,7 +9,6 @@ are built once here and handed to every projection.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,18 +29,10 @@ from lorad.workers.loader import load_adapter_weights, load_random_weights, load
 from lorad.workers.lora import LoraRows, add_lora_deltas
 from lorad.workers.parallel import TensorParallel
 from lorad.workers.rotary import RotaryEmbedding, apply_rotary
+from lorad.workers.tuning import Tuning
 
 if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
     from lorad.workers.kernels.lora_common import LoraDelta
-
-
-def _launches(device: torch.device, with_lora: bool):
-    """Around a step's forward: on the kernel path, the launch settings of a step with or
-    without LoRA kernels (kernels/pdl.py's step); nothing on the torch path."""
-    if not kernel_path(device):
-        return contextlib.nullcontext()
-    from lorad.workers.kernels import pdl  # lazily: the CPU never imports triton
-    return pdl.step(with_lora=with_lora)
 
 
 @dataclass(frozen=True)
@@ -65,7 +56,7 @@ class RotaryInputs:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tuning: Tuning) -> None:
         super().__init__()
         d = config.head_dim
         g = config.queries_per_kv
@@ -90,11 +81,19 @@ class LlamaAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(hidden, config.num_key_value_heads * d, kv_range,
                                            dtype, device, storage=wv)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, hidden, q_range, tp,
-                                        dtype, device, projection="o")
+                                        dtype, device)
         self.kv_cache: PagedKVCache | None = None
+        self.tune(tuning)
+
+    def tune(self, tuning: Tuning) -> None:
+        """Keep this layer's part of the kernels' settings."""
+        dtype = self.qkv_weight.dtype
+        self.qkv_gemv = tuning.gemv.config("qkv", dtype)  # the kernel path's decode GEMV tile
+        self.o_proj.gemv = tuning.gemv.config("o", dtype)
+        self.decode_attention = tuning.attention
 
     def forward(self, x: torch.Tensor, rotary: "RotaryInputs", ctx: AttentionContext,
-                lora: LoraRows | None) -> tuple[torch.Tensor, LoraDelta | None]:
+                lora: LoraRows) -> tuple[torch.Tensor, LoraDelta | None]:
         """x: [num_rows, hidden] -> ([num_rows, hidden], its LoRA delta or None): o_proj's sum
         over ranks, before its rounding to the model dtype (the residual add does it; see
         RowParallelLinear), and, where the LoRA kernels leave it to the residual add, o_proj's
@@ -110,11 +109,13 @@ class LlamaAttention(nn.Module):
             # One matmul and one LoRA shrink/expand pair for q, k and v beside it; their deltas
             # added by the rotary + cache write kernel.
             (q, k, v), deltas = projection_with_deltas(x, self.qkv_weight, self.qkv_sizes,
-                                                       loras, lora, "qkv")
+                                                       loras, lora, self.qkv_gemv)
             q = rotary_write_kv(q, k, v, rotary.positions, rotary.cos_table, rotary.sin_table,
                                 ctx.slot_mapping, self.kv_cache.k, self.kv_cache.v,
-                                self.num_q_heads, self.head_dim, deltas)
-            attn = attend_cuda(q, self.kv_cache, ctx, self.scale)  # [num_rows, q_heads * d]
+                                self.num_q_heads, self.head_dim, deltas, lora.pdl_rows)
+            # [num_rows, q_heads * d]
+            attn = attend_cuda(q, self.kv_cache, ctx, self.scale, self.decode_attention,
+                               lora.pdl_rows)
             return self.o_proj.forward_with_delta(attn, lora)
         q, k, v = add_lora_deltas(loras, [p(x) for p in projs], x, lora)
         q = q.view(num_rows, self.num_q_heads, self.head_dim)
@@ -128,7 +129,7 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tuning: Tuning) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         inter_range = balanced_split(inter, tp.world_size)[tp.rank]
@@ -141,11 +142,16 @@ class LlamaMLP(nn.Module):
                                               storage=w_gate)
         self.up_proj = ColumnParallelLinear(hidden, inter, inter_range, dtype, device,
                                             storage=w_up)
-        self.down_proj = RowParallelLinear(inter, hidden, inter_range, tp, dtype, device,
-                                           projection="down")
+        self.down_proj = RowParallelLinear(inter, hidden, inter_range, tp, dtype, device)
+        self.tune(tuning)
 
-    def forward(self, x: torch.Tensor,
-                lora: LoraRows | None) -> tuple[torch.Tensor, LoraDelta | None]:
+    def tune(self, tuning: Tuning) -> None:
+        """Keep this layer's part of the kernels' settings."""
+        dtype = self.gate_up_weight.dtype
+        self.gate_up_gemv = tuning.gemv.config("gate_up", dtype)  # the kernel path's
+        self.down_proj.gemv = tuning.gemv.config("down", dtype)
+
+    def forward(self, x: torch.Tensor, lora: LoraRows) -> tuple[torch.Tensor, LoraDelta | None]:
         """x: [num_rows, hidden] -> ([num_rows, hidden], its LoRA delta or None): down_proj's
         sum over ranks, before its rounding to the model dtype (the residual add does it; see
         RowParallelLinear), and down_proj's delta where it is left to the residual add."""
@@ -155,43 +161,44 @@ class LlamaMLP(nn.Module):
             # by the silu * up kernel.
             (gate, up), deltas = projection_with_deltas(x, self.gate_up_weight,
                                                         self.gate_up_sizes, loras, lora,
-                                                        "gate_up")
-            return self.down_proj.forward_with_delta(silu_and_mul(gate, up, deltas), lora)
+                                                        self.gate_up_gemv)
+            return self.down_proj.forward_with_delta(
+                silu_and_mul(gate, up, deltas, lora.pdl_rows), lora)
         gate, up = add_lora_deltas(loras, [self.gate_proj(x), self.up_proj(x)], x, lora)
         return self.down_proj(silu_and_mul(gate, up), lora), None
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tuning: Tuning) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, tp, dtype, device)
+        self.self_attn = LlamaAttention(config, tp, dtype, device, tuning)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
                                                 device)
-        self.mlp = LlamaMLP(config, tp, dtype, device)
+        self.mlp = LlamaMLP(config, tp, dtype, device, tuning)
 
     def forward(self, hidden: torch.Tensor | None, delta: torch.Tensor,
                 delta_lora: LoraDelta | None, rotary: "RotaryInputs", ctx: AttentionContext,
-                lora: LoraRows | None
-                ) -> tuple[torch.Tensor, torch.Tensor, LoraDelta | None]:
+                lora: LoraRows) -> tuple[torch.Tensor, torch.Tensor, LoraDelta | None]:
         """(residual stream, what the previous layer adds to it, that output's LoRA delta left
         to the residual add or None) -> the same after this layer. hidden is None before the
         first layer, whose delta is the embedding. The residual adds stay in the model dtype, as
         in transformers; each is fused with the norm after it."""
-        hidden, x = self.input_layernorm.add_and_norm(delta, hidden, delta_lora)
+        hidden, x = self.input_layernorm.add_and_norm(delta, hidden, delta_lora, lora.pdl_rows)
         attn, attn_lora = self.self_attn(x, rotary, ctx, lora)
-        hidden, x = self.post_attention_layernorm.add_and_norm(attn, hidden, attn_lora)
+        hidden, x = self.post_attention_layernorm.add_and_norm(attn, hidden, attn_lora,
+                                                               lora.pdl_rows)
         return (hidden, *self.mlp(x, lora))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tuning: Tuning) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
                                                    dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, dtype, device, tuning)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
@@ -200,17 +207,27 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tuning: Tuning = Tuning()) -> None:
+        """tuning: the kernels' settings (the engine's), each layer keeping its part."""
         super().__init__()
         kv_head_range(config, tp.rank, tp.world_size)  # refuse a bad world size before allocating
         self.config = config
         self.tp = tp
         self.dtype = dtype
         self.device = device
-        self.model = LlamaModel(config, tp, dtype, device)
+        self.tuning = tuning
+        self.model = LlamaModel(config, tp, dtype, device, tuning)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, config.tie_word_embeddings, dtype,
                                       device)
         self.block_size: int | None = None
+
+    def tune(self, tuning: Tuning) -> None:
+        """Hand every layer its part of `tuning` (the constructor's; benchmarks compare
+        variants with it, capturing graphs again after)."""
+        self.tuning = tuning
+        for layer in self.model.layers:
+            layer.self_attn.tune(tuning)
+            layer.mlp.tune(tuning)
 
     def load_weights(self, model_dir: str) -> None:
         # A tied checkpoint may still carry lm_head.weight: the embedding's copy is the one used.
@@ -273,17 +290,16 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryInputs.build(self.model.rotary_emb, batch.positions)
         hidden, delta_lora = None, None
         delta = self.model.embed_tokens(batch.input_ids)  # [num_rows, hidden]
-        lora = LoraRows.from_batch(batch, launch_always=lora_launch_always)
-        with _launches(delta.device, lora.any_delta):
-            for layer in self.model.layers:
-                hidden, delta, delta_lora = layer(hidden, delta, delta_lora, rotary, ctx,
-                                                  lora if lora.any_delta else None)
-            if kernel_path(delta.device):
-                # The last residual add fused with the final norm, on every row (as cheap as
-                # picking the rows first, and one kernel).
-                _, normed = self.model.norm.add_and_norm(delta, hidden, delta_lora)
-                normed = normed[batch.sample_rows]  # [num_sampled, hidden]
-            else:
-                rows = batch.sample_rows
-                _, normed = self.model.norm.add_and_norm(delta[rows], hidden[rows])
-            return self.lm_head(normed)
+        # The step's LoRA rows (none edit in a base-only step) and its PDL row limit.
+        lora = LoraRows.from_batch(batch, launch_always=lora_launch_always, tuning=self.tuning)
+        for layer in self.model.layers:
+            hidden, delta, delta_lora = layer(hidden, delta, delta_lora, rotary, ctx, lora)
+        if kernel_path(delta.device):
+            # The last residual add fused with the final norm, on every row (as cheap as
+            # picking the rows first, and one kernel).
+            _, normed = self.model.norm.add_and_norm(delta, hidden, delta_lora, lora.pdl_rows)
+            normed = normed[batch.sample_rows]  # [num_sampled, hidden]
+        else:
+            rows = batch.sample_rows
+            _, normed = self.model.norm.add_and_norm(delta[rows], hidden[rows])
+        return self.lm_head(normed)
