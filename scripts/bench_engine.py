@@ -40,7 +40,8 @@ from lorad.config.adapters import TARGET_MODULES, AdapterArg, load_adapter  # no
 from lorad.config.adapters import PARENTS, projection_features  # noqa: E402
 from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
-from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from lorad.workers.fused_linear import FusedColumnParallelLinear  # noqa: E402
+from lorad.workers.linear import RowParallelLinear  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
 from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
@@ -210,7 +211,7 @@ class Floor:
                                    * config.head_dim * embedding.element_size())
         self.loras = [m for m in model.modules() if isinstance(m, LoraSlots)]
         self.linear_params = sum(m.weight.numel() for m in model.modules()
-                                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
+                                 if isinstance(m, (FusedColumnParallelLinear, RowParallelLinear)))
         self.config = config
 
     def lora_bytes(self, slots: set[int]) -> int:

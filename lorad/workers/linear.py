@@ -1,9 +1,9 @@
-"""Column- and row-parallel linear layers without bias: each owns its shard and its collective.
+"""The row-parallel linear layer (o, down) and the base product every projection uses.
 
-The model decides which output rows (column-parallel) or input columns (row-parallel) a rank
-holds, so attention can split by whole KV-head groups; the layer slices its checkpoint tensor to
-that range and, when row-parallel, all-reduces its output. Each layer some adapter edits also
-owns its LoRA slots (lora.py), sharded the same way as its weight, and adds the per-row delta.
+The model decides which input columns a rank holds, so attention can split by whole KV-head
+groups; the layer slices its checkpoint tensor to that range and all-reduces its output. It owns
+its LoRA slots (lora.py), sharded the same way as its weight, and adds the per-row delta. The
+column-parallel projections, fused q/k/v and gate/up, are fused_linear.py's; no bias anywhere.
 """
 
 from __future__ import annotations
@@ -64,48 +64,6 @@ def load_replicated(param: nn.Parameter, name: str, tensor_slice) -> None:
     """weight_loader of a parameter every rank holds whole (norm weights)."""
     check_shape(name, tensor_slice.get_shape(), tuple(param.shape))
     param.data.copy_(tensor_slice[:])
-
-
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T for rows [out_start, out_end) of W: each rank a slice of the outputs."""
-
-    def __init__(self, in_features: int, out_features: int, out_range: tuple[int, int],
-                 dtype: torch.dtype, device: torch.device,
-                 storage: torch.Tensor | None = None) -> None:
-        """storage: rows of a larger weight the model multiplies at once (q/k/v, gate/up) that
-        this layer's weight is to live in; its own tensor when None."""
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features  # the full, unsplit size
-        self.out_start, self.out_end = out_range
-        num_local = self.out_end - self.out_start
-        if storage is None:
-            storage = torch.empty(num_local, in_features, dtype=dtype, device=device)
-        assert storage.shape == (num_local, in_features) and storage.dtype == dtype
-        # [out_end - out_start, in_features]; a view of `storage`, so loading fills it
-        self.weight = nn.Parameter(storage, requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.lora: LoraSlots | None = None
-
-    def weight_loader(self, param: nn.Parameter, name: str, tensor_slice) -> None:
-        check_shape(name, tensor_slice.get_shape(), (self.out_features, self.in_features))
-        param.data.copy_(tensor_slice[self.out_start:self.out_end])
-
-    def add_lora_slots(self, num_slots: int, max_rank: int,
-                       dtype: torch.dtype = torch.float32) -> LoraSlots:
-        # A whole, B split by rows like the weight: the delta of this rank's outputs needs no
-        # communication.
-        self.lora = LoraSlots(num_slots, max_rank, self.in_features, self.out_features,
-                              (0, self.in_features), (self.out_start, self.out_end),
-                              self.weight.device, dtype)
-        return self.lora
-
-    def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:
-        # x: [num_rows, in_features] -> [num_rows, out_end - out_start]
-        out = F.linear(x, self.weight)
-        if self.lora is None:
-            return out
-        return self.lora.add_delta(out, x, lora_rows)
 
 
 class RowParallelLinear(nn.Module):
