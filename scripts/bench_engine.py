@@ -9,9 +9,9 @@ over four adapters (`mixed4`, transformers + peft's mixture below), and a distin
 row up to --num-adapters slots (`many`; rank 16 on all seven projections); and those again on
 variants of lorad's tuning (`--variant`, dataclasses.replace of lorad/workers/tuning.py's
 Tuning). Beside each figure the floor: the bytes a step must read (weights, the LoRA factors of
-the slots in the batch, every sequence's KV) over the device-to-device copy bandwidth measured in this run. Then
-prefill tokens/s, and transformers + peft `generate` on the same shapes (mixed adapters per row
-through `adapter_names`). Prints the conditions and a markdown table last.
+the slots in the batch, every sequence's KV) over the device-to-device copy bandwidth measured in
+this run. Then prefill tokens/s, and transformers + peft `generate` on the same shapes (mixed
+adapters per row through `adapter_names`). Prints the conditions and a markdown table last.
 """
 
 from __future__ import annotations
