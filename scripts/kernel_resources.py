@@ -189,17 +189,13 @@ def model_specs() -> list[Spec]:
 
 
 def gemv_spec(config, k: int) -> Spec:
-    """The decode GEMV of the model's base projections (no LoRA epilogue), K = k."""
+    """The decode GEMV of the model's base projections, K = k."""
     return Spec(f"decode GEMV, K {k}, {config}", decode_gemv._decode_gemv_kernel,
                 {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
                  "EVEN_K": k % config.block_k == 0, "NUM_STAGES": config.num_stages,
-                 "NUM_TABLES": 0, "MAX_CHUNKS": 1, "BLOCK_R": config.lora_block_r,
                  "PDL": True},
                 config.num_warps, config.num_stages,
-                {"x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "t_ptr": "bf16",
-                 "row_slots_ptr": "bf16", **{f"{name}{i}_ptr": "bf16" for i in range(3)
-                                             for name in ("b", "ranks", "scales")}},
-                ("N", "K"))
+                {"x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16"}, ("N", "K"))
 
 
 def parse_configs(texts, make, fields: int) -> list:

@@ -130,15 +130,12 @@ class GemvConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
-    # LoRA ranks per epilogue step: the [MAX_ROWS, block_n, lora_block_r] products of each row's
-    # t with its own B rows stay in registers (4 warps: 32 fp32 each at 32 x 32 x 4).
-    lora_block_r: int = 4
 
     def __post_init__(self) -> None:
         if self.block_m not in (16, 32):
             raise ValueError(f"block_m {self.block_m} is not 16 or 32")
         _check_powers_of_two(self, ("block_n", "block_k"), 16, " (a tl.dot side)")
-        _check_powers_of_two(self, ("num_warps", "lora_block_r"), 1, "")
+        _check_powers_of_two(self, ("num_warps",), 1, "")
         if self.num_stages < 1:
             raise ValueError(f"num_stages {self.num_stages} is below 1")
 
