@@ -12,8 +12,7 @@
 # graph-profile.log and traces/, ncu.log and ncu/, bench.log, bench.md).
 # Time limits: tests 320 s and the sampler's unit tests 60 s, the LoRA kernels 120 s, attention
 # and the sampler 60 s each, the sampler's profile 45 s (LORAD_SESSION_MICRO=0 skips these
-# four), the GEMV sweep 75 s (LORAD_SESSION_GEMV=0 skips it), the fused-LoRA kernels'
-# benchmarks 120 s (LORAD_SESSION_FUSED=0 skips them), the decode profile 90 s
+# four), the GEMV sweep 75 s (LORAD_SESSION_GEMV=0 skips it), the decode profile 90 s
 # (LORAD_SESSION_PROFILE=0 skips it), the graph replays' timeline 150 s (off unless
 # LORAD_SESSION_GRAPH_PROFILE=1), the kernels' hardware counters 120 s (off unless
 # LORAD_SESSION_NCU=1), the engine 210 s (LORAD_SESSION_ENGINE=0 skips it; so does
@@ -94,13 +93,6 @@ if [[ ${LORAD_SESSION_MICRO:-1} == 1 ]]; then  # LORAD_SESSION_MICRO=0 skips the
 fi
 # The decode GEMV's tile sweep against cuBLAS (LORAD_SESSION_GEMV=0 skips it).
 [[ ${LORAD_SESSION_GEMV:-1} == 1 ]] && run_bench bench-gemv.log 75 bench_decode_gemv.py
-# The kernels that would fold the LoRA launches into others, against the launches they replace:
-# the GEMV's LoRA epilogue against lora_expand, add + RMSNorm + shrink against the two
-# (LORAD_SESSION_FUSED=0 skips them).
-if [[ ${LORAD_SESSION_FUSED:-1} == 1 ]]; then
-  run_bench bench-gemv-lora.log 75 bench_decode_gemv.py --lora
-  run_bench bench-norm-shrink.log 45 bench_norm_shrink.py
-fi
 [[ ${LORAD_SESSION_PROFILE:-1} == 1 ]] && run_bench profile.log 90 profile_decode.py
 # Graph replays on a timeline (LORAD_SESSION_GRAPH_PROFILE=1 runs it; LORAD_SESSION_GRAPH_ARGS
 # passes options, e.g. "--cases base:1,one:32"); each case's kernels land in $OUT/traces.
