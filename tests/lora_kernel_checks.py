@@ -439,7 +439,8 @@ def check_layer_path(device: str, shape: Shape, x_dtype: torch.dtype,
     """add_lora_deltas and LoraSlots.add_delta on the kernel path equal the torch path (the CPU's,
     on CPU copies), for bf16 and fp32 outputs, with a projection no adapter edits beside them;
     launch_always gives the same bits as launching by the chunk list."""
-    from lorad.workers.lora import LoraRows, LoraSlots, add_lora_deltas
+    from lorad.workers.lora import LoraSlots, add_lora_deltas
+    from lorad.workers.lora_rows import LoraRows
     gen = torch.Generator().manual_seed(3)
     tables = make_tables(shape, gen, "cpu", table_dtype)
     loras = {}

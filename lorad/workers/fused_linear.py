@@ -19,7 +19,8 @@ from torch import nn
 
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.linear import check_shape, projection_with_deltas
-from lorad.workers.lora import LoraRows, LoraSlots, add_lora_deltas
+from lorad.workers.lora import LoraSlots, add_lora_deltas
+from lorad.workers.lora_rows import LoraRows
 
 if TYPE_CHECKING:  # kernel modules: the CPU path never imports triton
     from lorad.workers.kernels.configs import GemvConfig

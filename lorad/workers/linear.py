@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorad.workers.kernel_path import kernel_path
-from lorad.workers.lora import (LoraRows, LoraSlots, PendingShrink, matmul_and_shrink,
-                                matmul_with_deltas)
+from lorad.workers.lora import LoraSlots, PendingShrink, matmul_and_shrink, matmul_with_deltas
+from lorad.workers.lora_rows import LoraRows
 from lorad.workers.parallel import TensorParallel
 
 if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton

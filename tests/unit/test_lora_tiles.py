@@ -65,14 +65,14 @@ def test_a_steps_rows_get_the_same_tiles_from_the_host_and_the_device():
     """LoraRows.from_batch's host build from the chunks and the device build from the row slots
     (LoraTiles.build) give the kernels the same tiles, prompt chunks and padding rows
     included."""
-    from lorad.workers import lora
+    from lorad.workers import lora_rows
     from lorad.workers.batch import ForwardBatch
 
     chunks = [(list(range(5, 25)), 0, [1, 2, 3, 4, 5], True, 2), ([7], 9, [6, 7, 8], True, 0),
               ([8], 3, [9], True, 1), (list(range(3)), 0, [10], False, 2), ([9], 4, [11, 12],
                                                                             True, 3)]
     batch = ForwardBatch.build(chunks, 4, "cpu", min_rows=32)
-    host = lora.LoraRows.from_batch(batch, use_kernels=True).tiles
+    host = lora_rows.LoraRows.from_batch(batch, use_kernels=True).tiles
     _assert_same_tiles(host, LoraTiles.build(batch.row_adapter_slots, host.max_tiles))
     assert int(host.num_tiles) == 4  # slot 2: 20 + 3 rows in two tiles; slots 1, 3
 
@@ -82,18 +82,18 @@ def test_a_step_captured_without_tiles_builds_them_on_the_device(monkeypatch):
     the device from the row slots: tiles copied from the host would fix the captured mixture
     into every replay (tests/gpu/test_lora_kernels_gpu.py captures such a step on the H200; here
     the capture is stood in for, so that CI covers which build is taken)."""
-    from lorad.workers import lora
+    from lorad.workers import lora_rows
     from lorad.workers.batch import ForwardBatch
 
     chunks = [([7], 9, [6, 7, 8], True, 2), ([8], 3, [9], True, 0), ([9], 4, [11, 12], True, 1)]
     batch = ForwardBatch.build(chunks, 4, "cpu", min_rows=16)
     assert batch.lora_tiles is None
-    outside = lora.LoraRows.from_batch(batch, launch_always=True, use_kernels=True).tiles
+    outside = lora_rows.LoraRows.from_batch(batch, launch_always=True, use_kernels=True).tiles
 
     def no_host_copy(*args, **kwargs):
         raise AssertionError("tiles copied from the host during a capture")
 
-    monkeypatch.setattr(lora, "_capturing", lambda device: True)
+    monkeypatch.setattr(lora_rows, "_capturing", lambda device: True)
     monkeypatch.setattr(LoraTiles, "from_host", no_host_copy)
-    inside = lora.LoraRows.from_batch(batch, launch_always=True, use_kernels=True).tiles
+    inside = lora_rows.LoraRows.from_batch(batch, launch_always=True, use_kernels=True).tiles
     _assert_same_tiles(inside, outside)

@@ -28,7 +28,7 @@ from lorad.workers.fused_linear import (FusedColumnParallelLinear, FusedPart,
                                         MergedColumnParallelLinear, QKVParallelLinear)
 from lorad.workers.linear import RowParallelLinear
 from lorad.workers.loader import load_adapter_weights, load_random_weights, load_weights
-from lorad.workers.lora import LoraRows
+from lorad.workers.lora_rows import LoraRows
 from lorad.workers.parallel import TensorParallel
 from lorad.workers.rotary import RotaryEmbedding
 from lorad.workers.rotary_attention import RotaryInputs, RotaryPagedAttention
