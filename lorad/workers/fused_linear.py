@@ -11,6 +11,7 @@ each adding its own delta. Not here: the split into heads, rotary, the activatio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,13 +19,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorad.workers.kernel_path import kernel_path
-from lorad.workers.linear import check_shape, projection_with_deltas
-from lorad.workers.lora import LoraSlots, add_lora_deltas
+from lorad.workers.linear import base_matmul, check_shape
+from lorad.workers.lora import LoraSlots, add_lora_deltas, matmul_with_deltas
 from lorad.workers.lora_rows import LoraRows
 
 if TYPE_CHECKING:  # kernel modules: the CPU path never imports triton
     from lorad.workers.kernels.configs import GemvConfig
     from lorad.workers.kernels.lora_common import LoraDelta
+
+
+def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int],
+                           loras: Sequence[LoraSlots | None], lora_rows: LoraRows,
+                           gemv: "GemvConfig | None"
+                           ) -> tuple[list[torch.Tensor], tuple[LoraDelta | None, ...]]:
+    """The kernel path's product of projections whose weights are rows of one matrix (q/k/v,
+    gate/up): x weight^T in one matmul, split into the projections' outputs (column slices of
+    one tensor), and each one's LoraDelta or None for the kernel that reads them next to add.
+    gemv: their decode GEMV tile for base_matmul. One shrink and one expand for them all run
+    beside the matmul (a side stream)."""
+    out, deltas = matmul_with_deltas(
+        loras, x, lora_rows, lambda: base_matmul(x, weight, gemv, pdl_rows=lora_rows.pdl_rows))
+    return list(out.split(sizes, dim=1)), deltas
 
 
 class FusedColumnParallelLinear(nn.Module):

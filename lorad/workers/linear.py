@@ -8,7 +8,6 @@ column-parallel projections, fused q/k/v and gate/up, are fused_linear.py's; no 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,20 +43,6 @@ def base_matmul(x: torch.Tensor, weight: torch.Tensor, gemv: "GemvConfig | None"
     if out_dtype is None or out_dtype == x.dtype:
         return F.linear(x, weight)
     return torch.mm(x, weight.t(), out_dtype=out_dtype)
-
-
-def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int],
-                           loras: Sequence[LoraSlots | None], lora_rows: LoraRows,
-                           gemv: "GemvConfig | None"
-                           ) -> tuple[list[torch.Tensor], tuple[LoraDelta | None, ...]]:
-    """The kernel path's product of projections whose weights are rows of one matrix (q/k/v,
-    gate/up): x weight^T in one matmul, split into the projections' outputs (column slices of
-    one tensor), and each one's LoraDelta or None for the kernel that reads them next to add.
-    gemv: their decode GEMV tile for base_matmul. One shrink and one expand for them all run
-    beside the matmul (a side stream)."""
-    out, deltas = matmul_with_deltas(
-        loras, x, lora_rows, lambda: base_matmul(x, weight, gemv, pdl_rows=lora_rows.pdl_rows))
-    return list(out.split(sizes, dim=1)), deltas
 
 
 def load_replicated(param: nn.Parameter, name: str, tensor_slice) -> None:
