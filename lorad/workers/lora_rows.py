@@ -60,8 +60,9 @@ class LoraRows:
             else:
                 max_tiles = count_tiles((len(rows[slot]) for slot in slots), tuning.tiles.block_m)
             pdl_rows = tuning.pdl.step_rows(with_lora=bool(slots) or launch_always)
-            return cls(slots, [], _tiles(batch, max_tiles, tuning), launch_always,
-                       batch.row_adapter_slots, tuning.shrink, tuning.expand, pdl_rows)
+            tiles = step_tiles(batch, max_tiles, tuning, _capturing(device))
+            return cls(slots, [], tiles, launch_always, batch.row_adapter_slots, tuning.shrink,
+                       tuning.expand, pdl_rows)
         if launch_always:
             raise ValueError("launch_always is for the kernel path (CUDA graphs)")
         return cls(slots, [(slot, torch.tensor(rows[slot], dtype=torch.int64, device=device))
@@ -78,14 +79,16 @@ class LoraRows:
         return self.launch_always or any(ranks[slot] for slot in self.slots)
 
 
-def _tiles(batch: ForwardBatch, max_tiles: int, tuning: Tuning) -> LoraTiles | None:
-    """The step's row tiles for the LoRA kernels (None: no adapter row, none launch)."""
+def step_tiles(batch: ForwardBatch, max_tiles: int, tuning: Tuning,
+               capturing: bool) -> LoraTiles | None:
+    """The step's row tiles for the LoRA kernels (None: no adapter row, none launch); capturing:
+    whether a CUDA graph is being captured on the batch's device."""
     if not max_tiles:
         return None
     if batch.lora_tiles is not None:  # a decode graph's inputs, filled from the chunks
         return LoraTiles(*batch.lora_tiles, max_tiles, tuning.tiles.programs_per_sm)
     device = batch.input_ids.device
-    if not _capturing(device):
+    if not capturing:
         # Built here, from the chunks: no kernels for it in the step (docs/performance-log.md:
         # LoRA tiles built on the host).
         return LoraTiles.from_host(_row_slots(batch), max_tiles, device, tuning.tiles)

@@ -78,10 +78,11 @@ def test_a_steps_rows_get_the_same_tiles_from_the_host_and_the_device():
 
 
 def test_a_step_captured_without_tiles_builds_them_on_the_device(monkeypatch):
-    """Inside a CUDA graph capture whose batch holds no tiles, LoraRows.from_batch builds them on
-    the device from the row slots: tiles copied from the host would fix the captured mixture
-    into every replay (tests/gpu/test_lora_kernels_gpu.py captures such a step on the H200; here
-    the capture is stood in for, so that CI covers which build is taken)."""
+    """Inside a CUDA graph capture whose batch holds no tiles, the step's tiles are built on the
+    device from the row slots: tiles copied from the host would fix the captured mixture into
+    every replay (tests/gpu/test_lora_kernels_gpu.py captures such a step on the H200; here the
+    capture is stood in for, so that CI covers which build is taken)."""
+    from lorad.workers.tuning import Tuning
     from lorad.workers import lora_rows
     from lorad.workers.batch import ForwardBatch
 
@@ -93,7 +94,6 @@ def test_a_step_captured_without_tiles_builds_them_on_the_device(monkeypatch):
     def no_host_copy(*args, **kwargs):
         raise AssertionError("tiles copied from the host during a capture")
 
-    monkeypatch.setattr(lora_rows, "_capturing", lambda device: True)
     monkeypatch.setattr(LoraTiles, "from_host", no_host_copy)
-    inside = lora_rows.LoraRows.from_batch(batch, launch_always=True, use_kernels=True).tiles
+    inside = lora_rows.step_tiles(batch, outside.max_tiles, Tuning(), capturing=True)
     _assert_same_tiles(inside, outside)
