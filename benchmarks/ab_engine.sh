@@ -47,7 +47,7 @@ if [[ $# -gt 0 ]]; then
 fi
 args=("$@")
 [[ ${#args[@]} -gt 0 ]] || args=(--cases mixed4,many --batches 1,32,64 --prefill ""
-                                 --hf-batches "" --serial-shrink "" --eager-batches "")
+                                 --hf-batches "" --eager-batches "")
 OUT=${OUT:-/tmp/lorad-ab}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)

@@ -4,7 +4,6 @@ shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336; bf16), 
 and 32, over a sweep of tile configs, with the bandwidth achieved against the weight bytes.
 
     python -m benchmarks.bench_decode_gemv [--batches 1,4,16,32] [--tp 1] [--budget-s 40]
-    python -m benchmarks.bench_decode_gemv --lora [--batches 1,8,32]
 
 Each time is one launch of a CUDA graph of back-to-back launches, as a decode step runs them,
 so launch overhead stays out; the launches cycle over copies of the weight that hold well past
@@ -13,12 +12,8 @@ is checked against a float64 reference first (a config that fails is marked, nev
 Prints the conditions, the copy bandwidth for scale, and markdown tables: cuBLAS, the default
 config and the best one per shape and batch; the config with the least time over the four
 shapes per batch. The sweep stops at --budget-s (compiling each config takes most of it).
-
---lora: the same shapes with LoRA tables (q/k/v, gate/up, o, down; 64 adapters of rank 16, fp32
-B, each weight copy with its own, as each layer has), one adapter on every row or a distinct one
-per row, the default config only: cuBLAS + lora_expand, GEMV + lora_expand and the GEMV with its
-LoRA epilogue, beside plain cuBLAS and the plain GEMV. The shrink is left out (every way runs
-the same one): t is random.
+(The GEMV's LoRA epilogue and this script's --lora timing of it left together; git history
+holds both.)
 """
 
 from __future__ import annotations
@@ -31,29 +26,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-import triton  # noqa: E402
-
-from lorad.workers.kernels.decode_gemv import (DEFAULT_CONFIG, MAX_ROWS,  # noqa: E402
-                                               GemvConfig, GemvLora, GemvLoraTable,
-                                               decode_matmul)
-from lorad.workers.kernels.lora_expand import lora_expand  # noqa: E402
-from lorad.workers.kernels.lora_shrink import num_k_chunks  # noqa: E402
-from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles  # noqa: E402
-from benchmarks.common import conditions, copy_bandwidth, time_graph  # noqa: E402
+from benchmarks.common import conditions, copy_bandwidth, time_graph
+from lorad.workers.kernels.decode_gemv import MAX_ROWS, GemvConfig, decode_matmul
 
 # name -> (N, K, split by tensor parallelism along N (column-parallel) or K (row-parallel))
 SHAPES = {"qkv": (6144, 4096, "N"), "o": (4096, 4096, "K"), "gate_up": (28672, 4096, "N"),
           "down": (4096, 14336, "K")}
-# name -> the output ranges of its LoRA tables
-LORA_TABLES = {"qkv": ((0, 4096), (4096, 5120), (5120, 6144)),
-               "o": ((0, 4096),), "gate_up": ((0, 14336), (14336, 28672)), "down": ((0, 4096),)}
-LORA_RANK, LORA_ADAPTERS = 16, 64
-MIXTURES = ("one adapter", "distinct adapters")
-LORA_WAYS = ("cuBLAS + expand", "GEMV + expand", "GEMV + epilogue")
 DTYPE = torch.bfloat16
 L2_FLUSH_BYTES = 256 << 20  # weight bytes read between two reads of one copy: well past L2
 LAUNCHES = 24  # per graph replay
 REPLAYS = 8  # timed replays: LAUNCHES * REPLAYS = 192 launches per time
+DEFAULT_CONFIG = GemvConfig()  # the kernel's own default tile
+PDL_ROWS = 32  # with PDL up to 32 rows, as these timings always had
 # Most plausible first, so a budget cut drops the long shots: w tiles of 8 to 32 KiB per stage.
 SWEEP = [DEFAULT_CONFIG] + sorted(
     {GemvConfig(block_n=n, block_k=k, num_warps=w, num_stages=s)
@@ -88,102 +72,18 @@ class Problem:
             + torch.finfo(DTYPE).eps * self.want.abs()
 
     def correct(self, config: GemvConfig) -> bool:
-        got = decode_matmul(self.x, self.weights[0], config=config).double()
+        got = decode_matmul(self.x, self.weights[0], config=config, pdl_rows=PDL_ROWS).double()
         return bool(((got - self.want).abs() <= self.bound).all())
 
     def time_kernel(self, num_rows: int, config: GemvConfig) -> float:
         x = self.x[:num_rows]
-        return time_per_launch(lambda i: decode_matmul(x, self.weights[i], config=config),
-                               len(self.weights))
+        return time_per_launch(
+            lambda i: decode_matmul(x, self.weights[i], config=config, pdl_rows=PDL_ROWS),
+            len(self.weights))
 
     def time_cublas(self, num_rows: int) -> float:
         x = self.x[:num_rows]
         return time_per_launch(lambda i: F.linear(x, self.weights[i]), len(self.weights))
-
-
-class LoraProblem(Problem):
-    """A shape with its LoRA tables: B per weight copy (streamed from HBM as each layer's own),
-    all adapters of rank LORA_RANK in slots 1..LORA_ADAPTERS."""
-
-    def __init__(self, name: str, n: int, k: int):
-        super().__init__(name, n, k)
-        self.ranges = LORA_TABLES[name]
-        num_slots = LORA_ADAPTERS + 1
-        self.ranks = torch.full((num_slots,), LORA_RANK, dtype=torch.int32, device="cuda")
-        self.ranks[0] = 0
-        self.scales = torch.rand(num_slots, device="cuda") + 0.5
-        self.b = [[torch.randn(num_slots, end - start, LORA_RANK, device="cuda") / 4
-                   for start, end in self.ranges] for _ in self.weights]
-
-    def time_lora(self, num_rows: int, mixture: str) -> dict[str, float | None]:
-        """-> seconds per launch of each of LORA_WAYS (None: wrong against GEMV + expand)."""
-        x = self.x[:num_rows]
-        if mixture == "one adapter":
-            slots = torch.ones(num_rows, dtype=torch.int64, device="cuda")
-        else:
-            slots = torch.arange(1, num_rows + 1, device="cuda")
-        counts = torch.bincount(slots).tolist()[1:]
-        tiles = LoraTiles.build(slots, count_tiles(c for c in counts if c))
-        t = torch.randn(len(self.ranges), num_rows, num_k_chunks(self.k), LORA_RANK,
-                        device="cuda") / 4
-        num_tables = len(self.ranges)
-        loras = [GemvLora(t, slots, tuple(GemvLoraTable(b, self.ranks, self.scales, start, end)
-                                          for b, (start, end) in zip(bs, self.ranges)))
-                 for bs in self.b]
-
-        def expand(out: torch.Tensor, i: int) -> torch.Tensor:
-            lora_expand(t, [out[:, start:end] for start, end in self.ranges], self.b[i],
-                        [self.ranks] * num_tables, [self.scales] * num_tables, tiles)
-            return out
-
-        launches = {"cuBLAS + expand": lambda i: expand(F.linear(x, self.weights[i]), i),
-                    "GEMV + expand": lambda i: expand(decode_matmul(x, self.weights[i]), i),
-                    "GEMV + epilogue": lambda i: decode_matmul(x, self.weights[i],
-                                                               lora=loras[i])}
-        want = launches["GEMV + expand"](0).float()
-        times = {}
-        for way, launch in launches.items():
-            err = (launch(0).float() - want).abs().max().item()
-            ok = err <= 1e-2 * want.abs().max().item()  # bf16: one rounding apart
-            times[way] = time_per_launch(launch, len(self.weights)) if ok else None
-        return times
-
-
-def bench_lora(batches: list[int]) -> None:
-    torch.manual_seed(0)
-    problems = [LoraProblem(shape, n, k) for shape, (n, k, _) in SHAPES.items()]
-    print(f"# decode GEMV with LoRA, {conditions('cuda')}, bf16; {LORA_ADAPTERS} "
-          f"adapters of rank {LORA_RANK}, fp32 tables; us per launch from a CUDA graph of "
-          f"{LAUNCHES} launches over weight (and B) copies {L2_FLUSH_BYTES >> 20} MiB apart; "
-          f"default config {name(DEFAULT_CONFIG)}; the shrink not timed; wrong: a result off "
-          f"GEMV + expand")
-    plain = {(p.name, m): (p.time_cublas(m), p.time_kernel(m, DEFAULT_CONFIG))
-             for p in problems for m in batches}
-    times = {(p.name, m, mix): p.time_lora(m, mix)
-             for p in problems for m in batches for mix in MIXTURES}
-
-    def us(seconds: float | None) -> str:
-        return "wrong" if seconds is None else f"{seconds * 1e6:.1f}"
-
-    print("\nus per launch:\n\n| shape | M | adapters | cuBLAS | GEMV | " + " | ".join(LORA_WAYS)
-          + " |")
-    print("|---|---|---|---|---|" + "---|" * len(LORA_WAYS))
-    for p in problems:
-        for m in batches:
-            for mix in MIXTURES:
-                cells = [us(s) for s in plain[p.name, m]]
-                cells += [us(times[p.name, m, mix][way]) for way in LORA_WAYS]
-                print(f"| {p.name} | {m} | {mix} | " + " | ".join(cells) + " |")
-    print("\nPer layer, the four shapes summed:\n\n| M | adapters | cuBLAS | GEMV | "
-          + " | ".join(LORA_WAYS) + " |")
-    print("|---|---|---|---|" + "---|" * len(LORA_WAYS))
-    for m in batches:
-        for mix in MIXTURES:
-            cells = [us(sum(plain[p.name, m][i] for p in problems)) for i in (0, 1)]
-            for way in LORA_WAYS:
-                each = [times[p.name, m, mix][way] for p in problems]
-                cells.append(us(None if None in each else sum(each)))
-            print(f"| {m} | {mix} | " + " | ".join(cells) + " |")
 
 
 def sweep(problems: list[Problem], batches: list[int], budget_s: float):
@@ -256,25 +156,18 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=ints, default=None,
-                        help="rows per launch (default 1,4,16,32; with --lora 1,8,32)")
+                        help="rows per launch (default 1,4,16,32)")
     parser.add_argument("--tp", type=int, default=1,
                         help="time one rank's shard: N split for qkv/gate_up, K for o/down")
     parser.add_argument("--budget-s", type=float, default=40.0,
                         help="stop sweeping configs after this many seconds")
-    parser.add_argument("--lora", action="store_true",
-                        help="time the LoRA epilogue against lora_expand (default config only)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode_gemv: needs a CUDA GPU", file=sys.stderr)
         return 2
-    args.batches = args.batches or ([1, 8, 32] if args.lora else [1, 4, 16, 32])
+    args.batches = args.batches or [1, 4, 16, 32]
     if max(args.batches) > MAX_ROWS:
         parser.error(f"--batches: at most {MAX_ROWS} rows")
-    if args.lora:
-        if args.tp != 1:
-            parser.error("--lora times the unsplit shapes only (--tp 1)")
-        bench_lora(args.batches)
-        return 0
     torch.manual_seed(0)
     problems = [Problem(shape, n // args.tp if split == "N" else n,
                         k // args.tp if split == "K" else k)

@@ -6,19 +6,17 @@ default, bf16, CUDA), a KV pool of random values, and the decode CUDA graphs, th
 steps at several batch sizes for: the base model with no adapter loaded (`base`), the same with
 adapters loaded but every row on slot 0 (`idle`), one adapter on every row (`one`), rows cycling
 over four adapters (`mixed4`, transformers + peft's mixture below), and a distinct adapter per
-row up to --num-adapters slots (`many`; rank 16 on all seven projections); `one` and `mixed4`
-again with the LoRA shrinks on the main stream (`serial shrink`), and with other LoRA kernel
-tile configs (`--lora-configs`). Beside
-each figure the floor: the bytes a step must read (weights, the LoRA factors of the slots in the
-batch, every sequence's KV) over the device-to-device copy bandwidth measured in this run. Then
-prefill tokens/s, and transformers + peft `generate` on the same shapes (mixed adapters per row
-through `adapter_names`). Prints the conditions and a markdown table last.
+row up to --num-adapters slots (`many`; rank 16 on all seven projections); and those again on
+variants of lorad's tuning (`--variant`, dataclasses.replace of lorad/workers/tuning.py's
+Tuning). Beside each figure the floor: the bytes a step must read (weights, the LoRA factors of
+the slots in the batch, every sequence's KV) over the device-to-device copy bandwidth measured in
+this run. Then prefill tokens/s, and transformers + peft `generate` on the same shapes (mixed
+adapters per row through `adapter_names`). Prints the conditions and a markdown table last.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import dataclasses
 import gc
@@ -39,19 +37,15 @@ from lorad.config.adapters import TARGET_MODULES, AdapterArg, load_adapter  # no
 from lorad.config.adapters import PARENTS, projection_features  # noqa: E402
 from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
-from lorad.workers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from lorad.workers import lora as lora_module  # noqa: E402
-from lorad.workers.kernels import decode_gemv, lora_expand, lora_shrink, lora_tiles  # noqa: E402
-from lorad.workers.kernels import paged_attention, pdl  # noqa: E402
+from lorad.workers.fused_linear import FusedColumnParallelLinear  # noqa: E402
+from lorad.workers.linear import RowParallelLinear  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
 from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
 from benchmarks.common import conditions, copy_bandwidth, time_cuda  # noqa: E402
+from lorad.workers.tuning import Tuning, replaced  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
-VARIANT_MODULES = {"decode_gemv": decode_gemv, "lora": lora_module, "lora_expand": lora_expand,
-                   "lora_shrink": lora_shrink, "lora_tiles": lora_tiles,
-                   "paged_attention": paged_attention, "pdl": pdl}
 BLOCK_SIZE = 16
 ADAPTER_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PROMPT_ID_RANGE = (100, 1000)
@@ -68,35 +62,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", type=ints, default=[1, 8, 32, 64, 128])
     p.add_argument("--cases", default="base,idle,one,mixed4,many",
                    help="subset of base,idle,one,mixed4,many")
-    p.add_argument("--serial-shrink", type=ints, default=[32],
-                   help="also time one and mixed4 at these batches with the LoRA shrinks on the "
-                        "main stream (lora.SIDE_STREAM off), graphs captured again; '' skips")
-    p.add_argument("--shrink-first", type=ints, default=[],
-                   help="also time one, mixed4 and many at these batches with each LoRA shrink "
-                        "launched before the base matmul beside it (lora.MATMUL_FIRST off), "
-                        "graphs captured again")
-    p.add_argument("--lora-configs", default="",
-                   help="';'-separated LoRA kernel configs, each timed for one, mixed4 and many at "
-                        "--lora-config-batches (and the many prefill) with graphs captured "
-                        "again: shrink=BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES, "
-                        "expand=BLOCK_N,WARPS and tiles=ROWS (rows per tile: 16, 32 or 64) "
-                        "joined by '+', e.g. "
-                        "'expand=64,1;tiles=32;shrink=16,128,512,4,3+expand=256,4'")
-    p.add_argument("--lora-config-batches", type=ints, default=[32, 64])
-    p.add_argument("--programs-per-sm", type=ints, default=[],
-                   help="also time one and mixed4 at the --serial-shrink batches with the LoRA "
-                        "kernels' persistent grids at these programs per SM "
-                        "(lora_tiles.PROGRAMS_PER_SM), graphs captured again")
     p.add_argument("--variant", default="",
-                   help="';'-separated settings, each timed for --variant-cases at "
+                   help="';'-separated tuning variants, each timed for --variant-cases at "
                         "--variant-batches with graphs captured again (and the many prefill "
-                        "when many is among them): MODULE.NAME=VALUE "
-                        "(a Python literal, a dict for some fields of a dataclass setting; "
-                        "module constants read at the call, not a function's default "
-                        "argument) joined by '+', MODULE one of "
-                        f"{','.join(sorted(VARIANT_MODULES))}, or 'main' for main's settings "
-                        "again, e.g. 'pdl.MAX_ROWS=64;main;lora_tiles.PROGRAMS_PER_SM=4;"
-                        "decode_gemv.MODEL_CONFIG={\"block_k\":128}'")
+                        "when many is among them). A variant is PATH=VALUE settings joined by "
+                        "'+', each a dataclasses.replace of lorad's Tuning "
+                        "(lorad/workers/tuning.py) at a dotted field path, VALUE a Python "
+                        "literal; 'main' is Tuning() again. Fields: pdl.max_rows, "
+                        "pdl.max_rows_with_lora (0: no PDL), tiles.block_m, "
+                        "tiles.programs_per_sm, shrink.{block_r,block_k,k_chunk,num_warps,"
+                        "num_stages,items_per_sm}, expand.{small,large}.{block_n,num_warps,"
+                        "num_stages}, expand.small_step_rows, expand.items_per_sm, "
+                        "gemv.{qkv,gate_up}.{block_m,block_n,block_k,num_warps,num_stages} "
+                        "(gemv.qkv=None: cuBLAS), attention.{split_size,tile_tokens,"
+                        "split_programs,num_warps,num_stages,reduce_group,prefetch_max_seqs,"
+                        "preload_max_seqs}; e.g. 'shrink.items_per_sm=4;main;pdl.max_rows=64+"
+                        "tiles.programs_per_sm=16'")
     p.add_argument("--variant-cases", default="idle,one,many")
     p.add_argument("--variant-batches", type=ints, default=[1, 32, 64])
     p.add_argument("--eager-batches", type=ints, default=[1, 32],
@@ -123,7 +104,8 @@ def parse_args() -> argparse.Namespace:
                         "(every target of the GPU issue, in about a minute)")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch lorad's Triton kernels without programmatic dependent launch "
-                        "(kernels/pdl.py), to measure what it saves")
+                        "(kernels/pdl.py), to measure what it saves (the same as every "
+                        "variant's and main's pdl.max_rows=0+pdl.max_rows_with_lora=0)")
     p.add_argument("--table-out", help="also write the markdown table to this file")
     args = p.parse_args()
     if args.quick:
@@ -145,8 +127,9 @@ def measure_ceilings() -> tuple[float, float]:
 
 # --- lorad ------------------------------------------------------------------------------------
 
-def build_lorad(config: ModelConfig, max_batch: int, blocks_per_seq: int) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(config, TensorParallel(0, 1, CUDA), torch.bfloat16, CUDA)
+def build_lorad(config: ModelConfig, max_batch: int, blocks_per_seq: int,
+                tuning: Tuning = Tuning()) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(config, TensorParallel(0, 1, CUDA), torch.bfloat16, CUDA, tuning)
     model.load_random_weights(seed=0)
     # Block 0 stays spare; sequence i owns blocks 1 + i * blocks_per_seq onwards.
     model.allocate_kv_cache(1 + max_batch * blocks_per_seq, BLOCK_SIZE)
@@ -203,7 +186,7 @@ class Floor:
                                    * config.head_dim * embedding.element_size())
         self.loras = [m for m in model.modules() if isinstance(m, LoraSlots)]
         self.linear_params = sum(m.weight.numel() for m in model.modules()
-                                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
+                                 if isinstance(m, (FusedColumnParallelLinear, RowParallelLinear)))
         self.config = config
 
     def lora_bytes(self, slots: set[int]) -> int:
@@ -429,64 +412,37 @@ def bench_transformers(config_dir: str, adapter_folder: Path, args) -> None:
 
 # --- the run ----------------------------------------------------------------------------------
 
+def without_pdl(tuning: Tuning, no_pdl: bool) -> Tuning:
+    """--no-pdl: `tuning` with PDL off in every step."""
+    return replaced(tuning, "pdl.max_rows=0+pdl.max_rows_with_lora=0") if no_pdl else tuning
+
+
+def tuning_variants(text: str) -> list[tuple[str, Tuning]]:
+    """--variant's ';'-separated variants, each (its text, lorad's Tuning() with its settings)."""
+    variants = []
+    for variant in [v for v in text.split(";") if v]:
+        try:
+            variants.append((variant, replaced(Tuning(), variant)))
+        except ValueError as exc:
+            raise SystemExit(f"--variant: {exc}") from None
+    return variants
+
+
 @contextlib.contextmanager
-def lora_configs(variant: str):
-    """The LoRA kernels' default configs as --lora-configs names them, for the block."""
-    saved = (lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG,
-             lora_expand.SMALL_STEP_CONFIG, lora_tiles.BLOCK_M)
-    for part in variant.split("+"):
-        kernel, _, values = part.partition("=")
-        numbers = [int(v) for v in values.split(",") if v.isdigit()]
-        if kernel == "shrink" and len(numbers) == 5:
-            lora_shrink.DEFAULT_CONFIG = lora_shrink.ShrinkConfig(*numbers)
-        elif kernel == "expand" and len(numbers) == 2:
-            # Every step's expand: the small steps' config too.
-            lora_expand.DEFAULT_CONFIG = lora_expand.ExpandConfig(*numbers)
-            lora_expand.SMALL_STEP_CONFIG = lora_expand.DEFAULT_CONFIG
-        elif kernel == "tiles" and len(numbers) == 1 and numbers[0] in (16, 32, 64):
-            lora_tiles.BLOCK_M = numbers[0]
-        else:
-            raise SystemExit(f"--lora-configs: cannot read {part!r}")
+def tuned(model: LlamaForCausalLM, tuning: Tuning):
+    """The model's layers on `tuning` for the block, on the one they had after it."""
+    saved = model.tuning
+    model.tune(tuning)
     try:
         yield
     finally:
-        (lora_shrink.DEFAULT_CONFIG, lora_expand.DEFAULT_CONFIG, lora_expand.SMALL_STEP_CONFIG,
-         lora_tiles.BLOCK_M) = saved
-
-
-@contextlib.contextmanager
-def setting(module, name: str, value):
-    """module.name = value for the block, put back after it."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
-
-
-@contextlib.contextmanager
-def settings(variant: str):
-    """--variant's module settings for the block ('main': none), put back after it."""
-    with contextlib.ExitStack() as stack:
-        for part in [] if variant == "main" else variant.split("+"):
-            target, _, text = part.partition("=")
-            module_name, _, name = target.partition(".")
-            module = VARIANT_MODULES.get(module_name)
-            if module is None or not hasattr(module, name) or not text:
-                raise SystemExit(f"--variant: cannot read {part!r}")
-            value = ast.literal_eval(text)
-            current = getattr(module, name)
-            if dataclasses.is_dataclass(current) and isinstance(value, dict):
-                value = dataclasses.replace(current, **value)  # some fields of a config
-            stack.enter_context(setting(module, name, value))
-        yield
+        model.tune(saved)
 
 
 def bench_with(context, model, args, floor: Floor, cases: list[str], blocks_per_seq: int,
                batches: list[int], label: str) -> None:
-    """Time `cases` at `batches` inside `context` (settings put back after it) with the graphs
-    captured again."""
+    """Time `cases` at `batches` inside `context` (the model's tuning put back after it) with
+    the graphs captured again."""
     gc.collect()
     torch.cuda.empty_cache()
     with context:
@@ -575,7 +531,6 @@ def targets() -> str:
 
 def main() -> int:
     args = parse_args()
-    pdl.ENABLED = not args.no_pdl
     if not torch.cuda.is_available():
         print("bench_engine.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -592,7 +547,8 @@ def main() -> int:
     if args.context + args.warmup + args.steps > args.max_model_len:
         print("--context plus the steps exceed --max-model-len", file=sys.stderr)
         return 2
-    model = build_lorad(config, max_batch, blocks_per_seq)
+    variants = tuning_variants(args.variant)
+    model = build_lorad(config, max_batch, blocks_per_seq, without_pdl(Tuning(), args.no_pdl))
     print(f"lorad model built ({time.monotonic() - started:.0f}s)", flush=True)
     if "base" in cases:
         graphs = capture(model, args, 0)
@@ -617,36 +573,15 @@ def main() -> int:
         if args.prefill and "many" in adapter_cases:
             bench_prefill(model, "many", args, flops, floor)
         del graphs
-        serial = [c for c in ("one", "mixed4") if c in adapter_cases]
-        if args.serial_shrink and serial:
-            bench_with(setting(lora_module, "SIDE_STREAM", False), model, args, floor, serial,
-                       blocks_per_seq, args.serial_shrink, " (serial shrink)")
-        first = [c for c in ("one", "mixed4", "many") if c in adapter_cases]
-        if args.shrink_first and first:
-            bench_with(setting(lora_module, "MATMUL_FIRST", False), model, args, floor, first,
-                       blocks_per_seq, args.shrink_first, " (shrink first)")
-        for variant in [v for v in args.lora_configs.split(";") if v]:
-            gc.collect()
-            torch.cuda.empty_cache()
-            with lora_configs(variant):
-                graphs = capture(model, args, args.num_adapters)
-                timed = [c for c in ("one", "mixed4", "many") if c in adapter_cases]
-                bench_decode(model, graphs, floor, timed, args, blocks_per_seq,
-                             batches=args.lora_config_batches, label=f" ({variant})")
-                if args.prefill and "many" in adapter_cases:
-                    bench_prefill(model, "many", args, flops, floor, label=f" ({variant})")
-            del graphs
         graph_only = argparse.Namespace(**{**vars(args), "eager_batches": []})
         timed = [c for c in args.variant_cases.split(",") if c in adapter_cases]
-        for variant in [v for v in args.variant.split(";") if v]:
-            bench_with(settings(variant), model, graph_only, floor, timed, blocks_per_seq,
+        for variant, tuning in variants:
+            tuning = without_pdl(tuning, args.no_pdl)
+            bench_with(tuned(model, tuning), model, graph_only, floor, timed, blocks_per_seq,
                        args.variant_batches, f" ({variant})")
             if args.prefill and "many" in timed:
-                with settings(variant):
+                with tuned(model, tuning):
                     bench_prefill(model, "many", args, flops, floor, label=f" ({variant})")
-        for per_sm in args.programs_per_sm if serial else []:
-            bench_with(setting(lora_tiles, "PROGRAMS_PER_SM", per_sm), model, args, floor, serial,
-                       blocks_per_seq, args.serial_shrink or [32], f" ({per_sm}/SM)")
         del floor
     peak_gib = torch.cuda.max_memory_allocated(CUDA) / 2**30
     del model
@@ -657,8 +592,10 @@ def main() -> int:
         gc.collect()  # its model went with the call
         torch.cuda.empty_cache()
     tmp.cleanup()
-    pdl_text = "off" if args.no_pdl else (f"up to {pdl.MAX_ROWS} rows ({pdl.MAX_ROWS_WITH_LORA}"
-                                          " in steps with LoRA launches)")
+    pdl_config = Tuning().pdl
+    pdl_text = "off" if args.no_pdl else (f"up to {pdl_config.max_rows} rows "
+                                          f"({pdl_config.max_rows_with_lora} in steps with LoRA "
+                                          "launches)")
     conditions = [
         f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB),"
         f" CUDA {torch.version.cuda}; {conditions()}",
@@ -674,11 +611,8 @@ def main() -> int:
         f"batch / step",
         f"cases: base = no adapter loaded; idle = {args.num_adapters} adapters loaded, rows on "
         f"slot 0; one = adapter 1 on every row; mixed4 = row i on adapter 1 + i % 4; many = row "
-        f"i on adapter 1 + i % {args.num_adapters}; (serial shrink) = LoRA shrinks on the main "
-        f"stream instead of a side stream; (shrink first) = each LoRA shrink launched before "
-        f"the base matmul beside it; (shrink=..., expand=...) = --lora-configs' tile "
-        f"configs; (N/SM) = the LoRA kernels' grids at N programs per "
-        f"SM (default {lora_tiles.PROGRAMS_PER_SM}); rank {args.rank} on all 7 projections, "
+        f"i on adapter 1 + i % {args.num_adapters}; (PATH=VALUE...) = a --variant of lorad's "
+        f"Tuning; rank {args.rank} on all 7 projections, "
         f"factors stored and tabled as {args.adapter_dtype}",
         "floor = (weights + LoRA factors of the batch's slots + KV) bytes / copy bandwidth; "
         "prefill: the larger of that and matmul FLOPs / matmul rate; floor/time uses device ms "

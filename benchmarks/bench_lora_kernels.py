@@ -30,9 +30,12 @@ import torch
 
 from lorad.workers.kernels import lora_expand as expand  # noqa: E402
 from lorad.workers.kernels import lora_shrink as shrink  # noqa: E402
-from lorad.workers.kernels import lora_tiles  # noqa: E402
+from lorad.workers.kernels.configs import (ExpandConfig, ExpandSteps, PdlConfig,  # noqa: E402
+                                           ShrinkConfig, TileConfig)
 from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles  # noqa: E402
 from benchmarks.common import conditions, time_cuda, time_graph  # noqa: E402
+
+PDL_ROWS = PdlConfig().max_rows  # with PDL up to 32 rows, as these timings always had
 
 HIDDEN, INTERMEDIATE, RANK, NUM_ADAPTERS = 4096, 14336, 16, 64
 # Launch groups of one layer: (input features, output features of each table sharing x).
@@ -68,17 +71,19 @@ def make_layers(num_layers: int, max_rows: int, device: torch.device,
 
 
 def run_step(layers, ranks, scales, row_slots, max_tiles, num_rows, shrink_config,
-             expand_config) -> None:
-    tiles = LoraTiles.build(row_slots, max_tiles)
+             expand_config, tile_config: TileConfig = TileConfig()) -> None:
+    """One decode step's LoRA launches; shrink_config None: lorad's, expand_config None: the
+    tile lorad's ExpandSteps picks for the step's rows."""
+    tiles = LoraTiles.build(row_slots, max_tiles, tile_config)
     for layer in layers:
         for group in layer.values():
             n = len(group.a)
             # t allocated by the shrink (its chunk count follows the config): inside a graph
             # from the graph's pool, eagerly from the caching allocator.
             t = shrink.lora_shrink(group.x[:num_rows], group.a, [ranks] * n, tiles,
-                                   config=shrink_config)
+                                   config=shrink_config or ShrinkConfig(), pdl_rows=PDL_ROWS)
             expand.lora_expand(t, [o[:num_rows] for o in group.outs], group.b, [ranks] * n,
-                               [scales] * n, tiles, config=expand_config)
+                               [scales] * n, tiles, config=expand_config, pdl_rows=PDL_ROWS)
 
 
 def step_bytes(num_layers: int, num_rows: int, num_distinct: int, itemsize: int = 4) -> int:
@@ -98,17 +103,19 @@ def mixtures(num_rows: int) -> dict[str, list[int]]:
             "distinct": [1 + i % NUM_ADAPTERS for i in range(num_rows)]}
 
 
-def bench(layers, ranks, scales, batches, shrink_config, expand_config, eager: bool = True):
+def bench(layers, ranks, scales, batches, shrink_config, expand_config, eager: bool = True,
+          tile_config: TileConfig = TileConfig()):
     device = ranks.device
     rows = []
     for num_rows in batches:
         for mixture, slots in mixtures(num_rows).items():
             row_slots = torch.tensor(slots, dtype=torch.int64, device=device)
-            exact = count_tiles([slots.count(s) for s in sorted(set(slots))])
+            exact = count_tiles([slots.count(s) for s in sorted(set(slots))],
+                                tile_config.block_m)
 
             def step(max_tiles: int) -> None:
                 run_step(layers, ranks, scales, row_slots, max_tiles, num_rows, shrink_config,
-                         expand_config)
+                         expand_config, tile_config)
 
             graph_exact = time_graph(lambda: step(exact))
             graph_any = time_graph(lambda: step(num_rows))
@@ -132,24 +139,26 @@ def bench_per_kernel(layers, ranks, scales, batches) -> None:
         for mixture, slots in mixtures(num_rows).items():
             row_slots = torch.tensor(slots, dtype=torch.int64, device=device)
             tiles = LoraTiles.build(row_slots,
-                                    count_tiles([slots.count(s) for s in sorted(set(slots))]))
+                                    count_tiles([slots.count(s) for s in sorted(set(slots))],
+                                                TileConfig().block_m))
             distinct = len(set(slots))
             for name, (num_in, num_outs) in GROUPS.items():
                 n = len(num_outs)
                 ts = [shrink.lora_shrink(layer[name].x[:num_rows], layer[name].a, [ranks] * n,
-                                         tiles) for layer in layers]
+                                         tiles, pdl_rows=PDL_ROWS) for layer in layers]
                 chunks = shrink.num_k_chunks(num_in)
 
                 def run_shrink() -> None:
                     for layer, t in zip(layers, ts):
                         g = layer[name]
-                        shrink.lora_shrink(g.x[:num_rows], g.a, [ranks] * n, tiles, out=t)
+                        shrink.lora_shrink(g.x[:num_rows], g.a, [ranks] * n, tiles, out=t,
+                                           pdl_rows=PDL_ROWS)
 
                 def run_expand() -> None:
                     for layer, t in zip(layers, ts):
                         g = layer[name]
                         expand.lora_expand(t, [o[:num_rows] for o in g.outs], g.b, [ranks] * n,
-                                           [scales] * n, tiles, deltas=True)
+                                           [scales] * n, tiles, deltas=True, pdl_rows=PDL_ROWS)
 
                 t_bytes = n * num_rows * chunks * RANK * 4
                 shrink_mb = (distinct * RANK * num_in * n * itemsize + num_rows * num_in * 2
@@ -194,7 +203,7 @@ def main() -> int:
                         help="which kernel's configs the sweep varies")
     parser.add_argument("--programs-per-sm", default="",
                         help="also time the default configs with these persistent-grid sizes "
-                             "(lora_tiles.PROGRAMS_PER_SM), e.g. 4,8,32")
+                             "(TileConfig.programs_per_sm), e.g. 4,8,32")
     parser.add_argument("--table-dtype", choices=sorted(TABLE_DTYPES), default="bf16",
                         help="the LoRA tables' dtype (the model's: the adapters' stored one)")
     parser.add_argument("--per-kernel", action="store_true",
@@ -214,17 +223,17 @@ def main() -> int:
           f"hidden {HIDDEN}, intermediate {INTERMEDIATE}, rank {RANK}, {NUM_ADAPTERS} adapters "
           f"loaded, x bf16, tables {args.table_dtype}")
     print(f"# {conditions(device)}")
-    print(f"# shrink {shrink.DEFAULT_CONFIG}, expand {expand.DEFAULT_CONFIG}")
+    print(f"# shrink {ShrinkConfig()}, expand {ExpandSteps()}")
     print("# graph us: the step replayed as a CUDA graph (exact tiles); any-mix us: the graph "
           "sized for any mixture; GB/s: MB moved / graph us")
     # None: each kernel's config for the step's rows, as the model takes them.
     print_table(bench(layers, ranks, scales, batches, None, None), args.layers)
     for per_sm in [int(n) for n in args.programs_per_sm.split(",") if n]:
-        default_per_sm, lora_tiles.PROGRAMS_PER_SM = lora_tiles.PROGRAMS_PER_SM, per_sm
-        print(f"\n# default configs, {per_sm} programs per SM (default {default_per_sm})")
-        print_table(bench(layers, ranks, scales, batches, shrink.DEFAULT_CONFIG,
-                          expand.DEFAULT_CONFIG, eager=False), args.layers)
-        lora_tiles.PROGRAMS_PER_SM = default_per_sm
+        print(f"\n# default configs, {per_sm} programs per SM "
+              f"(default {TileConfig().programs_per_sm})")
+        print_table(bench(layers, ranks, scales, batches, ShrinkConfig(), ExpandConfig(),
+                          eager=False, tile_config=TileConfig(programs_per_sm=per_sm)),
+                    args.layers)
     if args.per_kernel:
         print("\n# each kernel on its own")
         bench_per_kernel(layers, ranks, scales, batches)
@@ -237,10 +246,10 @@ def main() -> int:
         for config in SWEEP_SHRINK if "shrink" in kernels else []:
             print(f"\n# shrink {config}, expand default")
             print_table(bench(layers, ranks, scales, sweep_batches, config,
-                              expand.DEFAULT_CONFIG, eager=False), args.layers)
+                              ExpandConfig(), eager=False), args.layers)
         for config in SWEEP_EXPAND if "expand" in kernels else []:
             print(f"\n# shrink default, expand {config}")
-            print_table(bench(layers, ranks, scales, sweep_batches, shrink.DEFAULT_CONFIG,
+            print_table(bench(layers, ranks, scales, sweep_batches, ShrinkConfig(),
                               config, eager=False), args.layers)
     return 0
 

@@ -14,7 +14,7 @@ Each row times one kernel pair (split + reduce) replayed from a CUDA graph, as a
 it, and also launched eagerly. --layouts hnd stores each block's KV heads one after another
 (a head's block_size tokens contiguous) instead of lorad's token-major blocks (nhd), passed to the
 kernel as a strided view of the same shape. --preload 1 reads each split's first block ids
-early (the kernel's default in steps of up to paged_attention.PRELOAD_MAX_SEQS sequences), 0 in
+early (the default in steps of up to DecodeAttentionConfig.preload_max_seqs sequences), 0 in
 the loop, -1 (the default) as the kernel picks. Block tables are shuffled; consecutive calls read
 different blocks (several table sets per graph when one call's KV would fit in L2), so small rows
 are not served from L2. Prints a table and the conditions; a benchmark, not a test.
@@ -27,10 +27,12 @@ import sys
 
 import torch
 
-from lorad.workers.kernels.paged_attention import (  # noqa: E402
-    SPLIT_PROGRAMS, SPLIT_SIZE, SPLIT_STAGES, SPLIT_WARPS, TILE_TOKENS,
-    paged_decode_attention)
+from lorad.workers.kernels.configs import DecodeAttentionConfig, PdlConfig  # noqa: E402
+from lorad.workers.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from benchmarks.common import conditions  # noqa: E402
+
+DEFAULT = DecodeAttentionConfig()  # lorad's
+PDL_ROWS = PdlConfig().max_rows  # with PDL as in lorad's steps without LoRA launches
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -70,11 +72,13 @@ def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: in
     out = torch.empty(batch, NUM_Q_HEADS * HEAD_DIM, device=device, dtype=DTYPE)
     scale = HEAD_DIM ** -0.5
 
+    config = DecodeAttentionConfig(
+        split_size=split_size, tile_tokens=tile_size, num_warps=num_warps, num_stages=num_stages,
+        split_programs=DEFAULT.split_programs if split_programs is None else split_programs)
+
     def call(i: int) -> None:
         paged_decode_attention(q, k_cache, v_cache, tables[i], lens, scale, out=out,
-                               split_size=split_size, split_programs=split_programs,
-                               tile_size=tile_size, num_warps=num_warps,
-                               num_stages=num_stages, preload=preload)
+                               config=config, preload=preload, pdl_rows=PDL_ROWS)
 
     for i in range(num_sets):  # compile, and touch every set once
         call(i)
@@ -91,10 +95,10 @@ def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: in
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--split-sizes", type=ints, default=[SPLIT_SIZE])
-    parser.add_argument("--tile-sizes", type=ints, default=[TILE_TOKENS],
+    parser.add_argument("--split-sizes", type=ints, default=[DEFAULT.split_size])
+    parser.add_argument("--tile-sizes", type=ints, default=[DEFAULT.tile_tokens],
                         help="keys per step inside a split (sizes above a split are skipped)")
-    parser.add_argument("--warps", type=ints, default=[SPLIT_WARPS],
+    parser.add_argument("--warps", type=ints, default=[DEFAULT.num_warps],
                         help="the split kernel's warps")
     parser.add_argument("--batches", type=ints, default=[1, 8, 32, 64, 128])
     parser.add_argument("--contexts", type=ints, default=[1024, 4096])
@@ -104,13 +108,13 @@ def main() -> int:
                              "longest context (lorad: --max-model-len); default: the context")
     parser.add_argument("--split-programs", type=ints, default=[-1],
                         help="programs per sequence and KV head (0: one per split of the "
-                             f"table's width, -1: the kernel's default, {SPLIT_PROGRAMS}; write "
+                             f"table's width, -1: lorad's, {DEFAULT.split_programs}; write "
                              "--split-programs=-1,0)")
-    parser.add_argument("--stages", type=ints, default=[SPLIT_STAGES])
+    parser.add_argument("--stages", type=ints, default=[DEFAULT.num_stages])
     parser.add_argument("--preload", type=ints, default=[-1],
                         help="0: block ids read in the split's loop; 1: each split's first "
                              "block ids read early; -1: as the kernel picks by batch "
-                             "(paged_attention.PRELOAD_MAX_SEQS); write --preload=-1,0,1")
+                             "(DecodeAttentionConfig.preload_max_seqs); write --preload=-1,0,1")
     parser.add_argument("--layouts", default="nhd",
                         help="nhd (lorad's: [block, token, head, dim]) and/or hnd ([block, head, "
                              "token, dim] seen through a strided view)")

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.bench import cpu_name  # as bench.py names the machine
+from benchmarks.common import device_name
 
 PROMPT_ID_RANGE = (100, 1000)  # as bench.py draws its random prompts
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     num_new = (out.shape[1] - args.prompt_len) * args.batch
 
     print(f"date:      {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
-    print(f"machine:   {os.cpu_count()} cores, {cpu_name()}, {platform.system()} "
+    print(f"machine:   {os.cpu_count()} cores, {device_name('cpu')}, {platform.system()} "
           f"{platform.machine()}; torch {torch.__version__} with {torch.get_num_threads()} "
           f"threads, transformers {transformers.__version__}")
     print(f"model:     {args.model} (float32, cpu)"

@@ -33,7 +33,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from lorad.workers.kernels import (decode_gemv, fused_ops, lora_expand,  # noqa: E402
-                                   lora_shrink, lora_tiles, paged_attention, pdl, token_draw)
+                                   lora_shrink, paged_attention, token_draw)
+from lorad.workers.kernels.configs import (DecodeAttentionConfig, ExpandConfig,  # noqa: E402
+                                           ExpandSteps, GemvModelTiles, ShrinkConfig,
+                                           TileConfig)
 
 FLOAT_SCALARS = {"scale", "eps"}
 REGISTERS_PER_SM = 65536
@@ -115,8 +118,7 @@ def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
                 {"NUM_TABLES": tables, "BLOCK_M": block_m, "BLOCK_R": config.block_r,
                  "BLOCK_K": config.block_k, "K_CHUNK": config.k_chunk,
                  "NUM_STAGES": config.num_stages, "X_PARTS": 1,
-                 "A_PARTS": lora_shrink.bf16_parts(DTYPES[dtype]), "PDL": True,
-                 "TRIGGER_LATE": pdl.LORA_TRIGGER_LATE},
+                 "A_PARTS": lora_shrink.bf16_parts(DTYPES[dtype]), "PDL": True},
                 config.num_warps, config.num_stages,
                 {**lora_types, **{f"a{i}_ptr": dtype for i in range(3)}},
                 ("K", "max_rank0", "max_rank1", "max_rank2")))
@@ -126,8 +128,7 @@ def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
                 f"lora expand, {tables} {dtype} table(s), {config}", lora_expand._expand_kernel,
                 {"NUM_TABLES": tables, "BLOCK_M": block_m, "BLOCK_N": config.block_n,
                  "RANK_PAD": 16, "MAX_CHUNKS": 8, "B_PARTS": lora_shrink.bf16_parts(DTYPES[dtype]),
-                 "NUM_STAGES": config.num_stages, "DELTA": True, "PDL": True,
-                 "TRIGGER_LATE": pdl.LORA_TRIGGER_LATE},
+                 "NUM_STAGES": config.num_stages, "DELTA": True, "PDL": True},
                 config.num_warps, config.num_stages,
                 # The model's way: fp32 delta buffers (lora.LoraDelta).
                 {**lora_types, **{f"out{i}_ptr": "fp32" for i in range(3)},
@@ -136,25 +137,34 @@ def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
     return specs
 
 
+def model_gemv_tiles() -> list:
+    """The decode GEMV tiles the model uses (bf16 weights), each once."""
+    tiles = GemvModelTiles()
+    configs = [tiles.config(name, torch.bfloat16) for name in ("qkv", "gate_up", "o", "down")]
+    return list(dict.fromkeys(c for c in configs if c is not None))
+
+
 def model_specs() -> list[Spec]:
     """The decode step's other kernels at the 8B shape."""
     bf16 = "bf16"
     # With every LoRA delta added, as the model launches them with adapters loaded.
     lora = {"row_slots_ptr": "i64", **{f"{name}_ranks_ptr": "i32"
                                        for name in ("lora", "lq", "lk", "lv", "lg", "lu")}}
-    split = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "SPLIT": paged_attention.SPLIT_SIZE,
-             "TILE": paged_attention.TILE_TOKENS, "BLOCK_H": 16, "BLOCK_D": 128,
+    attention = DecodeAttentionConfig()
+    split = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "SPLIT": attention.split_size,
+             "TILE": attention.tile_tokens, "BLOCK_H": 16, "BLOCK_D": 128,
              "DOT_PRECISION": "tf32", "LINES": 2, "LINE_ELEMS": 64, "PDL": True}
     split_types = {"q_ptr": bf16, "k_cache_ptr": bf16, "v_cache_ptr": bf16, "tables_ptr": "i32",
                    "lens_ptr": "i32"}
     return [
-        # Up to paged_attention.PREFETCH_MAX_SEQS sequences with the L2 prefetch, more without.
+        # Up to attention.prefetch_max_seqs sequences with the L2 prefetch, more without.
         *(Spec(f"decode attention, split{' + prefetch' if prefetch else ''}",
                paged_attention._decode_split_kernel, {**split, "PREFETCH": prefetch},
-               paged_attention.SPLIT_WARPS, 2, split_types) for prefetch in (True, False)),
+               attention.num_warps, attention.num_stages, split_types)
+          for prefetch in (True, False)),
         Spec("decode attention, reduce", paged_attention._decode_reduce_kernel,
-             {"HEAD_DIM": 128, "SPLIT": paged_attention.SPLIT_SIZE, "BLOCK_D": 128,
-              "GROUP_SPLITS": paged_attention.REDUCE_GROUP, "PDL": True}, 1, 3,
+             {"HEAD_DIM": 128, "SPLIT": attention.split_size, "BLOCK_D": 128,
+              "GROUP_SPLITS": attention.reduce_group, "PDL": True}, 1, 3,
              {"lens_ptr": "i32", "out_ptr": bf16}),
         Spec("add + RMSNorm", fused_ops._add_rms_norm_kernel,
              {"HAS_RES": True, "HAS_LORA": True, "BLOCK": 4096, "PDL": True},
@@ -169,24 +179,20 @@ def model_specs() -> list[Spec]:
         Spec("silu * up", fused_ops._silu_mul_kernel,
              {"BLOCK": fused_ops.SILU_BLOCK, "HAS_LG": True, "HAS_LU": True, "PDL": True}, 4, 3,
              {"gate_ptr": bf16, "up_ptr": bf16, "out_ptr": bf16, **lora}),
-        *(gemv_spec(decode_gemv.model_config(p), 4096) for p in decode_gemv.MODEL_PROJECTIONS),
+        *(gemv_spec(config, 4096) for config in model_gemv_tiles()),
         Spec("token draw, chunk stats", token_draw._chunk_stats_kernel,
              {"CHUNK": token_draw.CHUNK}, token_draw._warps(token_draw.CHUNK), 3, {}),
     ]
 
 
 def gemv_spec(config, k: int) -> Spec:
-    """The decode GEMV of the model's base projections (no LoRA epilogue), K = k."""
+    """The decode GEMV of the model's base projections, K = k."""
     return Spec(f"decode GEMV, K {k}, {config}", decode_gemv._decode_gemv_kernel,
                 {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
                  "EVEN_K": k % config.block_k == 0, "NUM_STAGES": config.num_stages,
-                 "NUM_TABLES": 0, "MAX_CHUNKS": 1, "BLOCK_R": config.lora_block_r,
                  "PDL": True},
                 config.num_warps, config.num_stages,
-                {"x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "t_ptr": "bf16",
-                 "row_slots_ptr": "bf16", **{f"{name}{i}_ptr": "bf16" for i in range(3)
-                                             for name in ("b", "ranks", "scales")}},
-                ("N", "K"))
+                {"x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16"}, ("N", "K"))
 
 
 def parse_configs(texts, make, fields: int) -> list:
@@ -206,8 +212,8 @@ def main() -> int:
                    help="BLOCK_R,BLOCK_K,K_CHUNK,WARPS,STAGES: also this shrink config")
     p.add_argument("--expand", action="append", default=[],
                    help="BLOCK_N,WARPS: also this expand config (default stages)")
-    p.add_argument("--block-m", type=int, default=lora_tiles.BLOCK_M,
-                   help=f"rows per LoRA tile (lorad: {lora_tiles.BLOCK_M})")
+    p.add_argument("--block-m", type=int, default=TileConfig().block_m,
+                   help=f"rows per LoRA tile (lorad: {TileConfig().block_m})")
     p.add_argument("--only", default="", help="only the kernels whose name holds this text")
     args = p.parse_args()
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -215,10 +221,10 @@ def main() -> int:
         print(f"kernel_resources: no cuobjdump in {tools}", file=sys.stderr)
         return 2
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # quiets triton 3.9's notice
-    shrinks = [lora_shrink.DEFAULT_CONFIG] + parse_configs(
-        args.shrink, lora_shrink.ShrinkConfig, 5)
-    expands = [lora_expand.DEFAULT_CONFIG, lora_expand.SMALL_STEP_CONFIG] + parse_configs(
-        args.expand, lambda n, w: lora_expand.ExpandConfig(n, w), 2)
+    steps = ExpandSteps()
+    shrinks = [ShrinkConfig()] + parse_configs(args.shrink, ShrinkConfig, 5)
+    expands = [steps.large, steps.small] + parse_configs(
+        args.expand, lambda n, w: ExpandConfig(n, w), 2)
     specs = lora_specs(shrinks, expands, args.block_m) + model_specs()
     print(f"# triton {triton.__version__}, sm_{args.arch}, LoRA tiles of {args.block_m} rows; "
           f"registers per thread, spill bytes per thread (stack), shared bytes per program, "

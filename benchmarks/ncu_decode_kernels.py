@@ -65,7 +65,7 @@ def drive(case: str, device: str = "cuda") -> None:
         from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
         slots = [1 + i for i in range(64)] if case == "many64" else [1] * 32
         tiles = LoraTiles.build(torch.tensor(slots, dtype=torch.int64, device=device),
-                                count_tiles([slots.count(s) for s in sorted(set(slots))]))
+                                count_tiles([slots.count(s) for s in sorted(set(slots))], 16))
         ranks = torch.full((NUM_ADAPTERS + 1,), RANK, dtype=torch.int32, device=device)
         ranks[0] = 0
         scales = torch.full((NUM_ADAPTERS + 1,), 2.0, device=device)
@@ -73,8 +73,9 @@ def drive(case: str, device: str = "cuda") -> None:
         for name in PROJECTIONS:
             group = layer[name]
             n = len(group.a)
-            t = lora_shrink(group.x, group.a, [ranks] * n, tiles)
-            lora_expand(t, group.outs, group.b, [ranks] * n, [scales] * n, tiles, deltas=True)
+            t = lora_shrink(group.x, group.a, [ranks] * n, tiles, pdl_rows=32)
+            lora_expand(t, group.outs, group.b, [ranks] * n, [scales] * n, tiles, deltas=True,
+                        pdl_rows=32)
     elif case == "attn64":
         from benchmarks.bench_paged_attention import (BLOCK_SIZE, DTYPE, HEAD_DIM, NUM_KV_HEADS,
                                                       NUM_Q_HEADS)
@@ -89,7 +90,7 @@ def drive(case: str, device: str = "cuda") -> None:
             batch, used).int()
         lens = torch.full((batch,), context, dtype=torch.int32, device=device)
         q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
-        paged_decode_attention(q, k, v, tables, lens, HEAD_DIM ** -0.5)
+        paged_decode_attention(q, k, v, tables, lens, HEAD_DIM ** -0.5, pdl_rows=32)
     elif case == "mm64":
         # Each projection group's weights as one matrix, as the model multiplies them.
         for name in PROJECTIONS:

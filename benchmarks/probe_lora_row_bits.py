@@ -69,7 +69,7 @@ def main() -> int:
         batch_t, again_t)
     edited = slots != 0
     counts = torch.bincount(slots[edited])
-    tiles = LoraTiles.build(slots.to(device), count_tiles(int(c) for c in counts if c))
+    tiles = LoraTiles.build(slots.to(device), count_tiles((int(c) for c in counts if c), 16))
     lane_of = {row: (tile, lane) for tile, lanes in enumerate(tiles.tile_rows.cpu().tolist())
                for lane, row in enumerate(lanes) if row >= 0}
     differing = []

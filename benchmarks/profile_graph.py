@@ -154,8 +154,8 @@ def trace_kernels(path: Path) -> list[dict]:
 def main() -> int:
     import torch
 
-    from benchmarks.bench_engine import (BLOCK_SIZE, build_lorad, load_adapters, settings,
-                                         write_adapter)
+    from benchmarks.bench_engine import (BLOCK_SIZE, build_lorad, load_adapters, tuned,
+                                         tuning_variants, write_adapter)
     from lorad.config import ModelConfig
     from lorad.workers.cuda_graph import DecodeGraphs
 
@@ -170,8 +170,9 @@ def main() -> int:
     p.add_argument("--top", type=int, default=16)
     p.add_argument("--trace-out", help="a folder for each case's kernels (JSON lines, gzip)")
     p.add_argument("--variant", default="main",
-                   help="';'-separated settings as bench_engine.py --variant takes them, each "
-                        "profiled with graphs captured again ('main': main's settings)")
+                   help="';'-separated tuning variants as bench_engine.py --variant takes "
+                        "them, each profiled with graphs captured again ('main': lorad's "
+                        "Tuning())")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("profile_graph.py needs a CUDA GPU", file=sys.stderr)
@@ -186,8 +187,8 @@ def main() -> int:
     out_dir = Path(args.trace_out) if args.trace_out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
-    for variant in [v for v in args.variant.split(";") if v]:
-        with settings(variant):
+    for variant, tuning in tuning_variants(args.variant):
+        with tuned(model, tuning):
             graphs = DecodeGraphs(model, max_batch, args.max_model_len, BLOCK_SIZE,
                                   args.num_adapters)
             graphs.capture()

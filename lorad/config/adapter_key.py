@@ -12,20 +12,17 @@ import hashlib
 import json
 import mmap
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from lorad.config.errors import ConfigError
+from lorad.config.lora_module import LoraModule
 from lorad.config.safetensors_header import TensorEntry
-
-if TYPE_CHECKING:
-    from lorad.config.adapters import LoraModule
 
 KEY_TAG = b"lorad-adapter-key/1\n"
 # Exponent bits of each float dtype lorad serves: all ones means infinity or NaN.
 _EXPONENT_MASKS = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
 
 
-def identity_key(modules: tuple["LoraModule", ...], tensors: dict[str, TensorEntry],
+def identity_key(modules: tuple[LoraModule, ...], tensors: dict[str, TensorEntry],
                  weights_file: Path, label: str) -> str:
     """sha256 hex over, per module in `modules`' order (canonical: layer, then projection):
     a JSON line [layer, module, rank, scale as float.hex(), A dtype, A shape, B dtype, B shape],

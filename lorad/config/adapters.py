@@ -17,14 +17,12 @@ from pathlib import Path
 from lorad.config.adapter_key import identity_key
 from lorad.config.adapter_manifest import read_manifest
 from lorad.config.errors import ConfigError
+from lorad.config.lora_module import PARENTS, TARGET_MODULES, LoraModule, module_name  # noqa: F401
 from lorad.config.model import ModelConfig
 from lorad.config.peft_config import PeftLoraConfig, read_peft_config
 from lorad.config.safetensors_header import TensorEntry, read_safetensors_header
 
 # The Llama family's linear projections, in the order the identity key and tables use.
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PARENTS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 FACTOR_DTYPES = ("F32", "BF16", "F16")
@@ -42,25 +40,6 @@ class AdapterArg:
     name: str
     path: str
     strength: float = 1.0
-
-
-@dataclass(frozen=True)
-class LoraModule:
-    """One edited projection of one layer."""
-
-    layer: int
-    module: str  # one of TARGET_MODULES
-    rank: int
-    scale: float  # lora_alpha / r (or / sqrt(r) with use_rslora), per pattern, times strength
-    a_tensor: str  # name in the weights file; shape [rank, in_features]
-    b_tensor: str  # name in the weights file; shape [out_features, rank]
-    in_features: int = 0
-    out_features: int = 0
-    dtype: str = "F32"  # safetensors dtype of both factors: F32, BF16 or F16
-
-    @property
-    def full_name(self) -> str:
-        return module_name(self.layer, self.module)
 
 
 @dataclass(frozen=True)
@@ -194,11 +173,6 @@ def _unknown_reason(name: str) -> str:
                     f"({', '.join(TARGET_MODULES)})")
     return ("unknown tensor name; expected base_model.model.model.layers.<i>."
             "<self_attn|mlp>.<projection>.lora_<A|B>.weight")
-
-
-def module_name(layer: int, module: str) -> str:
-    """A projection's full name in LlamaForCausalLM, which PEFT's patterns are matched against."""
-    return f"model.layers.{layer}.{PARENTS[module]}.{module}"
 
 
 def projection_features(model: ModelConfig, module: str) -> tuple[int, int]:

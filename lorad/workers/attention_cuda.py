@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lorad.workers.batch import ForwardBatch
+from lorad.workers.kernels.configs import DecodeAttentionConfig
 from lorad.workers.kernels.kv_cache_write import write_kv
 from lorad.workers.kernels.paged_attention import paged_decode_attention
 from lorad.workers.kernels.paged_prefill_attention import paged_prefill_attention
@@ -40,18 +41,22 @@ class CudaAttentionContext:
 
 
 def paged_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
-                         ctx: CudaAttentionContext, scale: float) -> torch.Tensor:
+                         ctx: CudaAttentionContext, scale: float,
+                         config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                         pdl_rows: int = 0) -> torch.Tensor:
     """q: [num_rows, q_heads, head_dim]; k, v: [num_rows, kv_heads, head_dim]
     -> [num_rows, q_heads * head_dim], zero on padding rows."""
     write_kv(k, v, ctx.slot_mapping, cache.k, cache.v)
-    return attend_cuda(q, cache, ctx, scale)
+    return attend_cuda(q, cache, ctx, scale, config, pdl_rows)
 
 
-def attend_cuda(q: torch.Tensor, cache: PagedKVCache, ctx: CudaAttentionContext,
-                scale: float) -> torch.Tensor:
+def attend_cuda(q: torch.Tensor, cache: PagedKVCache, ctx: CudaAttentionContext, scale: float,
+                config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                pdl_rows: int = 0) -> torch.Tensor:
     """The attention alone, the step's K/V being in the cache already (the model's fused rotary
     kernel writes them). q: [num_rows, q_heads, head_dim] -> [num_rows, q_heads * head_dim],
-    zero on padding rows."""
+    zero on padding rows. config: the decode kernels' settings; pdl_rows: the step's PDL row
+    limit (kernels/pdl.py)."""
     num_rows, num_q_heads, head_dim = q.shape
     num_seqs = ctx.context_lens.shape[0]
     if not ctx.is_decode:
@@ -61,4 +66,5 @@ def attend_cuda(q: torch.Tensor, cache: PagedKVCache, ctx: CudaAttentionContext,
     # as on the CPU path.
     out = torch.empty(num_rows, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
     return paged_decode_attention(q[:num_seqs], cache.k, cache.v, ctx.block_tables,
-                                  ctx.context_lens, scale, out=out)
+                                  ctx.context_lens, scale, out=out, config=config,
+                                  pdl_rows=pdl_rows)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from lorad.workers.batch import MIN_ROWS, ForwardBatch, SeqChunk, kv_slot
-from lorad.workers.kernels.lora_tiles import BLOCK_M, host_tiles
+from lorad.workers.kernels.lora_tiles import host_tiles
 
 log = logging.getLogger("lorad.worker")
 
@@ -59,12 +59,13 @@ class DecodeInputs:
     """The static tensors every bucket's graph reads, and the host buffers they are filled from.
 
     Buffers are sized for the largest bucket; bucket B's batch views their first B sequences and
-    rows_of(B) rows, so every graph reads the same memory. With lora_tiles, they also hold the
-    LoRA kernels' row tiles (lora_tiles.host_tiles), written when a step's adapters differ from
-    the last step's that had any, so the graphs build none on the device."""
+    rows_of(B) rows, so every graph reads the same memory. With lora_block_m, they also hold the
+    LoRA kernels' row tiles of that many rows (lora_tiles.host_tiles), written when a step's
+    adapters differ from the last step's that had any, so the graphs build none on the
+    device."""
 
     def __init__(self, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, lora_tiles: bool = False) -> None:
+                 device: torch.device, lora_block_m: int = 0) -> None:
         self.block_size = block_size
         self.device = device
         num_rows = rows_of(max_seqs)
@@ -92,7 +93,7 @@ class DecodeInputs:
         # sequence's grows by one block every block_size steps) is not written again.
         self._tables: list[list[int] | None] = [None] * max_seqs
         self._copied: torch.cuda.Event | None = None  # recorded after the last step's copies
-        self._tiles = _TileBuffers(num_rows, device, pin) if lora_tiles else None
+        self._tiles = _TileBuffers(num_rows, lora_block_m, device, pin) if lora_block_m else None
 
     def batch(self, bucket: int, seqs: list[SeqChunk]) -> ForwardBatch:
         """Bucket `bucket`'s view of the buffers; `seqs` describe them to eager code only."""
@@ -160,10 +161,10 @@ class _TileBuffers:
 
     ALIGN = 16  # int64 entries: 128 bytes
 
-    def __init__(self, num_rows: int, device: torch.device, pin: bool) -> None:
-        self.num_rows, self.block_m = num_rows, BLOCK_M
+    def __init__(self, num_rows: int, block_m: int, device: torch.device, pin: bool) -> None:
+        self.num_rows, self.block_m = num_rows, block_m
         self._rows_at = _aligned(num_rows, self.ALIGN)
-        self._count_at = self._rows_at + _aligned(num_rows * BLOCK_M, self.ALIGN)
+        self._count_at = self._rows_at + _aligned(num_rows * block_m, self.ALIGN)
         size = self._count_at + 1
         self._host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self._np = self._host.numpy()
@@ -172,7 +173,7 @@ class _TileBuffers:
         self._adapters: list[int] | None = None  # whose tiles the buffers hold
 
     def views(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tile_slot [num_rows], tile_rows [num_rows, BLOCK_M], num_tiles [1]) on the device."""
+        """(tile_slot [num_rows], tile_rows [num_rows, block_m], num_tiles [1]) on the device."""
         buf = self.device_buffer
         tile_rows = buf[self._rows_at:self._rows_at + self.num_rows * self.block_m]
         return (buf[:num_rows], tile_rows.view(self.num_rows, self.block_m)[:num_rows],
@@ -257,7 +258,8 @@ class DecodeGraphs:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.num_adapters = num_adapters
         self.inputs = DecodeInputs(max_num_seqs, self.max_blocks_per_seq, block_size,
-                                   model.device, lora_tiles=num_adapters > 0)
+                                   model.device,
+                                   model.tuning.tiles.block_m if num_adapters else 0)
         # (bucket, with_lora) -> its graph, and the static [bucket, vocab] fp32 logits it writes
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph | SegmentedGraph] = {}
         self._logits: dict[tuple[int, bool], torch.Tensor] = {}

@@ -27,6 +27,7 @@ from lorad.workers.batch import MIN_ROWS, ForwardBatch
 from lorad.workers.cuda_graph import DecodeGraphs
 from lorad.workers.loader import add_adapter_tables
 from lorad.workers.models.llama import LlamaForCausalLM
+from lorad.workers.tuning import Tuning
 from lorad.workers.parallel import TensorParallel, init_tensor_parallel
 from lorad.workers.planner import StepPlan
 from lorad.workers.sampler import warm_up as warm_up_sampler
@@ -101,7 +102,9 @@ class Engine:
             raise RuntimeError(problem)
         check_coordinator_keys(cfg, adapters)
         num_weight_bytes = check_weights_fit(cfg.model_dir, model_config, tp, dtype, adapters)
-        model = LlamaForCausalLM(model_config, tp, dtype, device)
+        # The product's kernel settings: one Tuning for the server's life (a row's bits depend on
+        # some of them).
+        model = LlamaForCausalLM(model_config, tp, dtype, device, Tuning())
         if cfg.load_format == "random":
             model.load_random_weights(RANDOM_WEIGHTS_SEED)
             log.info("random weights (seed %d): no checkpoint read", RANDOM_WEIGHTS_SEED)

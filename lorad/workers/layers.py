@@ -8,12 +8,16 @@ and the reference those kernels are tested against.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.linear import load_replicated
-from lorad.workers.lora import LoraDelta
+
+if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
+    from lorad.workers.kernels.lora_common import LoraDelta
 
 
 class RMSNorm(nn.Module):
@@ -37,15 +41,16 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(input_dtype)
 
     def add_and_norm(self, delta: torch.Tensor, residual: torch.Tensor | None,
-                     lora: LoraDelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     lora: LoraDelta | None = None,
+                     pdl_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden, normed): the residual stream with a layer's output added in the model
         dtype (`residual + delta.to(dtype)`, or delta alone when residual is None), and its norm.
         delta: [num_rows, hidden_size], fp32 (a row-parallel sum) or the model dtype. On CUDA
         the residual is updated in place. lora (the kernel path only): delta's LoRA delta, added
-        to it first."""
+        to it first. pdl_rows: the step's PDL row limit (kernel path)."""
         if kernel_path(delta.device):
             from lorad.workers.kernels.fused_ops import add_rms_norm
-            return add_rms_norm(delta, residual, self.weight, self.eps, lora)
+            return add_rms_norm(delta, residual, self.weight, self.eps, lora, pdl_rows)
         assert lora is None, "LoRA deltas are left to the next kernel on the kernel path only"
         dtype = self.weight.dtype
         hidden = delta.to(dtype) if residual is None else residual + delta.to(dtype)
@@ -53,12 +58,13 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor,
-                 loras: tuple[LoraDelta | None, LoraDelta | None] = (None, None)) -> torch.Tensor:
+                 loras: tuple[LoraDelta | None, LoraDelta | None] = (None, None),
+                 pdl_rows: int = 0) -> torch.Tensor:
     """silu(gate) * up, with silu in fp32 as x / (1 + exp(-x)); loras (the kernel path only):
-    gate's and up's LoRA deltas, added to them first."""
+    gate's and up's LoRA deltas, added to them first. pdl_rows: the step's PDL row limit."""
     if kernel_path(gate.device):
         from lorad.workers.kernels.fused_ops import silu_and_mul as fused_silu_and_mul
-        return fused_silu_and_mul(gate, up, loras)
+        return fused_silu_and_mul(gate, up, loras, pdl_rows)
     assert all(lora is None for lora in loras), "LoRA deltas are left to kernels on the kernel path"
     # On the CPU, F.silu (fp32) takes a scalar path for a tensor's last few elements that gives
     # other bits than its vector path, so a row's result would depend on the batch's length.

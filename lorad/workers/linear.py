@@ -1,23 +1,27 @@
-"""Column- and row-parallel linear layers without bias: each owns its shard and its collective.
+"""The row-parallel linear layer (o, down) and the base product every projection uses.
 
-The model decides which output rows (column-parallel) or input columns (row-parallel) a rank
-holds, so attention can split by whole KV-head groups; the layer slices its checkpoint tensor to
-that range and, when row-parallel, all-reduces its output. Each layer some adapter edits also
-owns its LoRA slots (lora.py), sharded the same way as its weight, and adds the per-row delta.
+The model decides which input columns a rank holds, so attention can split by whole KV-head
+groups; the layer slices its checkpoint tensor to that range and all-reduces its output. It owns
+its LoRA slots (lora.py), sharded the same way as its weight, and adds the per-row delta. The
+column-parallel projections, fused q/k/v and gate/up, are fused_linear.py's; no bias anywhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lorad.workers.kernel_path import kernel_path
-from lorad.workers.lora import (LoraDelta, LoraRows, LoraSlots, PendingShrink, matmul_and_shrink,
-                                matmul_with_deltas)
+from lorad.workers.lora import LoraSlots, PendingShrink, matmul_and_shrink, matmul_with_deltas
+from lorad.workers.lora_rows import LoraRows
 from lorad.workers.parallel import TensorParallel
+
+if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
+    from lorad.workers.kernels.configs import GemvConfig
+    from lorad.workers.kernels.lora_common import LoraDelta
 
 
 def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ...]) -> None:
@@ -25,37 +29,20 @@ def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ..
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(got)}, expected {want}")
 
 
-def base_matmul(x: torch.Tensor, weight: torch.Tensor, projection: str,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def base_matmul(x: torch.Tensor, weight: torch.Tensor, gemv: "GemvConfig | None",
+                out_dtype: torch.dtype | None = None, pdl_rows: int = 0) -> torch.Tensor:
     """x weight^T summed in fp32, rounded to x's dtype (out_dtype None) or left in fp32: on the
-    kernel path in a step of few rows (a decode step), for the projections named in
-    kernels/decode_gemv.py's MODEL_PROJECTIONS (q/k/v and gate/up; o and down can be), the GEMV
-    with that projection's tile, launched with PDL like the kernels around it (cuBLAS's are
-    not); cuBLAS otherwise."""
-    if kernel_path(x.device):
+    kernel path in a step of few rows (a decode step), for a projection with a decode GEMV tile
+    (gemv: Tuning.gemv's, None for none), the GEMV, launched with PDL like the kernels around it
+    (cuBLAS's are not; pdl_rows: the step's PDL row limit); cuBLAS otherwise."""
+    if gemv is not None and kernel_path(x.device):
         from lorad.workers.kernels import decode_gemv  # lazily: the CPU never imports triton
-        if projection in decode_gemv.MODEL_PROJECTIONS:
-            # The tile's block_m is the most rows the GEMV takes (supports says).
-            config = decode_gemv.model_config(projection, weight.dtype)
-            if decode_gemv.supports(x, weight, out_dtype, config):
-                return decode_gemv.decode_matmul(x, weight, out_dtype, config)
+        # The tile's block_m is the most rows the GEMV takes (supports says).
+        if decode_gemv.supports(x, weight, out_dtype, gemv):
+            return decode_gemv.decode_matmul(x, weight, out_dtype, gemv, pdl_rows=pdl_rows)
     if out_dtype is None or out_dtype == x.dtype:
         return F.linear(x, weight)
     return torch.mm(x, weight.t(), out_dtype=out_dtype)
-
-
-def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int],
-                           loras: Sequence[LoraSlots | None], lora_rows: LoraRows | None,
-                           projection: str
-                           ) -> tuple[list[torch.Tensor], tuple[LoraDelta | None, ...]]:
-    """The kernel path's product of projections whose weights are rows of one matrix (q/k/v,
-    gate/up): x weight^T in one matmul, split into the projections' outputs (column slices of
-    one tensor), and each one's LoraDelta or None for the kernel that reads them next to add.
-    projection: their name for base_matmul (qkv, gate_up).
-    One shrink and one expand for them all run beside the matmul (a side stream)."""
-    out, deltas = matmul_with_deltas(loras, x, lora_rows,
-                                     lambda: base_matmul(x, weight, projection))
-    return list(out.split(sizes, dim=1)), deltas
 
 
 def load_replicated(param: nn.Parameter, name: str, tensor_slice) -> None:
@@ -64,57 +51,15 @@ def load_replicated(param: nn.Parameter, name: str, tensor_slice) -> None:
     param.data.copy_(tensor_slice[:])
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T for rows [out_start, out_end) of W: each rank a slice of the outputs."""
-
-    def __init__(self, in_features: int, out_features: int, out_range: tuple[int, int],
-                 dtype: torch.dtype, device: torch.device,
-                 storage: torch.Tensor | None = None) -> None:
-        """storage: rows of a larger weight the model multiplies at once (q/k/v, gate/up) that
-        this layer's weight is to live in; its own tensor when None."""
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features  # the full, unsplit size
-        self.out_start, self.out_end = out_range
-        num_local = self.out_end - self.out_start
-        if storage is None:
-            storage = torch.empty(num_local, in_features, dtype=dtype, device=device)
-        assert storage.shape == (num_local, in_features) and storage.dtype == dtype
-        # [out_end - out_start, in_features]; a view of `storage`, so loading fills it
-        self.weight = nn.Parameter(storage, requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.lora: LoraSlots | None = None
-
-    def weight_loader(self, param: nn.Parameter, name: str, tensor_slice) -> None:
-        check_shape(name, tensor_slice.get_shape(), (self.out_features, self.in_features))
-        param.data.copy_(tensor_slice[self.out_start:self.out_end])
-
-    def add_lora_slots(self, num_slots: int, max_rank: int,
-                       dtype: torch.dtype = torch.float32) -> LoraSlots:
-        # A whole, B split by rows like the weight: the delta of this rank's outputs needs no
-        # communication.
-        self.lora = LoraSlots(num_slots, max_rank, self.in_features, self.out_features,
-                              (0, self.in_features), (self.out_start, self.out_end),
-                              self.weight.device, dtype)
-        return self.lora
-
-    def forward(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:
-        # x: [num_rows, in_features] -> [num_rows, out_end - out_start]
-        out = F.linear(x, self.weight)
-        if self.lora is None:
-            return out
-        return self.lora.add_delta(out, x, lora_rows)
-
-
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W[:, in_start:in_end]^T: each rank a slice of the inputs."""
 
     def __init__(self, in_features: int, out_features: int, in_range: tuple[int, int],
                  tp: TensorParallel, dtype: torch.dtype, device: torch.device,
-                 projection: str = "") -> None:
-        """projection: the model's name for it (o, down), for base_matmul's choice of kernel."""
+                 gemv: "GemvConfig | None" = None) -> None:
+        """gemv: its decode GEMV tile (Tuning.gemv's; None: cuBLAS), for base_matmul."""
         super().__init__()
-        self.projection = projection
+        self.gemv = gemv
         self.in_features = in_features  # the full, unsplit size
         self.out_features = out_features
         self.in_start, self.in_end = in_range
@@ -148,10 +93,11 @@ class RowParallelLinear(nn.Module):
         the LoRA delta is then added as peft adds it, to the rounded base output, with one more
         rounding."""
         rounded = self._rounds_here(x)
+        pdl_rows = 0 if lora_rows is None else lora_rows.pdl_rows
         if rounded:  # [num_rows, out_features], the model dtype
-            matmul = lambda: base_matmul(x, self.weight, self.projection)  # noqa: E731
+            matmul = lambda: base_matmul(x, self.weight, self.gemv, pdl_rows=pdl_rows)  # noqa: E731
         else:  # [num_rows, out_features] float32
-            matmul = lambda: self._partial_fp32(x)  # noqa: E731
+            matmul = lambda: self._partial_fp32(x, pdl_rows)  # noqa: E731
         # On the kernel path the shrink runs beside the matmul (a side stream); None otherwise.
         out, pending = matmul_and_shrink([self.lora], x, lora_rows, matmul)
         out = self._plus_delta(out, x, lora_rows, pending)
@@ -166,8 +112,9 @@ class RowParallelLinear(nn.Module):
         kernels = lora_rows is not None and lora_rows.tiles is not None
         if not (kernels and self.lora is not None and self._rounds_here(x)):
             return self.forward(x, lora_rows), None
-        out, deltas = matmul_with_deltas([self.lora], x, lora_rows,
-                                         lambda: base_matmul(x, self.weight, self.projection))
+        out, deltas = matmul_with_deltas(
+            [self.lora], x, lora_rows,
+            lambda: base_matmul(x, self.weight, self.gemv, pdl_rows=lora_rows.pdl_rows))
         return out, deltas[0]
 
     def _rounds_here(self, x: torch.Tensor) -> bool:
@@ -181,14 +128,14 @@ class RowParallelLinear(nn.Module):
             return pending.expand_into([out])[0]
         return out if self.lora is None else self.lora.add_delta(out, x, lora_rows)
 
-    def _partial_fp32(self, x: torch.Tensor) -> torch.Tensor:
+    def _partial_fp32(self, x: torch.Tensor, pdl_rows: int) -> torch.Tensor:
         # The partial sums are added across ranks; rounding each to bf16 first would make the
         # result depend on the world size more than it must.
         if x.dtype == torch.float32:
             return F.linear(x, self.weight)
         if x.is_cuda:
             # cuBLAS and the GEMV accumulate in fp32 and hand the fp32 sum back unrounded.
-            return base_matmul(x, self.weight, self.projection, torch.float32)
+            return base_matmul(x, self.weight, self.gemv, torch.float32, pdl_rows)
         # The CPU has no mm with an fp32 output for bf16 inputs (torch 2.13); the CPU path is for
         # tests and small models, so upcasting the shard each step is acceptable there.
         return F.linear(x.float(), self.weight.float())

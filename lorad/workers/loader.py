@@ -59,8 +59,10 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_weights(model: nn.Module, model_dir: str | Path, skip: tuple[str, ...] = ()) -> None:
-    """Fill every parameter of `model` from the checkpoint, through its weight_loader."""
-    params = dict(model.named_parameters())
+    """Fill every parameter of `model` from the checkpoint, through its weight_loader:
+    model.weight_targets() maps each checkpoint name to its parameter (and the part of a fused
+    one, passed to the weight_loader as its shard id)."""
+    targets = model.weight_targets()
     loaded: set[str] = set()
     files = checkpoint_files(model_dir)
     started = last_log = time.monotonic()
@@ -75,7 +77,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: tuple[str, ...] 
                     log.info("shard %d/%d: %d/%d tensors read", num, len(files), i, len(names))
                 if name in skip or name.endswith(IGNORED_SUFFIXES):
                     continue
-                param = params.get(name)
+                param, shard_id = targets.get(name, (None, None))
                 if param is None:
                     raise ConfigError(f"{path}: tensor {name} is not part of the model lorad "
                                       "builds from config.json")
@@ -83,13 +85,14 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: tuple[str, ...] 
                     raise ConfigError(f"{path}: tensor {name} appears in more than one file")
                 # get_slice reads only the rows/columns the weight_loader indexes.
                 try:
-                    param.weight_loader(param, name, f.get_slice(name))
+                    param.weight_loader(param, name, f.get_slice(name),
+                                        *(() if shard_id is None else (shard_id,)))
                 except ValueError as exc:
                     raise ConfigError(f"{path}: {exc}") from None
                 loaded.add(name)
     log.info("read %d tensors from %d shard(s) in %.1fs", len(loaded), len(files),
              time.monotonic() - started)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ConfigError(f"--model {model_dir}: the checkpoint lacks {len(missing)} tensors "
@@ -153,12 +156,12 @@ def load_random_weights(model: nn.Module, full_shapes: dict[str, tuple[int, ...]
     weight_loader: every world size then holds shards of the same model, and the bf16 model is
     the fp32 one rounded. The same seed gives the same weights on the same kind of device (the
     CPU and CUDA generators give different streams)."""
-    params = dict(model.named_parameters())
-    if set(params) != set(full_shapes):
-        raise ValueError(f"shapes given for {sorted(set(full_shapes) ^ set(params))[:5]} do not "
-                         "match the model's parameters")
-    for name in sorted(params):
-        param = params[name]
+    targets = model.weight_targets()
+    if set(targets) != set(full_shapes):
+        raise ValueError(f"shapes given for {sorted(set(full_shapes) ^ set(targets))[:5]} do not "
+                         "match the model's checkpoint names")
+    for name in sorted(targets):
+        param, shard_id = targets[name]
         shape = tuple(full_shapes[name])
         if name.endswith(NORM_SUFFIX):
             whole = torch.ones(shape, dtype=torch.float32, device=param.device)
@@ -167,4 +170,5 @@ def load_random_weights(model: nn.Module, full_shapes: dict[str, tuple[int, ...]
             generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & (2**63 - 1))
             whole = torch.randn(shape, generator=generator, dtype=torch.float32,
                                 device=param.device).mul_(std)
-        param.weight_loader(param, name, WholeTensor(whole.to(param.dtype)))
+        param.weight_loader(param, name, WholeTensor(whole.to(param.dtype)),
+                            *(() if shard_id is None else (shard_id,)))

@@ -13,15 +13,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
 
 from lorad.config.adapters import LoraModule
-from lorad.workers.batch import ForwardBatch
-from lorad.workers.kernel_path import kernel_path
-from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles, max_tiles_any_mixture
+from lorad.workers.lora_rows import LoraRows
+
+if TYPE_CHECKING:  # a kernel module (imports triton, which the CPU path never loads)
+    from lorad.workers.kernels.lora_common import LoraDelta
 
 
 def check_factor_shape(name: str, got, want: tuple[int, ...]) -> None:
@@ -40,80 +41,6 @@ def table_dtype(file_dtypes: set[str]) -> torch.dtype:
     if len(file_dtypes) == 1:
         return STORED_DTYPES[next(iter(file_dtypes))]
     return torch.float32
-
-
-@dataclass(frozen=True)
-class LoraRows:
-    """Which rows of a step use which adapter: built once per step, read by every LoRA layer.
-
-    On the CPU (the torch path) as row indices per slot; on CUDA as row tiles for the kernels,
-    with no per-slot tensors and no host sync, so a CUDA graph can capture the whole step."""
-
-    slots: tuple[int, ...]  # adapter slots (>= 1) with rows this step, ascending
-    groups: list[tuple[int, torch.Tensor]]  # torch path: (slot, row indices [n] int64)
-    tiles: LoraTiles | None = None  # kernel path; None on the torch path
-    # Kernel path in a CUDA graph: launch for every edited projection whatever `slots` says
-    # (replays serve other mixtures); rows of slot 0 then exit inside the kernels.
-    launch_always: bool = False
-    row_slots: torch.Tensor | None = None  # kernel path: [num_rows] int64, each row's slot
-
-    @classmethod
-    def from_batch(cls, batch: ForwardBatch, launch_always: bool = False,
-                   use_kernels: bool | None = None) -> "LoraRows":
-        """use_kernels: None picks the kernels on CUDA when triton imports (tests force it)."""
-        # From the chunk list, not from batch.row_adapter_slots: no device-to-host copy per step.
-        rows: dict[int, list[int]] = {}
-        for chunk in batch.seqs:
-            if chunk.adapter_slot != 0:
-                rows.setdefault(chunk.adapter_slot, []).extend(
-                    range(chunk.token_start, chunk.token_start + chunk.num_tokens))
-        slots = tuple(sorted(rows))
-        device = batch.input_ids.device
-        if use_kernels is None:
-            use_kernels = kernel_path(device)
-        if use_kernels:
-            if launch_always:
-                max_tiles = max_tiles_any_mixture(batch.row_adapter_slots.shape[0])
-            else:
-                max_tiles = count_tiles(len(rows[slot]) for slot in slots)
-            tiles = None
-            if max_tiles and HOST_TILES and batch.lora_tiles is not None:
-                tiles = LoraTiles(*batch.lora_tiles, max_tiles)
-            elif max_tiles and HOST_TILES and not _capturing(device):
-                # Built here, from the chunks: no kernels for it in the step.
-                tiles = LoraTiles.from_host(_row_slots(batch), max_tiles, device)
-            elif max_tiles:
-                # On the device, from the row slots: also where a CUDA graph is being captured
-                # without tiles among its inputs, since tiles copied from the host would be
-                # this mixture's, fixed into every replay.
-                tiles = LoraTiles.build(batch.row_adapter_slots, max_tiles)
-            return cls(slots, [], tiles, launch_always, batch.row_adapter_slots)
-        if launch_always:
-            raise ValueError("launch_always is for the kernel path (CUDA graphs)")
-        return cls(slots, [(slot, torch.tensor(rows[slot], dtype=torch.int64, device=device))
-                           for slot in slots])
-
-    @property
-    def any_delta(self) -> bool:
-        """Whether any LoRA work may run this step (else the model passes no LoraRows)."""
-        return bool(self.slots) or self.launch_always
-
-    def launches(self, lora: "LoraSlots") -> bool:
-        """Kernel path: whether `lora`'s tables take part (a fact known to Python, no sync)."""
-        return self.launch_always or any(lora.ranks[slot] for slot in self.slots)
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on `device`'s current stream."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _row_slots(batch: ForwardBatch) -> np.ndarray:
-    """[num_rows] int64: each row's adapter slot, from the chunk list (padding rows 0)."""
-    slots = np.zeros(batch.row_adapter_slots.shape[0], dtype=np.int64)
-    for chunk in batch.seqs:
-        slots[chunk.token_start:chunk.token_start + chunk.num_tokens] = chunk.adapter_slot
-    return slots
 
 
 class LoraSlots(nn.Module):
@@ -212,7 +139,7 @@ class PendingShrink:
     loras: tuple[LoraSlots | None, ...]  # one per output; None: no delta for it this step
     t: torch.Tensor  # [num_edited, num_rows, num_k_chunks, width] float32, from lora_shrink
     edited: tuple[int, ...]  # the output each table of t belongs to
-    tiles: LoraTiles
+    rows: LoraRows  # the step's rows: their tiles and the kernels' settings
     side: torch.cuda.Stream | None  # the stream the shrink runs on; None: the current one
 
     def wait(self) -> None:
@@ -229,7 +156,8 @@ class PendingShrink:
         tables = self.tables
         lora_expand(self.t, outs, [lora.lora_b for lora in tables],
                     [lora.rank_table for lora in tables], [lora.scale_table for lora in tables],
-                    self.tiles, deltas=deltas)
+                    self.rows.tiles, deltas=deltas, steps=self.rows.expand,
+                    pdl_rows=self.rows.pdl_rows)
 
     def expand_into(self, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Add each edited output's delta into it, in place (the expand kernel); -> outs."""
@@ -242,6 +170,7 @@ class PendingShrink:
         """The expand of each edited output into its fp32 buffer (one per edited table, in
         order), on the shrink's stream, then the join: -> each output's LoraDelta or None.
         The buffers must exist before the fork (see matmul_with_deltas)."""
+        from lorad.workers.kernels.lora_common import LoraDelta
         with _on_stream(self.side):
             self._expand(buffers, deltas=True)
         self.wait()
@@ -251,32 +180,13 @@ class PendingShrink:
         return tuple(deltas)
 
 
-# The LoRA kernels' row tiles come from the host (the step's chunks, or a decode graph's static
-# inputs). False: built on the device from the row slots (LoraTiles.build, some 30 small kernels
-# in each step that has adapters), as before 2026-12-02. On an H200 (bench_engine.py --variant
-# 'lora.HOST_TILES=False', 2026-12-02 04:54 UTC, graph replay ms, host against device, one
-# adapter / 64 distinct): batch 1 4.776-4.801 / 4.773-4.793 against 4.862 / 4.859, batch 32
-# 5.736-5.752 / 6.831-6.841 against 5.810 / 6.885, batch 64 7.029-7.050 / 9.258-9.268 against
-# 7.107 / 9.315.
-HOST_TILES = True
-
-# Shrinks run on a side stream on CUDA, beside the base matmul they do not depend on (False: on
-# the current stream, one after the other; scripts/bench_engine.py compares the two).
-SIDE_STREAM = True
-# The base matmul goes to the GPU before the shrink beside it (False: the shrink first, as before
-# 2026-12-01; bench_engine.py --shrink-first compares the two). In a graph replay on an H200
-# (profile_graph.py) a shrink launched first spread its persistent grid over every SM, and the
-# matmul beside it started only as the shrink drained: 5 us after it at q/k/v with one adapter
-# at batch 32, 41 us with 64 distinct adapters at batch 64. Launched after it, in the same run
-# (bench_engine.py, 2026-12-01, graph replay ms, new against old): one adapter at batch 32 6.60
-# against 6.90, at 64 8.08 against 8.36; four mixed at 32 6.65 against 6.94; 64 distinct at 64
-# 14.64 against 14.80.
-MATMUL_FIRST = True
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    if device.type != "cuda" or not SIDE_STREAM:
+    """The stream a projection's LoRA kernels run on on CUDA: beside the base matmul, which they
+    do not depend on (docs/performance-log.md: LoRA on a side stream); None off CUDA."""
+    if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SIDE_STREAMS:
@@ -289,8 +199,8 @@ def _on_stream(stream: torch.cuda.Stream | None):
     """torch.cuda.stream(stream) for a stream of the current device (None: stay on the current
     stream), without its lookups of the current device: torch.cuda.current_stream() with no
     device resolves it through torch.cuda.is_available() and the environment on every call, and
-    an eager step with adapters makes six such calls per LoRA launch pair (on an H200, 2026-12-01,
-    cProfile of the 2 x 512 prefill with distinct adapters: 22 ms of 168 in 768 calls)."""
+    an eager step with adapters makes six such calls per LoRA launch pair
+    (docs/performance-log.md: stream switch without device lookups)."""
     if stream is None:
         yield
         return
@@ -306,7 +216,7 @@ def _edited(loras: Sequence[LoraSlots | None], rows: LoraRows | None) -> tuple[i
     """The projections whose LoRA kernels run this step (none on the torch path)."""
     if rows is None or rows.tiles is None:
         return ()
-    return tuple(i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora))
+    return tuple(i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora.ranks))
 
 
 def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: LoraRows | None,
@@ -321,7 +231,8 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
     if not edited:
         return (None if matmul is None else matmul()), None
     # Lazily: the CPU never imports triton.
-    from lorad.workers.kernels.lora_shrink import MAX_TABLES, lora_shrink
+    from lorad.workers.kernels.lora_common import MAX_TABLES
+    from lorad.workers.kernels.lora_shrink import lora_shrink
     assert len(edited) <= MAX_TABLES, f"at most {MAX_TABLES} projections share an input"
     tables = [loras[i] for i in edited]
     side = _side_stream(x.device)
@@ -331,32 +242,15 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
         # and by the expand of expand_deltas) or after the join (expand_into), and can be reused
         # only by a later shrink there, forked after the expand that reads t.
         side.wait_stream(torch.cuda.current_stream(side.device_index))
-    out = matmul() if matmul is not None and MATMUL_FIRST else None
+    # The matmul is queued before the shrink: a shrink launched first spread its persistent grid
+    # over every SM and the matmul started only as it drained (docs/performance-log.md: matmul
+    # before shrink).
+    out = matmul() if matmul is not None else None
     with _on_stream(side):
         t = lora_shrink(x, [lora.lora_a for lora in tables],
-                        [lora.rank_table for lora in tables], rows.tiles)
-    if matmul is not None and not MATMUL_FIRST:
-        out = matmul()
-    return out, PendingShrink(tuple(loras), t, edited, rows.tiles, side)
-
-
-@dataclass(frozen=True)
-class LoraDelta:
-    """One projection's LoRA delta on the kernel path, for the kernel that reads the projection's
-    output next (add + RMSNorm, silu * up, rotary + KV write) to add: `delta[row]` widened-added
-    to the rounded base output and rounded once, as the in-place expand would have, on the rows
-    whose slot the table edits (`ranks[row_slots[row]] > 0`); its other rows hold no values.
-    Computed on the side stream beside the base matmul (shrink, then expand into `delta`), so
-    that no LoRA launch waits for the matmul."""
-
-    delta: torch.Tensor  # [num_rows, out_end - out_start] float32
-    ranks: torch.Tensor  # [num_slots] int32: the table's rank_table
-    row_slots: torch.Tensor  # [num_rows] int64
-
-    def apply_reference(self, out: torch.Tensor) -> torch.Tensor:
-        """What a consumer kernel makes of `out` (plain torch, for tests)."""
-        edited = (self.ranks[self.row_slots] > 0)[:, None]
-        return torch.where(edited, (out.float() + self.delta).to(out.dtype), out)
+                        [lora.rank_table for lora in tables], rows.tiles, config=rows.shrink,
+                        pdl_rows=rows.pdl_rows)
+    return out, PendingShrink(tuple(loras), t, edited, rows, side)
 
 
 def matmul_with_deltas(loras: Sequence[LoraSlots | None], x: torch.Tensor,

@@ -11,6 +11,7 @@ import torch
 from lorad.workers.batch import ForwardBatch
 from lorad.workers.cuda_graph import DecodeGraphs
 from lorad.workers.kernels import pdl
+from lorad.workers.tuning import replaced
 from tests.model_steps import build_model, make_streams
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
@@ -101,14 +102,14 @@ def test_padding_writes_no_kv(decode_run):
         assert written, num_seqs  # the real rows did write
 
 
-@pytest.mark.parametrize("lora_trigger_late", [False, True])
-def test_programmatic_dependent_launch_changes_no_bit(model, monkeypatch, lora_trigger_late):
+def test_programmatic_dependent_launch_changes_no_bit(model):
     """A graph captured with the kernels launched under PDL (kernels/pdl.py), the LoRA kernels
-    letting their dependants launch at their start or at their end, gives the bits of the same
-    padded step with them launched plainly, eagerly."""
-    if not pdl.use_pdl(CUDA, MAX_NUM_SEQS):
-        pytest.skip("PDL needs compute capability 9.0 (and steps of at most pdl.MAX_ROWS rows)")
-    monkeypatch.setattr(pdl, "LORA_TRIGGER_LATE", lora_trigger_late)
+    letting their dependants launch at their end, gives the bits of the same padded step with
+    them launched plainly (a Tuning whose PDL row limits are 0), eagerly."""
+    if not pdl.use_pdl(CUDA, MAX_NUM_SEQS, model.tuning.pdl.max_rows):
+        pytest.skip("PDL needs compute capability 9.0 (and steps within the PDL row limit)")
+    with_pdl = model.tuning
+    without_pdl = replaced(with_pdl, "pdl.max_rows=0+pdl.max_rows_with_lora=0")
     graphs = DecodeGraphs(model, MAX_NUM_SEQS, MAX_LEN, BLOCK_SIZE, num_adapters=3)
     graphs.capture()
     plain = DecodeGraphs(model, MAX_NUM_SEQS, MAX_LEN, BLOCK_SIZE, num_adapters=3)
@@ -117,9 +118,11 @@ def test_programmatic_dependent_launch_changes_no_bit(model, monkeypatch, lora_t
     for num_seqs, token in ((16, 40), (5, 7), (1, 300)):
         chunks = [s.decode_chunk(token) for s in streams[:num_seqs]]
         replayed = graphs.run(chunks)
-        monkeypatch.setattr(pdl, "ENABLED", False)
-        launched_plainly = plain.run(chunks)
-        monkeypatch.setattr(pdl, "ENABLED", True)
+        model.tune(without_pdl)
+        try:
+            launched_plainly = plain.run(chunks)
+        finally:
+            model.tune(with_pdl)
         assert torch.equal(replayed, launched_plainly), num_seqs
 
 

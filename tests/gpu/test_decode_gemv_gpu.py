@@ -1,12 +1,9 @@
 """The decode GEMV on CUDA at Llama-3-8B's projection shapes (qkv 6144x4096, o 4096x4096, gate_up
 28672x4096, down 4096x14336; batches 1, 2, 8, 16, 32) with the default tile and the model's tile
-for each projection (decode_gemv.model_config; 16 rows: batches to 16): against a float64
+for each projection (configs.GemvModelTiles; 16 rows: batches to 16): against a float64
 reference (bit-exact on integer and one-hot inputs), bf16 out and fp32 out, a row's bits the same
-in every batch, weight views, and a CUDA graph replaying the eager bits. The LoRA epilogue at the
-same shapes (q/k/v, gate/up, o and down tables; rank 16, 64 adapters; batches 1, 8, 32): against
-lora_shrink + lora_expand on the plain GEMV's output, row bits across batches and mixtures, and a
-graph replaying new slots. The checks are tests/kernels/decode_gemv_checks.py's, which the CPU
-interpreter runs on tiny shapes.
+in every batch, weight views, and a CUDA graph replaying the eager bits. The checks are
+tests/kernels/decode_gemv_checks.py's, which the CPU interpreter runs on tiny shapes.
 """
 
 from __future__ import annotations
@@ -16,13 +13,8 @@ import importlib.util
 import pytest
 import torch
 
-from tests.kernels.decode_gemv_checks import (GPU_SHAPES, LORA_GPU_SHAPES,
-                                              check_lora_matches_expand, check_lora_refusals,
-                                              check_lora_rows_independent,
-                                              check_matches_reference, check_refusals,
-                                              check_rows_independent_of_batch, check_views,
-                                              make_lora_case, run_shrink)
-from tests.kernels.lora_kernel_checks import mixed_slots
+from tests.kernels.decode_gemv_checks import (GPU_SHAPES, check_matches_reference, check_refusals,
+                                      check_rows_independent_of_batch, check_views)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
@@ -30,7 +22,6 @@ pytestmark = [pytest.mark.gpu,
                                  reason="triton is not installed (the `gpu` extra)")]
 
 BATCHES = (1, 2, 8, 16, 32)
-LORA_BATCHES = (1, 8, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -86,54 +77,3 @@ def test_cuda_graph_replay(num_rows):
         graph.replay()
         if not torch.equal(out, decode_matmul(x, w, torch.float32)):
             raise AssertionError(f"M={num_rows}: the graph's replay differs from the eager call")
-
-
-@pytest.mark.parametrize("out", ["model", "fp32"])
-@pytest.mark.parametrize("shape", LORA_GPU_SHAPES)
-def test_lora_matches_expand(shape, out):
-    check_lora_matches_expand("cuda", torch.bfloat16, out, {shape: LORA_GPU_SHAPES[shape]},
-                              LORA_BATCHES, tile="default")
-
-
-@pytest.mark.parametrize("shape", LORA_GPU_SHAPES)
-def test_lora_rows_independent(shape):
-    check_lora_rows_independent("cuda", torch.bfloat16, "model", {shape: LORA_GPU_SHAPES[shape]},
-                                (1, 8, 16), tile="default")
-
-
-def test_lora_refusals():
-    check_lora_refusals("cuda")
-
-
-@pytest.mark.parametrize("num_rows", LORA_BATCHES)
-def test_lora_cuda_graph_replay(num_rows):
-    """Captured once with the LoRA epilogue, replayed on new x, slots and t in the same buffers
-    (slot 0 everywhere included): the eager call's bits."""
-    from lorad.workers.kernels.decode_gemv import GemvLora, decode_matmul
-    shape = LORA_GPU_SHAPES["qkv"]
-    gen = torch.Generator().manual_seed(10)
-    tables, lora_tables = make_lora_case(shape, gen, "cuda")
-    w = (torch.randn(shape.n, shape.k, generator=gen) / shape.k ** 0.5).to("cuda", torch.bfloat16)
-    x = torch.zeros(num_rows, shape.k, dtype=torch.bfloat16, device="cuda")
-    slots = torch.zeros(num_rows, dtype=torch.int64, device="cuda")
-    t, _ = run_shrink(x, tables, mixed_slots(num_rows, shape.num_slots, gen).cuda(), "default")
-    lora = GemvLora(t, slots, lora_tables)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        decode_matmul(x, w, lora=lora)  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = decode_matmul(x, w, lora=lora)
-    for mixture in ("mixed", "none"):
-        x.copy_(torch.randn(num_rows, shape.k, generator=gen))
-        new_slots = mixed_slots(num_rows, shape.num_slots, gen).cuda()
-        if mixture == "none":
-            new_slots.zero_()
-        slots.copy_(new_slots)
-        t.copy_(run_shrink(x, tables, slots, "default")[0].nan_to_num(0.0))
-        graph.replay()
-        if not torch.equal(out, decode_matmul(x, w, lora=lora)):
-            raise AssertionError(f"M={num_rows} {mixture}: the graph's replay differs from the "
-                                 f"eager call")

@@ -37,7 +37,8 @@ def check_cuda_graph_replay(device: str, shape: Shape, x_dtype: torch.dtype,
                             num_rows: int) -> None:
     """A graph captured with launch_always (tiles built inside it from the batch's slot tensor)
     replays any mixture, none included, with the bits of the eager kernel path."""
-    from lorad.workers.lora import LoraRows, LoraSlots, add_lora_deltas
+    from lorad.workers.lora import LoraSlots, add_lora_deltas
+    from lorad.workers.lora_rows import LoraRows
     gen = torch.Generator().manual_seed(4)
     tables = make_tables(shape, gen, device)
     loras = []

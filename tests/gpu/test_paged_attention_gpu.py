@@ -55,7 +55,7 @@ def test_decode_rows_independent_of_batch(dtype):
                                            batch_sizes=(7, 32, 64))
 
 
-# Each split's first block ids read early (by default only in steps of up to PRELOAD_MAX_SEQS
+# Each split's first block ids read early (by default only in steps of up to preload_max_seqs
 # sequences): the same checks with it at every batch, and its bits against reading them in the
 # loop.
 def test_decode_with_early_block_ids_matches_reference():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lorad.workers.kernels.lora_shrink import exact_dot
+from lorad.workers.kernels.lora_common import exact_dot
 
 
 @triton.jit

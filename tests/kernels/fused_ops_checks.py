@@ -1,13 +1,12 @@
 """Checks of the fused elementwise kernels (lorad/workers/kernels/fused_ops.py) against the torch
 path they replace (RMSNorm and silu_and_mul in lorad.workers.layers, apply_rotary and the cache
-write in lorad.workers.rotary / kv_cache; add_rms_norm and lora_shrink for the fused add + norm +
-shrink), on any device.
+write in lorad.workers.rotary / kv_cache), on any device.
 
 test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a
 subprocess; tests/gpu/test_fused_ops_gpu.py calls them on CUDA at Llama-3-8B's sizes. Each check
 takes fresh random inputs, poisons every output the kernel must write, and raises AssertionError
 naming what differed: the result against the torch path (equal up to the kernel's own sum order
-and exp), untouched elements (padding rows' cache slots, t past a slot's rank), and a row's bits
+and exp), untouched elements (padding rows' cache slots), and a row's bits
 across batch sizes.
 """
 
@@ -17,8 +16,6 @@ import sys
 
 import torch
 
-from tests.kernels.lora_kernel_checks import SENTINEL, Shape, make_tables, mixed_slots
-from tests.kernels.lora_kernel_checks import assert_close as assert_shrink_close
 from tests.kernels.triton_interpreter import run_checks
 
 POISON = float("nan")
@@ -70,92 +67,6 @@ def check_add_rms_norm(device: str, dtype: torch.dtype = torch.bfloat16, hidden:
             norm.eps)
         if not torch.equal(one_normed.cpu(), got_normed[3:4].cpu()):
             raise AssertionError(f"{where}: row 3 alone differs from row 3 in the batch")
-
-
-def check_add_rms_norm_shrink(device: str, shape: Shape, dtype: torch.dtype, num_rows: int = 19,
-                              delta_dtype: torch.dtype = torch.float32,
-                              block_k: int | None = None) -> None:
-    """add_rms_norm_shrink: hidden and normed bit-equal to add_rms_norm's (the residual left as it
-    was), t as _check_norm_shrink_t says, and probe rows alone (a slot-0 row among them) with
-    the same bits as in the mixed batch."""
-    from lorad.workers.kernels.fused_ops import add_rms_norm, add_rms_norm_shrink
-    gen = torch.Generator().manual_seed(13)
-    tables = make_tables(shape, gen, device)
-    hidden_size, eps = shape.in_features, 1e-5
-    weight = _rand(gen, hidden_size, dtype=dtype, device=device)
-    delta = _rand(gen, num_rows, hidden_size, dtype=delta_dtype, device=device, scale=3.0)
-    residual = _rand(gen, num_rows, hidden_size, dtype=dtype, device=device)
-    row_slots = mixed_slots(num_rows, shape.num_slots, gen).to(device)
-    kwargs = {} if block_k is None else {"block_k": block_k}
-
-    def run(rows: slice, poison: float, ranks: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        res_in = residual[rows].clone()
-        t = torch.full((len(tables.a), res_in.shape[0], 1, max(shape.max_ranks)), poison,
-                       device=device)
-        got = add_rms_norm_shrink(delta[rows], res_in, weight, eps, tables.a, ranks,
-                                  row_slots[rows], out=t, **kwargs)
-        if got[2] is not t or got[0].data_ptr() == res_in.data_ptr():
-            raise AssertionError("t not written into `out`, or hidden written over the residual")
-        if not torch.equal(res_in, residual[rows]):
-            raise AssertionError("add_rms_norm_shrink changed the residual")
-        return got
-
-    hidden, normed, t = run(slice(None), POISON, tables.ranks)
-    where = f"add_rms_norm_shrink {len(tables.a)} tables, {dtype}"
-    want_hidden, want_normed = add_rms_norm(delta, residual.clone(), weight, eps)
-    if not torch.equal(hidden.cpu(), want_hidden.cpu()):
-        raise AssertionError(f"{where}: hidden differs from add_rms_norm's (must be bit-equal)")
-    if not torch.equal(normed.cpu(), want_normed.cpu()):
-        raise AssertionError(f"{where}: normed differs from add_rms_norm's (must be bit-equal)")
-    _check_norm_shrink_t(where, t, normed, tables, row_slots)
-    # Alone, t poisoned with a finite value (NaN written over NaN would not show) and slot 0
-    # given a rank in every table (its A rows are all NaN): slot-0 rows still write nothing.
-    ranks_slot0 = [torch.cat([r.new_full((1,), a.shape[1]), r[1:]])
-                   for r, a in zip(tables.ranks, tables.a)]
-    slots = row_slots.cpu()
-    probes = [int(torch.nonzero(slots == s)[0]) for s in (shape.num_slots - 1, 0, 1)
-              if (slots == s).any()]
-    for probe in probes:
-        rows = slice(probe, probe + 1)
-        _, one_normed, one_t = run(rows, SENTINEL, ranks_slot0)
-        written = torch.stack([_written(slots[rows], r.cpu(), t.shape[3]) for r in tables.ranks])
-        one_t, want_t = one_t[:, :, 0].cpu(), t[:, rows, 0].cpu()
-        if not (one_t[~written] == SENTINEL).all():
-            raise AssertionError(f"{where}: row {probe} (slot {int(slots[probe])}) alone wrote "
-                                 f"past its rank or for slot 0")
-        if not (torch.equal(one_normed.cpu(), normed[rows].cpu())
-                and torch.equal(one_t[written], want_t[written])):
-            raise AssertionError(f"{where}: row {probe} alone differs from it in the batch")
-
-
-def _written(row_slots: torch.Tensor, ranks: torch.Tensor, width: int) -> torch.Tensor:
-    """-> [num_rows, width] bool: where the shrink writes t for one table."""
-    rank = ranks[row_slots].long()
-    return (row_slots != 0)[:, None] & (torch.arange(width)[None, :] < rank[:, None])
-
-
-def _check_norm_shrink_t(where: str, t: torch.Tensor, normed: torch.Tensor, tables,
-                         row_slots: torch.Tensor) -> None:
-    """t against lora_shrink on the same normed (its chunks summed) and against float64, and
-    NaN left where nothing may be written (slot-0 rows, ranks past each slot's rank)."""
-    from lorad.workers.kernels.lora_shrink import lora_shrink
-    from lorad.workers.kernels.lora_tiles import LoraTiles
-    num_rows, width = t.shape[1], t.shape[3]
-    shrunk = lora_shrink(normed, tables.a, tables.ranks,
-                         LoraTiles.build(row_slots, num_rows)).cpu().sum(2)
-    slots = row_slots.cpu()
-    for i, (a, ranks) in enumerate(zip(tables.a, tables.ranks)):
-        written = _written(slots, ranks.cpu(), width)
-        got = t[i, :, 0].cpu()
-        if not got[~written].isnan().all():
-            raise AssertionError(f"{where}, table {i}: t written past a rank or for slot 0")
-        assert_shrink_close(f"{where}, table {i}: t against lora_shrink", got[written],
-                            shrunk[i][written])
-        want64 = torch.zeros(num_rows, width, dtype=torch.float64)
-        want64[:, :a.shape[1]] = torch.einsum("rk,rjk->rj", normed.cpu().double(),
-                                              a.cpu().double().nan_to_num(0.0)[slots])
-        assert_shrink_close(f"{where}, table {i}: t against float64", got[written],
-                            want64[written].float())
 
 
 def check_silu_and_mul(device: str, dtype: torch.dtype = torch.bfloat16, n: int = 2500,
@@ -224,7 +135,7 @@ def _lora_delta(gen: torch.Generator, out: torch.Tensor, row_slots: torch.Tensor
                 ranks: list[int]):
     """A LoraDelta for `out`: random fp32 deltas on the rows whose slot has a rank, NaN (never
     to be read into a result) on every other row."""
-    from lorad.workers.lora import LoraDelta
+    from lorad.workers.kernels.lora_common import LoraDelta
     ranks_t = torch.tensor(ranks, dtype=torch.int32, device=out.device)
     delta = _rand(gen, *out.shape, dtype=torch.float32, device=str(out.device), scale=0.5)
     delta[ranks_t[row_slots] == 0] = POISON
@@ -305,17 +216,6 @@ def check_lora_deltas_added(device: str, dtype: torch.dtype = torch.bfloat16, hi
 CHECKS = {
     "add_rms_norm_bf16": (check_add_rms_norm, dict(dtype=torch.bfloat16)),
     "add_rms_norm_fp32": (check_add_rms_norm, dict(dtype=torch.float32)),
-    # Tiny shapes: H 40 in pieces of 16 (a ragged last one), or one piece; ranks past the
-    # shrink's block of 4 and below it, 1 to 3 tables of different max ranks.
-    "add_rms_norm_shrink_qkv_bf16": (check_add_rms_norm_shrink, dict(
-        shape=Shape(6, 40, (0, 0, 0), (8, 20, 3)), dtype=torch.bfloat16, block_k=16)),
-    "add_rms_norm_shrink_qkv_fp32": (check_add_rms_norm_shrink, dict(
-        shape=Shape(6, 40, (0, 0, 0), (8, 20, 3)), dtype=torch.float32, block_k=16)),
-    "add_rms_norm_shrink_pair_bf16": (check_add_rms_norm_shrink, dict(
-        shape=Shape(5, 40, (0, 0), (4, 16)), dtype=torch.bfloat16, delta_dtype=torch.bfloat16)),
-    "add_rms_norm_shrink_one_fp32": (check_add_rms_norm_shrink, dict(
-        shape=Shape(4, 40, (0,), (5,)), dtype=torch.float32,
-        block_k=16)),
     "silu_and_mul_bf16": (check_silu_and_mul, dict(dtype=torch.bfloat16)),
     "silu_and_mul_fp32": (check_silu_and_mul, dict(dtype=torch.float32)),
     "rotary_write_kv_bf16": (check_rotary_write_kv, dict(dtype=torch.bfloat16)),

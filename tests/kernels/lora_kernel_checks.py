@@ -98,10 +98,11 @@ def run_kernels(x: torch.Tensor, outs: list[torch.Tensor], tables: Tables, row_s
                 t: torch.Tensor | None = None, deltas: bool = False) -> torch.Tensor:
     from lorad.workers.kernels.lora_expand import lora_expand
     from lorad.workers.kernels.lora_shrink import lora_shrink
+    from lorad.workers.kernels.configs import TileConfig
     from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
     if max_tiles is None:  # exact, from the slots (a test may read them; the model does not)
         counts = torch.bincount(row_slots[row_slots != 0].cpu())
-        max_tiles = count_tiles(int(c) for c in counts)
+        max_tiles = count_tiles((int(c) for c in counts), TileConfig().block_m)
     tiles = LoraTiles.build(row_slots, max_tiles)
     t = lora_shrink(x, tables.a, tables.ranks, tiles, out=t, num_programs=num_programs)
     lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles, num_programs=num_programs,
@@ -268,7 +269,7 @@ def check_chunk_groups_change_no_bit(device: str, shape: Shape, x_dtype: torch.d
     row_slots = mixed_slots(num_rows, shape.num_slots, gen).to(device)
     x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
     counts = torch.bincount(row_slots[row_slots != 0].cpu())
-    tiles = LoraTiles.build(row_slots, count_tiles(int(c) for c in counts))
+    tiles = LoraTiles.build(row_slots, count_tiles((int(c) for c in counts), 16))
 
     def shrink(target: int, programs: int | None) -> torch.Tensor:
         return lora_shrink(x, tables.a, tables.ranks, tiles, out=empty_t(shape, num_rows, device),
@@ -300,7 +301,7 @@ def _expand_runner(device: str, shape: Shape, x_dtype: torch.dtype, num_rows: in
     base = [torch.randn(num_rows, n, generator=gen).to(device, x_dtype)
             for n in shape.out_features]
     counts = torch.bincount(row_slots[row_slots != 0].cpu())
-    tiles = LoraTiles.build(row_slots, count_tiles(int(c) for c in counts))
+    tiles = LoraTiles.build(row_slots, count_tiles((int(c) for c in counts), 16))
     t = lora_shrink(x, tables.a, tables.ranks, tiles)
 
     def expand(deltas: bool, **kwargs) -> list[torch.Tensor]:
@@ -330,8 +331,8 @@ def check_block_groups_change_no_bit(device: str, shape: Shape, x_dtype: torch.d
     items, into delta buffers and in place; and they write exactly where one block per item
     writes (NaN buffers keep their NaN elsewhere).
     block_n: the expand's block (None: its default), small to give tiny tables several."""
-    from lorad.workers.kernels.lora_expand import DEFAULT_CONFIG, ExpandConfig
-    config = ExpandConfig(block_n=block_n) if block_n else DEFAULT_CONFIG
+    from lorad.workers.kernels.configs import ExpandConfig
+    config = ExpandConfig(block_n=block_n) if block_n else ExpandConfig()
     if max(-(-n // config.block_n) for n in shape.out_features) < 3:
         raise AssertionError(f"{shape}: fewer than 3 blocks of {config.block_n} outputs in every "
                              f"table, nothing to group")
@@ -356,7 +357,7 @@ def check_block_widths_change_no_bit(device: str, shape: Shape, x_dtype: torch.d
                                      num_rows: int = 21, widths: tuple[int, ...] = (16, 32, 64),
                                      table_dtype: torch.dtype = torch.float32) -> None:
     """The expand's outputs are the same bits at every width of its blocks of outputs (the
-    step's config picks one, lora_expand.step_config), into delta buffers and in place, and it
+    step's config picks one, configs.ExpandSteps), into delta buffers and in place, and it
     writes the same elements (NaN buffers keep their NaN elsewhere)."""
     from lorad.workers.kernels.lora_expand import ExpandConfig
     expand, base = _expand_runner(device, shape, x_dtype, num_rows, seed=11,
@@ -438,7 +439,8 @@ def check_layer_path(device: str, shape: Shape, x_dtype: torch.dtype,
     """add_lora_deltas and LoraSlots.add_delta on the kernel path equal the torch path (the CPU's,
     on CPU copies), for bf16 and fp32 outputs, with a projection no adapter edits beside them;
     launch_always gives the same bits as launching by the chunk list."""
-    from lorad.workers.lora import LoraRows, LoraSlots, add_lora_deltas
+    from lorad.workers.lora import LoraSlots, add_lora_deltas
+    from lorad.workers.lora_rows import LoraRows
     gen = torch.Generator().manual_seed(3)
     tables = make_tables(shape, gen, "cpu", table_dtype)
     loras = {}

@@ -38,6 +38,17 @@ TINY_CONTEXTS = [0, 1, 15, 16, 17, 31, 32, 33, 64, 65, 100]
 TINY_CHUNKS = [(1, 1), (5, 5), (3, 20), (1, 37), (20, 20), (17, 70), (70, 100), (2, 129)]
 
 
+
+def decode_config(shape: Shape, split_programs: int | None = None):
+    """The decode kernels' settings for `shape`'s split and tile (split_programs None: the
+    default)."""
+    from lorad.workers.kernels.configs import DecodeAttentionConfig
+    config = DecodeAttentionConfig(split_size=shape.split_size, tile_tokens=shape.tile_size)
+    if split_programs is None:
+        return config
+    return DecodeAttentionConfig(split_size=shape.split_size, tile_tokens=shape.tile_size,
+                                 split_programs=split_programs)
+
 def tolerance(dtype: torch.dtype) -> float:
     # bf16: p is rounded to bf16 before P @ V, and the output to bf16 (the reference stays fp32).
     return 1e-5 if dtype == torch.float32 else 3e-2
@@ -94,8 +105,7 @@ def check_decode_matches_reference(device="cpu", dtype=torch.float32, group=4, s
     padded = torch.full((len(contexts) + 3, q_heads * shape.head_dim), float("nan"), dtype=dtype,
                         device=device)
     paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=padded,
-                           split_size=shape.split_size, tile_size=shape.tile_size,
-                           preload=preload)
+                           config=decode_config(shape), preload=preload)
     out = padded[:len(contexts)]
     want = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
     assert_close(out, want, tolerance(dtype), f"decode {dtype} group {group} preload {preload}")
@@ -112,7 +122,7 @@ def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, gr
     """A row has the same bits alone, in batches of other sizes and orders, beside padding rows,
     beside a longer neighbour that widens the block table (and so the grid), and with its splits
     taken by fewer programs, each looping over several. With preload None a row alone reads its
-    first block ids early and in the other batches in the loop (PRELOAD_MAX_SEQS is 1)."""
+    first block ids early and in the other batches in the loop (preload_max_seqs is 1)."""
     from lorad.workers.kernels.paged_attention import paged_decode_attention
 
     gen, rng = torch.Generator(device).manual_seed(seed), random.Random(seed)
@@ -133,8 +143,8 @@ def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, gr
         batch_lens = torch.cat([lens[rows], torch.zeros(pad, dtype=torch.int32, device=device)])
         batch_q = torch.cat([q[rows], randn(gen, pad, *q.shape[1:], dtype=dtype)])
         return paged_decode_attention(batch_q, k_cache, v_cache, batch_tables, batch_lens, scale,
-                                      split_size=shape.split_size, tile_size=shape.tile_size,
-                                      split_programs=split_programs, preload=preload)
+                                      config=decode_config(shape, split_programs),
+                                      preload=preload)
 
     everyone = list(range(len(all_contexts)))
     reference = run(everyone)
@@ -171,9 +181,8 @@ def check_decode_preload_same_bits(device="cpu", dtype=torch.float32, group=4, s
     scale = shape.head_dim ** -0.5
     for split_programs in (0, 2):  # one program per split; programs taking two or more
         late, early = (paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
-                                              split_size=shape.split_size,
-                                              tile_size=shape.tile_size,
-                                              split_programs=split_programs, preload=preload)
+                                              config=decode_config(shape, split_programs),
+                                              preload=preload)
                        for preload in (False, True))
         for i, n in enumerate(contexts):
             assert torch.equal(early[i], late[i]), (

@@ -13,7 +13,7 @@ Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3
   reference (2 KV heads, head_dim 16, blocks of 4, decode splits of 32 in tiles of 16), and the
   CUDA attention path against the per-sequence CPU path.
 - fused_ops_checks.py: residual add + RMSNorm, rotary + KV write, silu * up against the
-  torch path they replace; add + RMSNorm + LoRA shrink against add_rms_norm and lora_shrink.
+  torch path they replace.
 - decode_gemv_checks.py: the decode GEMV against a float64 x w^T (bit-exact on integer
   inputs), row bits across batches, weight views, refused inputs; a tiny tile and the default.
 - model_kernel_checks.py: the whole model's kernel path (LORAD_TEST_KERNELS_ON_CPU) against

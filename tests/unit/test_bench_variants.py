@@ -1,5 +1,5 @@
-"""benchmarks/bench_engine.py --variant (also profile_graph.py's): settings applied for the block,
-put back after it, even when it fails, and a setting it cannot read refused by name."""
+"""Tuning variants as benchmarks build them (tuning.replaced, bench_engine.py --variant): nested
+dataclasses.replace of the engine's Tuning, a setting it cannot apply refused by name."""
 
 from __future__ import annotations
 
@@ -8,48 +8,41 @@ import importlib.util
 
 import pytest
 
+from lorad.workers.kernels.configs import ExpandConfig
+from lorad.workers.tuning import Tuning, replaced
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (the `gpu` extra)")
 
 
-def test_settings_apply_inside_the_block_only():
+def test_settings_are_nested_replaces_of_a_tuning():
+    base = Tuning()
+    got = replaced(base, "shrink.items_per_sm=4+pdl.max_rows=64+expand.small.block_n=64"
+                         "+gemv.qkv=None")
+    assert got == dataclasses.replace(
+        base, shrink=dataclasses.replace(base.shrink, items_per_sm=4),
+        pdl=dataclasses.replace(base.pdl, max_rows=64),
+        expand=dataclasses.replace(base.expand, small=ExpandConfig(block_n=64)),
+        gemv=dataclasses.replace(base.gemv, qkv=None))
+    assert base == Tuning()  # a value: the one it started from is unchanged
+    assert replaced(base, "main") is base and replaced(base, "") is base
+
+
+@pytest.mark.parametrize("text", ["nosuch.x=1", "pdl.no_such_field=1", "pdl.max_rows=",
+                                  "pdl.max_rows", "pdl.max_rows.x=1", "shrink.block_r=24"])
+def test_a_setting_it_cannot_apply_is_refused_by_name(text):
+    with pytest.raises(ValueError, match="cannot apply tuning setting"):
+        replaced(Tuning(), f"pdl.max_rows=7+{text}")
+
+
+def test_bench_engine_reads_variants_into_tunings():
     from benchmarks import bench_engine
-    from lorad.workers import lora
-    from lorad.workers.kernels import lora_tiles, pdl
-    before = (lora.MATMUL_FIRST, lora_tiles.PROGRAMS_PER_SM, pdl.MAX_ROWS)
-    with bench_engine.settings("lora.MATMUL_FIRST=False+lora_tiles.PROGRAMS_PER_SM=4"
-                               "+pdl.MAX_ROWS=64"):
-        assert (lora.MATMUL_FIRST, lora_tiles.PROGRAMS_PER_SM, pdl.MAX_ROWS) == (False, 4, 64)
-    assert (lora.MATMUL_FIRST, lora_tiles.PROGRAMS_PER_SM, pdl.MAX_ROWS) == before
-    with bench_engine.settings("main"):
-        assert (lora.MATMUL_FIRST, lora_tiles.PROGRAMS_PER_SM, pdl.MAX_ROWS) == before
-    with pytest.raises(RuntimeError), bench_engine.settings("pdl.MAX_ROWS=8"):
-        assert pdl.MAX_ROWS == 8
-        raise RuntimeError("the timed block failed")
-    assert pdl.MAX_ROWS == before[2]
-
-
-def test_a_dict_sets_some_fields_of_a_dataclass_setting():
-    from benchmarks import bench_engine
-    from lorad.workers.kernels import decode_gemv
-    before = decode_gemv.MODEL_CONFIG
-    projections = decode_gemv.MODEL_PROJECTIONS
-    with bench_engine.settings("decode_gemv.MODEL_CONFIG={'num_stages':2,'block_k':64}"
-                               "+decode_gemv.MODEL_PROJECTIONS=()"):
-        assert decode_gemv.MODEL_CONFIG == dataclasses.replace(before, num_stages=2, block_k=64)
-        assert decode_gemv.MODEL_PROJECTIONS == ()
-    assert decode_gemv.MODEL_CONFIG is before and decode_gemv.MODEL_PROJECTIONS is projections
-
-
-@pytest.mark.parametrize("text", ["nomodule.X=1", "pdl.NO_SUCH_NAME=1", "pdl.MAX_ROWS="])
-def test_a_setting_it_cannot_read_is_refused(text):
-    from benchmarks import bench_engine
-    from lorad.workers.kernels import pdl
-    before = pdl.MAX_ROWS
-    with pytest.raises(SystemExit, match="--variant: cannot read"):
-        with bench_engine.settings(f"pdl.MAX_ROWS=7+{text}"):
-            pass
-    assert pdl.MAX_ROWS == before  # what it had set before the bad part is put back
+    variants = bench_engine.tuning_variants("tiles.programs_per_sm=4;main;pdl.max_rows=0")
+    assert [name for name, _ in variants] == ["tiles.programs_per_sm=4", "main", "pdl.max_rows=0"]
+    assert variants[0][1].tiles.programs_per_sm == 4 and variants[1][1] == Tuning()
+    assert variants[2][1].pdl.max_rows == 0
+    with pytest.raises(SystemExit, match="--variant"):
+        bench_engine.tuning_variants("pdl.nothing=1")
 
 
 def test_the_batch_32_target_gives_the_replay_ratio_beside_the_tokens_verdict():

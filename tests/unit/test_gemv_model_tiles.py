@@ -1,5 +1,5 @@
-"""The decode GEMV's model tiles (decode_gemv.model_config): each projection's MODEL_TILES fields
-over MODEL_CONFIG, block_k halved for fp32 weights, and every tile the model can pick fitting an
+"""The decode GEMV's model tiles (configs.GemvModelTiles): each projection's tile, block_k
+halved for fp32 weights, and every tile the model can pick fitting an
 H200's shared memory (an fp32 q/k/v tile of 64 x 256 at 4 stages did not: 240 KiB asked, 227
 there, and the fp32 model's warm-up failed on it)."""
 
@@ -9,6 +9,8 @@ import importlib.util
 
 import pytest
 import torch
+
+from lorad.workers.kernels.configs import GemvConfig, GemvModelTiles
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (the `gpu` extra)")
@@ -29,21 +31,23 @@ def pipelined_bytes(config, dtype: torch.dtype) -> int:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("projection", PROJECTIONS)
 def test_model_tiles_fit_shared_memory(projection, dtype):
-    from lorad.workers.kernels.decode_gemv import model_config
-    config = model_config(projection, dtype)
+    config = GemvModelTiles().config(projection, dtype)
+    if config is None:  # cuBLAS
+        assert projection in ("o", "down")
+        return
     assert pipelined_bytes(config, dtype) <= H200_SHARED, (projection, dtype, config)
 
 
-def test_tiles_follow_model_tiles_and_dtype(monkeypatch):
-    from lorad.workers.kernels import decode_gemv
-    monkeypatch.setattr(decode_gemv, "MODEL_TILES", {"gate_up": {"block_k": 128}})
-    base = decode_gemv.MODEL_CONFIG
-    assert decode_gemv.model_config("qkv") is base
-    assert decode_gemv.model_config("gate_up").block_k == 128
-    assert decode_gemv.model_config("gate_up").block_n == base.block_n
-    assert decode_gemv.model_config("gate_up", torch.float32).block_k == 64
-    assert decode_gemv.model_config("qkv", torch.float32).block_k == base.block_k // 2
-    assert decode_gemv.model_config("qkv", torch.float16) is base
+def test_tiles_follow_the_projection_and_dtype():
+    tiles = GemvModelTiles()
+    qkv = tiles.config("qkv", torch.bfloat16)
+    assert qkv == GemvConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)
+    assert tiles.config("gate_up", torch.bfloat16) == GemvConfig(
+        block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    assert tiles.config("o", torch.bfloat16) is None and tiles.config("down", torch.float32) is None
+    assert tiles.config("gate_up", torch.float32).block_k == 64
+    assert tiles.config("qkv", torch.float32).block_k == qkv.block_k // 2
+    assert tiles.config("qkv", torch.float16) is qkv
     # The fp32 figure the H200 refused is what the check above measures against.
-    assert pipelined_bytes(decode_gemv.GemvConfig(block_m=16, block_n=64, block_k=256),
+    assert pipelined_bytes(GemvConfig(block_m=16, block_n=64, block_k=256),
                            torch.float32) == 245760 > H200_SHARED

@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 
+from lorad.workers.kernels.configs import ExpandSteps
 from tests.unit.test_gemv_model_tiles import H200_SHARED
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 @pytest.mark.parametrize("rank_pad", (16, 32, 64, 128, 256, 512))
 def test_b_stages_fit_shared_memory(rank_pad: int, itemsize: int) -> None:
     from lorad.workers.kernels import lora_expand
-    for config in (lora_expand.DEFAULT_CONFIG, lora_expand.SMALL_STEP_CONFIG):
+    steps = ExpandSteps()
+    for config in (steps.large, steps.small):
         block_n = lora_expand.fitting_block_n(config.block_n, rank_pad, itemsize)
         assert block_n >= 16 and block_n & (block_n - 1) == 0
         stage = block_n * rank_pad * itemsize
@@ -28,9 +30,10 @@ def test_b_stages_fit_shared_memory(rank_pad: int, itemsize: int) -> None:
 
 def test_rank_16_keeps_the_configured_blocks() -> None:
     from lorad.workers.kernels import lora_expand
+    steps = ExpandSteps()
     for itemsize in (2, 4):
-        for config in (lora_expand.DEFAULT_CONFIG, lora_expand.SMALL_STEP_CONFIG):
+        for config in (steps.large, steps.small):
             assert lora_expand.fitting_block_n(config.block_n, 16, itemsize) == config.block_n
     assert lora_expand.fitting_block_n(256, 64, 4) == 128  # the tile that did not fit
-    assert lora_expand.step_config(32) is lora_expand.SMALL_STEP_CONFIG
-    assert lora_expand.step_config(33) is lora_expand.DEFAULT_CONFIG
+    assert steps.config(32) is steps.small and steps.small.block_n == 256
+    assert steps.config(33) is steps.large and steps.large.block_n == 128

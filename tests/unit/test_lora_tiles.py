@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lorad.workers.kernels import lora_tiles
+from lorad.workers.kernels.configs import TileConfig
 from lorad.workers.kernels.lora_tiles import (LoraTiles, count_tiles, host_tiles,
                                               max_tiles_any_mixture)
 
@@ -28,17 +28,18 @@ def _mixtures(rng: random.Random, count: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("block_m", (16, 32))
-def test_host_tiles_equal_the_device_build(block_m, monkeypatch):
-    monkeypatch.setattr(lora_tiles, "BLOCK_M", block_m)
+def test_host_tiles_equal_the_device_build(block_m):
+    config = TileConfig(block_m=block_m)
     for slots in _mixtures(random.Random(block_m), 300):
-        device = LoraTiles.build(torch.tensor(slots, dtype=torch.int64), len(slots))
-        host = LoraTiles.from_host(np.array(slots, dtype=np.int64), len(slots), "cpu")
+        device = LoraTiles.build(torch.tensor(slots, dtype=torch.int64), len(slots), config)
+        host = LoraTiles.from_host(np.array(slots, dtype=np.int64), len(slots), "cpu", config)
         for name in ("tile_slot", "tile_rows", "num_tiles"):
             got, want = getattr(host, name), getattr(device, name)
             assert got.dtype == want.dtype and torch.equal(got, want), (slots, name)
         assert host.block_m == block_m and host.num_rows == len(slots)
         per_slot = [slots.count(slot) for slot in set(slots) - {0}]
-        assert int(host.num_tiles) == count_tiles(per_slot) <= max_tiles_any_mixture(len(slots))
+        assert int(host.num_tiles) == count_tiles(per_slot, block_m) \
+            <= max_tiles_any_mixture(len(slots))
 
 
 def test_host_tiles_keep_row_order_within_a_slot():
@@ -51,7 +52,7 @@ def test_host_tiles_keep_row_order_within_a_slot():
     assert tile_rows[1].tolist() == [26, 27] + [-1] * 14
     assert tile_rows[2].tolist() == [0, 3, 4] + [-1] * 13
     assert (tile_rows[3:] == -1).all()
-    assert host_tiles(np.zeros(4, dtype=np.int64))[2] == 0
+    assert host_tiles(np.zeros(4, dtype=np.int64), 16)[2] == 0
 
 
 def _assert_same_tiles(got: LoraTiles, want: LoraTiles) -> None:
@@ -60,42 +61,39 @@ def _assert_same_tiles(got: LoraTiles, want: LoraTiles) -> None:
                            torch.as_tensor(getattr(want, name))), name
 
 
-def test_a_steps_rows_get_the_same_tiles_from_the_host_and_the_device(monkeypatch):
-    """LoraRows.from_batch: the host build from the chunks (the default) and the device build
-    from the row slots (lora.HOST_TILES off) give the kernels the same tiles, prompt chunks and
-    padding rows included."""
-    from lorad.workers import lora
+def test_a_steps_rows_get_the_same_tiles_from_the_host_and_the_device():
+    """LoraRows.from_batch's host build from the chunks and the device build from the row slots
+    (LoraTiles.build) give the kernels the same tiles, prompt chunks and padding rows
+    included."""
+    from lorad.workers import lora_rows
     from lorad.workers.batch import ForwardBatch
 
     chunks = [(list(range(5, 25)), 0, [1, 2, 3, 4, 5], True, 2), ([7], 9, [6, 7, 8], True, 0),
               ([8], 3, [9], True, 1), (list(range(3)), 0, [10], False, 2), ([9], 4, [11, 12],
                                                                             True, 3)]
     batch = ForwardBatch.build(chunks, 4, "cpu", min_rows=32)
-    tiles = {}
-    for host in (True, False):
-        monkeypatch.setattr(lora, "HOST_TILES", host)
-        tiles[host] = lora.LoraRows.from_batch(batch, use_kernels=True).tiles
-    _assert_same_tiles(tiles[True], tiles[False])
-    assert int(tiles[True].num_tiles) == 4  # slot 2: 20 + 3 rows in two tiles; slots 1, 3
+    host = lora_rows.LoraRows.from_batch(batch, use_kernels=True).tiles
+    _assert_same_tiles(host, LoraTiles.build(batch.row_adapter_slots, host.max_tiles))
+    assert int(host.num_tiles) == 4  # slot 2: 20 + 3 rows in two tiles; slots 1, 3
 
 
 def test_a_step_captured_without_tiles_builds_them_on_the_device(monkeypatch):
-    """Inside a CUDA graph capture whose batch holds no tiles, LoraRows.from_batch builds them on
-    the device from the row slots: tiles copied from the host would fix the captured mixture
-    into every replay (tests/gpu/test_lora_kernels_gpu.py captures such a step on the H200; here
-    the capture is stood in for, so that CI covers which build is taken)."""
-    from lorad.workers import lora
+    """Inside a CUDA graph capture whose batch holds no tiles, the step's tiles are built on the
+    device from the row slots: tiles copied from the host would fix the captured mixture into
+    every replay (tests/gpu/test_lora_kernels_gpu.py captures such a step on the H200; here the
+    capture is stood in for, so that CI covers which build is taken)."""
+    from lorad.workers.tuning import Tuning
+    from lorad.workers import lora_rows
     from lorad.workers.batch import ForwardBatch
 
     chunks = [([7], 9, [6, 7, 8], True, 2), ([8], 3, [9], True, 0), ([9], 4, [11, 12], True, 1)]
     batch = ForwardBatch.build(chunks, 4, "cpu", min_rows=16)
     assert batch.lora_tiles is None
-    outside = lora.LoraRows.from_batch(batch, launch_always=True, use_kernels=True).tiles
+    outside = lora_rows.LoraRows.from_batch(batch, launch_always=True, use_kernels=True).tiles
 
     def no_host_copy(*args, **kwargs):
         raise AssertionError("tiles copied from the host during a capture")
 
-    monkeypatch.setattr(lora, "_capturing", lambda device: True)
     monkeypatch.setattr(LoraTiles, "from_host", no_host_copy)
-    inside = lora.LoraRows.from_batch(batch, launch_always=True, use_kernels=True).tiles
+    inside = lora_rows.step_tiles(batch, outside.max_tiles, Tuning(), capturing=True)
     _assert_same_tiles(inside, outside)

@@ -68,7 +68,7 @@ ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_shards_put_back_together_are_the_checkpoint(checkpoint, world):
     full = load_file(str(checkpoint / "model.safetensors"))
-    ranks = [dict(build(checkpoint, rank, world).named_parameters()) for rank in range(world)]
+    ranks = [build(checkpoint, rank, world).checkpoint_tensors() for rank in range(world)]
     for name, tensor in full.items():
         shards = [params[name] for params in ranks]
         if any(name.endswith(f"{module}.weight") for module in ROW_PARALLEL):
@@ -90,9 +90,9 @@ def test_each_rank_takes_the_query_heads_of_its_kv_heads(checkpoint, world):
         attn = build(checkpoint, rank, world).model.layers[0].self_attn
         q_full = full["model.layers.0.self_attn.q_proj.weight"]
         k_full = full["model.layers.0.self_attn.k_proj.weight"]
-        assert torch.equal(attn.q_proj.weight, q_full[kv_start * g * d:kv_end * g * d])
-        assert torch.equal(attn.k_proj.weight, k_full[kv_start * d:kv_end * d])
-        assert attn.num_q_heads == (kv_end - kv_start) * g
+        assert torch.equal(attn.qkv_proj.part_weight("q"), q_full[kv_start * g * d:kv_end * g * d])
+        assert torch.equal(attn.qkv_proj.part_weight("k"), k_full[kv_start * d:kv_end * d])
+        assert attn.attn.num_q_heads == (kv_end - kv_start) * g
 
 
 def test_tied_head_reads_the_embedding(tied_checkpoint):
@@ -135,8 +135,8 @@ def test_sharded_checkpoint_loads_like_the_single_file(checkpoint, tmp_path):
         weight_map.update({n: file for n in part})
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
-    single = dict(build(checkpoint, 1, 2).named_parameters())
-    sharded = dict(build(tmp_path, 1, 2).named_parameters())
+    single = build(checkpoint, 1, 2).checkpoint_tensors()
+    sharded = build(tmp_path, 1, 2).checkpoint_tensors()
     assert all(torch.equal(single[n], sharded[n]) for n in single)
 
 

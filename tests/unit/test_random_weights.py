@@ -46,7 +46,7 @@ def random_model(config_dir: Path, seed: int, rank: int = 0, world: int = 1,
 
 def test_random_weights_have_the_checkpoint_shapes_and_run(config_dir):
     model = random_model(config_dir, seed=0)
-    params = dict(model.named_parameters())
+    params = model.checkpoint_tensors()
     assert set(params) == set(model.checkpoint_shapes())
     assert params["model.layers.1.self_attn.k_proj.weight"].shape == (3 * 16, 96)
     assert params["lm_head.weight"].shape == (301, 96)
@@ -65,7 +65,7 @@ def test_random_weights_have_the_checkpoint_shapes_and_run(config_dir):
 
 
 def test_random_weights_are_deterministic_by_seed(config_dir):
-    first, again, other = (dict(random_model(config_dir, seed).named_parameters())
+    first, again, other = (random_model(config_dir, seed).checkpoint_tensors()
                            for seed in (7, 7, 8))
     for name, param in first.items():
         assert torch.equal(param, again[name]), name
@@ -75,13 +75,13 @@ def test_random_weights_are_deterministic_by_seed(config_dir):
     assert not torch.equal(first["model.layers.0.mlp.gate_proj.weight"],
                            first["model.layers.0.mlp.up_proj.weight"])
     # bf16 is the fp32 model rounded.
-    bf16 = dict(random_model(config_dir, 7, dtype=torch.bfloat16).named_parameters())
+    bf16 = random_model(config_dir, 7, dtype=torch.bfloat16).checkpoint_tensors()
     assert all(torch.equal(bf16[n], p.to(torch.bfloat16)) for n, p in first.items())
 
 
 def test_every_world_size_holds_shards_of_the_same_model(config_dir):
-    whole = dict(random_model(config_dir, seed=3).named_parameters())
-    shards = [dict(random_model(config_dir, 3, rank, 3).named_parameters()) for rank in range(3)]
+    whole = random_model(config_dir, seed=3).checkpoint_tensors()
+    shards = [random_model(config_dir, 3, rank, 3).checkpoint_tensors() for rank in range(3)]
     # 3 KV heads over 3 ranks: one KV head (16 rows of k/v, 32 of q) each; MLP 100 as 34/33/33.
     for name, dim in (("model.layers.0.self_attn.q_proj.weight", 0),
                       ("model.layers.0.self_attn.v_proj.weight", 0),
@@ -102,8 +102,8 @@ def test_engine_starts_on_random_weights_without_a_checkpoint(config_dir, tmp_pa
         instance_id="t", coordinator_pid=os.getpid(), load_format="random")
     engine = Engine.start(cfg, 0)
     assert engine.graphs is None  # the CPU never captures graphs
-    expected = dict(random_model(config_dir, RANDOM_WEIGHTS_SEED).named_parameters())
-    for name, param in engine.model.named_parameters():
+    expected = random_model(config_dir, RANDOM_WEIGHTS_SEED).checkpoint_tensors()
+    for name, param in engine.model.checkpoint_tensors().items():
         assert torch.equal(param, expected[name]), name
 
 

@@ -1,7 +1,6 @@
 """The decode step's elementwise work in three kernels per use instead of a dozen torch ops each:
-residual add + RMSNorm, rotary + KV-cache write, and SwiGLU's silu(gate) * up; and residual add +
-RMSNorm fused with the LoRA shrink of its output (not wired into the model yet). The first three
-also add the LoRA deltas of their inputs that the expand left in fp32 buffers (LoraDelta).
+residual add + RMSNorm, rotary + KV-cache write, and SwiGLU's silu(gate) * up. Each also adds
+the LoRA deltas of its inputs that the expand left in fp32 buffers (LoraDelta).
 
 Each program handles one row (or one row's head or column block) alone, with one block shape for
 every batch, so a row's bits never depend on what else the step holds. Every rounding the torch
@@ -20,10 +19,9 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
-from lorad.workers.kernels.lora_shrink import MAX_TABLES, pad_tables, table_block_ends
+from lorad.workers.kernels.lora_common import LoraDelta
 from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch,
                                        wait_for_previous_only)
-from lorad.workers.lora import LoraDelta
 
 
 # --- residual add + RMSNorm -------------------------------------------------------------------
@@ -103,11 +101,13 @@ def _add_rms_norm_kernel(delta_ptr, stride_delta, res_ptr, stride_res, res_out_p
 
 
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, lora: LoraDelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, lora: LoraDelta | None = None,
+                 pdl_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (hidden, normed): hidden = residual + delta.to(weight.dtype) (delta alone when residual
     is None), normed = RMSNorm(hidden). delta: [num_rows, H] fp32 or model dtype; residual:
     [num_rows, H] model dtype, overwritten with hidden (returned as hidden). lora: delta's LoRA
-    delta, added to delta (in the model dtype) first, as LoraDelta says."""
+    delta, added to delta (in the model dtype) first, as LoraDelta says. pdl_rows: the step's
+    PDL row limit (kernels/pdl.py; 0: no PDL)."""
     num_rows, hidden_size = delta.shape
     assert weight.shape == (hidden_size,) and delta.stride(1) == 1
     dtype = weight.dtype
@@ -128,7 +128,7 @@ def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: tor
         _row_slots([lora], delta),
         HAS_RES=residual is not None, HAS_LORA=lora is not None, BLOCK=block,
         num_warps=_norm_warps(block),
-        **launch_options(delta.device, num_rows))
+        **launch_options(delta.device, num_rows, pdl_rows))
     return residual_out, normed
 
 
@@ -151,143 +151,9 @@ def _row_slots(loras: Sequence[LoraDelta | None], out: torch.Tensor) -> torch.Te
 
 
 def _norm_warps(block: int) -> int:
-    """Warps of a program holding a row of `block` elements. The row sum's order follows the
-    layout, so add_rms_norm and add_rms_norm_shrink must agree on it to agree on the bits."""
+    """Warps of a program holding a row of `block` elements (the row sum's order follows the
+    layout, so it is part of a row's bits)."""
     return min(16, max(1, block // 256))
-
-
-# --- residual add + RMSNorm + the LoRA shrink of the normed row --------------------------------
-
-NORM_SHRINK_BLOCK_R = 4  # ranks per program: q/k/v at rank 16 and batch 32 give 384 programs
-# Inputs per step of the shrink's sweep over the row. At H 4096 (16 warps, bf16) ptxas gives 40
-# registers a thread with 512 (3 programs an SM: batch 32's 384 q/k/v programs in one wave on an
-# H200's 132 SMs) against 50 with 1024 (2 an SM), counted from the sm_90 build; the kernel's
-# timings on the H200 are in docs/benchmarks.md.
-NORM_SHRINK_BLOCK_K = 512
-
-
-@triton.jit
-def _norm_shrink_block(delta_row, res_row, weight_ptr, hidden_row, normed_row, t_row, a_ptr,
-                       ranks_ptr, max_rank, slot, block, stores_norm, H, eps,
-                       BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    rank = tl.load(ranks_ptr + slot)
-    j0 = block * BLOCK_R
-    shrinks = (slot != 0) & (j0 < rank)
-    if shrinks | stores_norm:
-        cols = tl.arange(0, BLOCK)
-        mask = cols < H
-        dtype = hidden_row.dtype.element_ty
-        # The whole row exactly as _add_rms_norm_kernel: the same ops on the same layout, and
-        # nothing else reads h, so the compiler has no reason to lay the row sum out otherwise.
-        h = _add_row(delta_row, res_row, cols, mask, dtype, True, delta_row, 0, False)
-        if stores_norm:
-            tl.store(hidden_row + cols, h, mask=mask)
-        scale = _rms_scale(h, H, eps)
-        if stores_norm:
-            w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-            tl.store(normed_row + cols, _normed(h, w, scale, dtype), mask=mask)
-        if shrinks:
-            ranks_j = j0 + tl.arange(0, BLOCK_R)
-            has_j = ranks_j < rank  # rank padding is never read
-            a_rows = a_ptr + (slot * max_rank + ranks_j)[:, None] * H  # [BLOCK_R, 1]
-            acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-            # The normed row again, piece by piece from reloaded inputs: elementwise, so the
-            # same bits as the stored row whatever the pieces' layout.
-            for k0 in range(0, H, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                in_k = ks < H
-                hk = _add_row(delta_row, res_row, ks, in_k, dtype, True, delta_row, 0, False)
-                wk = tl.load(weight_ptr + ks, mask=in_k, other=0.0)
-                nk = _normed(hk, wk, scale, dtype).to(tl.float32)
-                ak = tl.load(a_rows + ks[None, :], mask=has_j[:, None] & in_k[None, :], other=0.0)
-                acc += nk[None, :] * ak
-            tl.store(t_row + ranks_j, tl.sum(acc, axis=1), mask=has_j)
-
-
-# The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
-# divisible by 16): one binary, so one order of sums, for every batch.
-@triton.jit(do_not_specialize=["stride_t_table"])
-def _add_rms_norm_shrink_kernel(delta_ptr, stride_delta, res_ptr, stride_res, hidden_ptr,
-                                stride_hidden, normed_ptr, stride_normed, weight_ptr, H, eps,
-                                row_slots_ptr, t_ptr, stride_t_table, stride_t,
-                                a0_ptr, a1_ptr, a2_ptr, ranks0_ptr, ranks1_ptr, ranks2_ptr,
-                                max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1,
-                                NUM_TABLES: tl.constexpr, BLOCK: tl.constexpr,
-                                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Program (row, block); table i owns blocks [blocks_end{i-1}, blocks_end{i}). Every program
-    # with ranks to shrink norms its row itself; block 0's also stores hidden and normed, which
-    # is why hidden is not written over the residual that the others read.
-    row = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
-    slot = tl.load(row_slots_ptr + row)
-    delta_row = delta_ptr + row * stride_delta
-    res_row = res_ptr + row * stride_res
-    hidden_row = hidden_ptr + row * stride_hidden
-    normed_row = normed_ptr + row * stride_normed
-    t_row = t_ptr + row * stride_t
-    if block < blocks_end0:
-        _norm_shrink_block(delta_row, res_row, weight_ptr, hidden_row, normed_row, t_row,
-                           a0_ptr, ranks0_ptr, max_rank0, slot, block, block == 0, H, eps,
-                           BLOCK, BLOCK_R, BLOCK_K)
-    elif NUM_TABLES == 2:
-        _norm_shrink_block(delta_row, res_row, weight_ptr, hidden_row, normed_row,
-                           t_row + stride_t_table, a1_ptr, ranks1_ptr, max_rank1, slot,
-                           block - blocks_end0, False, H, eps, BLOCK, BLOCK_R, BLOCK_K)
-    elif NUM_TABLES == 3:
-        if block < blocks_end1:
-            _norm_shrink_block(delta_row, res_row, weight_ptr, hidden_row, normed_row,
-                               t_row + stride_t_table, a1_ptr, ranks1_ptr, max_rank1, slot,
-                               block - blocks_end0, False, H, eps, BLOCK, BLOCK_R, BLOCK_K)
-        else:
-            _norm_shrink_block(delta_row, res_row, weight_ptr, hidden_row, normed_row,
-                               t_row + 2 * stride_t_table, a2_ptr, ranks2_ptr, max_rank2, slot,
-                               block - blocks_end1, False, H, eps, BLOCK, BLOCK_R, BLOCK_K)
-
-
-def add_rms_norm_shrink(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float, a_tables: Sequence[torch.Tensor],
-                        rank_tables: Sequence[torch.Tensor], row_slots: torch.Tensor,
-                        out: torch.Tensor | None = None,
-                        block_k: int = NORM_SHRINK_BLOCK_K
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """add_rms_norm and the LoRA shrink of its normed rows in one launch -> (hidden, normed, t).
-
-    hidden and normed have add_rms_norm's bits, but hidden is a new tensor: the residual is left
-    as it was. t: [num_tables, num_rows, 1, max(max_rank_i)] float32, lora_shrink's t with one K
-    chunk (lora_expand reads it as is): t[i, row, 0, :rank] = normed[row] A_i[slot, :rank]^T in
-    fp32, written only where rank = rank_tables[i][slot] > 0 and slot != 0.
-
-    delta: [num_rows, H] fp32 or model dtype; residual: [num_rows, H] model dtype; a_tables[i]:
-    [num_slots, max_rank_i, H] fp32, contiguous; rank_tables[i]: [num_slots] int32; row_slots:
-    [num_rows] int64, each row's adapter slot (0: none); out: t, to write into."""
-    num_tables = len(a_tables)
-    if not 1 <= num_tables <= MAX_TABLES or len(rank_tables) != num_tables:
-        raise ValueError(f"1 to {MAX_TABLES} tables, each with its ranks")
-    num_rows, hidden_size = delta.shape
-    dtype = weight.dtype
-    assert weight.shape == (hidden_size,) and delta.stride(1) == 1
-    assert residual.shape == delta.shape and residual.dtype == dtype and residual.stride(1) == 1
-    assert row_slots.shape == (num_rows,) and row_slots.dtype == torch.int64
-    for a in a_tables:
-        assert a.dtype == torch.float32 and a.is_contiguous() and a.shape[2] == hidden_size
-    shape = (num_tables, num_rows, 1, max(a.shape[1] for a in a_tables))
-    if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=delta.device)
-    assert out.shape == shape and out.stride(3) == 1
-    hidden = torch.empty(num_rows, hidden_size, dtype=dtype, device=delta.device)
-    normed = torch.empty(num_rows, hidden_size, dtype=dtype, device=delta.device)
-    if num_rows == 0:
-        return hidden, normed, out
-    blocks_end = table_block_ends([a.shape[1] for a in a_tables], NORM_SHRINK_BLOCK_R)
-    block = next_power_of_2(hidden_size)
-    padded = pad_tables(a_tables)
-    _add_rms_norm_shrink_kernel[(num_rows, blocks_end[-1])](
-        delta, delta.stride(0), residual, residual.stride(0), hidden, hidden.stride(0), normed,
-        normed.stride(0), weight, hidden_size, eps, row_slots, out, out.stride(0), out.stride(1),
-        *padded, *pad_tables(rank_tables), *(a.shape[1] for a in padded), blocks_end[1],
-        blocks_end[min(2, num_tables)], NUM_TABLES=num_tables, BLOCK=block,
-        BLOCK_R=NORM_SHRINK_BLOCK_R, BLOCK_K=min(block_k, block), num_warps=_norm_warps(block))
-    return hidden, normed, out
 
 
 # --- rotary + KV-cache write ------------------------------------------------------------------
@@ -372,8 +238,8 @@ def _rotary_kv_kernel(q_ptr, stride_q, k_ptr, stride_k, v_ptr, stride_v, q_out_p
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_table: torch.Tensor, sin_table: torch.Tensor, slot_mapping: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
-                    head_dim: int, loras: Sequence[LoraDelta | None] = (None, None, None)
-                    ) -> torch.Tensor:
+                    head_dim: int, loras: Sequence[LoraDelta | None] = (None, None, None),
+                    pdl_rows: int = 0) -> torch.Tensor:
     """Rotate q and k by each row's position, write rotated k and v into the paged cache at the
     row's slot (-1: padding, not written); -> rotated q [num_rows, q_heads, head_dim].
 
@@ -381,7 +247,7 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     one projection output are fine: rows may be strided, columns contiguous); cos_table,
     sin_table: [max_positions, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads,
     head_dim], contiguous. loras: q's, k's and v's LoRA deltas (or None), added to them first, as
-    LoraDelta says."""
+    LoraDelta says. pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no PDL)."""
     num_rows = q.shape[0]
     num_kv_heads = k_cache.shape[2]
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two for the kernel"
@@ -401,7 +267,7 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         HEAD_DIM=head_dim,
         HAS_LQ=loras[0] is not None, HAS_LK=loras[1] is not None, HAS_LV=loras[2] is not None,
         num_warps=1,
-        **launch_options(q.device, num_rows),
+        **launch_options(q.device, num_rows, pdl_rows),
         # No fused multiply-add: in fp32 it would skip the product's rounding that torch does.
         enable_fp_fusion=False)
     return q_out
@@ -443,10 +309,12 @@ def _silu_mul_kernel(gate_ptr, stride_gate, up_ptr, stride_up, out_ptr, stride_o
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor,
-                 loras: Sequence[LoraDelta | None] = (None, None)) -> torch.Tensor:
+                 loras: Sequence[LoraDelta | None] = (None, None),
+                 pdl_rows: int = 0) -> torch.Tensor:
     """silu(gate) * up -> [num_rows, N], contiguous. gate, up: [num_rows, N], columns contiguous
     (the two halves of one projection output are fine). loras: gate's and up's LoRA deltas (or
-    None), added to them first, as LoraDelta says."""
+    None), added to them first, as LoraDelta says. pdl_rows: the step's PDL row limit
+    (kernels/pdl.py; 0: no PDL)."""
     num_rows, n = gate.shape
     assert up.shape == gate.shape and gate.stride(1) == 1 and up.stride(1) == 1
     out = torch.empty(num_rows, n, dtype=gate.dtype, device=gate.device)
@@ -457,5 +325,5 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor,
         *_lora_args(loras[0], gate), *_lora_args(loras[1], up), _row_slots(loras, gate),
         BLOCK=SILU_BLOCK,
         HAS_LG=loras[0] is not None, HAS_LU=loras[1] is not None,
-        num_warps=4, **launch_options(gate.device, num_rows))
+        num_warps=4, **launch_options(gate.device, num_rows, pdl_rows))
     return out

@@ -3,7 +3,7 @@ outputs at once (the tables of projections that share an input), t being the sum
 per-chunk partials, added here as they are read.
 
 A program takes one work item at a time, (row tile, group of consecutive blocks of BLOCK_N outputs
-of one table; one block per group unless the step has many items, see ITEMS_PER_SM): it reads each
+of one table; one block per group unless the step has many items, see ExpandSteps): it reads each
 block of its slot's B once for the tile's rows, and adds each row's delta to `out` in one fp32 add
 (the column-parallel base output before its rounding, or the row-parallel partial sum before the
 all-reduce). Every row gets the same arithmetic whatever shares its step: the shrink's K-chunk
@@ -21,55 +21,25 @@ their all-reduce.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.configs import ExpandConfig, ExpandSteps
 from lorad.workers.kernels.launch_math import next_power_of_2
-from lorad.workers.kernels.lora_shrink import (MAX_TABLES, bf16_parts, exact_dot, group_size,
-                                               load_tile, pad_tables, table_block_ends)
+from lorad.workers.kernels.lora_common import (BF16_PARTS, MAX_TABLES, bf16_parts, exact_dot,
+                                               group_size, load_tile, pad_tables,
+                                               table_block_ends)
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs, target_items
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
-from lorad.workers.lora import STORED_DTYPES
 
 
-@dataclass(frozen=True)
-class ExpandConfig:
-    # Outputs per block: one [BLOCK_M, rank] x [rank, block_n] MMA (a power of two >= 16). 64 on
-    # 2 warps on an H200 (bench_engine.py --variant, 2026-12-01 19:24 UTC, graph replay ms, 3
-    # stages): 64 distinct adapters at batch 32 7.01 against 7.12, at 64 9.36 against 9.31; one
-    # adapter at 64 7.14 against 7.12.
-    block_n: int = 128
-    num_warps: int = 4
-    # B's loads in flight along a group of blocks (Hopper: cp.async into shared memory). 3
-    # against 2 on an H200 (bench_engine.py --variant, 2026-12-01 19:24 UTC, graph replay ms): 64
-    # distinct adapters at batch 64 9.31 against 9.69, at 32 7.12 against 7.30; one adapter and
-    # four mixed within 0.03 (4 stages: 9.27 and 7.10).
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n {self.block_n} is not a power of two >= 16 (a tl.dot side)")
-
-
-DEFAULT_CONFIG = ExpandConfig()
-# The config of steps of up to SMALL_STEP_ROWS rows: blocks of 256 outputs, twice the B bytes
-# per load. The block changes no bit (an MMA computes each output from its own column of B:
-# check_block_widths_change_no_bit), so it may follow the step's size. On an H200
-# (bench_engine.py --variant, 2026-12-02 00:53 UTC, graph replay ms, against 128 in the same
-# run): 64 distinct adapters at batch 32 6.85 against 7.09 and 7.10, one adapter 5.77 against
-# 5.80 and 5.81, batch 1 the same within 0.01; at batch 64, 9.32 against 9.25 and 9.26 with 64
-# distinct adapters (one adapter 6.94 against 7.05), so batch 64 keeps 128. 8 warps at 256:
-# 7.52 at batch 32; 512 outputs on 8 warps: 7.25; 256 at 4 stages: 6.91.
-SMALL_STEP_ROWS = 32
-SMALL_STEP_CONFIG = ExpandConfig(block_n=256)
 # The most bytes of B one pipeline stage holds: block_n narrows to fit wide ranks and 4-byte
 # tables (it changes no bit), so the stages fit shared memory. 32 KiB is the default tile's at
 # rank 64 in fp32 (128 x 64 x 4), which runs on an H200; the small steps' tile there (256 x 64
-# x 4 at 3 stages) did not fit (tests/gpu/test_lora_kernels_gpu.py, ranks_to_64, 2026-12-02).
+# x 4 at 3 stages) did not fit (tests/gpu/test_lora_kernels_gpu.py, ranks_to_64).
 MAX_B_STAGE_BYTES = 32 * 1024
 
 
@@ -79,28 +49,6 @@ def fitting_block_n(block_n: int, rank_pad: int, itemsize: int) -> int:
     while block_n > 16 and block_n * rank_pad * itemsize > MAX_B_STAGE_BYTES:
         block_n //= 2
     return block_n
-
-
-def step_config(num_rows: int) -> ExpandConfig:
-    """The config of an expand over num_rows rows: SMALL_STEP_CONFIG up to SMALL_STEP_ROWS rows,
-    else DEFAULT_CONFIG (both read at the call: benchmarks swap them)."""
-    return SMALL_STEP_CONFIG if num_rows <= SMALL_STEP_ROWS else DEFAULT_CONFIG
-
-
-# Work items per multiprocessor past which an expand work item takes several consecutive blocks
-# of outputs (its tile looked up and its t summed once): with distinct adapters at batch 64, one
-# block per item makes 64 x 224 items for gate/up of 4 KB of B each. On an H200 (bench_engine.py
-# --variant, 2026-12-01 19:22 and 19:28 UTC, graph replay ms) against 0: 64 distinct
-# adapters at batch 32 7.29 against 7.71 (2 stages; fp32 tables: 9.04 against 9.60), at batch 64
-# 9.30 against 11.10 (3 stages); one adapter the same within 0.02. 12 per multiprocessor: batch
-# 64 9.99 against 9.69 (2 stages); 3: 9.39 against 9.30, batch 32 7.01 against 7.10. 4 against
-# 6 (2026-12-02 05:15 UTC, the same kind of run): 64 distinct adapters at batch 64 8.953 against
-# 9.178 and 9.190, at 32 6.771 against 6.765; one adapter the same within 0.02 (8: 9.391 at 64).
-# With the shrink's ITEMS_PER_SM at 3 as well, in two runs at 05:16 (against main's 9.190 and
-# 9.181 between them): 8.857 and 8.856 at batch 64, 6.760 and 6.764 at 32; one adapter 5.676 and
-# 5.654 against 5.674 at 32, 6.970 and 6.971 against 6.973 at 64. Expand 3 and shrink 2: 9.175
-# at 64, 6.925 at 32.
-ITEMS_PER_SM = 4
 
 
 @triton.jit
@@ -119,11 +67,7 @@ def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_
     # zeros there), and is used as it is: the MMA then adds exact zeros for it (0 x finite). A
     # select on B as well cost each block a round trip through shared memory (triton 3.6,
     # sm_90: the load's shared buffer -> registers -> shared memory again for the MMA); without
-    # it, on an H200 (2026-12-02 10:25 UTC), the expand alone with 64 distinct adapters at batch
-    # 64 took 28.4 against 36.1 us for gate/up, 12.2 against 13.8 for q/k/v (bench_lora_kernels.py
-    # --per-kernel), and the engine's graph replay 8.61 and 8.62 against 8.83 and 8.85 ms
-    # (bench_engine.py --variant; batch 32: 6.63 and 6.64 against 6.76 and 6.77; one adapter
-    # and four mixed within 0.03 at batches 1, 32 and 64).
+    # it the expand is faster (docs/performance-log.md: expand B unmasked).
     rank = tl.load(ranks_ptr + slot)
     scale = tl.load(scales_ptr + slot)
     chunks = tl.arange(0, MAX_CHUNKS)
@@ -173,9 +117,8 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                    tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, target_items,
                    NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    RANK_PAD: tl.constexpr, MAX_CHUNKS: tl.constexpr, B_PARTS: tl.constexpr,
-                   NUM_STAGES: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr,
-                   TRIGGER_LATE: tl.constexpr):
-    pdl.start(PDL, TRIGGER_LATE)
+                   NUM_STAGES: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     # Work item = (tile, group of consecutive blocks of one table); table i owns blocks
     # [blocks_end{i-1}, blocks_end{i}). A group is one block while the step's items are few,
     # more as they pass target_items, so that each item streams more of B behind one lookup of
@@ -219,14 +162,15 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                                max_rank2, first, tl.minimum(group, blocks2 - first), slot, rows,
                                in_tile, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
                                NUM_STAGES, DELTA)
-    pdl.finish(PDL, TRIGGER_LATE)
+    pdl.finish(PDL)
 
 
 def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequence[torch.Tensor],
                 rank_tables: Sequence[torch.Tensor], scale_tables: Sequence[torch.Tensor],
                 tiles: LoraTiles, num_programs: int | None = None,
                 config: ExpandConfig | None = None, deltas: bool = False,
-                num_target_items: int | None = None) -> None:
+                num_target_items: int | None = None, steps: ExpandSteps = ExpandSteps(),
+                pdl_rows: int = 0) -> None:
     """outs[i][row] += scale * (sum_c t[i, row, c, :rank] B_i[slot, :, :rank]^T), in place, for
     each row whose slot table i edits (rank = rank_tables[i][slot] > 0); no other element is
     touched.
@@ -241,16 +185,17 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
 
     deltas: outs[i] are fp32 buffers that get the delta alone, scale * (t B^T) rounded to fp32,
     at the same elements (nothing else is written): a later kernel adds it to the rounded base
-    output (lorad.workers.lora.LoraDelta), which then need not exist yet.
-    config: the tile (None: step_config of the step's rows); its block_n narrows to
+    output (lora_common.LoraDelta), which then need not exist yet.
+    config: the tile (None: steps.config of the step's rows); its block_n narrows to
     fitting_block_n for wide ranks and fp32 tables.
     num_target_items: where a work item starts taking several blocks of outputs (None:
-    ITEMS_PER_SM per multiprocessor, read at the call; 0: never); it changes no bit."""
+    steps.items_per_sm per multiprocessor; 0: never); it changes no bit.
+    pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no PDL)."""
     num_tables = len(b_tables)
     if not 1 <= num_tables <= MAX_TABLES or not (len(outs) == len(rank_tables)
                                                   == len(scale_tables) == num_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its output, ranks and scales")
-    config = config or step_config(t.shape[1])
+    config = config or steps.config(t.shape[1])
     assert t.dim() == 4 and t.shape[0] == num_tables and t.stride(3) == 1
     assert tiles.num_rows == t.shape[1], "tiles of another batch"
     for out, b in zip(outs, b_tables):
@@ -258,7 +203,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         assert out.dtype == torch.float32 or not deltas
         assert out.stride(1) == 1
         assert out.shape == (t.shape[1], b.shape[1])
-        assert b.dtype in STORED_DTYPES.values() and b.is_contiguous() and b.shape[2] <= t.shape[3]
+        assert b.dtype in BF16_PARTS and b.is_contiguous() and b.shape[2] <= t.shape[3]
         assert b.dtype == b_tables[0].dtype, "tables of one launch share a dtype"
     if tiles.max_tiles == 0:
         return
@@ -266,7 +211,8 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     block_n = fitting_block_n(config.block_n, rank_pad, b_tables[0].element_size())
     blocks_end = table_block_ends([b.shape[1] for b in b_tables], block_n)
     num_blocks = blocks_end[-1]
-    grid = (min(tiles.max_tiles * num_blocks, num_programs or max_programs(t.device)),)
+    num_programs = num_programs or max_programs(t.device, tiles.programs_per_sm)
+    grid = (min(tiles.max_tiles * num_blocks, num_programs),)
     padded_outs, padded_b = pad_tables(outs), pad_tables(b_tables)
     _expand_kernel[grid](
         t, t.stride(0), t.stride(1), t.stride(2), t.shape[2],
@@ -275,11 +221,11 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         *pad_tables(scale_tables),
         *(b.shape[2] for b in padded_b), blocks_end[1], blocks_end[min(2, num_tables)],
         num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles,
-        target_items(ITEMS_PER_SM, t.device) if num_target_items is None else num_target_items,
+        target_items(steps.items_per_sm, t.device, tiles.programs_per_sm)
+        if num_target_items is None else num_target_items,
         NUM_TABLES=num_tables, NUM_STAGES=config.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, RANK_PAD=rank_pad,
         MAX_CHUNKS=next_power_of_2(t.shape[2]), B_PARTS=bf16_parts(b_tables[0].dtype),
         DELTA=deltas,
-        TRIGGER_LATE=pdl.LORA_TRIGGER_LATE,
         num_warps=config.num_warps,
-        **launch_options(t.device, tiles.num_rows))
+        **launch_options(t.device, tiles.num_rows, pdl_rows))

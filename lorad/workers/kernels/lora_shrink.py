@@ -4,10 +4,10 @@ up to three tables that share x; lora_expand adds up the chunks, in one fixed or
 A program takes one work item at a time, (row tile, block of BLOCK_R ranks of one table, group of
 consecutive chunks of K_CHUNK inputs): it reads that piece of its slot's A once for the tile's rows,
 one chunk's partial sum after another (one chunk per group unless the step has many items, see
-ITEMS_PER_SM). Splitting K is what fills the GPU at decode: a whole [BLOCK_R, K] sweep per program
-left a 14336-wide down projection at batch 1 with 8 programs, each waiting on one load after
-another. Each step is one MMA (exact_dot: a [BLOCK_M, BLOCK_K] tile of x against [BLOCK_K, BLOCK_R]
-of A, fp32 accumulation on the tensor cores), so a tile's empty lanes (a tile of one row: distinct
+ShrinkConfig.items_per_sm). Splitting K is what fills the GPU at decode: a whole [BLOCK_R, K]
+sweep per program left a 14336-wide down projection at batch 1 with 8 programs, each waiting on
+one load after another. Each step is one MMA (exact_dot: a [BLOCK_M, BLOCK_K] tile of x against
+[BLOCK_K, BLOCK_R] of A, fp32 accumulation on the tensor cores), so a tile's empty lanes (a tile of one row: distinct
 adapters) cost little. Every row gets the same arithmetic whatever shares its step: an MMA
 computes a row's outputs from that row alone, the chunk's steps are taken in order, with one tile
 shape and one chunk size for every table and batch; each chunk's partial sum has its own place in
@@ -19,156 +19,22 @@ rank, but not written.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.configs import ShrinkConfig
 from lorad.workers.kernels.launch_math import cdiv
+from lorad.workers.kernels.lora_common import (BF16_PARTS, MAX_TABLES, bf16_parts, exact_dot,
+                                               group_size, load_tile, pad_tables,
+                                               table_block_ends)
 from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs, target_items
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
-from lorad.workers.lora import STORED_DTYPES
 
-MAX_TABLES = 3  # q/k/v share an input; gate/up share one
-# Work items per multiprocessor past which a shrink work item takes several K chunks in one
-# sweep (its tile looked up once, its loads running on across the chunks): with distinct
-# adapters at batch 64 one chunk per item made 3,072 items of 8 KB for q/k/v, each a chain of
-# dependent loads (profile_graph.py, H200, 2026-12-01: the q/k/v shrink 40 us, down's 48). On
-# the H200 (bench_engine.py --variant, graph replay ms, 6 against 0): 64 distinct adapters at
-# batch 64 13.33 against 13.45 and 13.49 with bf16 tables, 13.15 against 13.39 with fp32 ones; at
-# batch 32 and with one adapter the same within 0.04. 12 per multiprocessor: 13.40. (Those were
-# the FMA kernels before the MMA ones; with these, 19:22 UTC, off: the same at batch 32, 7.28
-# against 7.29, and at batch 1.) 3 against 6 on the tensor-core kernels (2026-12-02 05:15 UTC,
-# graph replay ms): 64 distinct adapters at batch 64 9.017 against 9.178 and 9.190, at 32 6.721
-# against 6.765; one adapter 5.662 and 6.962 against 5.678 and 6.975 at 32 and 64; 12: 9.217 at
-# 64. With the expand's ITEMS_PER_SM at 4 too: below.
-ITEMS_PER_SM = 3
-# Steps of more rows than this launch the shrink without PDL even where the step's other kernels
-# take it (None: as the step's kernels). Launched with PDL, the shrink's programs take their
-# places on every SM before the norm ahead of it ends, and the base matmul beside it, which cuBLAS
-# launches plainly, waits for them to leave: with 64 distinct adapters at batch 64 q/k/v's matmul
-# started 9.3 us after the norm's end (profile_graph.py, H200, 2026-12-02 00:47 UTC). A setting
-# for benchmarks to compare (bench_engine.py --variant 'lora_shrink.PDL_MAX_ROWS=32'); not
-# measured yet.
-PDL_MAX_ROWS: int | None = None
-
-
-def pad_tables(tables: Sequence) -> list:
-    """1 to MAX_TABLES per-table arguments, padded to MAX_TABLES with the first: the kernels
-    take MAX_TABLES of each and read only the first NUM_TABLES."""
-    return list(tables) + [tables[0]] * (MAX_TABLES - len(tables))
-
-
-def table_block_ends(sizes: Sequence[int], block: int) -> list[int]:
-    """[0, e_0, e_1, ...]: table i owns the kernel's blocks [e_{i-1}, e_i) of `block` each,
-    sizes[i] being its ranks or outputs."""
-    ends = [0]
-    for size in sizes:
-        ends.append(ends[-1] + cdiv(size, block))
-    return ends
-
-
-@dataclass(frozen=True)
-class ShrinkConfig:
-    # Ranks and inputs per work item: one [BLOCK_M, block_k] x [block_k, block_r] MMA a step
-    # (both sides powers of two of at least 16, as tl.dot takes them). Decode rows are few, so
-    # ranks and K chunks give the parallelism.
-    block_r: int = 16
-    block_k: int = 128
-    # Inputs per chunk, a multiple of block_k: a fixed size, so a row's sums never depend on the
-    # batch. Smaller means more programs but more partial sums for the expand to add.
-    # 256 on an H200 (bench_engine.py --variant, 2026-12-01 19:22 UTC, graph replay ms): one adapter
-    # at batch 1 4.81 against 4.90, but at batch 32 5.94 against 5.81, 64 distinct adapters at 32
-    # 7.66 against 7.29.
-    k_chunk: int = 512
-    # 4 warps in the same run: 64 distinct at batch 32 7.32 against 7.29 (fp32 tables, three bf16
-    # terms per factor: 9.92 against 9.04), one adapter the same.
-    num_warps: int = 2
-    # Loads in flight along a chunk (Hopper: cp.async into shared memory).
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("block_r", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} {value} is not a power of two >= 16 (a tl.dot side)")
-        if self.k_chunk % self.block_k:
-            raise ValueError(f"k_chunk {self.k_chunk} is not a multiple of block_k {self.block_k}")
-
-
-DEFAULT_CONFIG = ShrinkConfig()
-
-
-def num_k_chunks(in_features: int, config: ShrinkConfig | None = None) -> int:
-    """The partial sums per row and rank that lora_shrink writes for this input width (config
-    None: DEFAULT_CONFIG, read at the call)."""
-    return cdiv(in_features, (config or DEFAULT_CONFIG).k_chunk)
-
-
-@triton.jit
-def load_tile(tile_slot_ptr, tile_rows_ptr, tile, BLOCK_M: tl.constexpr):
-    """-> (slot, rows [BLOCK_M], in_tile [BLOCK_M]) of row tile `tile` (LoraTiles.tile_slot and
-    tile_rows), loaded side by side: neither load waits on the other. Empty lanes get row 0,
-    masked by in_tile."""
-    slot = tl.load(tile_slot_ptr + tile)
-    rows = tl.load(tile_rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    in_tile = rows >= 0
-    return slot, tl.maximum(rows, 0), in_tile
-
-
-@triton.jit
-def _bf16_term(rest, i: tl.constexpr, PARTS: tl.constexpr):
-    """-> (term i of a value being split into PARTS bf16 terms, what is left after it): `rest`
-    starts as the value (in fp32 unless PARTS is 1) and each term is its bf16 rounding."""
-    term = rest.to(tl.bfloat16)
-    if i + 1 < PARTS:
-        rest = rest - term.to(tl.float32)
-    return term, rest
-
-
-@triton.jit
-def _split_start(value, PARTS: tl.constexpr):
-    """The `rest` _bf16_term starts from: the value itself when it is one bf16 term, else fp32."""
-    if PARTS == 1:
-        start = value
-    else:
-        start = value.to(tl.float32)
-    return start
-
-
-@triton.jit
-def exact_dot(a, b, acc, A_PARTS: tl.constexpr, B_PARTS: tl.constexpr):
-    """acc + a @ b on the tensor cores with every product exact: a and b are each split into
-    A_PARTS and B_PARTS bf16 terms (1 for bf16, 2 for fp16, 3 for fp32: the terms add up to the
-    value exactly), and each pair of terms is one tl.dot accumulating in fp32. An MMA computes an
-    output element from its own row of a and column of b, so a row's result never depends on
-    the other rows of its tile."""
-    rb = _split_start(b, B_PARTS)
-    for j in tl.static_range(B_PARTS):
-        bj, rb = _bf16_term(rb, j, B_PARTS)
-        ra = _split_start(a, A_PARTS)
-        for i in tl.static_range(A_PARTS):
-            ai, ra = _bf16_term(ra, i, A_PARTS)
-            acc = tl.dot(ai, bj, acc)
-    return acc
-
-
-@triton.jit
-def group_size(num_items, most, target_items):
-    """Consecutive pieces (K chunks, output blocks) a work item takes: 1 while the step's
-    num_items (counted one piece each) are within target_items, more as they pass it, at most
-    `most`; always 1 when target_items is 0. It changes which item computes a piece, never how."""
-    group = tl.maximum(tl.minimum(num_items // tl.maximum(target_items, 1), most), 1)
-    if target_items == 0:
-        group = 1
-    return group
-
-
-def bf16_parts(dtype: torch.dtype) -> int:
-    """The bf16 terms exact_dot splits a value of this dtype into."""
-    return {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}[dtype]
+def num_k_chunks(in_features: int, config: ShrinkConfig = ShrinkConfig()) -> int:
+    """The partial sums per row and rank that lora_shrink writes for this input width."""
+    return cdiv(in_features, config.k_chunk)
 
 
 @triton.jit
@@ -214,8 +80,8 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
                    NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
                    NUM_STAGES: tl.constexpr, X_PARTS: tl.constexpr, A_PARTS: tl.constexpr,
-                   PDL: tl.constexpr, TRIGGER_LATE: tl.constexpr):
-    pdl.start(PDL, TRIGGER_LATE)
+                   PDL: tl.constexpr):
+    pdl.start(PDL)
     # Work item = (tile, block, group of chunks); table i owns blocks [blocks_end{i-1},
     # blocks_end{i}). Groups vary fastest, so neighbouring programs read neighbouring parts of
     # the same A rows. A group is `group` consecutive chunks (the last group may have fewer):
@@ -253,14 +119,14 @@ def _shrink_kernel(x_ptr, stride_x, t_ptr, stride_t_table, stride_t, stride_t_ch
                               stride_t_chunk, a2_ptr, ranks2_ptr, max_rank2, block - blocks_end1,
                               chunk, num_item_chunks, slot, rows, in_tile, K,
                               BLOCK_M, BLOCK_R, BLOCK_K, K_CHUNK, NUM_STAGES, X_PARTS, A_PARTS)
-    pdl.finish(PDL, TRIGGER_LATE)
+    pdl.finish(PDL)
 
 
 def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
                 rank_tables: Sequence[torch.Tensor], tiles: LoraTiles,
                 out: torch.Tensor | None = None, num_programs: int | None = None,
-                config: ShrinkConfig | None = None,
-                num_target_items: int | None = None) -> torch.Tensor:
+                config: ShrinkConfig = ShrinkConfig(),
+                num_target_items: int | None = None, pdl_rows: int = 0) -> torch.Tensor:
     """-> t: [num_tables, num_rows, num_k_chunks(in_features), max(max_rank)] float32, the
     partial sums of each chunk of K (their sum in chunk order is x A^T; lora_expand adds them);
     t[i, row, :, :rank] is written for each row whose slot table i edits (rank =
@@ -269,15 +135,14 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     x: [num_rows, in_features] (bf16, fp16 or fp32); a_tables[i]: [num_slots, max_rank_i,
     in_features] fp32, bf16 or fp16 (all of one dtype; exact_dot splits them exactly into bf16
     terms), contiguous; rank_tables[i]: [num_slots] int32. num_target_items: where a work item
-    starts taking several chunks (None: ITEMS_PER_SM per multiprocessor, read at the call; 0:
-    never); it changes no bit of t."""
+    starts taking several chunks (None: config.items_per_sm per multiprocessor; 0: never); it
+    changes no bit of t. pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no PDL)."""
     if not 1 <= len(a_tables) <= MAX_TABLES or len(rank_tables) != len(a_tables):
         raise ValueError(f"1 to {MAX_TABLES} tables, each with its ranks")
-    config = config or DEFAULT_CONFIG  # read at the call: benchmarks swap it
     num_rows, num_in = x.shape
     assert tiles.num_rows == num_rows, "tiles of another batch"
     for a in a_tables:
-        assert a.dtype in STORED_DTYPES.values() and a.is_contiguous() and a.shape[2] == num_in
+        assert a.dtype in BF16_PARTS and a.is_contiguous() and a.shape[2] == num_in
         assert a.dtype == a_tables[0].dtype, "tables of one launch share a dtype"
     x = x if x.stride(1) == 1 else x.contiguous()
     width = max(a.shape[1] for a in a_tables)
@@ -290,18 +155,18 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     if tiles.max_tiles == 0:
         return out
     num_items = tiles.max_tiles * num_blocks * shape[2]
-    grid = (min(num_items, num_programs or max_programs(x.device)),)
+    grid = (min(num_items, num_programs or max_programs(x.device, tiles.programs_per_sm)),)
     padded = pad_tables(a_tables)
     _shrink_kernel[grid](
         x, x.stride(0), out, out.stride(0), out.stride(1), out.stride(2), *padded,
         *pad_tables(rank_tables),
         *(a.shape[1] for a in padded), blocks_end[1], blocks_end[min(2, len(a_tables))],
         num_blocks, shape[2], tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, num_in,
-        target_items(ITEMS_PER_SM, x.device) if num_target_items is None else num_target_items,
+        target_items(config.items_per_sm, x.device, tiles.programs_per_sm)
+        if num_target_items is None else num_target_items,
         NUM_TABLES=len(a_tables), BLOCK_M=tiles.block_m,
         BLOCK_R=config.block_r, BLOCK_K=config.block_k, K_CHUNK=config.k_chunk,
         NUM_STAGES=config.num_stages, X_PARTS=bf16_parts(x.dtype),
         A_PARTS=bf16_parts(a_tables[0].dtype), num_warps=config.num_warps,
-        TRIGGER_LATE=pdl.LORA_TRIGGER_LATE,
-        **launch_options(x.device, num_rows, PDL_MAX_ROWS))
+        **launch_options(x.device, num_rows, pdl_rows))
     return out

@@ -1,6 +1,6 @@
 """Row tiles for the LoRA kernels: a step's adapter rows grouped by slot.
 
-The rows are sorted by slot (stably; slot-0 rows last) and cut into tiles of at most BLOCK_M rows
+The rows are sorted by slot (stably; slot-0 rows last) and cut into tiles of at most block_m rows
 of one slot, so a program reads its slot's factors once for the whole tile. The model builds them
 on the host, where each row's slot is known from the step's chunks (host_tiles; the decode
 graphs' inputs hold them as a step input, cuda_graph.py): a device build is some 30 small
@@ -17,23 +17,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Rows per tile: shrink and expand share the tiles, so they share this (the kernels take it from the
-# tiles). The M side of their MMAs, so at least 16. Read when tiles are built, so a benchmark may
-# set another (bench_engine.py --lora-configs); a running server keeps one, which a row's bits
-# depend on.
-BLOCK_M = 16
+from lorad.workers.kernels.configs import TileConfig
 
+CPU_PROGRAMS = 64  # under TRITON_INTERPRET=1 programs run one after another
 
 @dataclass(frozen=True)
 class LoraTiles:
     """Which rows each tile holds, as the kernels read them: tile k's slot, tile_slot[k], and its
-    BLOCK_M entries of tile_rows (-1 for an empty lane), two loads that do not wait on each
+    block_m entries of tile_rows (-1 for an empty lane), two loads that do not wait on each
     other. The tiles of adapter rows are the first num_tiles."""
 
     tile_slot: torch.Tensor  # [num_rows] int64: each tile's slot (0 past num_tiles)
-    tile_rows: torch.Tensor  # [num_rows, BLOCK_M] int64: each tile's rows, -1 for empty lanes
+    tile_rows: torch.Tensor  # [num_rows, block_m] int64: each tile's rows, -1 for empty lanes
     num_tiles: torch.Tensor  # [1] int64: tiles of adapter rows; later entries are unused
     max_tiles: int  # a bound on num_tiles known to Python: it sizes the kernels' grids
+    programs_per_sm: int = TileConfig.programs_per_sm  # the kernels' persistent grids
 
     @property
     def num_rows(self) -> int:
@@ -42,20 +40,23 @@ class LoraTiles:
 
     @property
     def block_m(self) -> int:
-        """Rows per tile (BLOCK_M when they were built)."""
+        """Rows per tile (TileConfig.block_m when they were built)."""
         return self.tile_rows.shape[1]
 
     @classmethod
-    def from_host(cls, row_slots: np.ndarray, max_tiles: int,
-                  device: torch.device | str) -> "LoraTiles":
+    def from_host(cls, row_slots: np.ndarray, max_tiles: int, device: torch.device | str,
+                  config: TileConfig = TileConfig()) -> "LoraTiles":
         """host_tiles(row_slots), copied to `device`."""
-        tile_slot, tile_rows, num_tiles = host_tiles(row_slots)
+        tile_slot, tile_rows, num_tiles = host_tiles(row_slots, config.block_m)
         return cls(torch.from_numpy(tile_slot).to(device), torch.from_numpy(tile_rows).to(device),
-                   torch.tensor([num_tiles], dtype=torch.int64, device=device), max_tiles)
+                   torch.tensor([num_tiles], dtype=torch.int64, device=device), max_tiles,
+                   config.programs_per_sm)
 
     @classmethod
-    def build(cls, row_slots: torch.Tensor, max_tiles: int) -> "LoraTiles":
+    def build(cls, row_slots: torch.Tensor, max_tiles: int,
+              config: TileConfig = TileConfig()) -> "LoraTiles":
         """row_slots: [num_rows] int64, each row's adapter slot (0: none)."""
+        block_m = config.block_m
         num_rows = row_slots.shape[0]
         positions = torch.arange(num_rows, device=row_slots.device)
         never = torch.iinfo(torch.int64).max
@@ -65,7 +66,7 @@ class LoraTiles:
         new_slot = torch.cat([torch.ones(1, dtype=torch.bool, device=row_slots.device),
                               sorted_slots[1:] != sorted_slots[:-1]])
         slot_start = torch.cummax(torch.where(new_slot, positions, 0), 0).values
-        starts_tile = ((positions - slot_start) % BLOCK_M == 0) & (sorted_slots != 0)
+        starts_tile = ((positions - slot_start) % block_m == 0) & (sorted_slots != 0)
         tiles_so_far = torch.cumsum(starts_tile, 0)  # [num_rows] int64, non-decreasing
         # Tile k starts at sorted position tile_first[k], where the running count first reaches
         # k + 1; past the last tile that is num_rows: no slot, no rows.
@@ -75,20 +76,17 @@ class LoraTiles:
         num_tiles = tiles_so_far[-1:].clone()
         last = max(num_rows - 1, 0)
         tile_slot = torch.where(tile_first < num_rows, sorted_slots[tile_first.clamp(max=last)], 0)
-        # A tile's rows: the next BLOCK_M sorted positions that still hold its slot.
-        lanes = tile_first[:, None] + torch.arange(BLOCK_M, device=row_slots.device)
+        # A tile's rows: the next block_m sorted positions that still hold its slot.
+        lanes = tile_first[:, None] + torch.arange(block_m, device=row_slots.device)
         in_tile = (lanes < num_rows) & (sorted_slots[lanes.clamp(max=last)] == tile_slot[:, None])
         tile_rows = torch.where(in_tile, sorted_rows[lanes.clamp(max=last)], -1)
-        return cls(tile_slot, tile_rows, num_tiles, max_tiles)
+        return cls(tile_slot, tile_rows, num_tiles, max_tiles, config.programs_per_sm)
 
 
-def host_tiles(row_slots: np.ndarray,
-               block_m: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+def host_tiles(row_slots: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray, int]:
     """LoraTiles.build's tiles on the host, from row_slots [num_rows] int64 (each row's slot, 0
     for none): -> (tile_slot [num_rows], tile_rows [num_rows, block_m], num_tiles), int64 numpy
-    arrays holding slot 0 and empty lanes (-1) past the tiles. block_m: None for BLOCK_M, read
-    at the call."""
-    block_m = BLOCK_M if block_m is None else block_m
+    arrays holding slot 0 and empty lanes (-1) past the tiles; block_m rows per tile."""
     num_rows = len(row_slots)
     tile_slot = np.zeros(num_rows, dtype=np.int64)
     tile_rows = np.full((num_rows, block_m), -1, dtype=np.int64)
@@ -107,9 +105,10 @@ def host_tiles(row_slots: np.ndarray,
     return tile_slot, tile_rows, int(tile[-1]) + 1
 
 
-def count_tiles(rows_per_slot: Iterable[int]) -> int:
-    """The exact number of tiles, from the number of rows of each adapter slot (>= 1)."""
-    return sum(-(-n // BLOCK_M) for n in rows_per_slot)
+def count_tiles(rows_per_slot: Iterable[int], block_m: int) -> int:
+    """The exact number of tiles of block_m rows, from the number of rows of each adapter slot
+    (>= 1)."""
+    return sum(-(-n // block_m) for n in rows_per_slot)
 
 
 def max_tiles_any_mixture(num_rows: int) -> int:
@@ -118,35 +117,21 @@ def max_tiles_any_mixture(num_rows: int) -> int:
     return num_rows
 
 
-# A persistent grid's size per multiprocessor: enough programs in flight to hide load latency.
-# Measured on an H200 (scripts/bench_lora_kernels.py --programs-per-sm, one decode step's 256
-# LoRA launches in a graph): with a distinct adapter per row, 16 gives 7.55 ms at batch 32 and
-# 14.31 at 64 against 8.07 and 15.25 with 8 (and 10.20, 19.72 with 2); one adapter on every row
-# is the same within 2% from 4 to 16. In the engine (bench_engine.py --variant, 2026-12-01, two
-# runs, graph replay ms) 32 against 16: 64 distinct adapters at batch 64 14.06 against 14.50 and
-# 13.36 against 13.95; one adapter at batch 64 8.15 against 8.11 and 7.50 against 7.40, four
-# mixed 8.21 against 8.21 and 7.53 against 7.47; batch 32 and 1 the same within 0.03. With the
-# kernels on the tensor cores (2026-12-01 19:22 UTC), 8 against 32 at batches 1 and 32: the same
-# within 0.02.
-PROGRAMS_PER_SM = 32
-CPU_PROGRAMS = 64  # under TRITON_INTERPRET=1 programs run one after another
-
-
-def max_programs(device: torch.device) -> int:
+def max_programs(device: torch.device, programs_per_sm: int) -> int:
     """The most programs a LoRA kernel launches; each loops over (tile, block) work items, so a
     graph sized for any mixture does not launch thousands of idle programs."""
     if device.type != "cuda":
         return CPU_PROGRAMS
-    return PROGRAMS_PER_SM * _multiprocessors(device.index
+    return programs_per_sm * _multiprocessors(device.index
                                               if device.index is not None
                                               else torch.cuda.current_device())
 
 
-def target_items(items_per_sm: int, device: torch.device) -> int:
+def target_items(items_per_sm: int, device: torch.device, programs_per_sm: int) -> int:
     """Work items a LoRA kernel aims at before its items take several pieces each:
     items_per_sm per multiprocessor (0: one piece per item; CPU_PROGRAMS stands for the
     multiprocessors' programs on the CPU)."""
-    return items_per_sm * max_programs(device) // PROGRAMS_PER_SM
+    return items_per_sm * max_programs(device, programs_per_sm) // programs_per_sm
 
 
 _SM_COUNTS: dict[int, int] = {}

@@ -1,6 +1,6 @@
 """Decode attention over paged KV: one query token per sequence, split-KV with a fixed split size.
 
-Two kernels. The split kernel gives each (sequence, KV head, split of SPLIT_SIZE context tokens)
+Two kernels. The split kernel gives each (sequence, KV head, split of split_size context tokens)
 its own program: the KV head's query heads are one tile, so they share every K/V load, and an
 fp32 online softmax runs over the split's keys read through the block table. The reduce kernel
 merges a sequence's splits one after another, in split order. A split's bounds and the merge
@@ -9,7 +9,7 @@ row's result has the same bits in any batch. No host sync and a grid fixed by sh
 decode step can be captured in a CUDA graph. Prefill chunks are paged_prefill_attention.py's.
 
 Launched with PDL (kernels/pdl.py), both kernels read the context lengths before their wait (a
-step input), and in steps of PREFETCH_MAX_SEQS sequences or fewer the split kernel asks L2 for
+step input), and in steps of prefetch_max_seqs sequences or fewer the split kernel asks L2 for
 the K/V lines of its first split below each sequence's last position: earlier steps cached
 them, and only the last position is the step's own token, written by the kernel ahead. The
 chain of round trips a split waits on in such a step (length, block table, K/V) then starts
@@ -22,60 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
+from lorad.workers.kernels.configs import DecodeAttentionConfig
 from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch, prefetch_l2,
                                        wait_for_previous_only)
 
-# Context tokens per split. Larger splits write fewer partial results (fp32 [head_dim] per query
-# head and split); smaller ones give short batches more programs. Fixed: the split bounds are part
-# of a row's arithmetic.
-# 128: at batch 1 and 512 tokens, 4 splits per KV head keep 32 programs busy (256 gave 16, and
-# the kernel was latency-bound: 8.8 us per layer on an H200).
-SPLIT_SIZE = 128
-TILE_TOKENS = 64  # keys per step inside a split
-# Programs per (sequence, KV head) of the split kernel, each taking every SPLIT_PROGRAMS-th split
-# of its context. A graph's grid is sized for the longest context its block table holds (8192
-# tokens: 64 splits), so one program per split launches mostly programs with nothing to do: on an
-# H200 at 512 tokens of context (scripts/bench_paged_attention.py --table-tokens 8192) batch 32
-# took 33.5 us that way and 28.0 with 16, batch 64 61.0 and 48.1; batch 1 and 2 the same.
-SPLIT_PROGRAMS = 16
-SPLIT_WARPS = 4  # the split kernel's warps (scripts/bench_paged_attention.py --warps sweeps it)
-# The split kernel's software pipeline depth over its tiles (--stages); it changes no bit. On an
-# H200 (2026-12-01) 3 took the kernel alone from 9.8 to 8.3 us at batch 1 but from 48.1 to 52.3 at
-# batch 64, and in the engine gained nothing at batch 1 and lost 0.08 ms at 32.
-SPLIT_STAGES = 2
-# Splits the reduce kernel loads at once (each group's partial results in one round of loads),
-# merged one after another in split order as before.
-REDUCE_GROUP = 8
 L2_LINE_BYTES = 128
-# The split kernel's L2 prefetch before its PDL wait, in steps of at most this many sequences:
-# at most 2 x 8 KV heads x SPLIT_PROGRAMS = 256 programs, one wave at 3 an SM. The prefetch
-# adds no arithmetic but costs registers (triton 3.6, sm_90, 8B shape: 157 a thread against
-# 119, 3 programs an SM against 4), which only a step with few programs can spare. On an H200
-# (scripts/bench_paged_attention.py --table-tokens 8192, 2026-12-01, us per split + reduce,
-# this kernel against the one before the prefetch and the grouped reduce) with the prefetch
-# variant up to 16 sequences: batch 1 6.9 against 9.8 at 512 tokens, 16.4 against 19.0 at
-# 4,096; batch 8 10.5 against 11.6 at 512 but 53.4 against 49.9 at 4,096; batch 16 17.4
-# against 15.1 at 512, 93.8 against 86.0 at 4,096. Without it from 32 on: the same as before.
-PREFETCH_MAX_SEQS = 2
-# The split kernel reads the block ids of each program's first split's first tile before its
-# PDL wait (the block tables are a step input), not masked by the context length, so that the
-# two loads run together: after the wait that split's first K/V loads wait on nothing else
-# (instead of the block ids, then K/V), and a program that starts after the wait waits on (length
-# and ids at once) -> K/V instead of length -> ids -> K/V. Every split then takes its first tile
-# apart from the rest, so which program or batch computes a split still does not change its
-# arithmetic (check_decode_preload_same_bits). In steps of at most this many sequences. On an
-# H200 (2026-12-02 04:54 UTC, bench_paged_attention.py --table-tokens 8192 --preload 0,1, us
-# per split + reduce from a graph, late against early): batch 1 7.8 against 6.9 at 512 tokens,
-# 17.0 against 16.7 at 4,096; batch 8 11.5 against 11.4, 49.0 against 55.6; batch 32 26.7
-# against 28.8, 156.6 against 183.2; batch 64 48.1 against 55.8, 304.6 against 356.7. In the
-# engine (bench_engine.py --variant, on at every batch, the setting then PRELOAD_TABLE; graph
-# replay ms) batch 1 4.758 and 4.760 against main's 4.776 to 4.801 (one adapter, 64
-# distinct), batch 64 9.466 against 9.258 and 9.268 with 64 distinct adapters. With
-# PRELOAD_MAX_SEQS at 1, against 0 (05:11 UTC, batch 1): 4.410 and 4.400 against 4.394 with 64
-# adapters loaded and none used, 4.713 and 4.715 against 4.737 with one adapter, 4.715 and
-# 4.703 against 4.725 with 64 distinct; batches 32 and 64 the same within 0.02.
-PRELOAD_MAX_SEQS = 1
 
 
 @triton.jit
@@ -300,12 +252,9 @@ def _decode_reduce_kernel(
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None, split_size: int | None = None,
-                           tile_size: int | None = None,
-                           split_programs: int | None = None,
-                           num_warps: int | None = None,
-                           num_stages: int | None = None,
-                           preload: bool | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                           preload: bool | None = None, pdl_rows: int = 0) -> torch.Tensor:
     """q: [num_seqs, q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32
     -> out [num_seqs, q_heads * head_dim] in q's dtype (zero rows where context_len is 0). A
@@ -314,13 +263,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     The grid covers max_blocks * block_size tokens per sequence: shapes only, so a CUDA graph
     captured with a block table of max_blocks columns serves any context up to that length.
-    split_programs: programs per (sequence, KV head), each looping over splits (default
-    SPLIT_PROGRAMS; 0: one per split of the widest context the table holds). Which program takes
-    a split does not change its arithmetic; neither do num_warps and num_stages, the split
-    kernel's warps and pipeline depth (split_size and tile_size do), nor preload, whether each
-    split's first block ids are read early. None: the module's SPLIT_SIZE, TILE_TOKENS,
-    SPLIT_PROGRAMS, SPLIT_WARPS, SPLIT_STAGES, and preload in steps of up to PRELOAD_MAX_SEQS
-    sequences, read at the call."""
+    Which program takes a split does not change its arithmetic (config.split_programs); neither
+    do the split kernel's warps and pipeline depth (split_size and tile_tokens do), nor preload,
+    whether each split's first block ids are read early (None: in steps of up to
+    config.preload_max_seqs sequences). pdl_rows: the step's PDL row limit (kernels/pdl.py; 0:
+    no PDL)."""
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -328,11 +275,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert q.dtype == k_cache.dtype == v_cache.dtype and q.stride(2) == 1
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert block_tables.shape[0] == num_seqs == context_lens.shape[0]
-    split_size = SPLIT_SIZE if split_size is None else split_size
-    tile_size = min(TILE_TOKENS if tile_size is None else tile_size, split_size)
-    num_warps = SPLIT_WARPS if num_warps is None else num_warps
-    num_stages = SPLIT_STAGES if num_stages is None else num_stages
-    preload = num_seqs <= PRELOAD_MAX_SEQS if preload is None else preload
+    split_size = config.split_size
+    tile_size = min(config.tile_tokens, split_size)
+    preload = num_seqs <= config.preload_max_seqs if preload is None else preload
     assert split_size % tile_size == 0, "a split is whole tiles"
     if out is None:
         out = torch.empty(num_seqs, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
@@ -349,9 +294,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = next_power_of_2(head_dim)
     # fp32 stays fp32 (no tf32 rounding of q and k): it is compared with the CPU path.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if split_programs is None:
-        split_programs = SPLIT_PROGRAMS
-    pdl = launch_options(q.device, out.shape[0])
+    split_programs = config.split_programs
+    pdl = launch_options(q.device, out.shape[0], pdl_rows)
     # The prefetch's lines of one cached K/V row: the row's bytes in L2 lines, a power of two.
     line_elems = max(1, L2_LINE_BYTES // k_cache.element_size())
     lines = next_power_of_2(cdiv(head_dim, line_elems))
@@ -363,12 +307,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split_size,
         TILE=tile_size, BLOCK_H=max(16, next_power_of_2(group)),
         BLOCK_D=block_d, DOT_PRECISION=precision, LINES=lines, LINE_ELEMS=line_elems,
-        PREFETCH=pdl["PDL"] and num_seqs <= PREFETCH_MAX_SEQS, PRELOAD=preload,
-        num_warps=num_warps,
-        num_stages=num_stages, **pdl)
+        PREFETCH=pdl["PDL"] and num_seqs <= config.prefetch_max_seqs, PRELOAD=preload,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
     _decode_reduce_kernel[(out.shape[0], num_q_heads)](
         part_acc, part_max, part_sum, context_lens, out,
         part_max.stride(0), part_max.stride(1), out.stride(0), num_seqs,
-        HEAD_DIM=head_dim, SPLIT=split_size, BLOCK_D=block_d, GROUP_SPLITS=REDUCE_GROUP,
+        HEAD_DIM=head_dim, SPLIT=split_size, BLOCK_D=block_d, GROUP_SPLITS=config.reduce_group,
         num_warps=1, **pdl)
     return out

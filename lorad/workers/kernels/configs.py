@@ -1,0 +1,197 @@
+"""The launch settings of lorad's kernels, each a frozen dataclass whose defaults are the
+product's choices; lorad/workers/tuning.py composes them into the engine's one Tuning.
+
+Apart from the kernels so that the CPU path, which never imports triton, can build a Tuning too.
+Only settings here: how a kernel uses them is its own module's business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+# The widest decode GEMV x tile: a decode step of up to 32 sequences in one tile (a multiple of
+# the MMA's 16).
+GEMV_MAX_ROWS = 32
+
+
+def _check_powers_of_two(config, names: tuple[str, ...], least: int, why: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value < least or value & (value - 1):
+            raise ValueError(f"{name} {value} is not a power of two >= {least}{why}")
+
+
+@dataclass(frozen=True)
+class PdlConfig:
+    """The most rows a step may have for its kernels to launch with PDL (kernels/pdl.py): past
+    them PDL cost more than it saved (docs/performance-log.md: PDL row limits). A step that
+    launches LoRA kernels has its own limit, since PDL pays there at more rows
+    (docs/performance-log.md: PDL at 64 rows with LoRA). 0 turns PDL off."""
+
+    max_rows: int = 32
+    max_rows_with_lora: int = 64
+
+    def step_rows(self, with_lora: bool) -> int:
+        """A step's PDL row limit, the pdl_rows its kernels take."""
+        return self.max_rows_with_lora if with_lora else self.max_rows
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """The LoRA kernels' row tiles (lora_tiles.py) and persistent grids."""
+
+    # Rows per tile: shrink and expand share the tiles, so they share this (the kernels take it
+    # from the tiles). The M side of their MMAs, so at least 16. A row's bits depend on it, so a
+    # server keeps one.
+    block_m: int = 16
+    # A persistent grid's size per multiprocessor: enough programs in flight to hide load
+    # latency (docs/performance-log.md: LoRA programs per SM).
+    programs_per_sm: int = 32
+
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    """lora_shrink.py's work items and tile."""
+
+    # Ranks and inputs per work item: one [BLOCK_M, block_k] x [block_k, block_r] MMA a step
+    # (both sides powers of two of at least 16, as tl.dot takes them). Decode rows are few, so
+    # ranks and K chunks give the parallelism.
+    block_r: int = 16
+    block_k: int = 128
+    # Inputs per chunk, a multiple of block_k: a fixed size, so a row's sums never depend on the
+    # batch. Smaller means more programs but more partial sums for the expand to add
+    # (docs/performance-log.md: shrink chunk of 256).
+    k_chunk: int = 512
+    num_warps: int = 2  # (docs/performance-log.md: shrink on 4 warps)
+    # Loads in flight along a chunk (Hopper: cp.async into shared memory).
+    num_stages: int = 3
+    # Work items per multiprocessor past which a work item takes several K chunks in one sweep
+    # (its tile looked up once, its loads running on across the chunks): with distinct adapters
+    # at batch 64 one chunk per item made thousands of items, each a chain of dependent loads
+    # (docs/performance-log.md: shrink items per SM). 0: one chunk per item.
+    items_per_sm: int = 3
+
+    def __post_init__(self) -> None:
+        _check_powers_of_two(self, ("block_r", "block_k"), 16, " (a tl.dot side)")
+        if self.k_chunk % self.block_k:
+            raise ValueError(f"k_chunk {self.k_chunk} is not a multiple of block_k {self.block_k}")
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    """One lora_expand.py launch's tile."""
+
+    # Outputs per block: one [BLOCK_M, rank] x [rank, block_n] MMA (a power of two >= 16)
+    # (docs/performance-log.md: expand blocks of 64).
+    block_n: int = 128
+    num_warps: int = 4
+    # B's loads in flight along a group of blocks (Hopper: cp.async into shared memory)
+    # (docs/performance-log.md: expand stages).
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        _check_powers_of_two(self, ("block_n",), 16, " (a tl.dot side)")
+
+
+@dataclass(frozen=True)
+class ExpandSteps:
+    """Which tile an expand takes by its step's rows, and how its work items group."""
+
+    # Steps of up to small_step_rows rows take the small tile: blocks of 256 outputs, twice the
+    # B bytes per load. The block changes no bit (an MMA computes each output from its own column
+    # of B: check_block_widths_change_no_bit), so it may follow the step's size
+    # (docs/performance-log.md: expand blocks of 256 in small steps).
+    small_step_rows: int = 32
+    small: ExpandConfig = ExpandConfig(block_n=256)
+    large: ExpandConfig = ExpandConfig()
+    # Work items per multiprocessor past which a work item takes several consecutive blocks of
+    # outputs (its tile looked up and its t summed once): with distinct adapters at batch 64, one
+    # block per item makes thousands of small items (docs/performance-log.md: expand items per
+    # SM). 0: one block per item.
+    items_per_sm: int = 4
+
+    def config(self, num_rows: int) -> ExpandConfig:
+        """The tile of an expand over num_rows rows."""
+        return self.small if num_rows <= self.small_step_rows else self.large
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """decode_gemv.py's tile."""
+
+    # Rows of the x tile: the most rows one call takes (a multiple of 16, at most 32).
+    block_m: int = GEMV_MAX_ROWS
+    # Outputs per program: N / block_n programs, each reading block_n rows of w in full.
+    block_n: int = 32
+    # Inputs per step: block_n * block_k elements of w per load, num_stages - 1 loads in flight.
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (16, 32):
+            raise ValueError(f"block_m {self.block_m} is not 16 or 32")
+        _check_powers_of_two(self, ("block_n", "block_k"), 16, " (a tl.dot side)")
+        _check_powers_of_two(self, ("num_warps",), 1, "")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages {self.num_stages} is below 1")
+
+
+@dataclass(frozen=True)
+class GemvModelTiles:
+    """The decode GEMV's tile for each fused base projection of the model (linear.py's
+    base_matmul), in steps of at most its block_m rows on CUDA; None: cuBLAS (o and down lose on
+    the GEMV: docs/performance-log.md: o and down on the decode GEMV). gate/up's 28,672 outputs
+    in blocks of 64 make 448 programs, which stay resident together at 3 stages of 128 inputs
+    (docs/performance-log.md: decode GEMV tiles)."""
+
+    qkv: GemvConfig | None = GemvConfig(block_m=16, block_n=64, block_k=256, num_stages=4)
+    gate_up: GemvConfig | None = GemvConfig(block_m=16, block_n=64, block_k=128, num_stages=3)
+    o: GemvConfig | None = None
+    down: GemvConfig | None = None
+
+    def config(self, projection: str, dtype: torch.dtype) -> GemvConfig | None:
+        """`projection`'s tile for weights of `dtype`: block_k halved for 4-byte weights (fp32),
+        so that the tile's pipelined loads take the shared memory of the 2-byte tile (q/k/v's
+        fp32 tile of 64 x 256 at 4 stages asks 240 KiB, over an H200's 227)."""
+        config = getattr(self, projection)
+        if config is None or dtype.itemsize <= 2:
+            return config
+        return dataclasses.replace(config, block_k=max(16, config.block_k // 2))
+
+
+@dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """paged_attention.py's split-KV decode kernels."""
+
+    # Context tokens per split. Larger splits write fewer partial results (fp32 [head_dim] per
+    # query head and split); smaller ones give short batches more programs. Part of a row's
+    # arithmetic, as tile_tokens is, so a server keeps one (docs/performance-log.md: attention
+    # split of 128).
+    split_size: int = 128
+    tile_tokens: int = 64  # keys per step inside a split
+    # Programs per (sequence, KV head) of the split kernel, each taking every split_programs-th
+    # split of its context: a graph's grid is sized for the longest context its block table
+    # holds, and one program per split launches mostly programs with nothing to do
+    # (docs/performance-log.md: attention programs per KV head). 0: one per split.
+    split_programs: int = 16
+    num_warps: int = 4  # the split kernel's
+    # The split kernel's pipeline depth over its tiles; it changes no bit
+    # (docs/performance-log.md: attention stages).
+    num_stages: int = 2
+    # Splits the reduce kernel loads at once, merged one after another in split order.
+    reduce_group: int = 8
+    # The split kernel's L2 prefetch before its PDL wait, in steps of at most this many
+    # sequences: it adds no arithmetic but costs registers, which only a step with few programs
+    # can spare (docs/performance-log.md: attention L2 prefetch).
+    prefetch_max_seqs: int = 2
+    # In steps of at most this many sequences the split kernel reads the block ids of each
+    # program's first split's first tile before its PDL wait (the block tables are a step
+    # input), beside the context length, so that after the wait that split's first K/V loads
+    # wait on nothing else. Every split then takes its first tile apart from the rest, so which
+    # program or batch computes a split still does not change its arithmetic
+    # (check_decode_preload_same_bits; docs/performance-log.md: attention block ids preloaded).
+    preload_max_seqs: int = 1

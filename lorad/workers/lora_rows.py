@@ -1,0 +1,110 @@
+"""Which rows of a step use which adapter (LoraRows), built once per step and read by every
+projection with LoRA slots: row indices per slot on the torch path; on the kernel path the LoRA
+kernels' row tiles, their settings and the step's PDL row limit.
+
+No factor tables here (lora.py) and no launches: building the rows makes no device sync, so a
+CUDA graph can capture the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lorad.workers.batch import ForwardBatch
+from lorad.workers.kernel_path import kernel_path
+from lorad.workers.kernels.configs import ExpandSteps, ShrinkConfig
+from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles, max_tiles_any_mixture
+from lorad.workers.tuning import Tuning
+
+
+@dataclass(frozen=True)
+class LoraRows:
+    """Which rows of a step use which adapter: built once per step, read by every LoRA layer.
+
+    On the CPU (the torch path) as row indices per slot; on CUDA as row tiles for the kernels,
+    with no per-slot tensors and no host sync, so a CUDA graph can capture the whole step."""
+
+    slots: tuple[int, ...]  # adapter slots (>= 1) with rows this step, ascending
+    groups: list[tuple[int, torch.Tensor]]  # torch path: (slot, row indices [n] int64)
+    tiles: LoraTiles | None = None  # kernel path; None on the torch path
+    # Kernel path in a CUDA graph: launch for every edited projection whatever `slots` says
+    # (replays serve other mixtures); rows of slot 0 then exit inside the kernels.
+    launch_always: bool = False
+    row_slots: torch.Tensor | None = None  # kernel path: [num_rows] int64, each row's slot
+    # Kernel path: the LoRA kernels' settings, and the step's PDL row limit, which every kernel
+    # of the step takes (kernels/pdl.py; 0 on the torch path).
+    shrink: ShrinkConfig = ShrinkConfig()
+    expand: ExpandSteps = ExpandSteps()
+    pdl_rows: int = 0
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch, launch_always: bool = False,
+                   use_kernels: bool | None = None, tuning: Tuning = Tuning()) -> "LoraRows":
+        """use_kernels: None picks the kernels on CUDA when triton imports (tests force it)."""
+        # From the chunk list, not from batch.row_adapter_slots: no device-to-host copy per step.
+        rows: dict[int, list[int]] = {}
+        for chunk in batch.seqs:
+            if chunk.adapter_slot != 0:
+                rows.setdefault(chunk.adapter_slot, []).extend(
+                    range(chunk.token_start, chunk.token_start + chunk.num_tokens))
+        slots = tuple(sorted(rows))
+        device = batch.input_ids.device
+        if use_kernels is None:
+            use_kernels = kernel_path(device)
+        if use_kernels:
+            if launch_always:
+                max_tiles = max_tiles_any_mixture(batch.row_adapter_slots.shape[0])
+            else:
+                max_tiles = count_tiles((len(rows[slot]) for slot in slots), tuning.tiles.block_m)
+            pdl_rows = tuning.pdl.step_rows(with_lora=bool(slots) or launch_always)
+            tiles = step_tiles(batch, max_tiles, tuning, _capturing(device))
+            return cls(slots, [], tiles, launch_always, batch.row_adapter_slots, tuning.shrink,
+                       tuning.expand, pdl_rows)
+        if launch_always:
+            raise ValueError("launch_always is for the kernel path (CUDA graphs)")
+        return cls(slots, [(slot, torch.tensor(rows[slot], dtype=torch.int64, device=device))
+                           for slot in slots])
+
+    @property
+    def any_delta(self) -> bool:
+        """Whether any LoRA work may run this step (its PDL row limit follows)."""
+        return bool(self.slots) or self.launch_always
+
+    def launches(self, ranks: list[int]) -> bool:
+        """Kernel path: whether a table with these ranks per slot (LoraSlots.ranks) takes part
+        (a fact known to Python, no sync)."""
+        return self.launch_always or any(ranks[slot] for slot in self.slots)
+
+
+def step_tiles(batch: ForwardBatch, max_tiles: int, tuning: Tuning,
+               capturing: bool) -> LoraTiles | None:
+    """The step's row tiles for the LoRA kernels (None: no adapter row, none launch); capturing:
+    whether a CUDA graph is being captured on the batch's device."""
+    if not max_tiles:
+        return None
+    if batch.lora_tiles is not None:  # a decode graph's inputs, filled from the chunks
+        return LoraTiles(*batch.lora_tiles, max_tiles, tuning.tiles.programs_per_sm)
+    device = batch.input_ids.device
+    if not capturing:
+        # Built here, from the chunks: no kernels for it in the step (docs/performance-log.md:
+        # LoRA tiles built on the host).
+        return LoraTiles.from_host(_row_slots(batch), max_tiles, device, tuning.tiles)
+    # On the device, from the row slots, where a CUDA graph is being captured without tiles among
+    # its inputs: tiles copied from the host would be this mixture's, fixed into every replay.
+    return LoraTiles.build(batch.row_adapter_slots, max_tiles, tuning.tiles)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on `device`'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _row_slots(batch: ForwardBatch) -> np.ndarray:
+    """[num_rows] int64: each row's adapter slot, from the chunk list (padding rows 0)."""
+    slots = np.zeros(batch.row_adapter_slots.shape[0], dtype=np.int64)
+    for chunk in batch.seqs:
+        slots[chunk.token_start:chunk.token_start + chunk.num_tokens] = chunk.adapter_slot
+    return slots

@@ -1,0 +1,58 @@
+"""The engine's tuning: one frozen value holding every kernel's launch settings.
+
+The engine builds one (Tuning(): the product's choices) and passes it down: the model hands each
+layer its part, and each step carries its PDL row limit. Some fields (the LoRA row tiles,
+attention's split and tile) fix a row's bits, so a server keeps one Tuning for its life.
+Benchmarks build variants with dataclasses.replace, or from text with `replaced`. No triton
+import: the CPU path builds one too, and never launches a kernel.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from dataclasses import dataclass
+
+from lorad.workers.kernels.configs import (DecodeAttentionConfig, ExpandSteps, GemvModelTiles,
+                                           PdlConfig, ShrinkConfig, TileConfig)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    pdl: PdlConfig = PdlConfig()  # the decode kernels' programmatic dependent launch
+    tiles: TileConfig = TileConfig()  # the LoRA kernels' row tiles and grids
+    shrink: ShrinkConfig = ShrinkConfig()
+    expand: ExpandSteps = ExpandSteps()
+    gemv: GemvModelTiles = GemvModelTiles()  # the base projections' decode GEMV
+    attention: DecodeAttentionConfig = DecodeAttentionConfig()  # decode attention
+
+
+def replaced(tuning: Tuning, settings: str) -> Tuning:
+    """`tuning` with settings applied by nested dataclasses.replace: settings are
+    PATH=VALUE joined by '+', PATH a dotted field path (shrink.items_per_sm,
+    expand.small.block_n, gemv.o), VALUE a Python literal (None, numbers, True/False, strings).
+    'main' (or '') changes nothing. Raises ValueError naming a part it cannot apply."""
+    if settings in ("", "main"):
+        return tuning
+    for part in settings.split("+"):
+        path, sep, text = part.partition("=")
+        try:
+            if not sep or not path:
+                raise ValueError("not PATH=VALUE")
+            tuning = _replace_path(tuning, path.strip().split("."), ast.literal_eval(text.strip()))
+        except (ValueError, SyntaxError, TypeError) as exc:
+            raise ValueError(f"cannot apply tuning setting {part!r}: {exc}") from None
+    return tuning
+
+
+def _replace_path(obj, path: list[str], value):
+    """obj with the field at `path` (a list of names) set to value, each level replaced."""
+    if not dataclasses.is_dataclass(obj):
+        raise ValueError(f"{type(obj).__name__} has no fields")
+    names = {f.name for f in dataclasses.fields(obj)}
+    if path[0] not in names:
+        raise ValueError(f"{type(obj).__name__} has no field {path[0]!r} "
+                         f"(fields: {', '.join(sorted(names))})")
+    if len(path) > 1:
+        value = _replace_path(getattr(obj, path[0]), path[1:], value)
+    return dataclasses.replace(obj, **{path[0]: value})
