@@ -596,7 +596,7 @@ def main() -> int:
     pdl_text = "off" if args.no_pdl else (f"up to {pdl_config.max_rows} rows "
                                           f"({pdl_config.max_rows_with_lora} in steps with LoRA "
                                           "launches)")
-    conditions = [
+    lines = [
         f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB),"
         f" CUDA {torch.version.cuda}; {conditions()}",
         f"measured here: device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write), "
@@ -623,7 +623,7 @@ def main() -> int:
         f"adapter_names cycling over 4 adapters",
         f"whole run {time.monotonic() - started:.0f}s",
     ]
-    text = table(conditions) + "\n\nTargets of the GPU issue:\n\n" + targets()
+    text = table(lines) + "\n\nTargets of the GPU issue:\n\n" + targets()
     if args.table_out:
         Path(args.table_out).write_text(text + "\n")
     print("\n" + text)
