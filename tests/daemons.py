@@ -213,3 +213,27 @@ def adapter_daemon(tiny_model, tiny_adapters):
     code = daemon.stop()
     assert code == 0, daemon.log()[-4000:]
     daemon.assert_cleaned_up(pids)
+
+
+def post(url: str, body, raw: bytes | None = None, method: str = "POST") -> tuple[int, dict]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def wait_idle(daemon, timeout_s: float = 3.0) -> dict:
+    """/health once no request is open, no sequence runs and every KV block is free again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = daemon.health()
+        idle = (health["open_requests"] == 0 and health["running"] == 0
+                and health["waiting"] == 0
+                and health["kv_blocks"]["free"] == health["kv_blocks"]["total"])
+        if idle or time.monotonic() > deadline:
+            return health
+        time.sleep(0.05)

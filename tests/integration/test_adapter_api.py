@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lorad.daemon.tokenizer import ModelTokenizer
-from tests.integration.test_http_api import post, wait_idle
+from tests.daemons import post, wait_idle
 
 MODEL = "tiny"
 IDS = (MODEL, "a", "b")

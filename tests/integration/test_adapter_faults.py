@@ -11,8 +11,7 @@ import time
 import pytest
 
 from lorad.workers.loop import CORRUPT_SLOT_RANK_ENV
-from tests.daemons import adapter_flags
-from tests.integration.test_http_api import post
+from tests.daemons import adapter_flags, post
 
 PROMPT_IDS = [5, 17, 42, 99, 7, 250, 31, 64]
 

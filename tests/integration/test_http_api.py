@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from lorad.daemon.tokenizer import ModelTokenizer
+from tests.daemons import post, wait_idle
 
 MODEL = "tiny"  # the tiny checkpoint's folder name: the default served id
 MAX_MODEL_LEN = 256
@@ -32,17 +33,6 @@ def client(daemon) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model) -> ModelTokenizer:
     return ModelTokenizer.from_dir(tiny_model)
-
-
-def post(url: str, body, raw: bytes | None = None, method: str = "POST") -> tuple[int, dict]:
-    data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def open_stream(daemon, route: str, body: dict) -> tuple[http.client.HTTPConnection,
@@ -62,19 +52,6 @@ def rest_of_stream(resp: http.client.HTTPResponse) -> list[bytes]:
     """The remaining events' payloads, without the `data: ` prefix."""
     events = (event.strip() for event in resp.read().split(b"\n\n"))
     return [event.removeprefix(b"data: ") for event in events if event]
-
-
-def wait_idle(daemon, timeout_s: float = 3.0) -> dict:
-    """/health once no request is open, no sequence runs and every KV block is free again."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        health = daemon.health()
-        idle = (health["open_requests"] == 0 and health["running"] == 0
-                and health["waiting"] == 0
-                and health["kv_blocks"]["free"] == health["kv_blocks"]["total"])
-        if idle or time.monotonic() > deadline:
-            return health
-        time.sleep(0.05)
 
 
 def test_models_and_health(daemon, client):
