@@ -57,7 +57,9 @@ class FusedColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features, dtype=dtype,
                                                device=device), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.loras: dict[str, LoraSlots | None] = {shard_id: None for shard_id in parts}
+        # The parts some adapter edits, by shard_id: submodules, so the model's buffers (and
+        # the engine's count of its bytes) include their tables.
+        self.loras = nn.ModuleDict()
         self.gemv: GemvConfig | None = None  # the kernel path's decode GEMV tile (tune())
 
     def part_weight(self, shard_id: str) -> torch.Tensor:
@@ -81,6 +83,10 @@ class FusedColumnParallelLinear(nn.Module):
         self.loras[shard_id] = lora
         return lora
 
+    def lora(self, shard_id: str) -> LoraSlots | None:
+        """Part `shard_id`'s slot tables; None while no adapter edits it."""
+        return self.loras[shard_id] if shard_id in self.loras else None
+
     def part(self, shard_id: str) -> "FusedPart":
         """Part `shard_id` as an adapter module sees it (LlamaForCausalLM.lora_target)."""
         if shard_id not in self.parts:
@@ -93,7 +99,7 @@ class FusedColumnParallelLinear(nn.Module):
         LoraDelta or None). On the kernel path the outputs are column slices of one product and
         their deltas are left to the kernel that reads them next; on the torch path they are
         added here (one rounding of base + delta each, as peft does) and the deltas are None."""
-        loras = list(self.loras.values())
+        loras = [self.lora(shard_id) for shard_id in self.parts]
         if kernel_path(x.device):
             return projection_with_deltas(x, self.weight, self.sizes, loras, lora_rows,
                                           self.gemv)
@@ -110,7 +116,7 @@ class FusedPart:
 
     @property
     def lora(self) -> LoraSlots | None:
-        return self.layer.loras[self.shard_id]
+        return self.layer.lora(self.shard_id)
 
     def add_lora_slots(self, num_slots: int, max_rank: int,
                        dtype: torch.dtype = torch.float32) -> LoraSlots:

@@ -141,7 +141,7 @@ def test_logits_match_transformers_and_peft(request, dtype, tol, adapter_dtype):
     streams = make_streams([0, 1, 2, 3, 2], [7, 12, 5, 9, 3], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS,
                            seed=3)
     tables = {lora.lora_a.dtype for layer in model.model.layers
-              for lora in (layer.self_attn.qkv_proj.loras["q"], layer.mlp.down_proj.lora) if lora}
+              for lora in (layer.self_attn.qkv_proj.lora("q"), layer.mlp.down_proj.lora) if lora}
     assert tables == {torch.float32 if adapter_dtype == "fp32" else torch.bfloat16}
     records = run_scenario(model, graphs, streams)
     reference = reference_logits(checkpoint, adapters, streams)

@@ -39,8 +39,14 @@ def test_weight_bytes_are_what_each_rank_allocates(tmp_path, tied, dtype, num_ad
                         for t in itertools.chain(model.parameters(), model.buffers())}
             counted = weight_bytes(config, rank, world_size, dtype, adapters)
             assert counted == sum(storages.values()), (world_size, rank)
-            if num_adapters:
-                assert counted > weight_bytes(config, rank, world_size, dtype)
+            # Every table an adapter module got, found through what it edits (not through
+            # the module tree, which a table kept outside it would escape).
+            targets = {(m.layer, m.module) for spec in adapters for m in spec.modules}
+            tables = {id(t): t for layer, module in targets
+                      for t in model.lora_target(layer, module).lora.buffers()}
+            table_bytes = sum(t.numel() * t.element_size() for t in tables.values())
+            assert counted - weight_bytes(config, rank, world_size, dtype) == table_bytes
+            assert table_bytes > 0 or not num_adapters
 
 
 def test_the_host_reports_memory_free():
