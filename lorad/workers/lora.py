@@ -185,7 +185,8 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The stream a projection's LoRA kernels run on on CUDA: beside the base matmul, which they
-    do not depend on (docs/performance-log.md: LoRA on a side stream); None off CUDA."""
+    do not depend on (docs/performance-log.md: shrink beside the matmul on a side stream); None
+    off CUDA."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -200,7 +201,7 @@ def _on_stream(stream: torch.cuda.Stream | None):
     stream), without its lookups of the current device: torch.cuda.current_stream() with no
     device resolves it through torch.cuda.is_available() and the environment on every call, and
     an eager step with adapters makes six such calls per LoRA launch pair
-    (docs/performance-log.md: stream switch without device lookups)."""
+    (docs/performance-log.md: side stream named by its device index)."""
     if stream is None:
         yield
         return
@@ -216,7 +217,8 @@ def _edited(loras: Sequence[LoraSlots | None], rows: LoraRows | None) -> tuple[i
     """The projections whose LoRA kernels run this step (none on the torch path)."""
     if rows is None or rows.tiles is None:
         return ()
-    return tuple(i for i, lora in enumerate(loras) if lora is not None and rows.launches(lora.ranks))
+    return tuple(i for i, lora in enumerate(loras)
+                 if lora is not None and rows.launches(lora.ranks))
 
 
 def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: LoraRows | None,
@@ -244,7 +246,7 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
         side.wait_stream(torch.cuda.current_stream(side.device_index))
     # The matmul is queued before the shrink: a shrink launched first spread its persistent grid
     # over every SM and the matmul started only as it drained (docs/performance-log.md: matmul
-    # before shrink).
+    # launched before the shrink).
     out = matmul() if matmul is not None else None
     with _on_stream(side):
         t = lora_shrink(x, [lora.lora_a for lora in tables],

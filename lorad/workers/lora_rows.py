@@ -90,7 +90,7 @@ def step_tiles(batch: ForwardBatch, max_tiles: int, tuning: Tuning,
     device = batch.input_ids.device
     if not capturing:
         # Built here, from the chunks: no kernels for it in the step (docs/performance-log.md:
-        # LoRA tiles built on the host).
+        # host-built LoRA tiles).
         return LoraTiles.from_host(_row_slots(batch), max_tiles, device, tuning.tiles)
     # On the device, from the row slots, where a CUDA graph is being captured without tiles among
     # its inputs: tiles copied from the host would be this mixture's, fixed into every replay.

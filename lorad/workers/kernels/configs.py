@@ -27,9 +27,9 @@ def _check_powers_of_two(config, names: tuple[str, ...], least: int, why: str) -
 @dataclass(frozen=True)
 class PdlConfig:
     """The most rows a step may have for its kernels to launch with PDL (kernels/pdl.py): past
-    them PDL cost more than it saved (docs/performance-log.md: PDL row limits). A step that
-    launches LoRA kernels has its own limit, since PDL pays there at more rows
-    (docs/performance-log.md: PDL at 64 rows with LoRA). 0 turns PDL off."""
+    them PDL cost more than it saved (docs/performance-log.md: PDL for the decode kernels up to
+    32 rows). A step that launches LoRA kernels has its own limit, since PDL pays there at more
+    rows (docs/performance-log.md: PDL up to 64 rows in LoRA steps). 0 turns PDL off."""
 
     max_rows: int = 32
     max_rows_with_lora: int = 64
@@ -48,7 +48,7 @@ class TileConfig:
     # server keeps one.
     block_m: int = 16
     # A persistent grid's size per multiprocessor: enough programs in flight to hide load
-    # latency (docs/performance-log.md: LoRA programs per SM).
+    # latency (docs/performance-log.md: LoRA grid of 32 programs per SM).
     programs_per_sm: int = 32
 
 
@@ -63,7 +63,7 @@ class ShrinkConfig:
     block_k: int = 128
     # Inputs per chunk, a multiple of block_k: a fixed size, so a row's sums never depend on the
     # batch. Smaller means more programs but more partial sums for the expand to add
-    # (docs/performance-log.md: shrink chunk of 256).
+    # (docs/performance-log.md: shrink K chunks of 256).
     k_chunk: int = 512
     num_warps: int = 2  # (docs/performance-log.md: shrink on 4 warps)
     # Loads in flight along a chunk (Hopper: cp.async into shared memory).
@@ -71,7 +71,7 @@ class ShrinkConfig:
     # Work items per multiprocessor past which a work item takes several K chunks in one sweep
     # (its tile looked up once, its loads running on across the chunks): with distinct adapters
     # at batch 64 one chunk per item made thousands of items, each a chain of dependent loads
-    # (docs/performance-log.md: shrink items per SM). 0: one chunk per item.
+    # (docs/performance-log.md: shrink K-chunk groups). 0: one chunk per item.
     items_per_sm: int = 3
 
     def __post_init__(self) -> None:
@@ -85,11 +85,11 @@ class ExpandConfig:
     """One lora_expand.py launch's tile."""
 
     # Outputs per block: one [BLOCK_M, rank] x [rank, block_n] MMA (a power of two >= 16)
-    # (docs/performance-log.md: expand blocks of 64).
+    # (docs/performance-log.md: expand blocks of 64 on 2 warps).
     block_n: int = 128
     num_warps: int = 4
     # B's loads in flight along a group of blocks (Hopper: cp.async into shared memory)
-    # (docs/performance-log.md: expand stages).
+    # (docs/performance-log.md: expand on 3 stages).
     num_stages: int = 3
 
     def __post_init__(self) -> None:
@@ -103,14 +103,14 @@ class ExpandSteps:
     # Steps of up to small_step_rows rows take the small tile: blocks of 256 outputs, twice the
     # B bytes per load. The block changes no bit (an MMA computes each output from its own column
     # of B: check_block_widths_change_no_bit), so it may follow the step's size
-    # (docs/performance-log.md: expand blocks of 256 in small steps).
+    # (docs/performance-log.md: expand blocks of 256 up to 32 rows).
     small_step_rows: int = 32
     small: ExpandConfig = ExpandConfig(block_n=256)
     large: ExpandConfig = ExpandConfig()
     # Work items per multiprocessor past which a work item takes several consecutive blocks of
     # outputs (its tile looked up and its t summed once): with distinct adapters at batch 64, one
-    # block per item makes thousands of small items (docs/performance-log.md: expand items per
-    # SM). 0: one block per item.
+    # block per item makes thousands of small items (docs/performance-log.md: expand block
+    # groups). 0: one block per item.
     items_per_sm: int = 4
 
     def config(self, num_rows: int) -> ExpandConfig:
@@ -144,9 +144,9 @@ class GemvConfig:
 class GemvModelTiles:
     """The decode GEMV's tile for each fused base projection of the model (linear.py's
     base_matmul), in steps of at most its block_m rows on CUDA; None: cuBLAS (o and down lose on
-    the GEMV: docs/performance-log.md: o and down on the decode GEMV). gate/up's 28,672 outputs
-    in blocks of 64 make 448 programs, which stay resident together at 3 stages of 128 inputs
-    (docs/performance-log.md: decode GEMV tiles)."""
+    the GEMV: docs/performance-log.md: o and down on the GEMV at batches 1 to 16). gate/up's
+    28,672 outputs in blocks of 64 make 448 programs, which stay resident together at 3 stages
+    of 128 inputs (docs/performance-log.md: decode GEMV for gate/up up to 16 rows)."""
 
     qkv: GemvConfig | None = GemvConfig(block_m=16, block_n=64, block_k=256, num_stages=4)
     gate_up: GemvConfig | None = GemvConfig(block_m=16, block_n=64, block_k=128, num_stages=3)
@@ -170,28 +170,30 @@ class DecodeAttentionConfig:
     # Context tokens per split. Larger splits write fewer partial results (fp32 [head_dim] per
     # query head and split); smaller ones give short batches more programs. Part of a row's
     # arithmetic, as tile_tokens is, so a server keeps one (docs/performance-log.md: attention
-    # split of 128).
+    # split and tile sizes).
     split_size: int = 128
     tile_tokens: int = 64  # keys per step inside a split
     # Programs per (sequence, KV head) of the split kernel, each taking every split_programs-th
     # split of its context: a graph's grid is sized for the longest context its block table
     # holds, and one program per split launches mostly programs with nothing to do
-    # (docs/performance-log.md: attention programs per KV head). 0: one per split.
+    # (docs/performance-log.md: attention: 16 looping programs per (sequence, KV head)).
+    # 0: one per split.
     split_programs: int = 16
     num_warps: int = 4  # the split kernel's
     # The split kernel's pipeline depth over its tiles; it changes no bit
-    # (docs/performance-log.md: attention stages).
+    # (docs/performance-log.md: attention stages by batch).
     num_stages: int = 2
     # Splits the reduce kernel loads at once, merged one after another in split order.
     reduce_group: int = 8
     # The split kernel's L2 prefetch before its PDL wait, in steps of at most this many
     # sequences: it adds no arithmetic but costs registers, which only a step with few programs
-    # can spare (docs/performance-log.md: attention L2 prefetch).
+    # can spare (docs/performance-log.md: attention L2 prefetch at 1 or 2 sequences).
     prefetch_max_seqs: int = 2
     # In steps of at most this many sequences the split kernel reads the block ids of each
     # program's first split's first tile before its PDL wait (the block tables are a step
     # input), beside the context length, so that after the wait that split's first K/V loads
     # wait on nothing else. Every split then takes its first tile apart from the rest, so which
     # program or batch computes a split still does not change its arithmetic
-    # (check_decode_preload_same_bits; docs/performance-log.md: attention block ids preloaded).
+    # (check_decode_preload_same_bits; docs/performance-log.md: attention block ids read early
+    # at one sequence).
     preload_max_seqs: int = 1

@@ -11,7 +11,7 @@ specialized; x and out are addressed with K and N, which a weight fixes), the sa
 order over K, and an MMA computes each output element from its own row of x alone.
 Launched with PDL (kernels/pdl.py) in a decode step, as lorad's other kernels are: it lets the
 kernel after it launch at its start, then waits for the one before it (letting it launch only
-after the last store was slower: docs/performance-log.md: GEMV triggers late).
+after the last store was slower: docs/performance-log.md: GEMV trigger at its start).
 Deliberately not here: split-K (a narrow N, such as a tensor-parallel shard, gives few
 programs; cuBLAS may win there), more than MAX_ROWS rows (prefill takes cuBLAS), bias, the LoRA
 delta (the shrink and expand run beside this kernel; a delta added in this kernel's

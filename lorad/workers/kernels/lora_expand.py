@@ -67,7 +67,7 @@ def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_
     # zeros there), and is used as it is: the MMA then adds exact zeros for it (0 x finite). A
     # select on B as well cost each block a round trip through shared memory (triton 3.6,
     # sm_90: the load's shared buffer -> registers -> shared memory again for the MMA); without
-    # it the expand is faster (docs/performance-log.md: expand B unmasked).
+    # it the expand is faster (docs/performance-log.md: expand without a select on B).
     rank = tl.load(ranks_ptr + slot)
     scale = tl.load(scales_ptr + slot)
     chunks = tl.arange(0, MAX_CHUNKS)

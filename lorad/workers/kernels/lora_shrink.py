@@ -6,19 +6,20 @@ consecutive chunks of K_CHUNK inputs): it reads that piece of its slot's A once 
 one chunk's partial sum after another (one chunk per group unless the step has many items, see
 ShrinkConfig.items_per_sm). Splitting K is what fills the GPU at decode: a whole [BLOCK_R, K]
 sweep per program left a 14336-wide down projection at batch 1 with 8 programs, each waiting on
-one load after another. Each step is one MMA (exact_dot: a [BLOCK_M, BLOCK_K] tile of x against
-[BLOCK_K, BLOCK_R] of A, fp32 accumulation on the tensor cores), so a tile's empty lanes (a tile of one row: distinct
-adapters) cost little. Every row gets the same arithmetic whatever shares its step: an MMA
-computes a row's outputs from that row alone, the chunk's steps are taken in order, with one tile
-shape and one chunk size for every table and batch; each chunk's partial sum has its own place in
-t, so no atomics. Rows of slot 0 are neither read nor written; ranks at or past a slot's rank (all
-of them for a slot the table does not edit) are read with the rest, so that no load waits on the
-rank, but not written.
+one load after another. Each step is one MMA (exact_dot: a [BLOCK_M, BLOCK_K] tile of x
+against [BLOCK_K, BLOCK_R] of A, fp32 accumulation on the tensor cores), so a tile's empty lanes
+(a tile of one row: distinct adapters) cost little. Every row gets the same arithmetic whatever
+shares its step: an MMA computes a row's outputs from that row alone, the chunk's steps are taken
+in order, with one tile shape and one chunk size for every table and batch; each chunk's partial
+sum has its own place in t, so no atomics. Rows of slot 0 are neither read nor written; ranks at
+or past a slot's rank (all of them for a slot the table does not edit) are read with the rest, so
+that no load waits on the rank, but not written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl

@@ -80,7 +80,7 @@ def prefetch_l2(ptrs):
 # The LoRA kernels let their dependants launch only once their own work is done: a dependant
 # launched early (the expand behind its shrink) holds its programs' registers on every
 # multiprocessor while it waits, where the base matmul beside the LoRA kernels could run
-# (docs/performance-log.md: LoRA kernels trigger late).
+# (docs/performance-log.md: LoRA PDL trigger after the last store).
 @triton.jit
 def start(PDL: tl.constexpr):
     """At the start of a LoRA kernel: wait for the kernel before, without letting the next one
