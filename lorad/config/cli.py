@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 from pathlib import Path
 
 from lorad.config.adapters import AdapterArg
 from lorad.config.errors import ConfigError
+from lorad.config.kernel_cache import resolve_kernel_cache_dir
 from lorad.config.serve import DIST_BACKENDS, DTYPES, DEVICES, LOAD_FORMATS, ServeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2,
@@ -117,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     proc.add_argument("--runtime-dir", metavar="DIR",
                       help="parent of the private per-instance socket folder "
                            "(default: $XDG_RUNTIME_DIR or the system temp folder)")
+    proc.add_argument("--kernel-cache-dir", metavar="DIR",
+                      help="where the workers cache compiled Triton kernels, so a restart does "
+                           "not compile them again (default: $TRITON_CACHE_DIR if set, else "
+                           "$CACHE_DIRECTORY/triton under systemd, else ~/.triton/cache)")
     proc.add_argument("--startup-timeout", type=seconds, default=600.0, metavar="SECONDS",
                       help="how long workers may take to load and report ready "
                            "(default: %(default)g)")
@@ -257,7 +263,8 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
             startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout,
             request_timeout=args.request_timeout, step_timeout=args.step_timeout,
             max_queued_requests=args.max_queued_requests, log_level=args.log_level,
-            adapters=adapters, api_key=api_key)
+            adapters=adapters, api_key=api_key,
+            kernel_cache_dir=resolve_kernel_cache_dir(args.kernel_cache_dir, os.environ))
     except ConfigError as exc:
         parser.error(str(exc))
 

@@ -66,6 +66,7 @@ class ServeConfig:
     log_level: str = "info"
     adapters: tuple[AdapterArg, ...] = ()  # command-line order = slots 1..K
     api_key: str | None = field(default=None, repr=False)  # never printed with the config
+    kernel_cache_dir: str | None = None  # checked writable by the CLI; None: Triton's default
 
     def __post_init__(self) -> None:
         if not self.served_name or any(c.isspace() for c in self.served_name):
@@ -134,6 +135,8 @@ class WorkerConfig:
     log_level: str = "info"
     load_format: str = "auto"
     enforce_eager: bool = False
+    # Exported to the worker processes as TRITON_CACHE_DIR (supervisor.py); None: not set.
+    kernel_cache_dir: str | None = None
     # One {"name", "path", "strength", "key"} per adapter, slot i + 1; "key" is the identity key
     # the coordinator computed, which each worker recomputes and must match.
     adapters: list[dict] = field(default_factory=list)

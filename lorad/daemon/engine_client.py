@@ -20,8 +20,9 @@ import zmq.asyncio
 from lorad.config import WorkerConfig
 from lorad.protocol import (
     PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, RankStatus, Ready, SamplingParams,
-    Shutdown, StepFailed, StepResult, WorkerFailed, decode, encode)
+    Shutdown, StartupPhase, StepFailed, StepResult, WorkerFailed, decode, encode)
 from lorad.daemon.rank_watch import DEFAULT_STEP_TIMEOUT_S, RankState, RankWatch
+from lorad.daemon.startup import StartupReport, slowest_rank
 from lorad.protocol.sockets import bind_publisher, bind_puller
 
 log = logging.getLogger("lorad.engine")
@@ -53,6 +54,7 @@ class EngineFacts:
     num_kv_blocks: int
     block_size: int
     registry_digest: str
+    startup_phases: list[StartupPhase]  # the slowest rank's, as it measured them
 
 
 @dataclass
@@ -95,6 +97,7 @@ class EngineClient:
         self.failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.load = EngineLoad()
         self.facts: EngineFacts | None = None
+        self.startup: StartupReport | None = None  # set by service.py once the port is open
         self.num_failed_by_engine = 0  # open requests ended with an error by fail()
         self.on_step_result = None  # called with each StepResult (metrics.py times the steps)
         # -> the ranks whose process has ended, (rank, exit code): Supervisor.exited_now.
@@ -307,7 +310,8 @@ def _agree(ready: dict[int, Ready]) -> EngineFacts:
             listed = ", ".join(f"rank {rank}: {value}" for rank, value in values.items())
             raise StartupError(f"workers disagree on {field} ({listed}); refusing to serve")
     first = ready[0]
-    return EngineFacts(len(ready), first.num_kv_blocks, first.block_size, first.registry_digest)
+    return EngineFacts(len(ready), first.num_kv_blocks, first.block_size, first.registry_digest,
+                       slowest_rank({rank: msg.startup_phases for rank, msg in ready.items()}))
 
 
 __all__ = ["DEFAULT_STEP_TIMEOUT_S", "EngineClient", "EngineDead", "EngineFacts", "RankState",

@@ -72,6 +72,11 @@ class Metrics:
                              registry=registry)
         self.rank_serving = Gauge("lorad_rank_serving", "1 if the rank's state is serving, else 0",
                                   ["rank"], registry=registry)
+        self.startup = Gauge("lorad_startup_seconds", "From the coordinator's process start to "
+                             "serving (READY)", registry=registry)
+        self.startup_phase = Gauge("lorad_startup_phase_seconds", "Start-up time by phase: the "
+                                   "coordinator's, then the slowest rank's", ["phase"],
+                                   registry=registry)
         self._last_step_at: float | None = None
         self._engine_busy = False
 
@@ -127,6 +132,11 @@ class Metrics:
             self.kv_used.labels(label).set(rank.kv_blocks_used)
             self.kv_free.labels(label).set(rank.kv_blocks_free)
             self.rank_serving.labels(label).set(1 if rank.state == "serving" else 0)
+        report = state.engine.startup
+        if report is not None:
+            self.startup.set(report.total_s)
+            for name, seconds in report.phases:
+                self.startup_phase.labels(name).set(seconds)
         return generate_latest(self.registry)
 
     content_type = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes

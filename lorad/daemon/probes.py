@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 
 def probe_body(state) -> dict:
-    engine, facts = state.engine, state.engine.facts
+    engine, facts, startup = state.engine, state.engine.facts, state.engine.startup
     ranks = engine.rank_states()
     # Every rank walks the same block pool identically; the total is the leader's report.
     num_total = facts.num_kv_blocks if facts else 0
@@ -25,6 +25,9 @@ def probe_body(state) -> dict:
         "running": engine.load.num_running, "waiting": engine.load.num_waiting,
         "adapters": [{"name": a.name, "slot": a.slot, "key": a.key, "strength": a.strength}
                      for a in state.model.adapters],
+        "startup_s": round(startup.total_s, 3) if startup else None,
+        "startup_phases_s": {name: round(seconds, 3) for name, seconds in startup.phases}
+                            if startup else None,
     }
 
 

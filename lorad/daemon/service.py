@@ -29,6 +29,7 @@ from lorad.daemon.admission import Admission
 from lorad.daemon.engine_client import EngineClient, EngineFacts, StartupError, exit_message
 from lorad.daemon.metrics import Metrics
 from lorad.daemon.routes import AppState, ServedModel, build_app
+from lorad.daemon.startup import StartupReport, process_started_at
 from lorad.daemon.supervisor import WORKER_COMMAND, Supervisor
 from lorad.protocol.sockets import make_runtime_dir, remove_stale_runtime_dirs
 
@@ -94,6 +95,7 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
         runner = await _start_http(state, config)
         if runner is None:
             return 1
+        _report_startup(engine, supervisor, facts)  # before any await: no probe answers without it
         log.info("serving %s at http://%s:%d (%d rank(s), %d KV blocks of %d tokens)",
                  model.name, _url_host(config.host), config.port, facts.num_ranks,
                  facts.num_kv_blocks, facts.block_size)
@@ -135,6 +137,13 @@ async def _handshake(engine: EngineClient, config: ServeConfig, exited: asyncio.
     except StartupError as exc:
         log.error("start-up failed: %s", exc)
         return 1
+
+
+def _report_startup(engine: EngineClient, supervisor: Supervisor, facts: EngineFacts) -> None:
+    """The `ready in` line, and the same report for /health and /metrics (startup.py)."""
+    engine.startup = StartupReport.measure(process_started_at(), supervisor.started_at,
+                                           facts.startup_phases)
+    log.info("%s", engine.startup.describe())
 
 
 async def _stop(state: AppState, runner: web.AppRunner, supervisor: Supervisor,
@@ -255,6 +264,7 @@ def _worker_config(config: ServeConfig, model: ServedModel, runtime_dir: Path,
         num_threads=config.num_threads, runtime_dir=str(runtime_dir), instance_id=instance_id,
         coordinator_pid=os.getpid(), log_level=config.log_level,
         load_format=config.load_format, enforce_eager=config.enforce_eager,
+        kernel_cache_dir=config.kernel_cache_dir,
         adapters=[spec.to_worker_dict() for spec in model.adapters])
 
 

@@ -1,7 +1,8 @@
 """Starts the worker processes, reports the first one that exits, and stops them all.
 
 Workers run in their own session so a terminal's Ctrl-C reaches only the coordinator, which then
-shuts them down in order. Knows nothing of what the workers say (engine_client.py does).
+shuts them down in order. Each gets the kernel cache folder as TRITON_CACHE_DIR, and its spawn
+time for the start-up report. Knows nothing of what the workers say (engine_client.py does).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 
 from lorad.config import WorkerConfig
+from lorad.config.kernel_cache import TRITON_ENV
 from lorad.daemon.systemd import child_environment
 
 log = logging.getLogger("lorad.supervisor")
@@ -44,13 +47,20 @@ class Supervisor:
         self._procs: list[asyncio.subprocess.Process] = []
         self._waiters: list[asyncio.Task] = []
         self.stopping = False  # set before an orderly stop, so exits are not failures
+        self.started_at: float | None = None  # time.monotonic() before the first spawn
 
     async def start(self) -> None:
+        env = child_environment()  # only the coordinator may notify systemd
+        if self._config.kernel_cache_dir is not None:
+            env[TRITON_ENV] = self._config.kernel_cache_dir
+        self.started_at = time.monotonic()
         for rank in range(self._config.parallel):
+            # --spawned-at: CLOCK_MONOTONIC is one clock for every process of the host, so the
+            # worker's "workers up" phase counts its exec and imports too.
             proc = await asyncio.create_subprocess_exec(
                 *self._command, "--config", str(self._config.path), "--rank", str(rank),
-                stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
-                env=child_environment())  # only the coordinator may notify systemd
+                "--spawned-at", repr(time.monotonic()),
+                stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env)
             log.info("started worker rank %d (pid %d)", rank, proc.pid)
             self._procs.append(proc)
             self._waiters.append(asyncio.create_task(proc.wait(), name=f"worker-{rank}-wait"))

@@ -6,10 +6,10 @@ The only package both processes import besides `lorad.config`; imports neither o
 from lorad.protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
 from lorad.protocol.messages import (
     PROTOCOL_VERSION, Admit, Cancel, Hello, RankStatus, Ready, SamplingParams, SeqOutput, Shutdown,
-    StepFailed, StepResult, WorkerFailed)
+    StartupPhase, StepFailed, StepResult, WorkerFailed)
 
 __all__ = [
     "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "Admit", "Cancel",
-    "Hello", "RankStatus", "Ready", "SamplingParams", "SeqOutput", "Shutdown", "StepFailed",
-    "StepResult", "WorkerFailed",
+    "Hello", "RankStatus", "Ready", "SamplingParams", "SeqOutput", "Shutdown", "StartupPhase",
+    "StepFailed", "StepResult", "WorkerFailed",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 2  # 2: RankStatus
+PROTOCOL_VERSION = 3  # 2: RankStatus; 3: Ready.startup_phases
 
 
 # --- coordinator -> workers -------------------------------------------------------------------
@@ -66,6 +66,12 @@ class Shutdown:
 # --- workers -> coordinator -------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class StartupPhase:
+    name: str  # "workers up", "weights", "adapters", "KV pool", "graphs", "warm-up"
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Ready:
     KIND = 16
     rank: int
@@ -74,6 +80,9 @@ class Ready:
     num_kv_blocks: int
     block_size: int
     registry_digest: str
+    # This rank's start, from its spawn to Ready, in the order the phases ran (for the log's
+    # "ready in" line, /health and /metrics).
+    startup_phases: list[StartupPhase]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ import zmq
 from lorad.config import ConfigError, WorkerConfig
 from lorad.protocol import WorkerFailed, encode
 from lorad.protocol.sockets import connect_pusher, connect_subscriber
+from lorad.workers.startup_clock import StartupClock
 from lorad.workers.status import LoopProgress, StatusThread
 
 log = logging.getLogger("lorad.worker")
@@ -33,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lorad.workers")
     parser.add_argument("--config", required=True, help="the worker.json the coordinator wrote")
     parser.add_argument("--rank", required=True, type=int)
+    parser.add_argument("--spawned-at", type=float,
+                        help="the coordinator's time.monotonic() when it started this process "
+                             "(default: now): where this rank's start-up report begins")
     args = parser.parse_args(argv)
+    clock = StartupClock(time.monotonic() if args.spawned_at is None else args.spawned_at)
     cfg = WorkerConfig.from_json(Path(args.config).read_text(encoding="utf-8"))
     logging.basicConfig(
         stream=sys.stderr, level=cfg.log_level.upper(),
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                           LoopProgress())
     status.start()
     try:
-        code = _serve(cfg, args.rank, sub, push, status.progress)
+        code = _serve(cfg, args.rank, sub, push, status.progress, clock)
     except ConfigError as exc:  # a setting or file lorad refuses: its one line says it all
         log.error("%s", exc)
         push.send(encode(WorkerFailed(args.rank, str(exc))))
@@ -68,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(cfg: WorkerConfig, rank: int, sub: zmq.Socket, push: zmq.Socket,
-           progress: LoopProgress) -> int:
+           progress: LoopProgress, clock: StartupClock) -> int:
     # Imported here so that an import error (a broken model file) is reported as WorkerFailed.
     from lorad.workers.engine import Engine
     from lorad.workers.loop import WorkerLoop
 
-    engine = Engine.start(cfg, rank)
+    engine = Engine.start(cfg, rank, clock)
     return WorkerLoop(cfg, rank, engine, sub, push, progress).run()
 
 

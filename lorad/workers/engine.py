@@ -31,6 +31,8 @@ from lorad.workers.tuning import Tuning
 from lorad.workers.parallel import TensorParallel, init_tensor_parallel
 from lorad.workers.planner import StepPlan
 from lorad.workers.sampler import warm_up as warm_up_sampler
+from lorad.protocol import StartupPhase
+from lorad.workers.startup_clock import StartupClock
 
 log = logging.getLogger("lorad.worker")
 
@@ -77,9 +79,11 @@ class Engine:
     block_size: int
     adapters: tuple[AdapterSpec, ...]  # slots 1..K in order
     graphs: DecodeGraphs | None = None  # captured decode graphs; None: every step runs eagerly
+    startup_phases: list[StartupPhase] = dataclasses.field(default_factory=list)  # for Ready
 
     @classmethod
-    def start(cls, cfg: WorkerConfig, rank: int) -> "Engine":
+    def start(cls, cfg: WorkerConfig, rank: int, clock: StartupClock | None = None) -> "Engine":
+        clock = clock or StartupClock(time.monotonic())
         device = resolve_device(cfg.device, rank)
         model_config = ModelConfig.from_dir(cfg.model_dir)
         dtype = resolve_dtype(cfg.dtype, model_config, device)
@@ -91,6 +95,7 @@ class Engine:
         log.info("device %s, dtype %s, backend %s, world size %d", device, dtype, backend,
                  cfg.parallel)
         tp = init_tensor_parallel(rank, cfg.parallel, cfg.dist_init_method, backend, device)
+        clock.mark("workers up")
         # After joining the group: a rank that refuses here exits, and its peers' next
         # collective fails at once instead of waiting for it to join.
         adapters = tuple(load_adapter(arg, slot, model_config)
@@ -101,6 +106,7 @@ class Engine:
         if problem is not None:
             raise RuntimeError(problem)
         check_coordinator_keys(cfg, adapters)
+        clock.mark("adapters")
         num_weight_bytes = check_weights_fit(cfg.model_dir, model_config, tp, dtype, adapters)
         # The product's kernel settings: one Tuning for the server's life (a row's bits depend on
         # some of them).
@@ -110,7 +116,9 @@ class Engine:
             log.info("random weights (seed %d): no checkpoint read", RANDOM_WEIGHTS_SEED)
         else:
             model.load_weights(cfg.model_dir)
+        clock.mark("weights")
         model.load_adapters(adapters)
+        clock.mark("adapters")
         own = _own_kv_blocks(cfg, model_config, tp, dtype)
         num_blocks = agree_min(tp, own)  # every rank must address the same block ids
         needed = -(-cfg.max_model_len // cfg.block_size)
@@ -123,10 +131,14 @@ class Engine:
         log.info("weights and %d adapters loaded (%.2f GiB); KV pool of %d blocks of %d tokens "
                  "(%.2f GiB; this rank could hold %d)", len(adapters), num_weight_bytes / 2**30,
                  num_blocks, cfg.block_size, num_kv_bytes / 2**30, own)
+        clock.mark("KV pool")
         graphs = _capture_decode_graphs(cfg, model, tp, len(adapters))
+        clock.mark("graphs")
         engine = cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters,
                      graphs)
         engine.warm_up()
+        clock.mark("warm-up")
+        engine.startup_phases = clock.phases()
         return engine
 
     def warm_up(self) -> None:

@@ -158,7 +158,7 @@ class WorkerLoop:
                                f"expected {self.cfg.instance_id!r}")
         self.push.send(encode(Ready(self.rank, PROTOCOL_VERSION, self.cfg.instance_id,
                                     self.engine.num_kv_blocks, self.cfg.block_size,
-                                    self.engine.registry.hex())))
+                                    self.engine.registry.hex(), self.engine.startup_phases)))
         self._ready_sent = True
         self.progress.phase = "ready"
 

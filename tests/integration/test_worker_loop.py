@@ -191,7 +191,7 @@ def test_worker_loop_serves_like_transformers(checkpoint, prompts, reference, pa
         assert len({r.registry_digest for r in ready}) == 1
 
         for garbage in (b"", b"\x02", b"\x02not msgpack", b"\xff\x00\x01",
-                        encode(Ready(0, 1, "x", 1, 1, "d")), encode(Shutdown(0)),
+                        encode(Ready(0, 1, "x", 1, 1, "d", [])), encode(Shutdown(0)),
                         bytes([Admit.KIND]) + b"\x00" * MAX_FRAME_BYTES):
             coord.pub.send(garbage)
         for i, (prompt, max_tokens) in enumerate(zip(prompts, MAX_TOKENS)):
@@ -330,6 +330,7 @@ class FakeEngine:
         self.num_kv_blocks = 16
         self.block_size = BLOCK_SIZE
         self.registry = RegistryDigest(b"m" * 32, b"e" * 32, b"a" * 32)
+        self.startup_phases = []
 
     def adapter_refusal(self, slot: int, key: str) -> str | None:
         return None if (slot, key) == (0, "") else "no adapters here"

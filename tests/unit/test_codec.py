@@ -8,7 +8,8 @@ import pytest
 
 from lorad.protocol import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, RankStatus, Ready,
-    SamplingParams, SeqOutput, Shutdown, StepFailed, StepResult, WorkerFailed, decode, encode)
+    SamplingParams, SeqOutput, Shutdown, StartupPhase, StepFailed, StepResult, WorkerFailed,
+    decode, encode)
 from lorad.protocol.messages import COORDINATOR_TO_WORKER, WORKER_TO_COORDINATOR
 
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**62 + 5, max_tokens=16,
@@ -19,7 +20,8 @@ MESSAGES = [
     Admit(2, "chatcmpl-é", list(range(5000)), SAMPLING, 3, "sha256:" + "ab" * 32),
     Cancel(3, "cmpl-1"),
     Shutdown(4),
-    Ready(0, PROTOCOL_VERSION, "tiny-123-abcd", 128, 16, "digest"),
+    Ready(0, PROTOCOL_VERSION, "tiny-123-abcd", 128, 16, "digest",
+          [StartupPhase("workers up", 1.25), StartupPhase("weights", 0.5)]),
     StepResult(7, [SeqOutput("a", [5], None, 3), SeqOutput("b", [6, 2], "stop", 9)], 1, 0, 120),
     StepResult(8, [], 0, 0, 128),
     StepFailed(9, ["a", "b"], "live sets disagree"),
@@ -68,6 +70,7 @@ def _frame(kind: int, body) -> bytes:
     (_frame(Admit.KIND, [1, "r", 7, [1.0, 1.0, 0, 0, 4, [], False], 0, ""]), (Admit,)),
     (_frame(StepResult.KIND, [1, [["a", [5], 3, 3]], 1, 0, 9]), (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None]], 1, 0, 9]), (StepResult,)),
+    (_frame(Ready.KIND, [0, 3, "x", 1, 1, "d", [["weights", "1.5"]]]), (Ready,)),  # str seconds
     (bytes([Cancel.KIND]) + b"\xc1\xc1", (Cancel,)),  # bytes msgpack never produces
 ])
 def test_rejections(frame, accept):
