@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 2  # 2: RankStatus
+PROTOCOL_VERSION = 3  # 2: RankStatus; 3: Ready.max_num_seqs
 
 
 # --- coordinator -> workers -------------------------------------------------------------------
@@ -74,6 +74,7 @@ class Ready:
     num_kv_blocks: int
     block_size: int
     registry_digest: str
+    max_num_seqs: int  # --max-num-seqs as the ranks resolved it (auto: from the KV pool)
 
 
 @dataclass(frozen=True)
