@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from lorad.protocol.messages import SeqOutput
 from lorad.workers.block_manager import BlockManager
@@ -24,8 +25,10 @@ class PlannerLimits:
     max_model_len: int  # prompt + output never exceeds this
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
+    """Immutable as a frozen dataclass would be, and built in 0.3 us instead of 0.7: one per
+    sequence per step, a quarter of plan() at 256 sequences (bench_host_step)."""
+
     request_id: str
     token_ids: list[int]  # new tokens at positions start..start+len-1
     start: int
@@ -45,9 +48,10 @@ class StepPlan:
         return [c.request_id for c in self.chunks if c.sample]
 
     def batch_chunks(self) -> list[tuple[list[int], int, list[int], bool, int]]:
-        """The plan in the form `ForwardBatch.build` takes."""
-        return [(c.token_ids, c.start, c.block_table, c.sample, c.adapter_slot)
-                for c in self.chunks]
+        """The plan in the form `ForwardBatch.build` takes: each chunk but its request id,
+        (token_ids, start, block_table, sample, adapter_slot), by a tuple slice (5 attribute
+        reads per chunk were a fifth of the planner's step at 256 sequences)."""
+        return [c[1:] for c in self.chunks]
 
 
 class Planner:
@@ -112,16 +116,8 @@ class Planner:
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[str] = []
         budget = self._schedule_decodes(self.limits.max_num_batched_tokens, scheduled, preempted)
-        decoding = {id(s) for s, _ in scheduled}  # a set: a scan per sequence was quadratic
-        for seq in list(self.running):  # 2. partially prefilled prompts continue
-            if budget == 0:
-                break
-            if seq.status is not SeqStatus.RUNNING or id(seq) in decoding:
-                continue
-            num = self._reserve_chunk(seq, min(seq.num_pending, budget), scheduled, preempted)
-            if num:
-                scheduled.append((seq, num))
-                budget -= num
+        if len(scheduled) < len(self.running):  # else every running sequence got its decode
+            budget = self._continue_prefills(budget, scheduled, preempted)
         budget = self._start_waiting(budget, scheduled, preempted)  # 3. new and preempted ones
         return StepPlan(self.step, [self._chunk(seq, num) for seq, num in scheduled], preempted)
 
@@ -142,6 +138,20 @@ class Planner:
                 budget -= 1
             else:
                 self._preempt(seq, preempted)
+        return budget
+
+    def _continue_prefills(self, budget: int, scheduled: list, preempted: list[str]) -> int:
+        """2. partially prefilled prompts continue; -> the budget left."""
+        decoding = {id(s) for s, _ in scheduled}  # a set: a scan per sequence was quadratic
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or id(seq) in decoding:
+                continue
+            num = self._reserve_chunk(seq, min(seq.num_pending, budget), scheduled, preempted)
+            if num:
+                scheduled.append((seq, num))
+                budget -= num
         return budget
 
     def _start_waiting(self, budget: int, scheduled: list, preempted: list[str]) -> int:

@@ -9,16 +9,35 @@ import random
 from lorad.protocol.messages import SamplingParams
 from lorad.workers.agreement import live_digest
 from lorad.workers.block_manager import BlockManager
-from lorad.workers.planner import Planner, PlannerLimits, ScheduledChunk
+from lorad.workers.planner import Planner, PlannerLimits, ScheduledChunk, StepPlan
 from lorad.workers.sequence import Sequence, SeqStatus
 
 STOP = 3
 
 
 class ReferencePlanner(Planner):
-    """Planner with the decode loop, chunks and finish test as they were written before."""
+    """Planner with plan(), its chunks and the finish test as they were written before."""
 
-    def _schedule_decodes(self, budget: int, scheduled: list, preempted: list[str]) -> int:
+    def plan(self) -> StepPlan:
+        self.step += 1
+        budget = self.limits.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted: list[str] = []
+        budget = self._decodes(budget, scheduled, preempted)
+        decoding = {id(s) for s, _ in scheduled}
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or id(seq) in decoding:
+                continue
+            num = self._reserve_chunk(seq, min(seq.num_pending, budget), scheduled, preempted)
+            if num:
+                scheduled.append((seq, num))
+                budget -= num
+        budget = self._start_waiting(budget, scheduled, preempted)
+        return StepPlan(self.step, [self._chunk(seq, num) for seq, num in scheduled], preempted)
+
+    def _decodes(self, budget: int, scheduled: list, preempted: list[str]) -> int:
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -69,6 +88,8 @@ def run_trace(seed: int) -> tuple[int, int]:
             assert planners[0].cancel(victim) == planners[1].cancel(victim)
         fast, reference = (p.plan() for p in planners)
         assert fast == reference, (seed, arrival)
+        assert fast.batch_chunks() == [(c.token_ids, c.start, c.block_table, c.sample,
+                                         c.adapter_slot) for c in reference.chunks]
         num_preempted += len(fast.preempted)
         num_decodes += sum(len(c.token_ids) == 1 and c.sample for c in fast.chunks)
         sampled = [rng.choice([STOP, 5, 6, 7]) for _ in fast.sampled_request_ids]
