@@ -101,8 +101,9 @@ def live_digest(live: Iterable[Sequence]) -> int:
     """sha256 of the live set in arrival order: ids, adapter slot and key, token positions and
     KV blocks. Every step, on every rank: the strings go in length-prefixed, the block table
     as little-endian int64s (a JSON text per sequence cost 7 us each, 0.45 ms a step at 64
-    sequences). One buffer hashed once, the tables packed when they change: 40% less than an
-    update and an array per sequence, for the same bytes (bench_host_step)."""
+    sequences). One buffer hashed once, the tables packed when they change: 30% less than an
+    update and an array per sequence, for the same bytes (docs/performance-log.md: live
+    digest packed once)."""
     live = list(live)
     parts: list[bytes] = []
     for seq, table_bytes in zip(live, _TABLES.packed(live)):

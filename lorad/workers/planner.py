@@ -27,7 +27,8 @@ class PlannerLimits:
 
 class ScheduledChunk(NamedTuple):
     """Immutable as a frozen dataclass would be, and built in 0.3 us instead of 0.7: one per
-    sequence per step, a quarter of plan() at 256 sequences (bench_host_step)."""
+    sequence per step, a quarter of plan() at 256 sequences (docs/performance-log.md:
+    planner decode fast paths)."""
 
     request_id: str
     token_ids: list[int]  # new tokens at positions start..start+len-1
@@ -123,8 +124,9 @@ class Planner:
 
     def _schedule_decodes(self, budget: int, scheduled: list, preempted: list[str]) -> int:
         """1. every decode gets its next token; -> the budget left. Runs for every sequence every
-        step, hence the inlined tests (bench_host_step): a decode whose next position fits in
-        the blocks it holds needs no reservation, which is what _reserve would find."""
+        step, hence the inlined tests (docs/performance-log.md: planner decode fast paths): a
+        decode whose next position fits in the blocks it holds needs no reservation, which is
+        what _reserve would find."""
         block_size, running = self.blocks.block_size, SeqStatus.RUNNING
         for seq in list(self.running):
             if budget == 0:
