@@ -237,8 +237,8 @@ def _add_parallel_flags(group) -> None:
 def _add_scheduler_flags(group) -> None:
     group.add_argument("--max-num-seqs", type=positive_int_or_auto, default="auto", metavar="N",
                        help="most sequences running in one step; auto: as many as the KV pool "
-                            "holds at 2,048 tokens each, 64 to 256 on a GPU, 64 on the CPU "
-                            "(default: %(default)s)")
+                            "holds at 2,048 tokens each, 64 to 256 on a GPU, 64 on the CPU, at "
+                            "most --max-num-batched-tokens (default: %(default)s)")
     group.add_argument("--max-num-batched-tokens", type=positive_int, default=512, metavar="N",
                        help="most tokens in one step; longer prompts are prefilled in chunks "
                             "(default: %(default)s)")

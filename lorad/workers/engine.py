@@ -181,7 +181,7 @@ def resolve_max_num_seqs(cfg: WorkerConfig, tp: TensorParallel, num_blocks: int)
     if cfg.max_num_seqs is not None:
         return cfg.max_num_seqs
     own = auto_max_num_seqs(num_blocks, cfg.block_size, cfg.max_model_len,
-                            tp.device.type == "cuda")
+                            cfg.max_num_batched_tokens, tp.device.type == "cuda")
     return agree_min(tp, own)
 
 

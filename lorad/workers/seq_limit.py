@@ -30,14 +30,16 @@ def pool_sizing_seqs(max_num_seqs: int | None, on_gpu: bool) -> int:
 
 
 def auto_max_num_seqs(num_kv_blocks: int, block_size: int, max_model_len: int,
-                      on_gpu: bool) -> int:
+                      max_num_batched_tokens: int, on_gpu: bool) -> int:
     """The sequences the pool holds at min(max_model_len, AUTO_CONTEXT_TOKENS) tokens each,
-    between AUTO_MIN_NUM_SEQS and the device's ceiling, rounded down to a multiple of ALIGN."""
-    if min(num_kv_blocks, block_size, max_model_len) <= 0:
-        raise ValueError(f"auto --max-num-seqs needs a positive pool, block size and model "
-                         f"length, got {num_kv_blocks}, {block_size}, {max_model_len}")
+    between AUTO_MIN_NUM_SEQS and the device's ceiling, at most one step's token budget (the
+    decodes past it would wait while older ones run), rounded down to a multiple of ALIGN."""
+    if min(num_kv_blocks, block_size, max_model_len, max_num_batched_tokens) <= 0:
+        raise ValueError(f"auto --max-num-seqs needs a positive pool, block size, model length "
+                         f"and token budget, got {num_kv_blocks}, {block_size}, "
+                         f"{max_model_len}, {max_num_batched_tokens}")
     ceiling = AUTO_MAX_NUM_SEQS_GPU if on_gpu else AUTO_MAX_NUM_SEQS_CPU
     context = min(max_model_len, AUTO_CONTEXT_TOKENS)
     by_pool = num_kv_blocks * block_size // context
-    num_seqs = max(AUTO_MIN_NUM_SEQS, min(ceiling, by_pool))
-    return num_seqs // ALIGN * ALIGN
+    num_seqs = min(max(AUTO_MIN_NUM_SEQS, min(ceiling, by_pool)), max_num_batched_tokens)
+    return num_seqs // ALIGN * ALIGN if num_seqs >= ALIGN else num_seqs

@@ -282,9 +282,12 @@ def test_auto_max_num_seqs_is_the_same_on_every_rank(checkpoint):
     coord = FakeCoordinator(checkpoint, 2, overrides={"max_num_seqs": None})
     try:
         ready = coord.handshake()
-        expected = auto_max_num_seqs(NUM_KV_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN, on_gpu=False)
+        # 16: the loop's token budget (max_num_batched_tokens) caps the floor of 64
+        expected = auto_max_num_seqs(NUM_KV_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN,
+                                     coord.cfg.max_num_batched_tokens, on_gpu=False)
+        assert expected == 16
         assert [r.max_num_seqs for r in ready] == [expected, expected]
-        assert "at most 64 sequences a step (--max-num-seqs auto)" in coord.worker_logs()
+        assert "at most 16 sequences a step (--max-num-seqs auto)" in coord.worker_logs()
         coord.send(Shutdown)
         for proc in coord.procs:
             assert proc.wait(timeout=30) == 0, coord.worker_logs()

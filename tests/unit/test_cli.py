@@ -22,6 +22,13 @@ def test_defaults_and_name_from_folder(tmp_path):
         (30.0, None, None)
 
 
+def test_auto_is_spelled_out_or_a_number():
+    config = parse_args(["--model", "m", "--max-num-seqs", "auto", "--max-queued-requests",
+                         "auto"])
+    assert (config.max_num_seqs, config.max_queued_requests) == (None, None)
+    assert parse_args(["--model", "m", "--max-num-seqs", "256"]).max_num_seqs == 256
+
+
 def test_all_flags():
     config = parse_args(["--model", "m", "--parallel", "4", "--host", "0.0.0.0", "--port", "9000",
                          "--dtype", "bfloat16", "--device", "cuda", "--dist-backend", "nccl",
@@ -57,6 +64,8 @@ def test_byte_sizes(text, expected):
     (["--device", "cpu", "--dist-backend", "nccl"], "--dist-backend nccl needs CUDA"),
     (["--max-model-len", "0"], "--max-model-len"),
     (["--max-num-seqs", "1.5"], "--max-num-seqs"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--max-queued-requests", "some"], "--max-queued-requests"),
     (["--max-num-batched-tokens", ""], "--max-num-batched-tokens"),
     (["--block-size", "-16"], "--block-size"),
     (["--kv-cache-blocks", "0"], "--kv-cache-blocks"),

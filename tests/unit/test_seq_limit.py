@@ -25,21 +25,28 @@ def h200_pool_blocks() -> int:
 def test_an_h200_sized_pool_serves_at_least_256(max_model_len):
     blocks = h200_pool_blocks()
     assert blocks == 53452
-    num_seqs = auto_max_num_seqs(blocks, 16, max_model_len, on_gpu=True)
+    num_seqs = auto_max_num_seqs(blocks, 16, max_model_len, 512, on_gpu=True)
     assert num_seqs >= 256 and num_seqs == AUTO_MAX_NUM_SEQS_GPU
 
 
 def test_a_smaller_gpu_pool_gets_what_it_holds_at_2048_tokens_a_sequence():
     # 24 GiB of KV for the 8B: 12,288 blocks, 196,608 tokens, 96 sequences of 2,048.
-    assert auto_max_num_seqs(24 * GIB // BLOCK_BYTES_8B, 16, 8192, on_gpu=True) == 96
+    assert auto_max_num_seqs(24 * GIB // BLOCK_BYTES_8B, 16, 8192, 512, on_gpu=True) == 96
     # A short context counts at its own length: 1,000 tokens a sequence, rounded down to 8s.
-    assert auto_max_num_seqs(12000, 16, 1000, on_gpu=True) == 192
+    assert auto_max_num_seqs(12000, 16, 1000, 512, on_gpu=True) == 192
 
 
 def test_todays_64_is_the_floor_and_the_cpu_ceiling():
-    assert auto_max_num_seqs(8, 16, 128, on_gpu=True) == 64  # preemption serves a small pool
-    assert auto_max_num_seqs(8, 16, 128, on_gpu=False) == 64
-    assert auto_max_num_seqs(1 << 20, 16, 2048, on_gpu=False) == AUTO_MAX_NUM_SEQS_CPU == 64
+    assert auto_max_num_seqs(8, 16, 128, 512, on_gpu=True) == 64  # preemption serves a small pool
+    assert auto_max_num_seqs(8, 16, 128, 512, on_gpu=False) == 64
+    assert auto_max_num_seqs(1 << 20, 16, 2048, 512, on_gpu=False) == AUTO_MAX_NUM_SEQS_CPU == 64
+
+
+def test_one_steps_token_budget_caps_it():
+    blocks = h200_pool_blocks()
+    assert auto_max_num_seqs(blocks, 16, 8192, 200, on_gpu=True) == 200
+    assert auto_max_num_seqs(blocks, 16, 8192, 100, on_gpu=True) == 96
+    assert auto_max_num_seqs(blocks, 16, 8192, 5, on_gpu=True) == 5
 
 
 def test_the_pool_is_sized_for_the_explicit_value_or_auto_ceiling():
@@ -50,7 +57,7 @@ def test_the_pool_is_sized_for_the_explicit_value_or_auto_ceiling():
 
 def test_a_bad_pool_is_a_clear_error():
     with pytest.raises(ValueError, match="auto --max-num-seqs"):
-        auto_max_num_seqs(0, 16, 2048, on_gpu=True)
+        auto_max_num_seqs(0, 16, 2048, 512, on_gpu=True)
 
 
 def test_the_auto_queue_holds_four_batches_and_at_least_256():
