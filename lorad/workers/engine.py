@@ -1,11 +1,11 @@
 """This rank's model, adapters and KV pool: device, dtype and backend, loading, sizing, a forward.
 
 Start-up runs the same collectives in the same order on every rank (registry check, the KV pool
-minimum, then a warm-up step that writes nothing, so Ready means the model has run once). Adapters
-are validated (lorad.config.adapters) before any base weight is read and must carry the identity key
-the coordinator computed. On CUDA, decode steps replay CUDA graphs captured at start (cuda_graph.py;
-in segments between the collectives over gloo) unless --enforce-eager. Knows nothing of sockets,
-sequences or sampling; the loop hands it a step plan.
+minimum, auto --max-num-seqs's minimum, then a warm-up step that writes nothing, so Ready means
+the model has run once). Adapters are validated (lorad.config.adapters) before any base weight is
+read and must carry the identity key the coordinator computed. On CUDA, decode steps replay CUDA
+graphs captured at start (cuda_graph.py; in segments between the collectives over gloo) unless
+--enforce-eager. Knows nothing of sockets, sequences or sampling; the loop hands it a step plan.
 """
 
 from __future__ import annotations
