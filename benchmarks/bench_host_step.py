@@ -2,13 +2,16 @@
 """The worker's host work per decode step, without the model: what every step costs the leader's
 CPU besides the forward and the sampling (on a GPU, time in which the GPU waits).
 
-    python -m benchmarks.bench_host_step [--batches 1,8,32,64,128] [--steps 50]
+    python -m benchmarks.bench_host_step [--batches 1,8,32,64,128,256] [--steps 50]
 
-`batch` sequences, each decoding after a 600-token prompt (blocks of 16), as the worker loop
+`batch` sequences, each decoding after a 600-token prompt (blocks of 16; the prompts are
+prefilled before timing, so every timed step is a decode of the whole batch), as the worker loop
 runs them: the live-set digest (only computed at --parallel 2 and more), plan(), the plan's
 chunks, apply() with one sampled id per sequence, and the StepResult frame the leader publishes;
-then the coordinator's decode of that frame. Medians over --steps steps, microseconds. Prints a
-table and the conditions; a benchmark, not a test.
+then the coordinator's decode of that frame. "graph fill" is the decode graphs' host-side input
+fill (DecodeInputs.fill with LoRA tiles, on the CPU here: numpy writes, the copies are CPU
+copies), outside the worker total since eager steps skip it. Medians over --steps steps,
+microseconds. Prints a table and the conditions; a benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -18,26 +21,38 @@ import statistics
 import sys
 import time
 
+import torch
+
 from lorad.protocol import StepResult, decode, encode  # noqa: E402
 from lorad.protocol.messages import SamplingParams  # noqa: E402
 from lorad.workers.agreement import live_digest  # noqa: E402
 from lorad.workers.block_manager import BlockManager  # noqa: E402
+from lorad.workers.cuda_graph import DecodeInputs, bucket_sizes  # noqa: E402
 from lorad.workers.planner import Planner, PlannerLimits  # noqa: E402
 from lorad.workers.sequence import Sequence  # noqa: E402
 from benchmarks.common import conditions  # noqa: E402
 
-PARTS = ("digest", "plan", "chunks", "apply", "encode", "worker total", "coordinator decode")
+PARTS = ("digest", "plan", "chunks", "apply", "encode", "worker total", "coordinator decode",
+         "graph fill")
+MAX_MODEL_LEN = 8192
+BLOCK_SIZE = 16
+LORA_BLOCK_M = 16  # the decode tiles' rows (tuning.py's default on the H200)
 
 
 def measure(batch: int, steps: int) -> dict[str, float]:
-    planner = Planner(PlannerLimits(max(batch, 1), 8192, 8192), BlockManager(1 << 16, 16))
+    planner = Planner(PlannerLimits(max(batch, 1), 8192, MAX_MODEL_LEN),
+                      BlockManager(1 << 16, BLOCK_SIZE))
     params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0, max_tokens=1 << 20,
                             stop_token_ids=[2], ignore_eos=False)
     for i in range(batch):
         planner.admit(Sequence(f"cmpl-{i:024x}", list(range(100, 700)), params, 1 + i % 4,
                                "0" * 64, arrival=i))
-    plan = planner.plan()  # the prompts
-    planner.apply(plan, [5] * len(plan.sampled_request_ids))
+    while not all(seq.is_decoding for seq in planner.running) or planner.waiting:
+        plan = planner.plan()  # the prompts, 8,192 tokens a step
+        planner.apply(plan, [5] * len(plan.sampled_request_ids))
+    bucket = bucket_sizes(max(batch, 1))[-1]
+    inputs = DecodeInputs(bucket, -(-MAX_MODEL_LEN // BLOCK_SIZE), BLOCK_SIZE,
+                          torch.device("cpu"), LORA_BLOCK_M)
     times: dict[str, list[float]] = {part: [] for part in PARTS}
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -45,7 +60,7 @@ def measure(batch: int, steps: int) -> dict[str, float]:
         t1 = time.perf_counter()
         plan = planner.plan()
         t2 = time.perf_counter()
-        plan.batch_chunks()
+        chunks = plan.batch_chunks()
         t3 = time.perf_counter()
         events = planner.apply(plan, [7] * len(plan.sampled_request_ids))
         t4 = time.perf_counter()
@@ -53,17 +68,22 @@ def measure(batch: int, steps: int) -> dict[str, float]:
         t5 = time.perf_counter()
         decode(frame, (StepResult,))
         t6 = time.perf_counter()
+        inputs.fill(chunks, bucket)
+        t7 = time.perf_counter()
         for part, seconds in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0,
-                                         t6 - t5)):
+                                         t6 - t5, t7 - t6)):
             times[part].append(seconds * 1e6)
     return {part: statistics.median(values) for part, values in times.items()}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", default="1,8,32,64,128")
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
+    # As a worker's default (--threads 1): a multi-threaded copy of the inputs on a shared host
+    # measured thread wake-ups (0.1 to 6 ms a fill), not the fill.
+    torch.set_num_threads(1)
     print(f"# worker host work per decode step, {conditions('cpu')}; "
           f"us, median of {args.steps} steps")
     print(f"{'batch':>5} " + " ".join(f"{part:>18}" for part in PARTS))

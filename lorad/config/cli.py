@@ -42,6 +42,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, "
+                                         f"got {text!r}") from None
+
+
 def port_number(text: str) -> int:
     try:
         value = int(text, 10)
@@ -142,9 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_limit_flags(group) -> None:
-    group.add_argument("--max-queued-requests", type=positive_int, default=256, metavar="N",
+    group.add_argument("--max-queued-requests", type=positive_int_or_auto, default="auto",
+                       metavar="N",
                        help="most admitted requests still waiting for their first token; more "
-                            "get a 429 (default: %(default)s)")
+                            "get a 429; auto: 4 x --max-num-seqs, at least 256 "
+                            "(default: %(default)s)")
     group.add_argument("--request-timeout", type=seconds, metavar="SECONDS",
                        help="deadline of each generation request, from its arrival; a request "
                             "past it is cancelled and ends with an error (default: none)")
@@ -229,8 +241,10 @@ def _add_parallel_flags(group) -> None:
 
 
 def _add_scheduler_flags(group) -> None:
-    group.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
-                       help="most sequences running in one step (default: %(default)s)")
+    group.add_argument("--max-num-seqs", type=positive_int_or_auto, default="auto", metavar="N",
+                       help="most sequences running in one step; auto: as many as the KV pool "
+                            "holds at 2,048 tokens each, 64 to 256 on a GPU, 64 on the CPU, at "
+                            "most --max-num-batched-tokens (default: %(default)s)")
     group.add_argument("--max-num-batched-tokens", type=positive_int, default=512, metavar="N",
                        help="most tokens in one step; longer prompts are prefilled in chunks "
                             "(default: %(default)s)")
@@ -256,17 +270,21 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
             model_dir=args.model, served_name=name, parallel=args.parallel, host=args.host,
             port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
             dist_backend=args.dist_backend, enforce_eager=args.enforce_eager,
-            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len, max_num_seqs=_none_if_auto(args.max_num_seqs),
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,
             num_threads=args.threads, runtime_dir=args.runtime_dir,
             startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout,
             request_timeout=args.request_timeout, step_timeout=args.step_timeout,
-            max_queued_requests=args.max_queued_requests, log_level=args.log_level,
+            max_queued_requests=_none_if_auto(args.max_queued_requests), log_level=args.log_level,
             adapters=adapters, api_key=api_key,
             kernel_cache_dir=resolve_kernel_cache_dir(args.kernel_cache_dir, os.environ))
     except ConfigError as exc:
         parser.error(str(exc))
+
+
+def _none_if_auto(value: int | str) -> int | None:
+    return None if value == "auto" else value
 
 
 def _read_api_key(path: str) -> str:

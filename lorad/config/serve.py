@@ -51,7 +51,7 @@ class ServeConfig:
     dist_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None  # None: auto, from the KV pool (lorad/workers/seq_limit.py)
     max_num_batched_tokens: int = 512
     block_size: int = 16
     kv_cache_blocks: int | None = None
@@ -61,7 +61,8 @@ class ServeConfig:
     startup_timeout: float = 600.0
     shutdown_timeout: float = 30.0  # how long a drain waits for open requests after a signal
     request_timeout: float | None = None  # per-request deadline; None: none
-    max_queued_requests: int = 256  # admitted requests without a first token; more get a 429
+    # admitted requests without a first token; more get a 429. None: auto, from --max-num-seqs
+    max_queued_requests: int | None = None
     step_timeout: float = 30.0  # a rank whose step runs longer has stalled: the daemon fails
     log_level: str = "info"
     adapters: tuple[AdapterArg, ...] = ()  # command-line order = slots 1..K
@@ -83,7 +84,7 @@ class ServeConfig:
             raise ConfigError("--dist-backend nccl needs CUDA, and --device cpu was given: use "
                               "--dist-backend gloo (or auto)")
         _positive("--max-model-len", self.max_model_len, allow_none=True)
-        _positive("--max-num-seqs", self.max_num_seqs)
+        _positive("--max-num-seqs", self.max_num_seqs, allow_none=True)
         _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
         _positive("--block-size", self.block_size)
         _positive("--kv-cache-blocks", self.kv_cache_blocks, allow_none=True)
@@ -101,7 +102,7 @@ class ServeConfig:
                                                  or self.request_timeout <= 0):
             raise ConfigError(f"--request-timeout must be a positive number of seconds, "
                               f"got {self.request_timeout!r}")
-        _positive("--max-queued-requests", self.max_queued_requests)
+        _positive("--max-queued-requests", self.max_queued_requests, allow_none=True)
         if not math.isfinite(self.step_timeout) or self.step_timeout < MIN_STEP_TIMEOUT_S:
             raise ConfigError(f"--step-timeout must be at least {MIN_STEP_TIMEOUT_S:g} second, "
                               f"got {self.step_timeout!r}")
@@ -123,7 +124,7 @@ class WorkerConfig:
     device: str
     dist_backend: str
     max_model_len: int
-    max_num_seqs: int
+    max_num_seqs: int | None  # None: auto, resolved by the workers from the agreed KV pool
     max_num_batched_tokens: int
     block_size: int
     kv_cache_blocks: int | None

@@ -42,6 +42,18 @@ class Ticket:
                                f"(--request-timeout) and was cancelled", 504, "request_timeout")
 
 
+AUTO_MIN_QUEUED = 256  # auto's floor: the fixed default before --max-num-seqs grew with the card
+AUTO_QUEUED_PER_SEQ = 4  # auto: queue four steps' worth of new sequences
+
+
+def queue_bound(max_queued_requests: int | None, max_num_seqs: int) -> int:
+    """--max-queued-requests as given, or auto's: a burst as wide as the running batch (256
+    streams arriving at once) must queue, not get 429s."""
+    if max_queued_requests is not None:
+        return max_queued_requests
+    return max(AUTO_MIN_QUEUED, AUTO_QUEUED_PER_SEQ * max_num_seqs)
+
+
 class Admission:
     def __init__(self, max_queued: int, request_timeout: float | None) -> None:
         self.max_queued = max_queued

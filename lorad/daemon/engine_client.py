@@ -54,6 +54,7 @@ class EngineFacts:
     num_kv_blocks: int
     block_size: int
     registry_digest: str
+    max_num_seqs: int  # as the ranks resolved --max-num-seqs
     startup_phases: list[StartupPhase]  # the slowest rank's, as it measured them
 
 
@@ -304,13 +305,14 @@ class EngineClient:
 
 
 def _agree(ready: dict[int, Ready]) -> EngineFacts:
-    for field in ("registry_digest", "num_kv_blocks"):
+    for field in ("registry_digest", "num_kv_blocks", "max_num_seqs"):
         values = {rank: getattr(msg, field) for rank, msg in sorted(ready.items())}
         if len(set(values.values())) > 1:
             listed = ", ".join(f"rank {rank}: {value}" for rank, value in values.items())
             raise StartupError(f"workers disagree on {field} ({listed}); refusing to serve")
     first = ready[0]
     return EngineFacts(len(ready), first.num_kv_blocks, first.block_size, first.registry_digest,
+                       first.max_num_seqs,
                        slowest_rank({rank: msg.startup_phases for rank, msg in ready.items()}))
 
 

@@ -21,6 +21,8 @@ def probe_body(state) -> dict:
         "ranks": [asdict(rank) for rank in ranks],
         "kv_blocks": {"used": num_total - engine.load.num_free_blocks,
                       "free": engine.load.num_free_blocks, "total": num_total},
+        "max_num_seqs": facts.max_num_seqs if facts else None,
+        "max_queued_requests": state.admission.max_queued,
         "queued": state.admission.num_queued, "open_requests": state.admission.num_open,
         "running": engine.load.num_running, "waiting": engine.load.num_waiting,
         "adapters": [{"name": a.name, "slot": a.slot, "key": a.key, "strength": a.strength}

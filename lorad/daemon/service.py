@@ -25,7 +25,7 @@ from aiohttp import web
 
 from lorad.config import ServeConfig, WorkerConfig
 from lorad.daemon import systemd
-from lorad.daemon.admission import Admission
+from lorad.daemon.admission import Admission, queue_bound
 from lorad.daemon.engine_client import EngineClient, EngineFacts, StartupError, exit_message
 from lorad.daemon.metrics import Metrics
 from lorad.daemon.routes import AppState, ServedModel, build_app
@@ -88,17 +88,18 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
         extending.cancel()
         if not isinstance(facts, EngineFacts):
             return facts
-        state = AppState(model, engine,
-                         Admission(config.max_queued_requests, config.request_timeout), Metrics())
+        max_queued = queue_bound(config.max_queued_requests, facts.max_num_seqs)
+        state = AppState(model, engine, Admission(max_queued, config.request_timeout), Metrics())
         engine.on_step_result = state.metrics.step_result
         engine.start()
         runner = await _start_http(state, config)
         if runner is None:
             return 1
         _report_startup(engine, supervisor, facts)  # before any await: no probe answers without it
-        log.info("serving %s at http://%s:%d (%d rank(s), %d KV blocks of %d tokens)",
-                 model.name, _url_host(config.host), config.port, facts.num_ranks,
-                 facts.num_kv_blocks, facts.block_size)
+        log.info("serving %s at http://%s:%d (%d rank(s), %d KV blocks of %d tokens, at most %d "
+                 "sequences a step, %d queued)", model.name, _url_host(config.host), config.port,
+                 facts.num_ranks, facts.num_kv_blocks, facts.block_size, facts.max_num_seqs,
+                 max_queued)
         # Every rank has loaded, agreed on the registry and run its warm-up step (its Ready says
         # so), and the port is open.
         systemd.notify("READY=1", f"STATUS=serving {model.name} on {facts.num_ranks} rank(s)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 3  # 2: RankStatus; 3: Ready.startup_phases
+PROTOCOL_VERSION = 4  # 2: RankStatus; 3: Ready.startup_phases; 4: Ready.max_num_seqs
 
 
 # --- coordinator -> workers -------------------------------------------------------------------
@@ -80,6 +80,7 @@ class Ready:
     num_kv_blocks: int
     block_size: int
     registry_digest: str
+    max_num_seqs: int  # --max-num-seqs as the ranks resolved it (auto: from the KV pool)
     # This rank's start, from its spawn to Ready, in the order the phases ran (for the log's
     # "ready in" line, /health and /metrics).
     startup_phases: list[StartupPhase]

@@ -1,11 +1,11 @@
 """This rank's model, adapters and KV pool: device, dtype and backend, loading, sizing, a forward.
 
 Start-up runs the same collectives in the same order on every rank (registry check, the KV pool
-minimum, then a warm-up step that writes nothing, so Ready means the model has run once). Adapters
-are validated (lorad.config.adapters) before any base weight is read and must carry the identity key
-the coordinator computed. On CUDA, decode steps replay CUDA graphs captured at start (cuda_graph.py;
-in segments between the collectives over gloo) unless --enforce-eager. Knows nothing of sockets,
-sequences or sampling; the loop hands it a step plan.
+minimum, auto --max-num-seqs's minimum, then a warm-up step that writes nothing, so Ready means
+the model has run once). Adapters are validated (lorad.config.adapters) before any base weight is
+read and must carry the identity key the coordinator computed. On CUDA, decode steps replay CUDA
+graphs captured at start (cuda_graph.py; in segments between the collectives over gloo) unless
+--enforce-eager. Knows nothing of sockets, sequences or sampling; the loop hands it a step plan.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from lorad.workers.models.llama import LlamaForCausalLM
 from lorad.workers.tuning import Tuning
 from lorad.workers.parallel import TensorParallel, init_tensor_parallel
 from lorad.workers.planner import StepPlan
+from lorad.workers.seq_limit import auto_max_num_seqs, pool_sizing_seqs
 from lorad.workers.sampler import warm_up as warm_up_sampler
 from lorad.protocol import StartupPhase
 from lorad.workers.startup_clock import StartupClock
@@ -79,6 +80,7 @@ class Engine:
     block_size: int
     adapters: tuple[AdapterSpec, ...]  # slots 1..K in order
     graphs: DecodeGraphs | None = None  # captured decode graphs; None: every step runs eagerly
+    max_num_seqs: int = 0  # sequences a step runs at most, agreed by the ranks at start
     startup_phases: list[StartupPhase] = dataclasses.field(default_factory=list)  # for Ready
 
     @classmethod
@@ -128,14 +130,17 @@ class Engine:
                               f"{needed} (see --kv-cache-blocks, --kv-cache-memory)")
         num_kv_bytes = check_kv_pool_fits(cfg, model_config, tp, dtype, num_blocks)
         model.allocate_kv_cache(num_blocks, cfg.block_size)
+        max_num_seqs = resolve_max_num_seqs(cfg, tp, num_blocks)
         log.info("weights and %d adapters loaded (%.2f GiB); KV pool of %d blocks of %d tokens "
-                 "(%.2f GiB; this rank could hold %d)", len(adapters), num_weight_bytes / 2**30,
-                 num_blocks, cfg.block_size, num_kv_bytes / 2**30, own)
+                 "(%.2f GiB; this rank could hold %d); at most %d sequences a step%s",
+                 len(adapters), num_weight_bytes / 2**30, num_blocks, cfg.block_size,
+                 num_kv_bytes / 2**30, own, max_num_seqs,
+                 " (--max-num-seqs auto)" if cfg.max_num_seqs is None else "")
         clock.mark("KV pool")
-        graphs = _capture_decode_graphs(cfg, model, tp, len(adapters))
+        graphs = _capture_decode_graphs(cfg, model, tp, len(adapters), max_num_seqs)
         clock.mark("graphs")
         engine = cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters,
-                     graphs)
+                     graphs, max_num_seqs)
         engine.warm_up()
         clock.mark("warm-up")
         engine.startup_phases = clock.phases()
@@ -182,13 +187,23 @@ class Engine:
         return self.model.forward(batch)
 
 
+def resolve_max_num_seqs(cfg: WorkerConfig, tp: TensorParallel, num_blocks: int) -> int:
+    """--max-num-seqs as given, or auto's value from the agreed pool (seq_limit.py). The ranks'
+    minimum all the same, as for the block count: the planner and graphs must match."""
+    if cfg.max_num_seqs is not None:
+        return cfg.max_num_seqs
+    own = auto_max_num_seqs(num_blocks, cfg.block_size, cfg.max_model_len,
+                            cfg.max_num_batched_tokens, tp.device.type == "cuda")
+    return agree_min(tp, own)
+
+
 def _capture_decode_graphs(cfg: WorkerConfig, model: LlamaForCausalLM, tp: TensorParallel,
-                           num_adapters: int) -> DecodeGraphs | None:
+                           num_adapters: int, max_num_seqs: int) -> DecodeGraphs | None:
     if tp.device.type != "cuda" or cfg.enforce_eager:
         return None
     # NCCL collectives are captured inside the graphs; gloo's run between graph segments.
     segmented = tp.world_size > 1 and tp.backend == "gloo"
-    graphs = DecodeGraphs(model, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
+    graphs = DecodeGraphs(model, max_num_seqs, cfg.max_model_len, cfg.block_size,
                           num_adapters, segmented=segmented)
     graphs.capture()
     return graphs
@@ -311,7 +326,8 @@ def _own_kv_blocks(cfg: WorkerConfig, model_config: ModelConfig, tp: TensorParal
         return cfg.kv_cache_blocks
     if cfg.kv_cache_memory is not None:
         return cfg.kv_cache_memory // per_block
-    wanted = -(-cfg.max_num_seqs * cfg.max_model_len // cfg.block_size)
+    num_seqs = pool_sizing_seqs(cfg.max_num_seqs, tp.device.type == "cuda")
+    wanted = -(-num_seqs * cfg.max_model_len // cfg.block_size)
     if tp.device.type == "cuda":
         if tp.world_size > 1:
             # Ranks may share a GPU (gloo, fewer GPUs than ranks): measure once every rank has

@@ -52,7 +52,7 @@ class WorkerLoop:
         self.sub = sub
         self.push = push
         self.is_leader = rank == 0
-        limits = PlannerLimits(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        limits = PlannerLimits(engine.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
         self.planner = Planner(limits, BlockManager(engine.num_kv_blocks, cfg.block_size))
         self.sampler = Sampler() if self.is_leader else None
         self.inbox = Inbox()
@@ -158,7 +158,8 @@ class WorkerLoop:
                                f"expected {self.cfg.instance_id!r}")
         self.push.send(encode(Ready(self.rank, PROTOCOL_VERSION, self.cfg.instance_id,
                                     self.engine.num_kv_blocks, self.cfg.block_size,
-                                    self.engine.registry.hex(), self.engine.startup_phases)))
+                                    self.engine.registry.hex(), self.engine.max_num_seqs,
+                                    self.engine.startup_phases)))
         self._ready_sent = True
         self.progress.phase = "ready"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from lorad.protocol.messages import SeqOutput
 from lorad.workers.block_manager import BlockManager
@@ -24,8 +25,11 @@ class PlannerLimits:
     max_model_len: int  # prompt + output never exceeds this
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
+    """Immutable as a frozen dataclass would be, and built in 0.3 us instead of 0.7: one per
+    sequence per step, a quarter of plan() at 256 sequences (docs/performance-log.md:
+    planner decode fast paths)."""
+
     request_id: str
     token_ids: list[int]  # new tokens at positions start..start+len-1
     start: int
@@ -45,9 +49,10 @@ class StepPlan:
         return [c.request_id for c in self.chunks if c.sample]
 
     def batch_chunks(self) -> list[tuple[list[int], int, list[int], bool, int]]:
-        """The plan in the form `ForwardBatch.build` takes."""
-        return [(c.token_ids, c.start, c.block_table, c.sample, c.adapter_slot)
-                for c in self.chunks]
+        """The plan in the form `ForwardBatch.build` takes: each chunk but its request id,
+        (token_ids, start, block_table, sample, adapter_slot), by a tuple slice (5 attribute
+        reads per chunk were a fifth of the planner's step at 256 sequences)."""
+        return [c[1:] for c in self.chunks]
 
 
 class Planner:
@@ -109,21 +114,38 @@ class Planner:
 
     def plan(self) -> StepPlan:
         self.step += 1
-        budget = self.limits.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[str] = []
-        for seq in list(self.running):  # 1. every decode gets its next token
+        budget = self._schedule_decodes(self.limits.max_num_batched_tokens, scheduled, preempted)
+        if len(scheduled) < len(self.running):  # else every running sequence got its decode
+            budget = self._continue_prefills(budget, scheduled, preempted)
+        budget = self._start_waiting(budget, scheduled, preempted)  # 3. new and preempted ones
+        return StepPlan(self.step, [self._chunk(seq, num) for seq, num in scheduled], preempted)
+
+    def _schedule_decodes(self, budget: int, scheduled: list, preempted: list[str]) -> int:
+        """1. every decode gets its next token; -> the budget left. Runs for every sequence every
+        step, hence the inlined tests (docs/performance-log.md: planner decode fast paths): a
+        decode whose next position fits in the blocks it holds needs no reservation, which is
+        what _reserve would find."""
+        block_size, running = self.blocks.block_size, SeqStatus.RUNNING
+        for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING or not seq.is_decoding:
-                continue
-            if self._reserve(seq, 1, scheduled, preempted):
+            if (seq.status is not running
+                    or len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed != 1):
+                continue  # not decoding (seq.is_decoding, inlined)
+            if (seq.num_computed < len(seq.block_table) * block_size
+                    or self._reserve(seq, 1, scheduled, preempted)):
                 scheduled.append((seq, 1))
                 budget -= 1
             else:
                 self._preempt(seq, preempted)
+        return budget
+
+    def _continue_prefills(self, budget: int, scheduled: list, preempted: list[str]) -> int:
+        """2. partially prefilled prompts continue; -> the budget left."""
         decoding = {id(s) for s, _ in scheduled}  # a set: a scan per sequence was quadratic
-        for seq in list(self.running):  # 2. partially prefilled prompts continue
+        for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING or id(seq) in decoding:
@@ -132,8 +154,7 @@ class Planner:
             if num:
                 scheduled.append((seq, num))
                 budget -= num
-        budget = self._start_waiting(budget, scheduled, preempted)  # 3. new and preempted ones
-        return StepPlan(self.step, [self._chunk(seq, num) for seq, num in scheduled], preempted)
+        return budget
 
     def _start_waiting(self, budget: int, scheduled: list, preempted: list[str]) -> int:
         # A sequence starts only when the free pool holds its whole prompt (plus any tokens it
@@ -206,9 +227,13 @@ class Planner:
 
     def _chunk(self, seq: Sequence, num: int) -> ScheduledChunk:
         start = seq.num_computed
-        return ScheduledChunk(seq.request_id, seq.token_slice(start, start + num), start,
-                              list(seq.block_table), start + num == seq.num_tokens,
-                              seq.adapter_slot)
+        num_tokens = len(seq.prompt_ids) + len(seq.output_ids)
+        if num == 1 and start + 1 == num_tokens:  # a decode: its last token, no slicing
+            token_ids = [seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]]
+        else:
+            token_ids = seq.token_slice(start, start + num)
+        return ScheduledChunk(seq.request_id, token_ids, start, list(seq.block_table),
+                              start + num == num_tokens, seq.adapter_slot)
 
     # --- apply --------------------------------------------------------------------------------
 
@@ -216,9 +241,9 @@ class Planner:
         """Advance by one planned step; `sampled` holds one id per sampling chunk, in order."""
         if plan.step != self.step:
             raise RuntimeError(f"applying step {plan.step} but the last plan was {self.step}")
-        if len(sampled) != len(plan.sampled_request_ids):
-            raise RuntimeError(f"{len(sampled)} sampled ids for "
-                               f"{len(plan.sampled_request_ids)} sampling sequences")
+        num_sampling = len(plan.sampled_request_ids)
+        if len(sampled) != num_sampling:
+            raise RuntimeError(f"{len(sampled)} sampled ids for {num_sampling} sampling sequences")
         events, self._events = self._events, []
         tokens = iter(sampled)
         for chunk in plan.chunks:
@@ -231,14 +256,16 @@ class Planner:
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
-            events.append(SeqOutput(seq.request_id, [token], reason, seq.num_prompt_tokens))
+            events.append(SeqOutput(seq.request_id, [token], reason, len(seq.prompt_ids)))
         return events
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling
         if not params.ignore_eos and token in params.stop_token_ids:
             return "stop"
-        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.limits.max_model_len:
+        num_output = len(seq.output_ids)
+        if (num_output >= params.max_tokens
+                or len(seq.prompt_ids) + num_output >= self.limits.max_model_len):
             return "length"
         return None
 

@@ -41,7 +41,7 @@ if mode == "never-ready":
         sub.recv()
 digest = f"digest-of-rank-{rank}" if mode == "digest" else "same"
 push.send(encode(Ready(rank, PROTOCOL_VERSION, cfg.instance_id, 32, cfg.block_size, digest,
-                        [])))
+                    cfg.max_num_seqs or 64, [])))
 step = 0
 while True:
     msg = decode(sub.recv(), accept)

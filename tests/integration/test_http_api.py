@@ -61,6 +61,8 @@ def test_models_and_health(daemon, client):
     assert health["status"] == "serving" and health["ready"]
     assert [(r["rank"], r["state"]) for r in health["ranks"]] == [(0, "serving"), (1, "serving")]
     assert health["kv_blocks"]["total"] == 256
+    # an explicit --max-num-seqs is kept; the auto queue holds 4 x 48, at least 256
+    assert (health["max_num_seqs"], health["max_queued_requests"]) == (48, 256)
     assert health["adapters"] == []
 
 

@@ -71,6 +71,8 @@ def counts(daemon) -> dict[tuple[str, str], float]:
 
 
 def test_a_flood_past_the_queue_bound_gets_quick_429s(limited):
+    h = health(limited)  # explicit values, kept as given
+    assert (h["max_num_seqs"], h["max_queued_requests"]) == (1, MAX_QUEUED), h
     before = counts(limited)
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda _: post(limited, "/v1/completions", completion(1000)),
@@ -99,6 +101,9 @@ def test_a_flood_past_the_queue_bound_gets_quick_429s(limited):
 def test_the_request_timeout_cancels_a_long_request(start_lorad, long_model):
     limited = start_lorad("--kv-cache-blocks", "1024", "--request-timeout",
                           str(REQUEST_TIMEOUT_S), model_dir=long_model)
+    # --max-num-seqs and --max-queued-requests auto, as the workers resolved them: 64 on the CPU
+    h = health(limited)
+    assert (h["max_num_seqs"], h["max_queued_requests"]) == (64, 256), h
     # 4000 tokens take several seconds on one worker (about 2 ms a token on a fast core).
     status, _, body, seconds = post(limited, "/v1/completions", completion(4000))
     assert status == 504, body

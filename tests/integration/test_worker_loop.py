@@ -29,6 +29,7 @@ from lorad.protocol.sockets import (
     bind_publisher, bind_puller, connect_pusher, connect_subscriber, make_runtime_dir)
 from lorad.workers import loop as loop_module
 from lorad.workers.agreement import RegistryDigest, StepAgreement
+from lorad.workers.seq_limit import auto_max_num_seqs
 from tests.tiny_models import make_tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,12 +187,12 @@ def test_worker_loop_serves_like_transformers(checkpoint, prompts, reference, pa
     coord = FakeCoordinator(checkpoint, parallel)
     try:
         ready = coord.handshake()
-        assert {(r.num_kv_blocks, r.block_size, r.instance_id) for r in ready} == \
-            {(NUM_KV_BLOCKS, BLOCK_SIZE, coord.cfg.instance_id)}
+        assert {(r.num_kv_blocks, r.block_size, r.instance_id, r.max_num_seqs) for r in ready} == \
+            {(NUM_KV_BLOCKS, BLOCK_SIZE, coord.cfg.instance_id, 8)}  # an explicit value is kept
         assert len({r.registry_digest for r in ready}) == 1
 
         for garbage in (b"", b"\x02", b"\x02not msgpack", b"\xff\x00\x01",
-                        encode(Ready(0, 1, "x", 1, 1, "d", [])), encode(Shutdown(0)),
+                        encode(Ready(0, 1, "x", 1, 1, "d", 1, [])), encode(Shutdown(0)),
                         bytes([Admit.KIND]) + b"\x00" * MAX_FRAME_BYTES):
             coord.pub.send(garbage)
         for i, (prompt, max_tokens) in enumerate(zip(prompts, MAX_TOKENS)):
@@ -277,6 +278,23 @@ def _cancel_frees_blocks(coord: FakeCoordinator, prompt: list[int]) -> None:
         (0, 0, NUM_KV_BLOCKS)
 
 
+def test_auto_max_num_seqs_is_the_same_on_every_rank(checkpoint):
+    coord = FakeCoordinator(checkpoint, 2, overrides={"max_num_seqs": None})
+    try:
+        ready = coord.handshake()
+        # 16: the loop's token budget (max_num_batched_tokens) caps the floor of 64
+        expected = auto_max_num_seqs(NUM_KV_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN,
+                                     coord.cfg.max_num_batched_tokens, on_gpu=False)
+        assert expected == 16
+        assert [r.max_num_seqs for r in ready] == [expected, expected]
+        assert "at most 16 sequences a step (--max-num-seqs auto)" in coord.worker_logs()
+        coord.send(Shutdown)
+        for proc in coord.procs:
+            assert proc.wait(timeout=30) == 0, coord.worker_logs()
+    finally:
+        coord.close()
+
+
 def test_worker_exits_when_the_coordinator_is_gone(checkpoint):
     stand_in = subprocess.Popen(["sleep", "60"])  # plays the coordinator's pid
     coord = FakeCoordinator(checkpoint, 1, coordinator_pid=stand_in.pid)
@@ -329,6 +347,7 @@ class FakeEngine:
         self.tp = SimpleNamespace(rank=0, world_size=1, cpu_group=None, device="cpu")
         self.num_kv_blocks = 16
         self.block_size = BLOCK_SIZE
+        self.max_num_seqs = 4
         self.registry = RegistryDigest(b"m" * 32, b"e" * 32, b"a" * 32)
         self.startup_phases = []
 

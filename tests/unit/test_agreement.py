@@ -3,13 +3,16 @@ tests/integration/test_agreement_ranks.py)."""
 
 from __future__ import annotations
 
+import hashlib
+import random
+from array import array
 
 import torch.distributed as dist
 
 from lorad.protocol.messages import Admit, Cancel, SamplingParams, Shutdown
 from lorad.workers import agreement
 from lorad.workers.agreement import Inbox, RegistryDigest, live_digest
-from lorad.workers.sequence import Sequence
+from lorad.workers.sequence import Sequence, SeqStatus
 
 PARAMS = SamplingParams(0.0, 1.0, 0, 0, 4, [], False)
 
@@ -39,6 +42,67 @@ def test_live_digest_sees_ids_adapters_and_positions():
                    {"num_computed": 1}, {"output_ids": [5]}, {"arrival": 2},
                    {"block_table": [7]}, {"request_id": "r1", "adapter_key": "ey"}):
         assert live(**change) != base, change
+
+
+def reference_live_digest(live) -> int:
+    """The digest as it was computed before bench_host_step's pass: an update and an array per
+    sequence. The live one must hash the same bytes (ranks of either agree)."""
+    h = hashlib.sha256()
+    for seq in live:
+        h.update(f"{len(seq.request_id)}:{seq.request_id}{len(seq.adapter_key)}:"
+                 f"{seq.adapter_key}{seq.arrival},{seq.adapter_slot},{seq.status.value},"
+                 f"{seq.num_tokens},{seq.num_computed},{len(seq.block_table)};".encode())
+        h.update(array("q", seq.block_table).tobytes())
+    return agreement.to_int64(h.digest())
+
+
+def random_live_set(rng: random.Random) -> list[Sequence]:
+    live = []
+    for arrival in range(rng.randrange(0, 40)):
+        seq = Sequence(f"cmpl-{rng.getrandbits(64):x}", [rng.randrange(50000)
+                       for _ in range(rng.randrange(1, 30))], PARAMS, rng.randrange(4),
+                       rng.choice(["", "k" * 64, "é-key"]), arrival=arrival * rng.randrange(1, 9))
+        seq.output_ids = [rng.randrange(50000) for _ in range(rng.randrange(0, 9))]
+        seq.status = rng.choice(list(SeqStatus))
+        seq.num_computed = rng.randrange(seq.num_tokens + 1)
+        seq.block_table = rng.sample(range(1 << 20), rng.randrange(0, 12))
+        live.append(seq)
+    return live
+
+
+def test_live_digest_equals_the_reference_on_random_live_sets():
+    rng = random.Random(29)
+    for _ in range(100):
+        live = random_live_set(rng)
+        assert live_digest(live) == reference_live_digest(live)
+        # Again after changes the packed-table memo must see: tables grown, emptied, edited in
+        # place, and one id twice with different tables.
+        for seq in live:
+            change = rng.randrange(4)
+            if change == 0:
+                seq.block_table.append(rng.randrange(1 << 20))
+            elif change == 1:
+                seq.block_table = []
+            elif change == 2 and seq.block_table:
+                seq.block_table[0] += 1
+        if live:
+            twin = Sequence(live[0].request_id, [1], PARAMS, 0, "", arrival=10**6)
+            twin.block_table = [rng.randrange(1 << 20)]
+            live.append(twin)
+        assert live_digest(live) == reference_live_digest(live)
+
+
+def test_live_digest_sees_status_order_and_every_block():
+    live = [Sequence(f"r{i}", [1, 2, 3], PARAMS, 0, "", arrival=i) for i in range(3)]
+    for i, seq in enumerate(live):
+        seq.status, seq.block_table = SeqStatus.RUNNING, [4 * i, 4 * i + 1]
+    base = live_digest(live)
+    assert live_digest(live[::-1]) != base
+    live[1].block_table[-1] += 1
+    assert live_digest(live) != base
+    live[1].block_table[-1] -= 1
+    live[2].status = SeqStatus.WAITING
+    assert live_digest(live) != base
 
 
 RAW_CONFIG = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,

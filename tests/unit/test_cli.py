@@ -16,8 +16,17 @@ def test_defaults_and_name_from_folder(tmp_path):
     assert config.served_name == "SmolLM2-135M"
     assert (config.host, config.port, config.parallel) == ("127.0.0.1", 8000, 1)
     assert config.max_model_len is None and config.kv_cache_memory is None
+    # auto: the workers resolve it from their KV pool, the coordinator the queue from that
+    assert config.max_num_seqs is None
     assert (config.shutdown_timeout, config.request_timeout, config.max_queued_requests) == \
-        (30.0, None, 256)
+        (30.0, None, None)
+
+
+def test_auto_is_spelled_out_or_a_number():
+    config = parse_args(["--model", "m", "--max-num-seqs", "auto", "--max-queued-requests",
+                         "auto"])
+    assert (config.max_num_seqs, config.max_queued_requests) == (None, None)
+    assert parse_args(["--model", "m", "--max-num-seqs", "256"]).max_num_seqs == 256
 
 
 def test_all_flags():
@@ -32,6 +41,7 @@ def test_all_flags():
     assert config.parallel == 4 and config.port == 9000 and config.dtype == "bfloat16"
     assert config.kv_cache_memory == 2 * 1024**3 and config.served_name == "demo"
     assert config.num_threads == 2 and config.runtime_dir == "/run/lorad"
+    assert config.max_num_seqs == 8
     assert (config.shutdown_timeout, config.request_timeout, config.max_queued_requests) == \
         (0.0, 2.5, 3)
 
@@ -54,6 +64,8 @@ def test_byte_sizes(text, expected):
     (["--device", "cpu", "--dist-backend", "nccl"], "--dist-backend nccl needs CUDA"),
     (["--max-model-len", "0"], "--max-model-len"),
     (["--max-num-seqs", "1.5"], "--max-num-seqs"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--max-queued-requests", "some"], "--max-queued-requests"),
     (["--max-num-batched-tokens", ""], "--max-num-batched-tokens"),
     (["--block-size", "-16"], "--block-size"),
     (["--kv-cache-blocks", "0"], "--kv-cache-blocks"),

@@ -20,7 +20,7 @@ MESSAGES = [
     Admit(2, "chatcmpl-é", list(range(5000)), SAMPLING, 3, "sha256:" + "ab" * 32),
     Cancel(3, "cmpl-1"),
     Shutdown(4),
-    Ready(0, PROTOCOL_VERSION, "tiny-123-abcd", 128, 16, "digest",
+    Ready(0, PROTOCOL_VERSION, "tiny-123-abcd", 128, 16, "digest", 256,
           [StartupPhase("workers up", 1.25), StartupPhase("weights", 0.5)]),
     StepResult(7, [SeqOutput("a", [5], None, 3), SeqOutput("b", [6, 2], "stop", 9)], 1, 0, 120),
     StepResult(8, [], 0, 0, 128),
