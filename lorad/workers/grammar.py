@@ -1,0 +1,115 @@
+"""The leader's grammar matchers: one llguidance matcher per constrained sequence, its token mask
+applied to that sequence's row of logits before sampling, then advanced with the sampled token.
+
+A completed grammar allows only the request's stop tokens, so the planner ends the sequence with
+"stop" on every rank without knowing of grammars (followers never build matchers). Rows without a
+grammar are never written. The same code masks CPU and CUDA logits: the bitmask is filled on the
+host and reaches the device in one copy. Not done yet: filling step k+1's masks while step k runs
+(advance right after the draw, then fill into a pinned buffer on LLExecutor's threads while the
+next forward runs, joined before its sampling; ids arrive before the next step is planned).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance.torch import fill_next_token_bitmask_par
+
+from lorad.config import ModelConfig
+
+log = logging.getLogger("lorad.worker")
+
+BITS_PER_WORD = 32  # llguidance's bitmask: int32 words, token t is bit t % 32 of word t // 32
+
+
+class GrammarRows:
+    def __init__(self, model_dir: str) -> None:
+        self._model_dir = model_dir
+        self._vocab_size = 0  # the model's vocabulary (the logits' width), read with the tokenizer
+        self._tokenizers: dict[tuple[int, ...], LLTokenizer] = {}  # by stop token ids
+        self._matchers: dict[str, LLMatcher] = {}
+        self._stop_ids: dict[str, list[int]] = {}
+        self._executor: LLExecutor | None = None
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def add(self, request_id: str, grammar: str, stop_token_ids: list[int]) -> None:
+        matcher = LLMatcher(self._tokenizer(tuple(stop_token_ids)), grammar, log_level=0)
+        if matcher.is_error():  # the coordinator validated it: only a tokenizer clash gets here
+            log.error("request %r: grammar refused by the matcher, ending it at once: %s",
+                      request_id, matcher.get_error())
+        self._matchers[request_id] = matcher
+        self._stop_ids[request_id] = list(stop_token_ids)
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+        self._stop_ids.pop(request_id, None)
+
+    def mask(self, logits: torch.Tensor, request_ids: list[str]) -> None:
+        """Set the disallowed tokens of each constrained row of logits ([num_sampled, vocab],
+        row i is request_ids[i]) to -inf, in place; other rows keep their bits."""
+        if not self._matchers:
+            return
+        rows = [(i, self._matchers[r]) for i, r in enumerate(request_ids) if r in self._matchers]
+        if not rows:
+            return
+        if self._executor is None:
+            self._executor = LLExecutor()
+        words = -(-self._vocab_size // BITS_PER_WORD)
+        bitmask = torch.zeros(len(rows), words, dtype=torch.int32)  # [num_constrained, words]
+        fill_next_token_bitmask_par(self._executor, [(m, j) for j, (_, m) in enumerate(rows)],
+                                    bitmask)
+        for j, (i, matcher) in enumerate(rows):
+            if matcher.is_error():  # nothing sensible is left to allow: end the sequence
+                bitmask[j] = _only(self._stop_ids[request_ids[i]], words)
+        width = logits.shape[1]
+        allowed = torch.zeros(len(rows), width, dtype=torch.bool, device=logits.device)
+        num_masked = min(width, words * BITS_PER_WORD)  # columns past the model's vocab: never
+        allowed[:, :num_masked] = unpack(bitmask.to(logits.device, non_blocking=True), num_masked)
+        index = torch.tensor([i for i, _ in rows]).to(logits.device)
+        with torch.inference_mode():  # the engine's logits are inference tensors
+            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+    def advance(self, request_ids: list[str], sampled: list[int]) -> None:
+        """Feed each constrained row its sampled token (a stop token ends the grammar too)."""
+        if not self._matchers:
+            return
+        for request_id, token in zip(request_ids, sampled):
+            matcher = self._matchers.get(request_id)
+            if matcher is not None and not matcher.is_stopped() and not matcher.is_error():
+                if not matcher.consume_token(token):
+                    log.error("request %r: sampled token %d outside its grammar: %s",
+                              request_id, token, matcher.get_error())
+
+    def _tokenizer(self, stop_token_ids: tuple[int, ...]) -> LLTokenizer:
+        """Built once per set of stop ids (in practice once), at the first constrained
+        admission rather than at start-up: ~0.2 s for a 49k vocabulary, paid only if used."""
+        tokenizer = self._tokenizers.get(stop_token_ids)
+        if tokenizer is None:
+            self._vocab_size = ModelConfig.from_dir(self._model_dir).vocab_size
+            text = (Path(self._model_dir) / "tokenizer.json").read_text()
+            tokenizer = LLTokenizer(text, n_vocab=self._vocab_size,
+                                    eos_token=list(stop_token_ids) or None)
+            self._tokenizers[stop_token_ids] = tokenizer
+        return tokenizer
+
+
+def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bitmask [n, words] int32 -> [n, vocab] bool, True where a token is allowed. Plain torch
+    ops on the bitmask's device (no compiled helper: nothing compiles on first use)."""
+    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [n, words, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def _only(token_ids: list[int], words: int) -> torch.Tensor:
+    """-> [words] int32 bitmask allowing exactly token_ids."""
+    row = torch.zeros(words * BITS_PER_WORD, dtype=torch.bool)
+    row[token_ids] = True
+    weights = torch.tensor([1 << b for b in range(BITS_PER_WORD)], dtype=torch.int64)
+    packed = (row.reshape(words, BITS_PER_WORD).long() * weights).sum(-1)  # [words] < 2**32
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
