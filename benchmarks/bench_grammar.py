@@ -4,13 +4,15 @@ tokenizer setup, compile time of JSON schemas, a regex and a grammar, and mask t
 batch 1, 8 and 32.
 
     python -m benchmarks.bench_grammar [--tokenizers PATH,...] [--engines llguidance,xgrammar]
+        [--rows MODEL_DIR [--device cuda]]
 
 Each engine that imports is measured (xgrammar is not a lorad dependency: run this from a venv
 that has it). Mask time: every row of the batch follows a valid document of its constraint, one
 token a step; the figure is the median over steps of filling the whole batch's bitmask (one
 LLExecutor call for llguidance; one call per row for xgrammar, its Python API's batch form).
 Compile time includes whatever the engine does before the first mask. Prints a table and the
-conditions; a benchmark, not a test.
+conditions; a benchmark, not a test. --rows times lorad's own mask step (GrammarRows.mask: fill,
+unpack, write) at batch 8, 32 and 64 with none, one, half or all rows constrained.
 """
 
 from __future__ import annotations
@@ -74,12 +76,16 @@ class Llguidance:
         self.executor = self.llg.LLExecutor()
         self.vocab = self.tok.vocab_size
 
+    @staticmethod
+    def grammar(kind: str, constraint) -> str:
+        m = importlib.import_module("llguidance").LLMatcher
+        return {"json": lambda: m.grammar_from_json_schema(constraint),
+                "regex": lambda: m.grammar_from_regex(constraint),
+                "grammar": lambda: m.grammar_from_lark(LARK_ARITH)}[kind]()
+
     def compile(self, kind: str, constraint):
-        m = self.llg.LLMatcher
-        grammar = {"json": lambda: m.grammar_from_json_schema(constraint),
-                   "regex": lambda: m.grammar_from_regex(constraint),
-                   "grammar": lambda: m.grammar_from_lark(LARK_ARITH)}[kind]()
-        matcher = m(self.tok, grammar)
+        grammar = self.grammar(kind, constraint)
+        matcher = self.llg.LLMatcher(self.tok, grammar)
         assert not matcher.is_error(), matcher.get_error()
         return grammar
 
@@ -167,14 +173,53 @@ def mask_us(engine, tokenizer: Tokenizer, batch: int) -> float:
     return 1e6 * statistics.median(times)
 
 
+def rows_us(model_dir: Path, batch: int, num_constrained: int, device: str) -> float:
+    """Median µs per step of lorad's GrammarRows.mask (fill, unpack, write the constrained rows)
+    on [batch, vocab] fp32 logits, the first num_constrained rows constrained."""
+    from lorad.config import ModelConfig
+    from lorad.workers.grammar import GrammarRows
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    vocab = ModelConfig.from_dir(str(model_dir)).vocab_size
+    grammars, cases, docs = GrammarRows(str(model_dir)), list(CASES.values()), {}
+    for i in range(num_constrained):
+        kind, constraint, document = cases[i % len(cases)]
+        grammars.add(f"r{i}", Llguidance.grammar(kind, constraint), [0])
+        docs[f"r{i}"] = tokenizer.encode(document, add_special_tokens=False).ids
+    ids = [f"r{i}" for i in range(batch)]
+    logits = torch.randn(batch, vocab, device=device)
+    times = []
+    for step in range(min((len(d) for d in docs.values()), default=20)):
+        started = time.perf_counter()
+        grammars.mask(logits, ids)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+        grammars.advance(list(docs), [d[step] for d in docs.values()])
+    return 1e6 * statistics.median(times)
+
+
+def print_rows(model_dir: Path, device: str) -> None:
+    print(f"\nlorad's mask step (GrammarRows.mask) on {device}, {model_dir.name}")
+    for batch in (8, 32, 64):
+        for num in sorted({0, 1, batch // 2, batch}):
+            us = rows_us(model_dir, batch, num, device)
+            print(f"  batch {batch:3d}, {num:3d} constrained {us:10.1f} µs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizers", default=f"{DEMO_TOKENIZER},{LLAMA3_TOKENIZER}")
     parser.add_argument("--engines", default="llguidance,xgrammar")
+    parser.add_argument("--rows", metavar="MODEL_DIR", type=Path,
+                        help="also time lorad's own mask step with this model folder's tokenizer")
+    parser.add_argument("--device", default="cpu", help="where --rows puts the logits")
     args = parser.parse_args()
     engines = {"llguidance": Llguidance, "xgrammar": Xgrammar}
     print(conditions())
     print(f"torch threads {torch.get_num_threads()}")
+    if args.rows:
+        print_rows(args.rows, args.device)
     for path in map(Path, args.tokenizers.split(",")):
         for name in args.engines.split(","):
             try:

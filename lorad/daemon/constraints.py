@@ -13,8 +13,6 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from llguidance import LLMatcher
-
 from lorad.daemon.errors import bad_request
 
 MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex or grammar as sent; real ones are far smaller
@@ -96,6 +94,9 @@ def _string(value: object, where: str) -> str:
 def _compile(kind: str, source: str) -> tuple[str, str]:
     """-> (llguidance grammar, "") or ("", the engine's error). Cached by content: a client that
     repeats its schema pays for the check once."""
+    # Imported here: an environment without it (the GPU image's PYTHONPATH) still serves the rest.
+    from llguidance import LLMatcher
+
     try:
         if kind == "json_schema":
             grammar = LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
