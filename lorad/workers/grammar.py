@@ -41,10 +41,16 @@ class GrammarRows:
         # lacks it (the GPU image's PYTHONPATH) still serves every unconstrained one.
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self._tokenizer(tuple(stop_token_ids)), grammar, log_level=0)
-        if matcher.is_error():  # the coordinator validated it: only a tokenizer clash gets here
+        try:
+            matcher = LLMatcher(self._tokenizer(tuple(stop_token_ids)), grammar, log_level=0)
+        except Exception as exc:  # a tokenizer llguidance cannot read: fail this request only
+            log.error("request %r: no matcher (%s); ending it at once", request_id, exc)
+            matcher = None
+        if matcher is not None and matcher.is_error():  # validated, so a tokenizer clash
             log.error("request %r: grammar refused by the matcher, ending it at once: %s",
                       request_id, matcher.get_error())
+        # None or a matcher in error: only the stop tokens are allowed, so every rank ends the
+        # sequence the same way (a leader-only refusal would split the live sets).
         self._matchers[request_id] = matcher
         self._stop_ids[request_id] = list(stop_token_ids)
 
@@ -65,12 +71,13 @@ class GrammarRows:
         if self._executor is None:
             from llguidance import LLExecutor
             self._executor = LLExecutor()
-        words = -(-self._vocab_size // BITS_PER_WORD)
+        words = -(-(self._vocab_size or logits.shape[1]) // BITS_PER_WORD)
         bitmask = torch.zeros(len(rows), words, dtype=torch.int32)  # [num_constrained, words]
-        fill_next_token_bitmask_par(self._executor, [(m, j) for j, (_, m) in enumerate(rows)],
-                                    bitmask)
+        matchers = [(m, j) for j, (_, m) in enumerate(rows) if m is not None]
+        if matchers:
+            fill_next_token_bitmask_par(self._executor, matchers, bitmask)
         for j, (i, matcher) in enumerate(rows):
-            if matcher.is_error():  # nothing sensible is left to allow: end the sequence
+            if matcher is None or matcher.is_error():  # nothing sensible is left to allow
                 bitmask[j] = _only(self._stop_ids[request_ids[i]], words)
         with torch.inference_mode():  # the engine's logits are inference tensors
             logits.masked_fill_(self._disallowed(bitmask, [i for i, _ in rows], logits),
@@ -101,10 +108,11 @@ class GrammarRows:
             return
         for request_id, token in zip(request_ids, sampled):
             matcher = self._matchers.get(request_id)
-            if matcher is not None and not matcher.is_stopped() and not matcher.is_error():
-                if not matcher.consume_token(token):
-                    log.error("request %r: sampled token %d outside its grammar: %s",
-                              request_id, token, matcher.get_error())
+            if matcher is None or matcher.is_stopped() or matcher.is_error():
+                continue
+            if not matcher.consume_token(token):
+                log.error("request %r: sampled token %d outside its grammar: %s",
+                          request_id, token, matcher.get_error())
 
     def _tokenizer(self, stop_token_ids: tuple[int, ...]):
         """Built once per set of stop ids (in practice once), at the first constrained

@@ -1,6 +1,7 @@
 """The leader's grammar rows on the tiny test tokenizer: the mask leaves unconstrained rows' bits
 untouched and sends every disallowed token of a constrained row to -inf; greedy decoding through
-the mask spells the regex and then allows only the stop tokens; the bitmask helpers."""
+the mask spells the regex and then allows only the stop tokens; a request whose matcher cannot be
+built may only stop; the bitmask helpers."""
 
 from __future__ import annotations
 
@@ -68,3 +69,14 @@ def test_greedy_through_the_mask_spells_the_regex_then_stops(tmp_path):
     assert logits[0].isfinite().nonzero().flatten().tolist() == STOP_IDS
     grammars.remove("c")
     assert len(grammars) == 0
+
+
+def test_a_request_without_a_matcher_may_only_stop(tmp_path):
+    write_config(tmp_path, 400)  # no tokenizer.json: the matcher cannot be built
+    grammars = GrammarRows(str(tmp_path))
+    grammars.add("c", LLMatcher.grammar_from_regex("[0-9]+"), STOP_IDS)
+    logits = torch.randn(2, 400)
+    grammars.mask(logits, ["u", "c"])
+    assert logits[0].isfinite().all()
+    assert logits[1].isfinite().nonzero().flatten().tolist() == STOP_IDS
+    grammars.advance(["u", "c"], [5, STOP_IDS[0]])  # nothing to advance, nothing raised
