@@ -164,16 +164,17 @@ class EngineClient:
     # --- requests ------------------------------------------------------------------------------
 
     def admit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-              adapter_slot: int = 0, adapter_key: str = "") -> asyncio.Queue:
-        """Publish the admission (slot 0, key "": the base model); the returned queue yields
-        SeqOutputs, then ends with a finished SeqOutput or a RequestFailed."""
+              adapter_slot: int = 0, adapter_key: str = "", grammar: str = "") -> asyncio.Queue:
+        """Publish the admission (slot 0, key "": the base model; grammar "": unconstrained);
+        the returned queue yields SeqOutputs, then ends with a finished SeqOutput or a
+        RequestFailed."""
         if self.failure.done():
             raise EngineDead(self.failure.result())
         queue: asyncio.Queue = asyncio.Queue()
         # Published first: an Admit over the frame limit raises ProtocolError and leaves nothing
         # registered (and no gap in `seq`).
         self._publish(Admit(self._next_seq, request_id, prompt_ids, sampling, adapter_slot,
-                            adapter_key))
+                            adapter_key, grammar))
         self._queues[request_id] = queue
         return queue
 

@@ -37,14 +37,15 @@ class Delta:
 
 async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: str,
                    prompt_ids: list[int], sampling: SamplingParams, stop: tuple[str, ...],
-                   adapter_slot: int = 0, adapter_key: str = "") -> AsyncIterator[Delta]:
+                   adapter_slot: int = 0, adapter_key: str = "",
+                   grammar: str = "") -> AsyncIterator[Delta]:
     """Yield deltas until one carries a finish reason; raise GenerationError on failure.
 
-    adapter_slot 0 (key "") is the base model. Close it (contextlib.aclosing) when abandoning it
-    early: closing sends Cancel.
+    adapter_slot 0 (key "") is the base model; grammar "" leaves the output unconstrained. Close
+    it (contextlib.aclosing) when abandoning it early: closing sends Cancel.
     """
     try:
-        queue = engine.admit(request_id, prompt_ids, sampling, adapter_slot, adapter_key)
+        queue = engine.admit(request_id, prompt_ids, sampling, adapter_slot, adapter_key, grammar)
     except EngineDead as exc:
         raise GenerationError(f"the engine is down: {exc}") from None
     detokenizer = IncrementalDetokenizer(tokenizer.decode, stop)

@@ -20,6 +20,7 @@ from lorad.config.adapters import AdapterSpec
 from lorad.daemon.admission import RETRY_AFTER_UNAVAILABLE_S, Admission
 from lorad.daemon.engine_client import EngineClient
 from lorad.daemon.auth import auth_middleware
+from lorad.daemon.constraints import Constraint
 from lorad.daemon.errors import bad_request, error_middleware, error_response
 from lorad.daemon.generation import GenerationError, generate
 from lorad.daemon.json_body import MAX_BODY_BYTES, read_json
@@ -113,7 +114,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     else:
         prompt_ids = _check_token_ids(body.prompt, state.model.vocab_size)
     return await _generate(request, state, CompletionFormat, choice, prompt_ids, body.options,
-                           "prompt", started)
+                           "prompt", started, body.constraint)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -127,7 +128,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages", "chat_template_error") from None
     return await _generate(request, state, ChatFormat, choice, prompt_ids, body.options,
-                           "messages", started)
+                           "messages", started, body.constraint)
 
 
 def _choose(request: web.Request, state: AppState, model: str,
@@ -139,7 +140,8 @@ def _choose(request: web.Request, state: AppState, model: str,
 
 async def _generate(request: web.Request, state: AppState, format_cls: type[CompletionFormat],
                     choice: ModelChoice, prompt_ids: list[int], options: SamplingOptions,
-                    prompt_param: str, started: float) -> web.StreamResponse:
+                    prompt_param: str, started: float,
+                    constraint: Constraint | None = None) -> web.StreamResponse:
     # From admission.check() to the Admit inside generate() nothing awaits, so the queue bound
     # and the draining switch hold exactly.
     sampling = _sampling(state.model, prompt_ids, options, prompt_param)
@@ -149,7 +151,8 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
     request[ADMITTED_KEY] = True
     with state.admission.ticket(started) as ticket:
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompt_ids,
-                          sampling, options.stop, choice.adapter_slot, choice.adapter_key)
+                          sampling, options.stop, choice.adapter_slot, choice.adapter_key,
+                          constraint.grammar if constraint else "")
         deltas = state.metrics.observe(state.admission.bounded(deltas, ticket), choice.model_id,
                                        started)
         async with aclosing(deltas):

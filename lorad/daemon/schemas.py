@@ -1,9 +1,9 @@
 """OpenAI request bodies, checked field by field into frozen dataclasses.
 
 Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (logprobs, tools,
-n > 1, ...) and contradictory ones are refused by name, never dropped silently. `adapter` is
-lorad's own field. Checks that need the model (served ids and adapters, context length,
-vocabulary) happen in routes.py and model_ids.py.
+n > 1, ...) and contradictory ones are refused by name, never dropped silently. `adapter`,
+`regex` and `grammar` are lorad's own fields, read by constraints.py. Checks that need the model
+(served ids and adapters, context length, vocabulary) happen in routes.py and model_ids.py.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lorad.daemon.constraints import Constraint, parse_constraint
 from lorad.daemon.errors import bad_request
 
 MAX_STOP_STRINGS = 4
@@ -46,6 +47,7 @@ class CompletionRequest:
     adapter: str | None  # lorad extension: an adapter's name, with model = the base model's id
     prompt: str | list[int]
     options: SamplingOptions
+    constraint: Constraint | None = None  # response_format, regex or grammar, compiled
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class ChatRequest:
     adapter: str | None
     messages: list[dict]  # [{"role": ..., "content": str}], as the chat template sees them
     options: SamplingOptions
+    constraint: Constraint | None = None
 
 
 def parse_completion(body: object) -> CompletionRequest:
@@ -63,7 +66,8 @@ def parse_completion(body: object) -> CompletionRequest:
         raise bad_request("best_of other than 1 is not supported", "best_of", "unsupported")
     return CompletionRequest(model=_model(body), adapter=_adapter(body),
                              prompt=_prompt(body.get("prompt")),
-                             options=_options(body, "max_tokens"))
+                             options=_options(body, "max_tokens"),
+                             constraint=parse_constraint(body))
 
 
 def parse_chat(body: object) -> ChatRequest:
@@ -71,13 +75,10 @@ def parse_chat(body: object) -> ChatRequest:
     _refuse_unsupported(body, "chat")
     if body.get("tool_choice") not in (None, "none"):
         raise bad_request("tool_choice is not supported", "tool_choice", "unsupported")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad_request("response_format other than text is not supported", "response_format",
-                          "unsupported")
     tokens = _max_tokens_field(body)
     return ChatRequest(model=_model(body), adapter=_adapter(body),
-                       messages=_messages(body.get("messages")), options=_options(body, tokens))
+                       messages=_messages(body.get("messages")), options=_options(body, tokens),
+                       constraint=parse_constraint(body))
 
 
 def _object(body: object) -> dict:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 4  # 2: RankStatus; 3: Ready.startup_phases; 4: Ready.max_num_seqs
+# 2: RankStatus; 3: Ready.startup_phases; 4: Ready.max_num_seqs; 5: Admit.grammar
+PROTOCOL_VERSION = 5
 
 
 # --- coordinator -> workers -------------------------------------------------------------------
@@ -46,6 +47,9 @@ class Admit:
     sampling: SamplingParams
     adapter_slot: int  # 0 = base model
     adapter_key: str  # identity key of the adapter in that slot, "" for slot 0
+    # The output constraint as llguidance's grammar text (its JSON form or Lark, validated by the
+    # coordinator), "" for none. Text, never a pickled object; only the leader builds a matcher.
+    grammar: str = ""
 
 
 @dataclass(frozen=True)

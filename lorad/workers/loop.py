@@ -23,6 +23,7 @@ from lorad.protocol.messages import SeqOutput
 from lorad.workers.agreement import Inbox, StepAgreement, agree_step, broadcast_ids, live_digest
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.engine import Engine
+from lorad.workers.grammar import GrammarRows
 from lorad.workers.planner import Planner, PlannerLimits, StepPlan
 from lorad.workers.sampler import Sampler
 from lorad.workers.sequence import Sequence
@@ -55,6 +56,8 @@ class WorkerLoop:
         limits = PlannerLimits(engine.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
         self.planner = Planner(limits, BlockManager(engine.num_kv_blocks, cfg.block_size))
         self.sampler = Sampler() if self.is_leader else None
+        # Followers never build matchers: the mask only changes what the leader samples.
+        self.grammars = GrammarRows(cfg.model_dir) if self.is_leader else None
         self.inbox = Inbox()
         self._agreed_watermark = 0  # apply messages up to here at the next step
         self._parent_pid = os.getppid()
@@ -174,6 +177,7 @@ class WorkerLoop:
         if self.is_leader:
             for request_id in request_ids:
                 self.sampler.remove(request_id)
+                self.grammars.remove(request_id)
             self.push.send(encode(StepFailed(self.planner.step, request_ids, message)))
 
     def _apply_messages(self, watermark: int) -> bool:
@@ -207,6 +211,8 @@ class WorkerLoop:
                 self.push.send(encode(StepFailed(self.planner.step, [msg.request_id], refusal)))
         elif self.is_leader:
             self.sampler.add(msg.request_id, msg.sampling.seed)
+            if msg.grammar:
+                self.grammars.add(msg.request_id, msg.grammar, msg.sampling.stop_token_ids)
 
     # --- 5. sample ----------------------------------------------------------------------------
 
@@ -217,7 +223,9 @@ class WorkerLoop:
         sampled = None
         if self.is_leader:
             params = [self.planner.sequence(r).sampling for r in request_ids]
+            self.grammars.mask(logits, request_ids)  # constrained rows only, in place
             sampled = self.sampler.sample(logits, request_ids, params)
+            self.grammars.advance(request_ids, sampled)
         return broadcast_ids(self.engine.tp, sampled, len(request_ids))
 
     # --- 6. publish ---------------------------------------------------------------------------
@@ -236,6 +244,7 @@ class WorkerLoop:
         for event in events:
             if event.finish_reason is not None:
                 self.sampler.remove(event.request_id)
+                self.grammars.remove(event.request_id)
         self.push.send(encode(StepResult(plan.step, events, *load)))
         self._published_load = load
 

@@ -6,7 +6,7 @@ requests share the batch. The uniforms are taken UNIFORMS_AT_ONCE at a time (tor
 generator gives a block the same values as as many single draws; tests/unit/test_sampler.py
 checks it): a torch op per row per step cost more host time than the rest of a step's sampling.
 Warping follows transformers' order (temperature, then top-k, then top-p keeping at least one
-token), in fp32. Grammar masks are not applied here yet.
+token), in fp32. A constrained row arrives already masked (grammar.py, before this runs).
 """
 
 from __future__ import annotations

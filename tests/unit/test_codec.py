@@ -18,6 +18,7 @@ MESSAGES = [
     Hello(PROTOCOL_VERSION, "tiny-123-abcd"),
     Admit(1, "cmpl-1", [1, 2, 3, 399], SAMPLING, 0, ""),
     Admit(2, "chatcmpl-é", list(range(5000)), SAMPLING, 3, "sha256:" + "ab" * 32),
+    Admit(3, "cmpl-g", [1], SAMPLING, 0, "", '{"grammars": [{"json_schema": {"type": "object"}}]}'),
     Cancel(3, "cmpl-1"),
     Shutdown(4),
     Ready(0, PROTOCOL_VERSION, "tiny-123-abcd", 128, 16, "digest", 256,
@@ -38,7 +39,7 @@ def test_round_trip(msg):
 
 def test_int_is_accepted_for_float():
     frame = bytes([Admit.KIND]) + msgpack.packb(
-        [1, "r", [1], [1, 1, 0, 0, 4, [], False], 0, ""])
+        [1, "r", [1], [1, 1, 0, 0, 4, [], False], 0, "", ""])
     assert decode(frame, (Admit,)).sampling.temperature == 1.0
 
 
@@ -64,10 +65,12 @@ def _frame(kind: int, body) -> bytes:
     (_frame(Cancel.KIND, [1.0, "x"]), (Cancel,)),  # float for int
     (_frame(Cancel.KIND, [1, b"x"]), (Cancel,)),  # bytes for str
     (_frame(Shutdown.KIND, [None]), (Shutdown,)),  # None for a required int
-    (_frame(Admit.KIND, [1, "r", [1, "2"], [1.0, 1.0, 0, 0, 4, [], False], 0, ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], 0], 0, ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [True, 1.0, 0, 0, 4, [], False], 0, ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", 7, [1.0, 1.0, 0, 0, 4, [], False], 0, ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1, "2"], [1.0, 1.0, 0, 0, 4, [], False], 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], 0], 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [True, 1.0, 0, 0, 4, [], False], 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", 7, [1.0, 1.0, 0, 0, 4, [], False], 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False], 0, "", None]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False], 0, ""]), (Admit,)),
     (_frame(StepResult.KIND, [1, [["a", [5], 3, 3]], 1, 0, 9]), (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None]], 1, 0, 9]), (StepResult,)),
     (_frame(Ready.KIND, [0, 3, "x", 1, 1, "d", [["weights", "1.5"]]]), (Ready,)),  # str seconds

@@ -144,7 +144,7 @@ def test_chat_message_refusals(messages, param):
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"n": 3}, "n"),
 ])
 def test_chat_unsupported_features_are_refused_not_ignored(patch, param):

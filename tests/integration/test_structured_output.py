@@ -1,0 +1,148 @@
+"""Structured output end to end on the demo model (SmolLM2-135M-Instruct with the uppercase and
+pirate adapters): every constrained answer parses and validates (jsonschema) or matches its regex,
+for each model id, greedy and seeded, streamed and not; a grammar that cannot finish within
+max_tokens ends with `length`; bad constraints are 400s before any stream; and unconstrained
+requests in a burst with constrained ones give exactly their solo runs' text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from tests.daemons import REPO, post, start_daemon
+
+pytestmark = pytest.mark.slow
+
+NAME = "SmolLM2-135M-Instruct"
+ADAPTERS = {"uppercase": REPO / "demo" / "adapters" / "uppercase",
+            "pirate": REPO / "demo" / "adapters" / "pirate"}
+MODELS = (NAME, *ADAPTERS)
+MAX_TOKENS = 160
+# Bounded lengths and integer ranges: every document these allow fits in MAX_TOKENS.
+SCHEMAS = {
+    "person": {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+               "properties": {"name": {"type": "string", "maxLength": 24},
+                              "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
+    "order": {"type": "object", "additionalProperties": False, "required": ["items", "paid"],
+              "properties": {
+                  "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+                      "type": "object", "additionalProperties": False,
+                      "required": ["fruit", "count"],
+                      "properties": {"fruit": {"enum": ["apple", "pear", "plum"]},
+                                     "count": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+                  "paid": {"type": "boolean"}}},
+    "answer": {"type": "object", "additionalProperties": False,
+               "required": ["verdict", "score", "tags"],
+               "properties": {"verdict": {"enum": ["yes", "no", "maybe"]},
+                              "score": {"type": "integer", "minimum": -5, "maximum": 5},
+                              "tags": {"type": "array", "maxItems": 2,
+                                       "items": {"type": "string", "maxLength": 12}}}},
+}
+PROMPTS = {"person": "Describe a famous scientist.", "order": "I would like some fruit.",
+           "answer": "Is the sea blue?"}
+DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+SAMPLINGS = ({"temperature": 0}, {"temperature": 0.9, "seed": 11})
+
+
+@pytest.fixture(scope="module")
+def demo_daemon(demo_model_dir):
+    flags = [flag for name, path in ADAPTERS.items() for flag in ("--adapter", f"{name}={path}")]
+    daemon = start_daemon(demo_model_dir, "--name", NAME, "--max-model-len", "512",
+                          "--kv-cache-blocks", "256", "--max-num-seqs", "64", *flags)
+    yield daemon
+    assert daemon.stop() == 0, daemon.log()[-4000:]
+
+
+async def chat(client, stream: bool, **body) -> tuple[str, str]:
+    """-> (text, finish_reason) of one chat request, streamed or not."""
+    if not stream:
+        out = await client.chat.completions.create(stream=False, **body)
+        return out.choices[0].message.content, out.choices[0].finish_reason
+    texts, finish = [], None
+    async for chunk in await client.chat.completions.create(stream=True, **body):
+        for choice in chunk.choices:
+            texts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    return "".join(texts), finish
+
+
+def run_all(daemon, requests: list[dict]) -> list[tuple[str, str]]:
+    async def go():
+        async with openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="unused",
+                                      max_retries=0, timeout=600) as client:
+            return await asyncio.gather(*(chat(client, **r) for r in requests))
+    return asyncio.run(go())
+
+
+def schema_request(model: str, name: str, sampling: dict, stream: bool) -> dict:
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name],
+                                                   "strict": True}}
+    return {"model": model, "stream": stream, "max_tokens": MAX_TOKENS, **sampling,
+            "messages": [{"role": "user", "content": PROMPTS[name] + " Answer in JSON."}],
+            "response_format": fmt}
+
+
+def test_every_answer_validates_against_its_schema(demo_daemon):
+    cases = [(m, n, s, st) for m in MODELS for n in SCHEMAS for s in SAMPLINGS
+             for st in (False, True)]
+    results = run_all(demo_daemon, [schema_request(*case) for case in cases])
+    for (model, name, sampling, stream), (text, finish) in zip(cases, results):
+        where = f"{model} {name} {sampling} stream={stream}: {text!r}"
+        assert finish == "stop", where
+        jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+def test_json_object_and_regex(demo_daemon):
+    base = {"max_tokens": MAX_TOKENS, "messages": [{"role": "user", "content": "When?"}]}
+    requests = [{**base, "model": m, "stream": st, **s, "extra_body": {"regex": DATE}}
+                for m in MODELS for s in SAMPLINGS for st in (False, True)]
+    requests += [{**base, "model": m, "stream": False, **s,
+                  "response_format": {"type": "json_object"}}
+                 for m in MODELS for s in SAMPLINGS]
+    results = run_all(demo_daemon, requests)
+    for request, (text, finish) in zip(requests, results):
+        if "extra_body" in request:
+            assert re.fullmatch(DATE, text) and finish == "stop", (request, text)
+        elif finish == "stop":  # an open-ended object may run out of tokens; it must be a prefix
+            assert isinstance(json.loads(text), dict), text
+        else:
+            assert finish == "length" and text.startswith("{"), text
+
+
+def test_a_grammar_that_cannot_finish_ends_with_length(demo_daemon):
+    request = {"model": "pirate", "max_tokens": 12, "stream": True, "temperature": 0,
+               "messages": [{"role": "user", "content": "Spell a long word."}],
+               "extra_body": {"grammar": "start: /[a-z]{300}/"}}
+    [(text, finish)] = run_all(demo_daemon, [request])
+    assert finish == "length" and re.fullmatch("[a-z]+", text), text
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objec"}}}}, "response_format.json_schema.schema"),
+    ({"regex": "([0-9]"}, "regex"),
+    ({"grammar": "start: missing_rule"}, "grammar"),
+    ({"regex": "a", "grammar": 'start: "a"'}, "grammar"),
+])
+def test_bad_constraints_are_400s_before_a_stream(demo_daemon, patch, param):
+    body = {"model": NAME, "stream": True, "messages": [{"role": "user", "content": "hi"}],
+            **patch}
+    status, answer = post(demo_daemon.url + "/v1/chat/completions", body)
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_unconstrained_requests_in_a_constrained_burst_equal_their_solo_runs(demo_daemon):
+    plain = [{"model": m, "stream": st, "max_tokens": 40, **s,
+              "messages": [{"role": "user", "content": "Name three colours."}]}
+             for m in MODELS for s in SAMPLINGS for st in (False, True)]
+    solo = [run_all(demo_daemon, [r])[0] for r in plain]
+    constrained = [schema_request(m, n, s, True) for m in MODELS for n in SCHEMAS
+                   for s in SAMPLINGS]
+    burst = run_all(demo_daemon, [x for pair in zip(plain, constrained) for x in pair]
+                    + constrained[len(plain):])
+    assert burst[:2 * len(plain):2] == solo
