@@ -1,13 +1,17 @@
 """The model's tokenizer and chat template, as the coordinator uses them to build prompts.
 
 Loads tokenizer.json with `tokenizers` and renders the chat template the way transformers'
-`apply_chat_template` does (same sandbox, globals and filters; encoded without special tokens).
-Does not decode incrementally: that is detokenizer.py.
+`apply_chat_template` does (same sandbox, globals and filters; encoded without special tokens),
+except that message content is text: a special-token string typed in it is encoded as ordinary
+tokens, so only the template's own markers are control tokens. Does not decode incrementally:
+that is detokenizer.py.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 
@@ -35,6 +39,15 @@ class ModelTokenizer:
         self._template = _compile(chat_template) if chat_template is not None else None
         eos = special_tokens.get("eos_token")
         self.eos_token_id: int | None = tokenizer.token_to_id(eos) if eos else None
+        added = tokenizer.get_added_tokens_decoder()  # {id: AddedToken}
+        self._special_ids = frozenset(i for i, token in added.items() if token.special)
+        strings = sorted({added[i].content for i in self._special_ids}, key=len, reverse=True)
+        # Longest first, so a token that another one starts with is not matched short.
+        self._special_pattern = re.compile("|".join(map(re.escape, strings))) if strings else None
+        # A second tokenizer that reads special-token strings as text. Two instances, not the
+        # shared flag toggled per call, so no encode can see the other's setting.
+        self._text_tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self._text_tokenizer.encode_special_tokens = True
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelTokenizer":
@@ -81,8 +94,61 @@ class ModelTokenizer:
                 f"chat template error: {type(exc).__name__}: {exc}") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The rendered conversation's ids; special ids only where the template writes them.
+
+        Content is escaped before rendering (each special-token string becomes a sentinel no
+        user can type), so every special-token string left in the rendered text is the
+        template's. The text between those is encoded with the sentinels restored, as text.
+        """
+        escape = _ContentEscape(self._special_pattern, messages)
+        text = self.render_chat([{**m, "content": escape.apply(m["content"])} for m in messages])
         # The template writes the special tokens itself, so none are added (as transformers does).
-        return self._tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        if not escape.num_escaped:
+            return encoding.ids
+        ids: list[int] = []
+        start = 0  # where the text after the last template special token begins
+        for token_id, (begin, end) in zip(encoding.ids, encoding.offsets):
+            if token_id in self._special_ids:
+                ids += self._encode_text(escape.restore(text[start:begin]))
+                ids.append(token_id)
+                start = end
+        ids += self._encode_text(escape.restore(text[start:]))
+        return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self._text_tokenizer.encode(text, add_special_tokens=False).ids if text else []
+
+
+class _ContentEscape:
+    """Swaps special-token strings in content for sentinels and back, for one conversation.
+
+    A sentinel is private-use characters around a random number and the string's index: no
+    message holds it (checked), and case filters or trim leave it whole.
+    """
+
+    def __init__(self, special_pattern: re.Pattern | None, messages: list[dict]) -> None:
+        self._find = special_pattern
+        self._strings: list[str] = []  # the escaped strings, by sentinel index
+        while True:
+            self._nonce = str(secrets.randbelow(10 ** 12))
+            if not any(f"\ue000{self._nonce}." in m["content"] for m in messages):
+                break
+        self._sentinel = re.compile(f"\ue000{self._nonce}\\.(\\d+)\ue001")
+
+    @property
+    def num_escaped(self) -> int:
+        return len(self._strings)
+
+    def apply(self, content: str) -> str:
+        return content if self._find is None else self._find.sub(self._escape, content)
+
+    def restore(self, text: str) -> str:
+        return self._sentinel.sub(lambda m: self._strings[int(m.group(1))], text)
+
+    def _escape(self, match: re.Match) -> str:
+        self._strings.append(match.group())
+        return f"\ue000{self._nonce}.{len(self._strings) - 1}\ue001"
 
 
 def _compile(source: str) -> jinja2.Template:

@@ -245,6 +245,19 @@ def test_malformed_bodies_are_400(daemon, raw):
     assert code == 400 and reply["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("route, raw, param, message", [
+    ("completions", b'{"model": "tiny", "prompt": "hi", "model": "other"}', "model",
+     'duplicated key "model" in the request body'),
+    ("chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a",'
+     b' "role": "system"}]}', "messages[0].role", 'duplicated key "role" in messages[0]'),
+])
+def test_duplicated_keys_are_400(daemon, route, raw, param, message):
+    code, reply = post(f"{daemon.url}/v1/{route}", None, raw=raw)
+    assert code == 400 and reply["error"] == {
+        "message": message, "type": "invalid_request_error", "param": param,
+        "code": "duplicated_key"}
+
+
 def test_unknown_model_through_the_client(client):
     with pytest.raises(openai.NotFoundError) as exc:
         client.chat.completions.create(model="nope", messages=CHAT)
