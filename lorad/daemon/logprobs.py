@@ -3,14 +3,15 @@
 Completions: {tokens, token_logprobs, top_logprobs, text_offset}; chat: {content: [{token,
 logprob, bytes, top_logprobs}]}. A token's text is the token decoded alone (special tokens
 skipped, so an end-of-sequence token is ""; a token holding part of a UTF-8 character decodes to
-U+FFFD), its bytes that text's UTF-8. The values themselves are computed by the leader
-(workers/logprobs.py); nothing here does arithmetic on them.
+U+FFFD); its bytes are the token's own (token_bytes.py), else its text's UTF-8. The values
+themselves are computed by the leader (workers/logprobs.py); nothing here does arithmetic on them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from lorad.daemon.token_bytes import TokenBytes
 from lorad.protocol.messages import TokenLogprobs
 
 Entries = Sequence[tuple[int, TokenLogprobs]]
@@ -19,8 +20,10 @@ Entries = Sequence[tuple[int, TokenLogprobs]]
 class LogprobsFormat:
     """One request's logprobs objects; a stream's chunks continue the text offsets."""
 
-    def __init__(self, decode: Callable[[list[int]], str], chat: bool) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], chat: bool,
+                 token_bytes: TokenBytes | None = None) -> None:
         self._decode = decode
+        self._token_bytes = token_bytes or TokenBytes({})
         self._chat = chat
         self._text_offset = 0  # completions: characters of the tokens rendered so far
         self._texts: dict[int, str] = {}  # token id -> text, for this request's tokens
@@ -45,7 +48,9 @@ class LogprobsFormat:
 
     def _chat_item(self, token_id: int, logprob: float) -> dict:
         text = self._text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        raw = self._token_bytes(token_id)
+        raw = raw if raw is not None else text.encode("utf-8")
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     def _completion_object(self, entries: Entries) -> dict:
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []

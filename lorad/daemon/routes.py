@@ -31,6 +31,7 @@ from lorad.daemon.probes import probe_body
 from lorad.daemon.responses import ChatFormat, CompletionFormat
 from lorad.daemon.schemas import SamplingOptions, parse_chat, parse_completion
 from lorad.daemon.sse import stream_events
+from lorad.daemon.token_bytes import TokenBytes
 from lorad.daemon.tokenizer import ChatTemplateError, ModelTokenizer
 from lorad.protocol import SamplingParams
 
@@ -43,6 +44,7 @@ class ServedModel:
     vocab_size: int  # the model's embedding rows: token-id prompts must be below it
     stop_token_ids: tuple[int, ...]
     adapters: tuple[AdapterSpec, ...] = ()  # the registry fixed at start, slots 1..K in order
+    token_bytes: TokenBytes = field(default_factory=lambda: TokenBytes({}))  # logprobs' bytes
 
 
 @dataclass
@@ -146,7 +148,8 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
     # From admission.check() to the Admit inside generate() nothing awaits, so the queue bound
     # and the draining switch hold exactly.
     sampling = _sampling(state.model, prompt_ids, options, prompt_param)
-    logprobs = (LogprobsFormat(state.model.tokenizer.decode, format_cls is ChatFormat)
+    logprobs = (LogprobsFormat(state.model.tokenizer.decode, format_cls is ChatFormat,
+                               state.model.token_bytes)
                 if options.num_logprobs is not None else None)
     fmt = format_cls(f"{format_cls.id_prefix}{uuid.uuid4().hex}", choice.model_id,
                      include_usage=options.stream and options.include_usage,

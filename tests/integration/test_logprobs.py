@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 import torch
 
+from lorad.daemon.token_bytes import TokenBytes
 from lorad.daemon.tokenizer import ModelTokenizer
 from tests.daemons import adapter_flags, post, start_daemon
 
@@ -110,9 +111,11 @@ def test_chat_top_logprobs_equal_transformers(served, references, tiny_model, mo
     assert code == 200, reply
     content = reply["choices"][0]["logprobs"]["content"]
     assert len(content) == NUM_TOKENS
+    token_bytes = TokenBytes.from_dir(tiny_model)
     for n, item in enumerate(content):
-        text = tokenizer.decode([ids[n]])
-        assert item["token"] == text and item["bytes"] == list(text.encode())
+        text, raw = tokenizer.decode([ids[n]]), token_bytes(ids[n])
+        assert item["token"] == text
+        assert item["bytes"] == list(raw if raw is not None else text.encode())
         assert item["logprob"] == pytest.approx(float(ref[n, ids[n]]), abs=TOL)
         values, top_ids = torch.topk(ref[n], TOP)
         assert [t["logprob"] for t in item["top_logprobs"]] == pytest.approx(values.tolist(),
@@ -121,6 +124,9 @@ def test_chat_top_logprobs_equal_transformers(served, references, tiny_model, mo
         for t in item["top_logprobs"]:
             assert any(tokenizer.decode([i]) == t["token"] and abs(v - t["logprob"]) <= TOL
                        for i, v in zip(top_ids.tolist(), values.tolist()))
+    # The tokens' own bytes join into the answer, where a token alone is half a character.
+    joined = bytes(b for item in content for b in item["bytes"])
+    assert joined.decode("utf-8", "replace") == reply["choices"][0]["message"]["content"]
     chunks = stream(f"{served.url}/v1/chat/completions", body)
     streamed = [x for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
                 for x in c["choices"][0]["logprobs"]["content"]]
