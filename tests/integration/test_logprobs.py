@@ -160,3 +160,18 @@ def test_a_mixed_burst_gives_rows_without_logprobs_their_solo_tokens(served):
     for t in threads:
         t.join(120)
     assert burst == solo
+
+
+def test_values_are_taken_before_the_grammar_mask_and_the_warpers(served):
+    """The first position's distribution is the model's, whatever the request samples with: a
+    regex that forbids most tokens, or temperature and top-k, leave its values as greedy's."""
+    chat = {"model": "b", "messages": CHAT, "max_tokens": 2, "logprobs": True,
+            "top_logprobs": TOP}
+
+    def first_position(**extra) -> dict:
+        code, reply = post(f"{served.url}/v1/chat/completions", {**chat, **extra})
+        assert code == 200, reply
+        return reply["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    plain = first_position(temperature=0)
+    assert first_position(temperature=0, regex="[0-9]+") == plain
+    assert first_position(temperature=1.5, top_k=2, seed=3) == plain
