@@ -14,6 +14,7 @@ from lorad.daemon.detokenizer import IncrementalDetokenizer
 from lorad.daemon.engine_client import EngineClient, EngineDead, RequestFailed
 from lorad.daemon.tokenizer import ModelTokenizer
 from lorad.protocol import SamplingParams
+from lorad.protocol.messages import TokenLogprobs
 
 
 class GenerationError(RuntimeError):
@@ -33,6 +34,9 @@ class Delta:
     finish_reason: str | None  # "stop" or "length" on the last delta, else None
     num_prompt_tokens: int
     num_completion_tokens: int  # generated so far
+    # (token id, its log probabilities) for each token of this step, when the request asked;
+    # every generated token has one, the end-of-sequence token too, whatever text is shown.
+    logprobs: tuple[tuple[int, TokenLogprobs], ...] = ()
 
 
 async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: str,
@@ -73,7 +77,8 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
                     # The text held back until now (an incomplete character) held a stop
                     # string: it ends the request as a stop, whatever ended the generation.
                     reason = "stop"
-            yield Delta(text, reason, len(prompt_ids), num_generated)
+            logprobs = tuple(zip(event.token_ids, event.logprobs or ()))
+            yield Delta(text, reason, len(prompt_ids), num_generated, logprobs)
     finally:
         if not finished:
             engine.cancel(request_id)

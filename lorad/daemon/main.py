@@ -19,6 +19,7 @@ from lorad.config.partition import check_parallel
 from lorad.daemon.routes import ServedModel
 from lorad.daemon.service import serve
 from lorad.daemon.supervisor import WORKER_COMMAND
+from lorad.daemon.token_bytes import TokenBytes
 from lorad.daemon.tokenizer import ModelTokenizer
 
 
@@ -55,7 +56,8 @@ def load_served_model(config: ServeConfig) -> ServedModel:
         stop_ids = tuple(dict.fromkeys(stop_ids + (tokenizer.eos_token_id,)))
     return ServedModel(name=config.served_name, tokenizer=tokenizer,
                        max_model_len=config.max_model_len or limit,
-                       vocab_size=model.vocab_size, stop_token_ids=stop_ids, adapters=adapters)
+                       vocab_size=model.vocab_size, stop_token_ids=stop_ids, adapters=adapters,
+                       token_bytes=TokenBytes.from_dir(config.model_dir))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+from lorad.daemon.logprobs import Entries, LogprobsFormat
+
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
@@ -19,8 +21,9 @@ class CompletionFormat:
     id_prefix = "cmpl-"
 
     def __init__(self, response_id: str, model: str, include_usage: bool = False,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, logprobs: LogprobsFormat | None = None) -> None:
         self.response_id = response_id
+        self.logprobs = logprobs  # None: the request did not ask; every choice says null
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
@@ -38,8 +41,12 @@ class CompletionFormat:
             body["usage"] = None  # filled only in the final usage chunk, as OpenAI does
         return body
 
-    def full(self, text: str, finish_reason: str, num_prompt: int, num_completion: int) -> dict:
-        body = self._envelope([{"index": 0, "text": text, "logprobs": None,
+    def _logprobs(self, entries: Entries) -> dict | None:
+        return self.logprobs.render(entries) if self.logprobs is not None else None
+
+    def full(self, text: str, finish_reason: str, num_prompt: int, num_completion: int,
+             entries: Entries = ()) -> dict:
+        body = self._envelope([{"index": 0, "text": text, "logprobs": self._logprobs(entries),
                                 "finish_reason": finish_reason}], self.object_name)
         body["usage"] = usage(num_prompt, num_completion)
         return body
@@ -49,8 +56,8 @@ class CompletionFormat:
         return self.chunk("", None, num_prompt, 0)
 
     def chunk(self, text: str, finish_reason: str | None, num_prompt: int,
-              num_completion: int) -> dict:
-        return self._envelope([{"index": 0, "text": text, "logprobs": None,
+              num_completion: int, entries: Entries = ()) -> dict:
+        return self._envelope([{"index": 0, "text": text, "logprobs": self._logprobs(entries),
                                 "finish_reason": finish_reason}], self.object_name,
                               (num_prompt, num_completion))
 
@@ -65,29 +72,33 @@ class ChatFormat(CompletionFormat):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def full(self, text: str, finish_reason: str, num_prompt: int, num_completion: int) -> dict:
+    def full(self, text: str, finish_reason: str, num_prompt: int, num_completion: int,
+             entries: Entries = ()) -> dict:
         message = {"role": "assistant", "content": text}
-        body = self._envelope([{"index": 0, "message": message, "logprobs": None,
+        body = self._envelope([{"index": 0, "message": message,
+                                "logprobs": self._logprobs(entries),
                                 "finish_reason": finish_reason}], self.object_name)
         body["usage"] = usage(num_prompt, num_completion)
         return body
 
     def opening_chunk(self, num_prompt: int) -> dict:
         # OpenAI's first chunk: the role, with empty content.
-        return self._chunk({"role": "assistant", "content": ""}, None, (num_prompt, 0))
+        return self._chunk({"role": "assistant", "content": ""}, None, (num_prompt, 0), None)
 
     def chunk(self, text: str, finish_reason: str | None, num_prompt: int,
-              num_completion: int) -> dict:
+              num_completion: int, entries: Entries = ()) -> dict:
         # Mid-stream chunks keep "content" even when empty, for clients that index it; the
         # finish chunk without text has an empty delta, as OpenAI's does.
         delta = {"content": text} if text or finish_reason is None else {}
-        return self._chunk(delta, finish_reason, (num_prompt, num_completion))
+        return self._chunk(delta, finish_reason, (num_prompt, num_completion),
+                           self._logprobs(entries))
 
     def usage_chunk(self, num_prompt: int, num_completion: int) -> dict:
         body = self._envelope([], self.chunk_object_name)
         body["usage"] = usage(num_prompt, num_completion)
         return body
 
-    def _chunk(self, delta: dict, finish_reason: str | None, counts: tuple[int, int]) -> dict:
-        return self._envelope([{"index": 0, "delta": delta, "logprobs": None,
+    def _chunk(self, delta: dict, finish_reason: str | None, counts: tuple[int, int],
+               logprobs: dict | None) -> dict:
+        return self._envelope([{"index": 0, "delta": delta, "logprobs": logprobs,
                                 "finish_reason": finish_reason}], self.chunk_object_name, counts)

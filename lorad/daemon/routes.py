@@ -24,12 +24,14 @@ from lorad.daemon.constraints import Constraint
 from lorad.daemon.errors import bad_request, error_middleware, error_response
 from lorad.daemon.generation import GenerationError, generate
 from lorad.daemon.json_body import MAX_BODY_BYTES, read_json
+from lorad.daemon.logprobs import LogprobsFormat
 from lorad.daemon.metrics import ADMITTED_KEY, MODEL_KEY, Metrics, metrics_middleware
 from lorad.daemon.model_ids import ModelChoice, choose, model_cards
 from lorad.daemon.probes import probe_body
 from lorad.daemon.responses import ChatFormat, CompletionFormat
 from lorad.daemon.schemas import SamplingOptions, parse_chat, parse_completion
 from lorad.daemon.sse import stream_events
+from lorad.daemon.token_bytes import TokenBytes
 from lorad.daemon.tokenizer import ChatTemplateError, ModelTokenizer
 from lorad.protocol import SamplingParams
 
@@ -42,6 +44,7 @@ class ServedModel:
     vocab_size: int  # the model's embedding rows: token-id prompts must be below it
     stop_token_ids: tuple[int, ...]
     adapters: tuple[AdapterSpec, ...] = ()  # the registry fixed at start, slots 1..K in order
+    token_bytes: TokenBytes = field(default_factory=lambda: TokenBytes({}))  # logprobs' bytes
 
 
 @dataclass
@@ -145,9 +148,13 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
     # From admission.check() to the Admit inside generate() nothing awaits, so the queue bound
     # and the draining switch hold exactly.
     sampling = _sampling(state.model, prompt_ids, options, prompt_param)
+    logprobs = (LogprobsFormat(state.model.tokenizer.decode, format_cls is ChatFormat,
+                               state.model.token_bytes)
+                if options.num_logprobs is not None else None)
     fmt = format_cls(f"{format_cls.id_prefix}{uuid.uuid4().hex}", choice.model_id,
                      include_usage=options.stream and options.include_usage,
-                     continuous_usage=options.stream and options.continuous_usage)
+                     continuous_usage=options.stream and options.continuous_usage,
+                     logprobs=logprobs)
     request[ADMITTED_KEY] = True
     with state.admission.ticket(started) as ticket:
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompt_ids,
@@ -158,17 +165,19 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
         async with aclosing(deltas):
             if options.stream:
                 return await stream_events(request, deltas, fmt)
-            texts, last = [], None
+            texts, entries, last = [], [], None
             try:
                 async for delta in deltas:
                     texts.append(delta.text)
+                    entries.extend(delta.logprobs)
                     last = delta
             except GenerationError as exc:
                 headers = ({"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)}
                            if exc.status == 503 else None)
                 return error_response(exc.status, str(exc), code=exc.code, headers=headers)
         return web.json_response(fmt.full("".join(texts), last.finish_reason,
-                                          last.num_prompt_tokens, last.num_completion_tokens))
+                                          last.num_prompt_tokens, last.num_completion_tokens,
+                                          entries))
 
 
 def _sampling(model: ServedModel, prompt_ids: list[int], options: SamplingOptions,
@@ -189,7 +198,9 @@ def _sampling(model: ServedModel, prompt_ids: list[int], options: SamplingOption
     seed = options.seed if options.seed is not None else secrets.randbits(63)
     return SamplingParams(temperature=options.temperature, top_p=options.top_p,
                           top_k=options.top_k, seed=seed, max_tokens=max_tokens,
-                          stop_token_ids=list(model.stop_token_ids), ignore_eos=options.ignore_eos)
+                          stop_token_ids=list(model.stop_token_ids), ignore_eos=options.ignore_eos,
+                          num_logprobs=(-1 if options.num_logprobs is None
+                                        else options.num_logprobs))
 
 
 def _check_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:

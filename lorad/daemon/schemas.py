@@ -1,6 +1,6 @@
 """OpenAI request bodies, checked field by field into frozen dataclasses.
 
-Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (logprobs, tools,
+Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (echo, tools,
 n > 1, ...) and contradictory ones are refused by name, never dropped silently. `adapter`,
 `regex` and `grammar` are lorad's own fields, read by constraints.py. Checks that need the model
 (served ids and adapters, context length, vocabulary) happen in routes.py and model_ids.py.
@@ -13,16 +13,16 @@ from dataclasses import dataclass
 
 from lorad.daemon.constraints import Constraint, parse_constraint
 from lorad.daemon.errors import bad_request
+from lorad.protocol.messages import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "user", "assistant")
 _INT64 = 2**63
 # Known OpenAI fields lorad does not implement: refused unless they hold their "off" value.
 _UNSUPPORTED = {
-    "completions": ("echo", "logprobs", "suffix", "logit_bias", "presence_penalty",
-                    "frequency_penalty"),
-    "chat": ("logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty",
-             "tools", "functions", "audio"),
+    "completions": ("echo", "suffix", "logit_bias", "presence_penalty", "frequency_penalty"),
+    "chat": ("logit_bias", "presence_penalty", "frequency_penalty", "tools", "functions",
+             "audio"),
 }
 
 
@@ -39,6 +39,9 @@ class SamplingOptions:
     # vLLM's stream_options.continuous_usage_stats: usage on every chunk (with include_usage)
     continuous_usage: bool
     ignore_eos: bool
+    # None: no log probabilities; k: each token's log probability and its k most likely
+    # alternatives (completions' logprobs, chat's top_logprobs with logprobs true)
+    num_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ def parse_completion(body: object) -> CompletionRequest:
         raise bad_request("best_of other than 1 is not supported", "best_of", "unsupported")
     return CompletionRequest(model=_model(body), adapter=_adapter(body),
                              prompt=_prompt(body.get("prompt")),
-                             options=_options(body, "max_tokens"),
+                             options=_options(body, "max_tokens",
+                                              _int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)),
                              constraint=parse_constraint(body))
 
 
@@ -77,7 +81,8 @@ def parse_chat(body: object) -> ChatRequest:
         raise bad_request("tool_choice is not supported", "tool_choice", "unsupported")
     tokens = _max_tokens_field(body)
     return ChatRequest(model=_model(body), adapter=_adapter(body),
-                       messages=_messages(body.get("messages")), options=_options(body, tokens),
+                       messages=_messages(body.get("messages")),
+                       options=_options(body, tokens, _chat_logprobs(body)),
                        constraint=parse_constraint(body))
 
 
@@ -121,7 +126,17 @@ def _max_tokens_field(body: dict) -> str:
     return "max_completion_tokens" if new is not None else "max_tokens"
 
 
-def _options(body: dict, max_tokens_field: str) -> SamplingOptions:
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's logprobs (bool) and top_logprobs (0..20, only with logprobs true) -> how many
+    alternatives each token carries, or None for no log probabilities."""
+    wanted = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _options(body: dict, max_tokens_field: str, num_logprobs: int | None) -> SamplingOptions:
     stream = _bool(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
@@ -141,6 +156,7 @@ def _options(body: dict, max_tokens_field: str) -> SamplingOptions:
         continuous_usage=_bool(stream_options or {}, "continuous_usage_stats", False,
                                "stream_options."),
         ignore_eos=_bool(body, "ignore_eos", False),
+        num_logprobs=num_logprobs,
     )
 
 

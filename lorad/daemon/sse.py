@@ -39,17 +39,20 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
                         fmt: CompletionFormat) -> web.StreamResponse:
     response = None
     last: Delta | None = None
+    entries = []  # log probabilities of tokens not yet sent: they ride with the next chunk
     try:
         async for delta in deltas:
             if response is None:
                 response = await _open(request, fmt, delta.num_prompt_tokens)
             last = delta
+            entries.extend(delta.logprobs)
             # Without per-chunk usage an empty chunk would tell the client nothing the opening
             # chunk did not; with it, each step's chunk lets the client count and time tokens.
             if delta.text or delta.finish_reason is not None or fmt.continuous_usage:
                 await response.write(_event(fmt.chunk(delta.text, delta.finish_reason,
                                                       delta.num_prompt_tokens,
-                                                      delta.num_completion_tokens)))
+                                                      delta.num_completion_tokens, entries)))
+                entries = []
     except GenerationError as exc:
         if response is None:
             return error_response(exc.status, str(exc), code=exc.code)

@@ -93,7 +93,10 @@ def _from_wire(cls: type, body):
         raise ProtocolError(f"{cls.__name__}: expected {len(fields)} fields")
     values = {name: check(value, f"{cls.__name__}.{name}")
               for (name, check), value in zip(fields, body)}
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as exc:  # the message's own bounds (__post_init__): a bad frame, not a crash
+        raise ProtocolError(str(exc)) from None
 
 
 @cache

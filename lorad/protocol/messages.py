@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# 2: RankStatus; 3: Ready.startup_phases; 4: Ready.max_num_seqs; 5: Admit.grammar
-PROTOCOL_VERSION = 5
+# 2: RankStatus; 3: Ready.startup_phases; 4: Ready.max_num_seqs; 5: Admit.grammar;
+# 6: SamplingParams.num_logprobs, SeqOutput.logprobs
+PROTOCOL_VERSION = 6
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; keeps a step result's size bounded
 
 
 # --- coordinator -> workers -------------------------------------------------------------------
@@ -36,6 +38,14 @@ class SamplingParams:
     max_tokens: int
     stop_token_ids: list[int]  # end the sequence with finish_reason "stop" (EOS and friends)
     ignore_eos: bool
+    # -1: no log probabilities; 0..MAX_TOP_LOGPROBS: each sampled token's log probability and
+    # this many most likely alternatives (workers/logprobs.py)
+    num_logprobs: int = -1
+
+    def __post_init__(self) -> None:
+        if not -1 <= self.num_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"num_logprobs must be -1..{MAX_TOP_LOGPROBS}, "
+                             f"got {self.num_logprobs}")
 
 
 @dataclass(frozen=True)
@@ -91,11 +101,28 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log probability and its step's most likely alternatives: the model's
+    own fp32 log-softmax, before any warper, penalty or grammar mask."""
+
+    logprob: float  # of the sampled token
+    top_ids: list[int]  # the num_logprobs most likely tokens, most likely first
+    top_logprobs: list[float]  # theirs, in the same order
+
+    def __post_init__(self) -> None:
+        if len(self.top_ids) != len(self.top_logprobs) or len(self.top_ids) > MAX_TOP_LOGPROBS:
+            raise ValueError(f"TokenLogprobs: {len(self.top_ids)} ids and "
+                             f"{len(self.top_logprobs)} values (at most {MAX_TOP_LOGPROBS})")
+
+
+@dataclass(frozen=True)
 class SeqOutput:
     request_id: str
     token_ids: list[int]  # new tokens this step (usually one)
     finish_reason: str | None  # "stop", "length", "cancelled", or None while running
     num_prompt_tokens: int
+    # One per token of token_ids when the request asked for log probabilities, else None.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ reports.
 from __future__ import annotations
 
 import logging
+import dataclasses
 import os
 import time
 
@@ -23,6 +24,7 @@ from lorad.protocol.messages import SeqOutput
 from lorad.workers.agreement import Inbox, StepAgreement, agree_step, broadcast_ids, live_digest
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.engine import Engine
+from lorad.workers import logprobs
 from lorad.workers.grammar import GrammarRows
 from lorad.workers.planner import Planner, PlannerLimits, StepPlan
 from lorad.workers.sampler import Sampler
@@ -58,6 +60,7 @@ class WorkerLoop:
         self.sampler = Sampler() if self.is_leader else None
         # Followers never build matchers: the mask only changes what the leader samples.
         self.grammars = GrammarRows(cfg.model_dir) if self.is_leader else None
+        self._step_logprobs: dict = {}  # request id -> TokenLogprobs of this step (leader)
         self.inbox = Inbox()
         self._agreed_watermark = 0  # apply messages up to here at the next step
         self._parent_pid = os.getppid()
@@ -223,9 +226,12 @@ class WorkerLoop:
         sampled = None
         if self.is_leader:
             params = [self.planner.sequence(r).sampling for r in request_ids]
+            # Before the mask writes into the logits: the model's own distribution.
+            pending = logprobs.compute(logits, params)
             self.grammars.mask(logits, request_ids)  # constrained rows only, in place
             sampled = self.sampler.sample(logits, request_ids, params)
             self.grammars.advance(request_ids, sampled)
+            self._step_logprobs = logprobs.complete(pending, request_ids, sampled)
         return broadcast_ids(self.engine.tp, sampled, len(request_ids))
 
     # --- 6. publish ---------------------------------------------------------------------------
@@ -245,8 +251,19 @@ class WorkerLoop:
             if event.finish_reason is not None:
                 self.sampler.remove(event.request_id)
                 self.grammars.remove(event.request_id)
+        if self._step_logprobs:
+            events = [_with_logprobs(e, self._step_logprobs) for e in events]
+            self._step_logprobs = {}
         self.push.send(encode(StepResult(plan.step, events, *load)))
         self._published_load = load
+
+
+def _with_logprobs(event: SeqOutput, step_logprobs: dict) -> SeqOutput:
+    """The event with its sampled token's log probabilities, if its request asked."""
+    found = step_logprobs.get(event.request_id)
+    if found is None or len(event.token_ids) != 1:
+        return event
+    return dataclasses.replace(event, logprobs=[found])
 
 
 def _fault_step(env_name: str, rank: int) -> int | None:

@@ -226,7 +226,11 @@ LONG = "word " * 300
      "max_completion_tokens"),
     ("chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
-    ("chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     ("chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "model"),
 ])

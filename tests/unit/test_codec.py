@@ -10,6 +10,7 @@ from lorad.protocol import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, RankStatus, Ready,
     SamplingParams, SeqOutput, Shutdown, StartupPhase, StepFailed, StepResult, WorkerFailed,
     decode, encode)
+from lorad.protocol.messages import TokenLogprobs
 from lorad.protocol.messages import COORDINATOR_TO_WORKER, WORKER_TO_COORDINATOR
 
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**62 + 5, max_tokens=16,
@@ -25,6 +26,9 @@ MESSAGES = [
           [StartupPhase("workers up", 1.25), StartupPhase("weights", 0.5)]),
     StepResult(7, [SeqOutput("a", [5], None, 3), SeqOutput("b", [6, 2], "stop", 9)], 1, 0, 120),
     StepResult(8, [], 0, 0, 128),
+    StepResult(9, [SeqOutput("a", [5], None, 3, [TokenLogprobs(-0.25, [5, 7], [-0.25, -2.5])]),
+                   SeqOutput("b", [2], "stop", 9, [TokenLogprobs(-3.0, [], [])])], 1, 0, 120),
+    Admit(5, "cmpl-l", [1], SamplingParams(0.0, 1.0, 0, 1, 4, [2], False, 20), 0, ""),
     StepFailed(9, ["a", "b"], "live sets disagree"),
     WorkerFailed(1, "CUDA error: out of memory"),
     RankStatus(0, "loading", 0, 0.0, 0, 0),
@@ -39,7 +43,7 @@ def test_round_trip(msg):
 
 def test_int_is_accepted_for_float():
     frame = bytes([Admit.KIND]) + msgpack.packb(
-        [1, "r", [1], [1, 1, 0, 0, 4, [], False], 0, "", ""])
+        [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1], 0, "", ""])
     assert decode(frame, (Admit,)).sampling.temperature == 1.0
 
 
@@ -57,6 +61,12 @@ def _frame(kind: int, body) -> bytes:
     (encode(Cancel(1, "x"))[:1], ALL_KINDS),  # nothing after the kind byte
     (b"", ALL_KINDS),
     (encode(StepResult(1, [SeqOutput("a", [5], None, 3)], 1, 0, 9))[:-3], (StepResult,)),
+    # 21 alternatives, or ids and values of different lengths: over the message's own bounds
+    (_frame(StepResult.KIND, [1, [["a", [5], None, 3, [[-1.0, list(range(21)), [-1.0] * 21]]]],
+                              1, 0, 9]), (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], None, 3, [[-1.0, [1, 2], [-1.0]]]]], 1, 0, 9]),
+     (StepResult,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, 21], 0, "", ""]), (Admit,)),
     (_frame(Cancel.KIND, [1]), (Cancel,)),  # too few fields
     (_frame(Cancel.KIND, [1, "x", 3]), (Cancel,)),  # too many fields
     (_frame(Cancel.KIND, {"seq": 1, "request_id": "x"}), (Cancel,)),  # a map, not an array
@@ -65,12 +75,13 @@ def _frame(kind: int, body) -> bytes:
     (_frame(Cancel.KIND, [1.0, "x"]), (Cancel,)),  # float for int
     (_frame(Cancel.KIND, [1, b"x"]), (Cancel,)),  # bytes for str
     (_frame(Shutdown.KIND, [None]), (Shutdown,)),  # None for a required int
-    (_frame(Admit.KIND, [1, "r", [1, "2"], [1.0, 1.0, 0, 0, 4, [], False], 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], 0], 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [True, 1.0, 0, 0, 4, [], False], 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", 7, [1.0, 1.0, 0, 0, 4, [], False], 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False], 0, "", None]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False], 0, ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1, "2"], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", ""]),
+     (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], 0, -1], 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [True, 1.0, 0, 0, 4, [], False, -1], 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", 7, [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", None]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, ""]), (Admit,)),
     (_frame(StepResult.KIND, [1, [["a", [5], 3, 3]], 1, 0, 9]), (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None]], 1, 0, 9]), (StepResult,)),
     (_frame(Ready.KIND, [0, 3, "x", 1, 1, "d", [["weights", "1.5"]]]), (Ready,)),  # str seconds

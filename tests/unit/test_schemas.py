@@ -104,7 +104,10 @@ def _refused(parse, body, param):
     ({"n": True}, "n"),
     ({"best_of": 3}, "best_of"),
     ({"echo": True}, "echo"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 1.5}, "logprobs"),
     ({"suffix": "x"}, "suffix"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"stream": "yes"}, "stream"),
@@ -140,8 +143,6 @@ def test_chat_message_refusals(messages, param):
 
 
 @pytest.mark.parametrize("patch,param", [
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 3}, "top_logprobs"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
@@ -149,6 +150,32 @@ def test_chat_message_refusals(messages, param):
 ])
 def test_chat_unsupported_features_are_refused_not_ignored(patch, param):
     _refused(parse_chat, {**CHAT, **patch}, param)
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": "true"}, "logprobs"),
+])
+def test_chat_logprobs_refusals(patch, param):
+    _refused(parse_chat, {**CHAT, **patch}, param)
+
+
+@pytest.mark.parametrize("patch,expected", [
+    ({}, None), ({"logprobs": None}, None), ({"logprobs": False}, None),
+    ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 0}, 0),
+    ({"logprobs": True, "top_logprobs": 20}, 20), ({"logprobs": True, "top_logprobs": None}, 0),
+])
+def test_chat_logprobs_give_the_number_of_alternatives(patch, expected):
+    assert parse_chat({**CHAT, **patch}).options.num_logprobs == expected
+
+
+@pytest.mark.parametrize("value", [None, 0, 5, 20])
+def test_completion_logprobs_give_the_number_of_alternatives(value):
+    assert parse_completion({**COMPLETION, "logprobs": value}).options.num_logprobs == value
 
 
 def test_off_values_of_unsupported_features_are_accepted():
