@@ -25,6 +25,7 @@ GRAMMARS = [LLMatcher.grammar_from_regex("[0-9]{2,4}"),
 
 
 def grammar_rows(folder) -> GrammarRows:
+    folder.mkdir()
     write_tokenizer(folder)
     config = json.loads((REPO / "scripts/configs/llama3-8b/config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": VOCAB}))
