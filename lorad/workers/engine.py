@@ -25,6 +25,7 @@ from lorad.config.adapters import AdapterSpec, load_adapter
 from lorad.workers.agreement import RegistryDigest, agree_min, check_registry
 from lorad.workers.batch import MIN_ROWS, ForwardBatch
 from lorad.workers.cuda_graph import DecodeGraphs
+from lorad.workers.kernel_path import kernel_path
 from lorad.workers.loader import add_adapter_tables
 from lorad.workers.models.llama import LlamaForCausalLM
 from lorad.workers.tuning import Tuning
@@ -34,6 +35,7 @@ from lorad.workers.seq_limit import auto_max_num_seqs, pool_sizing_seqs
 from lorad.workers.sampler import warm_up as warm_up_sampler
 from lorad.protocol import StartupPhase
 from lorad.workers.startup_clock import StartupClock
+from lorad.workers.warm_up import warm_up_steps
 
 log = logging.getLogger("lorad.worker")
 
@@ -141,30 +143,39 @@ class Engine:
         clock.mark("graphs")
         engine = cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters,
                      graphs, max_num_seqs)
-        engine.warm_up()
+        engine.warm_up(cfg)
         clock.mark("warm-up")
         engine.startup_phases = clock.phases()
         return engine
 
-    def warm_up(self) -> None:
-        """Run one eager step through every layer and collective before the rank says Ready: a
-        rank that cannot compute fails here, at start, not on a first request, and the kernels
-        a first request needs (prefill, decode, LoRA when adapters are loaded, the leader's
-        sampling) are compiled. Every KV slot is -1, so nothing is written to the pool, and no
-        block is taken; the attention reads whatever block 0 holds, and the logits are dropped
-        (the leader samples from zeros of their shape)."""
+    def warm_up(self, cfg: WorkerConfig) -> None:
+        """Run eager steps through every layer and collective before the rank says Ready: a rank
+        that cannot compute fails here, at start, not on a first request. On the kernel path one
+        step per band of step sizes (warm_up.py), so every kernel variant a request can reach
+        compiles now, and the leader's sampling; on the CPU, which compiles nothing, one step.
+        Every KV slot is -1, so nothing is written to the pool, and no block is taken; the
+        attention reads whatever block 0 holds, and the logits are dropped (the leader samples
+        from zeros of their width)."""
         started = time.monotonic()
-        slot = 1 if self.adapters else 0
-        chunks = [([0, 0], 0, [0], True, slot), ([0], 0, [0], True, 0)]  # a prefill, a decode
-        batch = ForwardBatch.build(chunks, self.block_size, self.tp.device, min_rows=MIN_ROWS)
-        batch = dataclasses.replace(batch, slot_mapping=torch.full_like(batch.slot_mapping, -1))
-        logits = self.model.forward(batch)  # [2, vocab]
+        if kernel_path(self.tp.device):
+            steps = warm_up_steps(cfg.max_num_batched_tokens, self.max_num_seqs,
+                                  cfg.max_model_len, self.block_size, len(self.adapters),
+                                  self.model.tuning)
+        else:
+            slot = 1 if self.adapters else 0
+            steps = [[([0, 0], 0, [0], True, slot), ([0], 0, [0], True, 0)]]  # prefill, decode
+        for chunks in steps:
+            batch = ForwardBatch.build(chunks, self.block_size, self.tp.device,
+                                       min_rows=MIN_ROWS)
+            batch = dataclasses.replace(batch,
+                                        slot_mapping=torch.full_like(batch.slot_mapping, -1))
+            logits = self.model.forward(batch)  # [num_sampled, vocab]
         if self.tp.rank == 0:  # the leader samples: its draw kernels compile now too
-            warm_up_sampler(torch.zeros_like(logits))
+            warm_up_sampler(torch.zeros(2, logits.shape[1], device=logits.device))
         if self.tp.device.type == "cuda":
             torch.cuda.synchronize(self.tp.device)
-        log.info("warm-up step ran in %.0f ms (logits %s)", (time.monotonic() - started) * 1000,
-                 tuple(logits.shape))
+        log.info("warm-up: %d steps ran in %.0f ms", len(steps),
+                 (time.monotonic() - started) * 1000)
 
     def adapter_refusal(self, slot: int, key: str) -> str | None:
         """Why this rank cannot serve a request for (slot, key), or None when it holds it."""

@@ -164,21 +164,22 @@ def start_engine(checkpoint: Path, adapters: list[Path], tmp_path: Path, **overr
     entries = [{"name": f"a{slot}", "path": str(path), "strength": 1.0,
                 "key": load_adapter(AdapterArg(f"a{slot}", str(path)), slot, config).key}
                for slot, path in enumerate(adapters, start=1)]
+    settings = dict(max_model_len=MAX_LEN, max_num_seqs=8, max_num_batched_tokens=16,
+                    kv_cache_blocks=NUM_BLOCKS)
     cfg = WorkerConfig(
         model_dir=str(checkpoint), parallel=1, dtype="bfloat16", device="cuda",
-        dist_backend="auto", max_model_len=MAX_LEN, max_num_seqs=8, max_num_batched_tokens=16,
-        block_size=BLOCK_SIZE, kv_cache_blocks=NUM_BLOCKS, kv_cache_memory=None, num_threads=1,
+        dist_backend="auto", block_size=BLOCK_SIZE, kv_cache_memory=None, num_threads=1,
         runtime_dir=str(tmp_path), instance_id="gpu", coordinator_pid=os.getpid(),
-        adapters=entries, **overrides)
+        adapters=entries, **{**settings, **overrides})
     return Engine.start(cfg, 0)
 
 
 def drive(engine: Engine, requests: list[tuple[str, list[int], int, int]],
-          forced: dict[str, list[int]] | None = None) -> tuple[dict, int]:
+          forced: dict[str, list[int]] | None = None,
+          limits: PlannerLimits = PlannerLimits(8, 16, MAX_LEN)) -> tuple[dict, int]:
     """requests: (request id, prompt, slot, step at which it arrives). Steps the planner and the
     engine as the worker loop does (no sockets), greedy or with `forced` tokens.
     -> (request id -> [vocab] logits per sampled token, number of steps through a graph)."""
-    limits = PlannerLimits(8, 16, MAX_LEN)
     planner = Planner(limits, BlockManager(engine.num_kv_blocks, engine.block_size))
     logits_of = {request_id: [] for request_id, *_ in requests}
     num_tokens = 12
@@ -244,6 +245,41 @@ def test_serving_compiles_no_kernel_after_the_start(tiny, tmp_path):
     requests = [(f"c{i}", torch.randint(3, 384, (n,), generator=gen).tolist(), i % 4, i // 2)
                 for i, n in enumerate(lengths)]
     _, num_graph_steps = drive(engine, requests)
+    assert num_graph_steps > 0
+    after = _compiled_variants()
+    assert after == started, {name: (started[name], after[name]) for name in after
+                              if after[name] != started[name]}
+
+
+def test_large_steps_compile_no_kernel_after_the_start(tmp_path):
+    """The warm-up's bands (lorad/workers/warm_up.py) at the default budget: prompt chunks of 512
+    and of 64 tokens beside decodes, steps of base rows only with adapters loaded, and decode
+    steps of up to 80 sequences (past both PDL limits, the expand's small tile and the decode
+    GEMV's rows) compile no variant that the start did not."""
+    checkpoint = make_tiny_llama(tmp_path / "llama", with_tokenizer=False, hidden_size=96,
+                                 num_attention_heads=6, num_key_value_heads=3,
+                                 intermediate_size=100, vocab_size=401, seed=7,
+                                 max_position_embeddings=1024)
+    adapters = [make_peft_adapter(checkpoint, tmp_path / f"a{i}", r=r, lora_alpha=8, seed=50 + i,
+                                  magnitude=0.1) for i, r in ((1, 4), (2, 8))]
+    _compiled_variants(forget=True)
+    max_len, budget, max_seqs = 1024, 512, 80
+    engine = start_engine(checkpoint, adapters, tmp_path / "run", max_model_len=max_len,
+                          max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                          kv_cache_blocks=4096)
+    started = _compiled_variants()
+    gen = torch.Generator().manual_seed(21)
+
+    def prompt(n):
+        return torch.randint(3, 384, (n,), generator=gen).tolist()
+
+    # Base rows alone first (70 short prompts, then a 70-token one), then adapters join: a
+    # 600-token prompt (chunks of 512 and 88) and a 64-token one beside the decodes.
+    requests = [(f"b{i}", prompt(3), 0, 0) for i in range(70)]
+    requests += [("b-long", prompt(70), 0, 4), ("a-long", prompt(600), 1, 8),
+                 ("a-mid", prompt(64), 2, 9)]
+    requests += [(f"a{i}", prompt(2), 1 + i % 2, 10) for i in range(9)]
+    _, num_graph_steps = drive(engine, requests, limits=PlannerLimits(max_seqs, budget, max_len))
     assert num_graph_steps > 0
     after = _compiled_variants()
     assert after == started, {name: (started[name], after[name]) for name in after
@@ -381,7 +417,7 @@ def test_worker_processes_with_adapters_warm_up_and_serve(tiny):
             overrides={"device": "cuda", "dtype": "float32", "dist_backend": backend})
         try:
             ready = coord.handshake(timeout_s=240)
-            assert coord.worker_logs().count("warm-up step ran in") == parallel
+            assert coord.worker_logs().count("warm-up: ") == parallel
             coord.send(lambda seq: Admit(seq, "lora", [5, 6, 7, 8], greedy(4, True), 1,
                                          entries[0]["key"]))
             coord.send(lambda seq: Admit(seq, "base", [9, 10], greedy(4, True), 0, ""))
