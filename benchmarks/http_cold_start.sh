@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The first burst after a start on an empty Triton cache, against the same burst again: lorad on
+# random weights of scripts/configs/llama3-8b (bf16) with N adapters (one random PEFT folder of
+# rank 16 on all seven projections, under N names), then scripts/bench.py twice with no
+# unmeasured warm-up requests. Prints the start-up line and both bursts' tables; logs in $OUT.
+#
+# Usage, from the repository root on a lent GPU (pyzmq and llguidance wheels carried in .whl/;
+# MODEL_DIR=another config folder for a dry run):
+#   bash benchmarks/http_cold_start.sh [NUM_ADAPTERS (8)] [CONCURRENCY (64)] [MAX_TOKENS (512)]
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+OUT=${OUT:-/tmp/lorad-cold-start}
+num_adapters=${1:-8} concurrency=${2:-64} max_tokens=${3:-512}
+model=${MODEL_DIR:-scripts/configs/llama3-8b}  # another config folder for a dry run
+port=8011
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+if compgen -G ".whl/*.whl" >/dev/null && ! python3 -c "import zmq, llguidance" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+TRITON_CACHE_DIR=$(mktemp -d /tmp/lorad-triton-empty.XXXX)  # empty: the cold start measured
+export TRITON_CACHE_DIR
+
+adapter=/tmp/lorad-cold-start-adapter
+python3 - "$adapter" "$model" <<'EOF' || exit 1
+import sys
+from pathlib import Path
+from benchmarks.bench_engine import write_adapter
+from lorad.config import ModelConfig
+write_adapter(Path(sys.argv[1]), ModelConfig.from_dir(sys.argv[2]), 16)
+EOF
+flags=() ids=()
+for i in $(seq 1 "$num_adapters"); do flags+=(--adapter "a$i=$adapter"); ids+=("a$i"); done
+model_ids=$(IFS=,; echo "${ids[*]}")
+
+python3 -m lorad.daemon --model "$model" --load-format random --dtype bfloat16 \
+  --port "$port" "${flags[@]}" >"$OUT/lorad.log" 2>&1 &
+daemon=$!
+for _ in $(seq 1 300); do
+  python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/ready', timeout=2)" \
+    2>/dev/null && break
+  kill -0 "$daemon" 2>/dev/null || { echo "lorad exited before /ready"; tail -20 "$OUT/lorad.log"; exit 1; }
+  sleep 1
+done
+grep -E "ready in|warm-up:" "$OUT/lorad.log"
+
+for burst in first second; do
+  echo "=== $burst burst: $concurrency streams, 16 in / $max_tokens out, ids $model_ids"
+  python3 scripts/bench.py --url "http://127.0.0.1:$port" --model "$model_ids" \
+    --concurrency "$concurrency" --requests "$concurrency" --warmup 0 --prompt-len 16 \
+    --max-tokens "$max_tokens" --note "random 8B, $num_adapters adapters, empty triton cache" \
+    2>&1 | tee "$OUT/bench-$burst.log"
+done
+kill -TERM "$daemon"
+wait "$daemon"
+echo "lorad exited with $?"
