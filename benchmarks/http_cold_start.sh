@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The first burst after a start on an empty Triton cache, against the same burst again: lorad on
 # random weights of scripts/configs/llama3-8b (bf16) with N adapters (one random PEFT folder of
-# rank 16 on all seven projections, under N names), then scripts/bench.py twice with no
-# unmeasured warm-up requests. Prints the start-up line and both bursts' tables; logs in $OUT.
+# rank 16 on all seven projections, under N names; 0: the base model alone), then
+# scripts/bench.py twice with no unmeasured warm-up requests (round-robin over the adapters).
+# Prints the start-up line and both bursts' tables; logs in $OUT.
 #
 # Usage, from the repository root on a lent GPU (pyzmq and llguidance wheels carried in .whl/;
 # MODEL_DIR=another config folder for a dry run):
@@ -10,7 +11,7 @@
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-OUT=${OUT:-/tmp/lorad-cold-start}
+OUT=${OUT:-/tmp/lorad-cold-start}/a${1:-8}-c${2:-64}
 num_adapters=${1:-8} concurrency=${2:-64} max_tokens=${3:-512}
 model=${MODEL_DIR:-scripts/configs/llama3-8b}  # another config folder for a dry run
 port=8011
@@ -35,6 +36,8 @@ EOF
 flags=() ids=()
 for i in $(seq 1 "$num_adapters"); do flags+=(--adapter "a$i=$adapter"); ids+=("a$i"); done
 model_ids=$(IFS=,; echo "${ids[*]}")
+pick=(--model "$model_ids")
+(( num_adapters == 0 )) && pick=() model_ids=base  # bench.py takes the first id: the base model
 
 python3 -m lorad.daemon --model "$model" --load-format random --dtype bfloat16 \
   --port "$port" "${flags[@]}" >"$OUT/lorad.log" 2>&1 &
@@ -49,7 +52,7 @@ grep -E "ready in|warm-up:" "$OUT/lorad.log"
 
 for burst in first second; do
   echo "=== $burst burst: $concurrency streams, 16 in / $max_tokens out, ids $model_ids"
-  python3 scripts/bench.py --url "http://127.0.0.1:$port" --model "$model_ids" \
+  python3 scripts/bench.py --url "http://127.0.0.1:$port" "${pick[@]}" \
     --concurrency "$concurrency" --requests "$concurrency" --warmup 0 --prompt-len 16 \
     --max-tokens "$max_tokens" --note "random 8B, $num_adapters adapters, empty triton cache" \
     2>&1 | tee "$OUT/bench-$burst.log"

@@ -4,14 +4,16 @@ applied to that sequence's row of logits before sampling, then advanced with the
 A completed grammar allows only the request's stop tokens, so the planner ends the sequence with
 "stop" on every rank without knowing of grammars (followers never build matchers). Rows without a
 grammar are never written. The same code masks CPU and CUDA logits: the bitmask is filled on the
-host and reaches the device in one copy. Not done yet: filling step k+1's masks while step k runs
-(advance right after the draw, then fill into a pinned buffer on LLExecutor's threads while the
-next forward runs, joined before its sampling; ids arrive before the next step is planned).
+host and reaches the device in one copy. The fill for a step starts (prepare) as soon as its rows
+are planned, on a thread of its own (llguidance drops the GIL while it computes), so it runs
+while the forward does and mask only joins it; the matchers were advanced with the previous
+step's tokens before this step was planned.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,9 @@ class GrammarRows:
         self._matchers: dict[str, object] = {}  # LLMatcher by request id
         self._stop_ids: dict[str, list[int]] = {}
         self._executor = None  # LLExecutor, its threads started at the first mask
+        self._filler: ThreadPoolExecutor | None = None  # runs prepare's fills, one at a time
+        # prepare's fill: (the step's request ids, its constrained rows, bitmask, its Future)
+        self._pending: tuple[list[str], list, torch.Tensor, Future] | None = None
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -58,30 +63,62 @@ class GrammarRows:
         self._matchers.pop(request_id, None)
         self._stop_ids.pop(request_id, None)
 
+    def prepare(self, request_ids: list[str]) -> None:
+        """Start filling the bitmask of a step whose sampled rows are request_ids, on the fill
+        thread, so it runs beside the forward; mask() with the same ids joins it."""
+        self._pending = None
+        rows = self._rows(request_ids)
+        if not rows or not self._vocab_size:  # no tokenizer read: mask fills by the logits
+            return
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorad-grammar")
+        bitmask = self._bitmask(len(rows))
+        self._pending = (list(request_ids), rows, bitmask,
+                         self._filler.submit(self._fill, rows, bitmask))
+
     def mask(self, logits: torch.Tensor, request_ids: list[str]) -> None:
         """Set the disallowed tokens of each constrained row of logits ([num_sampled, vocab],
-        row i is request_ids[i]) to -inf, in place; other rows keep their bits."""
+        row i is request_ids[i]) to -inf, in place; other rows keep their bits. Joins the fill
+        prepare() started for these ids, or fills now."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == request_ids:
+            _, rows, bitmask, filled = pending
+            filled.result()
+        else:
+            rows = self._rows(request_ids)
+            if not rows:
+                return
+            bitmask = self._bitmask(len(rows), logits.shape[1])
+            self._fill(rows, bitmask)
+        for j, (i, matcher) in enumerate(rows):
+            if matcher is None or matcher.is_error():  # nothing sensible is left to allow
+                bitmask[j] = _only(self._stop_ids[request_ids[i]], bitmask.shape[1])
+        with torch.inference_mode():  # the engine's logits are inference tensors
+            logits.masked_fill_(self._disallowed(bitmask, [i for i, _ in rows], logits),
+                                float("-inf"))
+
+    def _rows(self, request_ids: list[str]) -> list[tuple[int, object]]:
+        """(row, matcher or None) of each constrained row, in row order."""
         if not self._matchers:
-            return
-        rows = [(i, self._matchers[r]) for i, r in enumerate(request_ids) if r in self._matchers]
-        if not rows:
+            return []
+        return [(i, self._matchers[r]) for i, r in enumerate(request_ids) if r in self._matchers]
+
+    def _bitmask(self, num_rows: int, width: int = 0) -> torch.Tensor:
+        words = -(-(self._vocab_size or width) // BITS_PER_WORD)
+        return torch.zeros(num_rows, words, dtype=torch.int32)  # [num_constrained, words]
+
+    def _fill(self, rows: list[tuple[int, object]], bitmask: torch.Tensor) -> None:
+        """Each constrained row's allowed tokens into its row of bitmask (rows without a
+        working matcher are left for mask to set)."""
+        matchers = [(m, j) for j, (_, m) in enumerate(rows) if m is not None]
+        if not matchers:
             return
         from llguidance.torch import fill_next_token_bitmask_par
 
         if self._executor is None:
             from llguidance import LLExecutor
             self._executor = LLExecutor()
-        words = -(-(self._vocab_size or logits.shape[1]) // BITS_PER_WORD)
-        bitmask = torch.zeros(len(rows), words, dtype=torch.int32)  # [num_constrained, words]
-        matchers = [(m, j) for j, (_, m) in enumerate(rows) if m is not None]
-        if matchers:
-            fill_next_token_bitmask_par(self._executor, matchers, bitmask)
-        for j, (i, matcher) in enumerate(rows):
-            if matcher is None or matcher.is_error():  # nothing sensible is left to allow
-                bitmask[j] = _only(self._stop_ids[request_ids[i]], words)
-        with torch.inference_mode():  # the engine's logits are inference tensors
-            logits.masked_fill_(self._disallowed(bitmask, [i for i, _ in rows], logits),
-                                float("-inf"))
+        fill_next_token_bitmask_par(self._executor, matchers, bitmask)
 
     @staticmethod
     def _disallowed(bitmask: torch.Tensor, row_index: list[int],

@@ -110,7 +110,9 @@ class WorkerLoop:
             return False
         # 3. plan
         plan = self.planner.plan()
-        # 4. run
+        # 4. run; the leader fills the step's grammar masks meanwhile (joined in 5)
+        if self.is_leader:
+            self.grammars.prepare(plan.sampled_request_ids)
         if plan.chunks:
             self._num_model_steps += 1
             if self._num_model_steps in (self._stall_at, self._raise_at):

@@ -80,3 +80,44 @@ def test_a_request_without_a_matcher_may_only_stop(tmp_path):
     assert logits[0].isfinite().all()
     assert logits[1].isfinite().nonzero().flatten().tolist() == STOP_IDS
     grammars.advance(["u", "c"], [5, STOP_IDS[0]])  # nothing to advance, nothing raised
+
+
+def test_a_prepared_fill_masks_as_a_fill_in_series(tmp_path):
+    """prepare() fills on its thread, mask() joins it: the same logits as a mask alone, step
+    after step, with the matchers advanced between; a prepare for other ids is not used."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    prepared, _, vocab = rows_for(tmp_path / "a")
+    serial, _, _ = rows_for(tmp_path / "b")
+    for grammars in (prepared, serial):
+        grammars.add("c1", LLMatcher.grammar_from_regex("[0-9]{3}"), STOP_IDS)
+        grammars.add("c2", LLMatcher.grammar_from_lark('start: "yes" | "no"'), STOP_IDS)
+    ids = ["u", "c1", "c2"]
+    gen = torch.Generator().manual_seed(5)
+    for step in range(4):
+        logits = torch.randn(3, vocab, generator=gen)
+        a, b = logits.clone(), logits.clone()
+        prepared.prepare(ids)
+        assert prepared._pending is not None
+        prepared.mask(a, ids)
+        assert prepared._pending is None  # joined and used
+        serial.mask(b, ids)
+        assert torch.equal(a, b), step
+        tokens = a.argmax(dim=-1).tolist()
+        prepared.advance(ids, tokens)
+        serial.advance(ids, tokens)
+    prepared.prepare(["c1"])  # another step's rows: mask fills anew for its own
+    logits = torch.randn(3, vocab, generator=gen)
+    a, b = logits.clone(), logits.clone()
+    prepared.mask(a, ids)
+    serial.mask(b, ids)
+    assert torch.equal(a, b)
+
+
+def test_prepare_without_constrained_rows_starts_nothing(tmp_path):
+    grammars, _, vocab = rows_for(tmp_path)
+    grammars.prepare(["u1", "u2"])
+    assert grammars._pending is None and grammars._filler is None
+    grammars.add("c", LLMatcher.grammar_from_regex("[0-9]+"), STOP_IDS)
+    grammars.prepare(["u1"])
+    assert grammars._pending is None
