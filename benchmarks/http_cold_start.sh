@@ -3,7 +3,9 @@
 # random weights of scripts/configs/llama3-8b (bf16) with N adapters (one random PEFT folder of
 # rank 16 on all seven projections, under N names; 0: the base model alone), then
 # scripts/bench.py twice with no unmeasured warm-up requests (round-robin over the adapters).
-# Prints the start-up line and both bursts' tables; logs in $OUT.
+# Prints the start-up line and both bursts' tables; logs in $OUT. With PREFILL=1, then: 32
+# streams of 1,024 in / 64 out and single prompts of 512 and 2,048 tokens (max_tokens 1: the
+# time to first token is the prefill), on the base model and on the adapters.
 #
 # Usage, from the repository root on a lent GPU (pyzmq and llguidance wheels carried in .whl/;
 # MODEL_DIR=another config folder for a dry run):
@@ -57,6 +59,28 @@ for burst in first second; do
     --max-tokens "$max_tokens" --note "random 8B, $num_adapters adapters, empty triton cache" \
     2>&1 | tee "$OUT/bench-$burst.log"
 done
+if [[ -n ${PREFILL:-} ]]; then  # the prefill-heavy workloads, base model against the adapters
+  url="http://127.0.0.1:$port"
+  base_id=$(python3 -c "import json, urllib.request as u
+print(json.load(u.urlopen('$url/v1/models'))['data'][0]['id'])")
+  run() {  # name, then bench.py's arguments
+    local name=$1; shift
+    echo "=== $name"
+    python3 scripts/bench.py --url "$url" "$@" 2>&1 | tee "$OUT/$name.log" \
+      | grep -E "output tokens/s|time to first|completed"
+  }
+  targets=("$base_id")
+  (( num_adapters > 0 )) && targets+=("$model_ids")
+  for ids in "${targets[@]}"; do
+    tag=$([[ $ids == "$base_id" ]] && echo base || echo adapters)
+    run "prefill-burst-$tag" --model "$ids" --concurrency 32 --requests 32 --warmup 2 \
+      --prompt-len 1024 --max-tokens 64
+    for len in 512 2048; do
+      run "prompt-$len-$tag" --model "${ids%%,*}" --concurrency 1 --requests 4 --warmup 1 \
+        --prompt-len "$len" --max-tokens 1
+    done
+  done
+fi
 kill -TERM "$daemon"
 wait "$daemon"
 echo "lorad exited with $?"
