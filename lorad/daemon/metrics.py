@@ -85,24 +85,30 @@ class Metrics:
         """Pass the deltas through, counting tokens, latencies and the outcome. `started` is
         the request's arrival on time.monotonic()."""
         outcome = "cancelled"  # unless a finish reason or an error says otherwise
-        num_tokens, last_at = 0, started
+        # choice index -> (its tokens so far, when its last one came); prompts counted once
+        counts: dict[int, tuple[int, float]] = {}
+        counted_prompts: set[int] = set()
         try:
             async for delta in deltas:
                 now = time.monotonic()
+                num_tokens, last_at = counts.get(delta.index, (0, started))
                 num_new = delta.num_completion_tokens - num_tokens
                 if num_new > 0:
-                    if num_tokens == 0:
+                    if not counts:
                         self.first_token.labels(model).observe(now - started)
+                    if delta.prompt_index not in counted_prompts:
+                        counted_prompts.add(delta.prompt_index)
                         self.prompt_tokens.labels(model).inc(delta.num_prompt_tokens)
+                    if num_tokens == 0:
                         num_gaps, gap = num_new - 1, 0.0  # tokens that came with the first one
                     else:
                         num_gaps, gap = num_new, (now - last_at) / num_new
                     for _ in range(num_gaps):
                         self.inter_token.labels(model).observe(gap)
                     self.generation_tokens.labels(model).inc(num_new)
-                    num_tokens, last_at = delta.num_completion_tokens, now
+                    counts[delta.index] = (delta.num_completion_tokens, now)
                 if delta.finish_reason is not None:
-                    outcome = delta.finish_reason
+                    outcome = delta.finish_reason  # the last choice to finish says
                 yield delta
         except GenerationError as exc:
             outcome = OUTCOME_BY_CODE.get(exc.code, "error")

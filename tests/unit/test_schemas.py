@@ -45,6 +45,14 @@ def test_one_element_prompt_batches_are_unwrapped():
     assert parse_completion({**COMPLETION, "prompt": [[5, 6]]}).prompt == [5, 6]
 
 
+def test_prompt_lists_keep_their_order():
+    req = parse_completion({**COMPLETION, "prompt": ["a", [5, 6], "c"]})
+    assert req.prompts == ("a", [5, 6], "c")
+    assert len(parse_completion({**COMPLETION, "prompt": ["x"] * 64}).prompts) == 64
+    with pytest.raises(ValueError):
+        req.prompt  # noqa: B018 - a request of several prompts has no single one
+
+
 def test_chat_messages_and_text_parts():
     req = parse_chat({"model": "m", "max_completion_tokens": 3, "messages": [
         {"role": "system", "content": "be brief", "name": "ignored"},
@@ -80,7 +88,10 @@ def _refused(parse, body, param):
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [1, True]}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a"] * 65}, "prompt"),
+    ({"prompt": ["a", []]}, "prompt"),
+    ({"prompt": ["a", [1, True]]}, "prompt"),
+    ({"prompt": ["a", "b\ud800"]}, "prompt"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "5"}, "max_tokens"),
     ({"max_tokens": True}, "max_tokens"),
