@@ -3,7 +3,8 @@ each admitted request's deadline (--request-timeout, or the end of a drain).
 
 The queue is what the coordinator can count without asking the workers: each choice of a request
 (prompts x n) is *queued* from its admission until its first generated token arrives (waiting in
-the workers or in its prefill); a request is admitted whole or refused whole. Does not tokenize, publish messages or write HTTP.
+the workers or in its prefill); a request is admitted whole or refused whole. Does not tokenize,
+publish messages or write HTTP.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from lorad.protocol import (
     Shutdown, StartupPhase, StepFailed, StepResult, WorkerFailed, decode, encode)
 from lorad.daemon.rank_watch import DEFAULT_STEP_TIMEOUT_S, RankState, RankWatch
 from lorad.daemon.startup import StartupReport, slowest_rank
+from lorad.protocol.messages import choice_ids
 from lorad.protocol.sockets import bind_publisher, bind_puller
 
 log = logging.getLogger("lorad.engine")
@@ -166,21 +167,21 @@ class EngineClient:
     def admit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
               adapter_slot: int = 0, adapter_key: str = "", grammar: str = "", n: int = 1,
               queue: asyncio.Queue | None = None) -> list[str]:
-        """Publish the admission (slot 0, key "": the base model; grammar "": unconstrained) and
-        return its choices' request ids; `queue` (a new one if None) yields their SeqOutputs,
-        then, for each choice, a finished SeqOutput or a RequestFailed. Several admissions may
-        share one queue."""
+        """Publish the admission of one prompt's n choices (slot 0, key "": the base model;
+        grammar "": unconstrained) and return the choices' request ids; `queue` (a new one if
+        None) yields their SeqOutputs, then, for each choice, a finished SeqOutput or a
+        RequestFailed. Several admissions may share one queue."""
         if self.failure.done():
             raise EngineDead(self.failure.result())
-        if n != 1:
-            raise ValueError(f"n={n}: only one choice per prompt")
         queue = queue if queue is not None else asyncio.Queue()
         # Published first: an Admit over the frame limit raises ProtocolError and leaves nothing
         # registered (and no gap in `seq`).
         self._publish(Admit(self._next_seq, request_id, prompt_ids, sampling, adapter_slot,
-                            adapter_key, grammar))
-        self._queues[request_id] = queue
-        return [request_id]
+                            adapter_key, grammar, n))
+        ids = choice_ids(request_id, n)
+        for choice_id in ids:
+            self._queues[choice_id] = queue
+        return ids
 
     def cancel(self, request_id: str) -> None:
         """Stop a request early (client gone, stop string); its queue gets nothing more."""

@@ -46,6 +46,10 @@ class Metrics:
         self.generation_tokens = Counter(
             "lorad_generation_tokens", "Generated tokens (each end-of-sequence token included)",
             ["model"], registry=registry)
+        self.model_tokens = Counter(
+            "lorad_model_tokens", "Tokens the workers ran through the model (prompt chunks, "
+            "decodes and recomputes after preemption), from the leader's step results: the "
+            "choices of one prompt (n) run its prompt once", registry=registry)
         self.first_token = Histogram(
             "lorad_time_to_first_token_seconds", "From the request's arrival to its first "
             "generated token reaching the coordinator", ["model"], buckets=FIRST_TOKEN_BUCKETS,
@@ -120,6 +124,7 @@ class Metrics:
     def step_result(self, result: StepResult) -> None:
         """EngineClient's per-StepResult hook."""
         now = time.monotonic()
+        self.model_tokens.inc(result.num_model_tokens)
         if self._engine_busy and self._last_step_at is not None:
             self.step_interval.observe(now - self._last_step_at)
         self._last_step_at = now

@@ -52,8 +52,8 @@ class CompletionFormat:
             body["usage"] = None  # filled only in the final usage chunk, as OpenAI does
         return body
 
-    def _logprobs(self, entries: Entries) -> dict | None:
-        return self.logprobs.render(entries) if self.logprobs is not None else None
+    def _logprobs(self, entries: Entries, index: int = 0) -> dict | None:
+        return self.logprobs.render(entries, index) if self.logprobs is not None else None
 
     def full(self, choices: list[FullChoice], num_prompt: int, num_completion: int) -> dict:
         """choices: each choice's whole text, by index; the counts summed over the request."""
@@ -63,7 +63,8 @@ class CompletionFormat:
 
     def _full_choice(self, choice: FullChoice) -> dict:
         return {"index": choice.index, "text": choice.text,
-                "logprobs": self._logprobs(choice.entries), "finish_reason": choice.finish_reason}
+                "logprobs": self._logprobs(choice.entries, choice.index),
+                "finish_reason": choice.finish_reason}
 
     def opening_chunk(self, num_prompt: int, num_completion: int = 0, index: int = 0) -> dict:
         """A choice's first chunk, sent when its first token exists, whatever its text."""
@@ -73,7 +74,7 @@ class CompletionFormat:
               num_completion: int, entries: Entries = (), index: int = 0) -> dict:
         """One choice's chunk; the counts are the request's so far (continuous usage)."""
         return self._envelope([{"index": index, "text": text,
-                                "logprobs": self._logprobs(entries),
+                                "logprobs": self._logprobs(entries, index),
                                 "finish_reason": finish_reason}], self.object_name,
                               (num_prompt, num_completion))
 
@@ -90,7 +91,8 @@ class ChatFormat(CompletionFormat):
 
     def _full_choice(self, choice: FullChoice) -> dict:
         return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": self._logprobs(choice.entries), "finish_reason": choice.finish_reason}
+                "logprobs": self._logprobs(choice.entries, choice.index),
+                "finish_reason": choice.finish_reason}
 
     def opening_chunk(self, num_prompt: int, num_completion: int = 0, index: int = 0) -> dict:
         # OpenAI's first chunk of a choice: the role, with empty content.
@@ -103,7 +105,7 @@ class ChatFormat(CompletionFormat):
         # finish chunk without text has an empty delta, as OpenAI's does.
         delta = {"content": text} if text or finish_reason is None else {}
         return self._chunk(delta, finish_reason, (num_prompt, num_completion),
-                           self._logprobs(entries), index)
+                           self._logprobs(entries, index), index)
 
     def usage_chunk(self, num_prompt: int, num_completion: int) -> dict:
         body = self._envelope([], self.chunk_object_name)

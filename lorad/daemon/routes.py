@@ -111,6 +111,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = parse_completion(await read_json(request))
     choice = _choose(request, state, body.model, body.adapter)
+    _check_n(state, body.options.n)
     state.admission.check(state.status, len(body.prompts) * body.options.n)
     prompts_ids = [state.model.tokenizer.encode(p) if isinstance(p, str)
                    else _check_token_ids(p, state.model.vocab_size) for p in body.prompts]
@@ -123,6 +124,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = parse_chat(await read_json(request))
     choice = _choose(request, state, body.model, body.adapter)
+    _check_n(state, body.options.n)
     state.admission.check(state.status, body.options.n)
     try:
         prompt_ids = state.model.tokenizer.encode_chat(body.messages)
@@ -130,6 +132,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise bad_request(str(exc), "messages", "chat_template_error") from None
     return await _generate(request, state, ChatFormat, choice, [prompt_ids], body.options,
                            "messages", started, body.constraint)
+
+
+def _check_n(state: AppState, n: int) -> None:
+    """A prompt's choices run in one step once they fork: at most --max-num-seqs of them."""
+    max_num_seqs = state.engine.facts.max_num_seqs if state.engine.facts else n
+    if n > max_num_seqs:
+        raise bad_request(f"n must be at most {max_num_seqs} here: a prompt's choices run in "
+                          f"one step (--max-num-seqs {max_num_seqs})", "n")
 
 
 def _choose(request: web.Request, state: AppState, model: str,

@@ -1,9 +1,10 @@
 """OpenAI request bodies, checked field by field into frozen dataclasses.
 
 Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (echo, tools,
-best_of other than n, ...) and contradictory ones are refused by name, never dropped silently. `adapter`,
-`regex` and `grammar` are lorad's own fields, read by constraints.py. Checks that need the model
-(served ids and adapters, context length, vocabulary) happen in routes.py and model_ids.py.
+best_of other than n, ...) and contradictory ones are refused by name, never dropped silently.
+`adapter`, `regex` and `grammar` are lorad's own fields, read by constraints.py. Checks that need
+the model (served ids and adapters, context length, vocabulary, n against --max-num-seqs) happen
+in routes.py and model_ids.py.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ from dataclasses import dataclass
 
 from lorad.daemon.constraints import Constraint, parse_constraint
 from lorad.daemon.errors import bad_request
-from lorad.protocol.messages import MAX_TOP_LOGPROBS
+from lorad.protocol.messages import MAX_CHOICES, MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS = 64  # prompts in one completions request (each its own choice or choices)
-MAX_CHOICES = 1  # n: choices per prompt
 CHAT_ROLES = ("system", "user", "assistant")
 _INT64 = 2**63
 # Known OpenAI fields lorad does not implement: refused unless they hold their "off" value.
