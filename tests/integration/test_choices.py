@@ -197,9 +197,10 @@ def test_prompt_list_bounds(served, body, param):
 
 
 def test_a_failed_step_ends_every_choice_with_one_error_event(start_lorad):
-    # Rank 0 raises in its 3rd model step: each prompt has streamed its first tokens by then.
-    daemon = start_lorad("--parallel", "1", env={"LORAD_TEST_RAISE_RANK": "0:3"})
-    events = stream(daemon, {"model": "tiny", "prompt": PROMPTS, "max_tokens": 20,
+    # Rank 0 raises in its 15th model step: each prompt has streamed its first tokens by then
+    # (the Admits may reach the worker a few steps apart), none has finished.
+    daemon = start_lorad("--parallel", "1", env={"LORAD_TEST_RAISE_RANK": "0:15"})
+    events = stream(daemon, {"model": "tiny", "prompt": PROMPTS, "max_tokens": 60,
                              "temperature": 0, "ignore_eos": True})
     assert events[-1] == "[DONE]"
     errors = [e for e in events[:-1] if "error" in e]
