@@ -1,9 +1,10 @@
 """Who gets in and how they are let out: the draining switch (503), the queue bound (429), and
 each admitted request's deadline (--request-timeout, or the end of a drain).
 
-The queue is what the coordinator can count without asking the workers: a request is *queued*
-from its admission until its first generated token arrives (waiting in the workers or in its
-prefill). Does not tokenize, publish messages or write HTTP.
+The queue is what the coordinator can count without asking the workers: each choice of a request
+(prompts x n) is *queued* from its admission until its first generated token arrives (waiting in
+the workers or in its prefill); a request is admitted whole or refused whole. Does not tokenize,
+publish messages or write HTTP.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ RETRY_AFTER_UNAVAILABLE_S = 5  # draining or failed: another instance, or this o
 
 
 class Ticket:
-    """One admitted request: whether it is still queued, and when it must end and why."""
+    """One admitted request: which of its choices are still queued, and when it must end and
+    why."""
 
-    def __init__(self, deadline: float | None) -> None:
-        self.queued = True
+    def __init__(self, deadline: float | None, num_choices: int = 1) -> None:
+        self.queued = set(range(num_choices))  # choice indexes without a token yet
         self.deadline = deadline  # loop time; None: no deadline
         self.cut_message: str | None = None  # set when a drain ends it
         self._timer: asyncio.Timeout | None = None  # armed while waiting for the next delta
@@ -67,32 +69,35 @@ class Admission:
     def num_open(self) -> int:
         return len(self._open)
 
-    def check(self, status: str) -> None:
-        """Refuse a new generation request while not serving (503) or while the queue is full
-        (429). Call it right before tokenizing: nothing awaits between it and the admission."""
+    def check(self, status: str, num_choices: int = 1) -> None:
+        """Refuse a new generation request while not serving (503) or while the queue has no
+        room for all its choices (429). Call it right before tokenizing: nothing awaits between
+        it and the admission."""
         if status != "serving":
             why = {"draining": "is draining before it stops", "stopping": "is stopping",
                    "failed": "has failed"}.get(status, f"is {status}")
             raise ApiError(503, f"the server {why} and admits no new requests",
                            code="unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
-        if self.num_queued >= self.max_queued:
+        if self.num_queued + num_choices > self.max_queued:
+            asked = f"; this request has {num_choices} choices" if num_choices > 1 else ""
             raise ApiError(429, f"too many requests waiting for their first token "
-                                f"({self.num_queued}, --max-queued-requests {self.max_queued}); "
-                                f"retry shortly", code="queue_full",
+                                f"({self.num_queued} choices, --max-queued-requests "
+                                f"{self.max_queued}{asked}); retry shortly", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)})
 
     @contextmanager
-    def ticket(self, started: float):
-        """Count one admitted request from here until the handler is done with it; `started`
-        (time.monotonic()) is its arrival, where --request-timeout counts from."""
+    def ticket(self, started: float, num_choices: int = 1):
+        """Count one admitted request (its choices in the queue) from here until the handler is
+        done with it; `started` (time.monotonic()) is its arrival, where --request-timeout counts
+        from."""
         deadline = None
         if self.request_timeout is not None:  # on the loop's clock, which timeouts run on
             remaining = started + self.request_timeout - time.monotonic()
             deadline = asyncio.get_running_loop().time() + remaining
-        ticket = Ticket(deadline)
+        ticket = Ticket(deadline, num_choices)
         self._open.add(ticket)
-        self.num_queued += 1
+        self.num_queued += num_choices
         self._idle.clear()
         try:
             yield ticket
@@ -118,7 +123,7 @@ class Admission:
                 finally:
                     ticket._timer = None
                 if delta.num_completion_tokens:
-                    self._leave_queue(ticket)
+                    self._leave_queue(ticket, delta.index)
                 yield delta
         finally:
             await deltas.aclose()
@@ -133,7 +138,8 @@ class Admission:
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    def _leave_queue(self, ticket: Ticket) -> None:
-        if ticket.queued:
-            ticket.queued = False
-            self.num_queued -= 1
+    def _leave_queue(self, ticket: Ticket, index: int | None = None) -> None:
+        """One choice got its first token (index), or the request is done (None: all)."""
+        leaving = ticket.queued if index is None else ticket.queued & {index}
+        self.num_queued -= len(leaving)
+        ticket.queued -= leaving

@@ -23,6 +23,7 @@ from lorad.protocol import (
     Shutdown, StartupPhase, StepFailed, StepResult, WorkerFailed, decode, encode)
 from lorad.daemon.rank_watch import DEFAULT_STEP_TIMEOUT_S, RankState, RankWatch
 from lorad.daemon.startup import StartupReport, slowest_rank
+from lorad.protocol.messages import choice_ids
 from lorad.protocol.sockets import bind_publisher, bind_puller
 
 log = logging.getLogger("lorad.engine")
@@ -164,19 +165,23 @@ class EngineClient:
     # --- requests ------------------------------------------------------------------------------
 
     def admit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-              adapter_slot: int = 0, adapter_key: str = "", grammar: str = "") -> asyncio.Queue:
-        """Publish the admission (slot 0, key "": the base model; grammar "": unconstrained);
-        the returned queue yields SeqOutputs, then ends with a finished SeqOutput or a
-        RequestFailed."""
+              adapter_slot: int = 0, adapter_key: str = "", grammar: str = "", n: int = 1,
+              queue: asyncio.Queue | None = None) -> list[str]:
+        """Publish the admission of one prompt's n choices (slot 0, key "": the base model;
+        grammar "": unconstrained) and return the choices' request ids; `queue` (a new one if
+        None) yields their SeqOutputs, then, for each choice, a finished SeqOutput or a
+        RequestFailed. Several admissions may share one queue."""
         if self.failure.done():
             raise EngineDead(self.failure.result())
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = queue if queue is not None else asyncio.Queue()
         # Published first: an Admit over the frame limit raises ProtocolError and leaves nothing
         # registered (and no gap in `seq`).
         self._publish(Admit(self._next_seq, request_id, prompt_ids, sampling, adapter_slot,
-                            adapter_key, grammar))
-        self._queues[request_id] = queue
-        return queue
+                            adapter_key, grammar, n))
+        ids = choice_ids(request_id, n)
+        for choice_id in ids:
+            self._queues[choice_id] = queue
+        return ids
 
     def cancel(self, request_id: str) -> None:
         """Stop a request early (client gone, stop string); its queue gets nothing more."""
@@ -193,7 +198,7 @@ class EngineClient:
         """The engine cannot go on: end every open request with an error, refuse new ones."""
         if not self.failure.done():
             self.failure.set_result(message)
-        self.num_failed_by_engine += len(self._queues)
+        self.num_failed_by_engine += self.num_open_requests
         self.abort_all(message)
 
     def abort_all(self, message: str) -> None:
@@ -218,7 +223,8 @@ class EngineClient:
 
     @property
     def num_open_requests(self) -> int:
-        return len(self._queues)
+        """Requests, not choices: a request's choices share one queue."""
+        return len({id(queue) for queue in self._queues.values()})
 
     def _publish(self, msg) -> None:
         self._pub.send(encode(msg))

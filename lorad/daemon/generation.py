@@ -1,12 +1,14 @@
-"""One admitted request, from Admit to its single terminal event, as a stream of text deltas.
+"""One admitted request, from its Admits to its choices' terminal events, as a stream of deltas.
 
-Admits the prompt, detokenizes each step's ids, ends on the engine's finish reason or a stop
-string (then sends Cancel), and sends Cancel if its consumer goes away early. Knows nothing of
+Admits each prompt (one Admit carrying n), detokenizes each choice's ids, ends a choice on the
+engine's finish reason or a stop string (then sends Cancel), and sends Cancel for every open
+choice if its consumer goes away early or one choice fails. Knows nothing of
 OpenAI's JSON shapes (responses.py) or of HTTP.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -31,57 +33,109 @@ class GenerationError(RuntimeError):
 @dataclass(frozen=True)
 class Delta:
     text: str  # new text, possibly empty
-    finish_reason: str | None  # "stop" or "length" on the last delta, else None
-    num_prompt_tokens: int
-    num_completion_tokens: int  # generated so far
+    finish_reason: str | None  # "stop" or "length" on the choice's last delta, else None
+    num_prompt_tokens: int  # of this choice's prompt
+    num_completion_tokens: int  # this choice's tokens generated so far
     # (token id, its log probabilities) for each token of this step, when the request asked;
     # every generated token has one, the end-of-sequence token too, whatever text is shown.
     logprobs: tuple[tuple[int, TokenLogprobs], ...] = ()
+    index: int = 0  # the choice: prompt index * n + j, OpenAI's order
+    prompt_index: int = 0  # which prompt of the request it continues
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request, admitted as one Admit carrying n."""
+
+    token_ids: list[int]
+    sampling: SamplingParams  # its max_tokens follows its own length
+
+
+class _Choice:
+    """One choice's state: its worker request id, detokenizer and counts."""
+
+    def __init__(self, index: int, prompt_index: int, request_id: str, num_prompt: int,
+                 tokenizer: ModelTokenizer, stop: tuple[str, ...]) -> None:
+        self.index = index
+        self.prompt_index = prompt_index
+        self.request_id = request_id
+        self.num_prompt = num_prompt
+        self.detokenizer = IncrementalDetokenizer(tokenizer.decode, stop)
+        self.num_generated = 0
+        self.finished = False
 
 
 async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: str,
-                   prompt_ids: list[int], sampling: SamplingParams, stop: tuple[str, ...],
-                   adapter_slot: int = 0, adapter_key: str = "",
-                   grammar: str = "") -> AsyncIterator[Delta]:
-    """Yield deltas until one carries a finish reason; raise GenerationError on failure.
+                   prompts: list[Prompt], stop: tuple[str, ...], adapter_slot: int = 0,
+                   adapter_key: str = "", grammar: str = "", n: int = 1) -> AsyncIterator[Delta]:
+    """Yield every choice's deltas, interleaved as their tokens arrive, until each choice has
+    yielded one with a finish reason; raise GenerationError when any choice fails (the others
+    are cancelled: one error ends the whole request).
 
     adapter_slot 0 (key "") is the base model; grammar "" leaves the output unconstrained. Close
-    it (contextlib.aclosing) when abandoning it early: closing sends Cancel.
+    it (contextlib.aclosing) when abandoning it early: closing sends Cancel for every choice.
     """
+    queue: asyncio.Queue = asyncio.Queue()  # every choice's outputs, in arrival order
+    choices: dict[str, _Choice] = {}
     try:
-        queue = engine.admit(request_id, prompt_ids, sampling, adapter_slot, adapter_key, grammar)
+        for i, prompt in enumerate(prompts):
+            prompt_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            ids = engine.admit(prompt_id, prompt.token_ids, prompt.sampling, adapter_slot,
+                               adapter_key, grammar, n, queue)
+            for j, choice_id in enumerate(ids):
+                choices[choice_id] = _Choice(i * n + j, i, choice_id, len(prompt.token_ids),
+                                             tokenizer, stop)
     except EngineDead as exc:
+        _cancel_open(engine, choices)
         raise GenerationError(f"the engine is down: {exc}") from None
-    detokenizer = IncrementalDetokenizer(tokenizer.decode, stop)
-    stop_ids = set(sampling.stop_token_ids)
-    num_generated = 0
-    finished = False
+    except BaseException:
+        _cancel_open(engine, choices)  # all or nothing: no prompt runs without the others
+        raise
+    stop_ids = set(prompts[0].sampling.stop_token_ids)
+    num_open = len(choices)
     try:
-        while not finished:
+        while num_open:
             event = await queue.get()
             if isinstance(event, RequestFailed):
-                finished = True
                 raise GenerationError(event.message)
-            num_generated += len(event.token_ids)
-            ids = event.token_ids
-            if event.finish_reason == "stop" and ids and ids[-1] in stop_ids:
-                ids = ids[:-1]  # the stop token is counted but never shown
-            text = detokenizer.add(ids)
-            reason = _finish_reason(event.finish_reason, detokenizer.stopped)
-            if reason is not None:
-                finished = True
-                if detokenizer.stopped and event.finish_reason is None:
-                    engine.cancel(request_id)  # a stop string ended it; the workers don't know
-                text += detokenizer.finish()
-                if detokenizer.stopped:
-                    # The text held back until now (an incomplete character) held a stop
-                    # string: it ends the request as a stop, whatever ended the generation.
-                    reason = "stop"
-            logprobs = tuple(zip(event.token_ids, event.logprobs or ()))
-            yield Delta(text, reason, len(prompt_ids), num_generated, logprobs)
+            choice = choices[event.request_id]
+            if choice.finished:
+                continue
+            delta = _delta(engine, choice, event, stop_ids)
+            if delta.finish_reason is not None:
+                num_open -= 1
+            yield delta
     finally:
-        if not finished:
-            engine.cancel(request_id)
+        _cancel_open(engine, choices)
+
+
+def _delta(engine: EngineClient, choice: _Choice, event, stop_ids: set[int]) -> Delta:
+    choice.num_generated += len(event.token_ids)
+    ids = event.token_ids
+    if event.finish_reason == "stop" and ids and ids[-1] in stop_ids:
+        ids = ids[:-1]  # the stop token is counted but never shown
+    detokenizer = choice.detokenizer
+    text = detokenizer.add(ids)
+    reason = _finish_reason(event.finish_reason, detokenizer.stopped)
+    if reason is not None:
+        choice.finished = True
+        if detokenizer.stopped and event.finish_reason is None:
+            engine.cancel(choice.request_id)  # a stop string ended it; the workers don't know
+        text += detokenizer.finish()
+        if detokenizer.stopped:
+            # The text held back until now (an incomplete character) held a stop string: it
+            # ends the choice as a stop, whatever ended the generation.
+            reason = "stop"
+    logprobs = tuple(zip(event.token_ids, event.logprobs or ()))
+    return Delta(text, reason, choice.num_prompt, choice.num_generated, logprobs, choice.index,
+                 choice.prompt_index)
+
+
+def _cancel_open(engine: EngineClient, choices: dict[str, _Choice]) -> None:
+    for choice in choices.values():
+        if not choice.finished:
+            choice.finished = True
+            engine.cancel(choice.request_id)
 
 
 def _finish_reason(engine_reason: str | None, stop_string_matched: bool) -> str | None:

@@ -18,18 +18,22 @@ Entries = Sequence[tuple[int, TokenLogprobs]]
 
 
 class LogprobsFormat:
-    """One request's logprobs objects; a stream's chunks continue the text offsets."""
+    """One request's logprobs objects; a stream's chunks continue each choice's text offsets."""
 
     def __init__(self, decode: Callable[[list[int]], str], chat: bool,
                  token_bytes: TokenBytes | None = None) -> None:
         self._decode = decode
         self._token_bytes = token_bytes or TokenBytes({})
         self._chat = chat
-        self._text_offset = 0  # completions: characters of the tokens rendered so far
+        # completions: choice index -> characters of its tokens rendered so far
+        self._text_offsets: dict[int, int] = {}
         self._texts: dict[int, str] = {}  # token id -> text, for this request's tokens
 
-    def render(self, entries: Entries) -> dict:
-        return self._chat_object(entries) if self._chat else self._completion_object(entries)
+    def render(self, entries: Entries, index: int = 0) -> dict:
+        """The logprobs object of choice `index`'s next tokens."""
+        if self._chat:
+            return self._chat_object(entries)
+        return self._completion_object(entries, index)
 
     def _text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -52,8 +56,9 @@ class LogprobsFormat:
         raw = raw if raw is not None else text.encode("utf-8")
         return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
-    def _completion_object(self, entries: Entries) -> dict:
+    def _completion_object(self, entries: Entries, index: int) -> dict:
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        offset = self._text_offsets.get(index, 0)
         for token_id, values in entries:
             text = self._text(token_id)
             tokens.append(text)
@@ -65,7 +70,8 @@ class LogprobsFormat:
                 top.setdefault(self._text(i), v)
             top.setdefault(text, values.logprob)
             top_logprobs.append(top)
-            text_offset.append(self._text_offset)
-            self._text_offset += len(text)
+            text_offset.append(offset)
+            offset += len(text)
+        self._text_offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": text_offset}

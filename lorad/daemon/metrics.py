@@ -46,6 +46,10 @@ class Metrics:
         self.generation_tokens = Counter(
             "lorad_generation_tokens", "Generated tokens (each end-of-sequence token included)",
             ["model"], registry=registry)
+        self.model_tokens = Counter(
+            "lorad_model_tokens", "Tokens the workers ran through the model (prompt chunks, "
+            "decodes and recomputes after preemption), from the leader's step results: the "
+            "choices of one prompt (n) run its prompt once", registry=registry)
         self.first_token = Histogram(
             "lorad_time_to_first_token_seconds", "From the request's arrival to its first "
             "generated token reaching the coordinator", ["model"], buckets=FIRST_TOKEN_BUCKETS,
@@ -85,24 +89,30 @@ class Metrics:
         """Pass the deltas through, counting tokens, latencies and the outcome. `started` is
         the request's arrival on time.monotonic()."""
         outcome = "cancelled"  # unless a finish reason or an error says otherwise
-        num_tokens, last_at = 0, started
+        # choice index -> (its tokens so far, when its last one came); prompts counted once
+        counts: dict[int, tuple[int, float]] = {}
+        counted_prompts: set[int] = set()
         try:
             async for delta in deltas:
                 now = time.monotonic()
+                num_tokens, last_at = counts.get(delta.index, (0, started))
                 num_new = delta.num_completion_tokens - num_tokens
                 if num_new > 0:
-                    if num_tokens == 0:
+                    if not counts:
                         self.first_token.labels(model).observe(now - started)
+                    if delta.prompt_index not in counted_prompts:
+                        counted_prompts.add(delta.prompt_index)
                         self.prompt_tokens.labels(model).inc(delta.num_prompt_tokens)
+                    if num_tokens == 0:
                         num_gaps, gap = num_new - 1, 0.0  # tokens that came with the first one
                     else:
                         num_gaps, gap = num_new, (now - last_at) / num_new
                     for _ in range(num_gaps):
                         self.inter_token.labels(model).observe(gap)
                     self.generation_tokens.labels(model).inc(num_new)
-                    num_tokens, last_at = delta.num_completion_tokens, now
+                    counts[delta.index] = (delta.num_completion_tokens, now)
                 if delta.finish_reason is not None:
-                    outcome = delta.finish_reason
+                    outcome = delta.finish_reason  # the last choice to finish says
                 yield delta
         except GenerationError as exc:
             outcome = OUTCOME_BY_CODE.get(exc.code, "error")
@@ -114,6 +124,7 @@ class Metrics:
     def step_result(self, result: StepResult) -> None:
         """EngineClient's per-StepResult hook."""
         now = time.monotonic()
+        self.model_tokens.inc(result.num_model_tokens)
         if self._engine_busy and self._last_step_at is not None:
             self.step_interval.observe(now - self._last_step_at)
         self._last_step_at = now

@@ -1,14 +1,25 @@
 """OpenAI response bodies and stream chunks for /v1/completions and /v1/chat/completions.
 
 One small class per endpoint builds its JSON shapes; routes.py and sse.py decide when to send
-them. Pure dicts in, dicts out.
+them. Pure dicts in, dicts out. Every choice carries its index (prompt index * n + j); usage is
+the request's: each prompt's tokens once, every choice's completion tokens.
 """
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from lorad.daemon.logprobs import Entries, LogprobsFormat
+
+
+class FullChoice(NamedTuple):
+    """One choice of a non-streamed answer."""
+
+    index: int  # prompt index * n + j
+    text: str
+    finish_reason: str
+    entries: Entries = ()  # its tokens' log probabilities, when asked
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
@@ -41,23 +52,29 @@ class CompletionFormat:
             body["usage"] = None  # filled only in the final usage chunk, as OpenAI does
         return body
 
-    def _logprobs(self, entries: Entries) -> dict | None:
-        return self.logprobs.render(entries) if self.logprobs is not None else None
+    def _logprobs(self, entries: Entries, index: int = 0) -> dict | None:
+        return self.logprobs.render(entries, index) if self.logprobs is not None else None
 
-    def full(self, text: str, finish_reason: str, num_prompt: int, num_completion: int,
-             entries: Entries = ()) -> dict:
-        body = self._envelope([{"index": 0, "text": text, "logprobs": self._logprobs(entries),
-                                "finish_reason": finish_reason}], self.object_name)
+    def full(self, choices: list[FullChoice], num_prompt: int, num_completion: int) -> dict:
+        """choices: each choice's whole text, by index; the counts summed over the request."""
+        body = self._envelope([self._full_choice(c) for c in choices], self.object_name)
         body["usage"] = usage(num_prompt, num_completion)
         return body
 
-    def opening_chunk(self, num_prompt: int) -> dict:
-        """The stream's first chunk, sent when the first token exists, whatever its text."""
-        return self.chunk("", None, num_prompt, 0)
+    def _full_choice(self, choice: FullChoice) -> dict:
+        return {"index": choice.index, "text": choice.text,
+                "logprobs": self._logprobs(choice.entries, choice.index),
+                "finish_reason": choice.finish_reason}
+
+    def opening_chunk(self, num_prompt: int, num_completion: int = 0, index: int = 0) -> dict:
+        """A choice's first chunk, sent when its first token exists, whatever its text."""
+        return self.chunk("", None, num_prompt, num_completion, index=index)
 
     def chunk(self, text: str, finish_reason: str | None, num_prompt: int,
-              num_completion: int, entries: Entries = ()) -> dict:
-        return self._envelope([{"index": 0, "text": text, "logprobs": self._logprobs(entries),
+              num_completion: int, entries: Entries = (), index: int = 0) -> dict:
+        """One choice's chunk; the counts are the request's so far (continuous usage)."""
+        return self._envelope([{"index": index, "text": text,
+                                "logprobs": self._logprobs(entries, index),
                                 "finish_reason": finish_reason}], self.object_name,
                               (num_prompt, num_completion))
 
@@ -72,26 +89,23 @@ class ChatFormat(CompletionFormat):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def full(self, text: str, finish_reason: str, num_prompt: int, num_completion: int,
-             entries: Entries = ()) -> dict:
-        message = {"role": "assistant", "content": text}
-        body = self._envelope([{"index": 0, "message": message,
-                                "logprobs": self._logprobs(entries),
-                                "finish_reason": finish_reason}], self.object_name)
-        body["usage"] = usage(num_prompt, num_completion)
-        return body
+    def _full_choice(self, choice: FullChoice) -> dict:
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": self._logprobs(choice.entries, choice.index),
+                "finish_reason": choice.finish_reason}
 
-    def opening_chunk(self, num_prompt: int) -> dict:
-        # OpenAI's first chunk: the role, with empty content.
-        return self._chunk({"role": "assistant", "content": ""}, None, (num_prompt, 0), None)
+    def opening_chunk(self, num_prompt: int, num_completion: int = 0, index: int = 0) -> dict:
+        # OpenAI's first chunk of a choice: the role, with empty content.
+        return self._chunk({"role": "assistant", "content": ""}, None,
+                           (num_prompt, num_completion), None, index)
 
     def chunk(self, text: str, finish_reason: str | None, num_prompt: int,
-              num_completion: int, entries: Entries = ()) -> dict:
+              num_completion: int, entries: Entries = (), index: int = 0) -> dict:
         # Mid-stream chunks keep "content" even when empty, for clients that index it; the
         # finish chunk without text has an empty delta, as OpenAI's does.
         delta = {"content": text} if text or finish_reason is None else {}
         return self._chunk(delta, finish_reason, (num_prompt, num_completion),
-                           self._logprobs(entries))
+                           self._logprobs(entries, index), index)
 
     def usage_chunk(self, num_prompt: int, num_completion: int) -> dict:
         body = self._envelope([], self.chunk_object_name)
@@ -99,6 +113,6 @@ class ChatFormat(CompletionFormat):
         return body
 
     def _chunk(self, delta: dict, finish_reason: str | None, counts: tuple[int, int],
-               logprobs: dict | None) -> dict:
-        return self._envelope([{"index": 0, "delta": delta, "logprobs": logprobs,
+               logprobs: dict | None, index: int) -> dict:
+        return self._envelope([{"index": index, "delta": delta, "logprobs": logprobs,
                                 "finish_reason": finish_reason}], self.chunk_object_name, counts)

@@ -22,13 +22,13 @@ from lorad.daemon.engine_client import EngineClient
 from lorad.daemon.auth import auth_middleware
 from lorad.daemon.constraints import Constraint
 from lorad.daemon.errors import bad_request, error_middleware, error_response
-from lorad.daemon.generation import GenerationError, generate
+from lorad.daemon.generation import GenerationError, Prompt, generate
 from lorad.daemon.json_body import MAX_BODY_BYTES, read_json
 from lorad.daemon.logprobs import LogprobsFormat
 from lorad.daemon.metrics import ADMITTED_KEY, MODEL_KEY, Metrics, metrics_middleware
 from lorad.daemon.model_ids import ModelChoice, choose, model_cards
 from lorad.daemon.probes import probe_body
-from lorad.daemon.responses import ChatFormat, CompletionFormat
+from lorad.daemon.responses import ChatFormat, CompletionFormat, FullChoice
 from lorad.daemon.schemas import SamplingOptions, parse_chat, parse_completion
 from lorad.daemon.sse import stream_events
 from lorad.daemon.token_bytes import TokenBytes
@@ -111,12 +111,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = parse_completion(await read_json(request))
     choice = _choose(request, state, body.model, body.adapter)
-    state.admission.check(state.status)
-    if isinstance(body.prompt, str):
-        prompt_ids = state.model.tokenizer.encode(body.prompt)
-    else:
-        prompt_ids = _check_token_ids(body.prompt, state.model.vocab_size)
-    return await _generate(request, state, CompletionFormat, choice, prompt_ids, body.options,
+    _check_n(state, body.options.n)
+    state.admission.check(state.status, len(body.prompts) * body.options.n)
+    prompts_ids = [state.model.tokenizer.encode(p) if isinstance(p, str)
+                   else _check_token_ids(p, state.model.vocab_size) for p in body.prompts]
+    return await _generate(request, state, CompletionFormat, choice, prompts_ids, body.options,
                            "prompt", started, body.constraint)
 
 
@@ -125,13 +124,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = parse_chat(await read_json(request))
     choice = _choose(request, state, body.model, body.adapter)
-    state.admission.check(state.status)
+    _check_n(state, body.options.n)
+    state.admission.check(state.status, body.options.n)
     try:
         prompt_ids = state.model.tokenizer.encode_chat(body.messages)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages", "chat_template_error") from None
-    return await _generate(request, state, ChatFormat, choice, prompt_ids, body.options,
+    return await _generate(request, state, ChatFormat, choice, [prompt_ids], body.options,
                            "messages", started, body.constraint)
+
+
+def _check_n(state: AppState, n: int) -> None:
+    """A prompt's choices run in one step once they fork: at most --max-num-seqs of them."""
+    max_num_seqs = state.engine.facts.max_num_seqs if state.engine.facts else n
+    if n > max_num_seqs:
+        raise bad_request(f"n must be at most {max_num_seqs} here: a prompt's choices run in "
+                          f"one step (--max-num-seqs {max_num_seqs})", "n")
 
 
 def _choose(request: web.Request, state: AppState, model: str,
@@ -142,12 +150,14 @@ def _choose(request: web.Request, state: AppState, model: str,
 
 
 async def _generate(request: web.Request, state: AppState, format_cls: type[CompletionFormat],
-                    choice: ModelChoice, prompt_ids: list[int], options: SamplingOptions,
+                    choice: ModelChoice, prompts_ids: list[list[int]], options: SamplingOptions,
                     prompt_param: str, started: float,
                     constraint: Constraint | None = None) -> web.StreamResponse:
-    # From admission.check() to the Admit inside generate() nothing awaits, so the queue bound
+    # From admission.check() to the Admits inside generate() nothing awaits, so the queue bound
     # and the draining switch hold exactly.
-    sampling = _sampling(state.model, prompt_ids, options, prompt_param)
+    prompts = [Prompt(ids, _sampling(state.model, ids, options, prompt_param))
+               for ids in prompts_ids]
+    num_prompt = sum(len(ids) for ids in prompts_ids)
     logprobs = (LogprobsFormat(state.model.tokenizer.decode, format_cls is ChatFormat,
                                state.model.token_bytes)
                 if options.num_logprobs is not None else None)
@@ -156,32 +166,34 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
                      continuous_usage=options.stream and options.continuous_usage,
                      logprobs=logprobs)
     request[ADMITTED_KEY] = True
-    with state.admission.ticket(started) as ticket:
-        deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompt_ids,
-                          sampling, options.stop, choice.adapter_slot, choice.adapter_key,
-                          constraint.grammar if constraint else "")
+    with state.admission.ticket(started, len(prompts) * options.n) as ticket:
+        deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompts,
+                          options.stop, choice.adapter_slot, choice.adapter_key,
+                          constraint.grammar if constraint else "", options.n)
         deltas = state.metrics.observe(state.admission.bounded(deltas, ticket), choice.model_id,
                                        started)
         async with aclosing(deltas):
             if options.stream:
-                return await stream_events(request, deltas, fmt)
-            texts, entries, last = [], [], None
+                return await stream_events(request, deltas, fmt, num_prompt)
+            texts, entries, last = {}, {}, {}
             try:
                 async for delta in deltas:
-                    texts.append(delta.text)
-                    entries.extend(delta.logprobs)
-                    last = delta
+                    texts.setdefault(delta.index, []).append(delta.text)
+                    entries.setdefault(delta.index, []).extend(delta.logprobs)
+                    last[delta.index] = delta
             except GenerationError as exc:
                 headers = ({"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)}
                            if exc.status == 503 else None)
                 return error_response(exc.status, str(exc), code=exc.code, headers=headers)
-        return web.json_response(fmt.full("".join(texts), last.finish_reason,
-                                          last.num_prompt_tokens, last.num_completion_tokens,
-                                          entries))
+        choices = [FullChoice(i, "".join(texts[i]), last[i].finish_reason, entries[i])
+                   for i in sorted(last)]
+        return web.json_response(fmt.full(choices, num_prompt, sum(
+            d.num_completion_tokens for d in last.values())))
 
 
 def _sampling(model: ServedModel, prompt_ids: list[int], options: SamplingOptions,
               prompt_param: str) -> SamplingParams:
+    """One prompt's sampling; every prompt takes the request's seed, or draws its own."""
     num_prompt, limit = len(prompt_ids), model.max_model_len
     if num_prompt == 0:
         raise bad_request("the prompt is empty after tokenization", prompt_param)

@@ -1,9 +1,10 @@
 """OpenAI request bodies, checked field by field into frozen dataclasses.
 
 Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (echo, tools,
-n > 1, ...) and contradictory ones are refused by name, never dropped silently. `adapter`,
-`regex` and `grammar` are lorad's own fields, read by constraints.py. Checks that need the model
-(served ids and adapters, context length, vocabulary) happen in routes.py and model_ids.py.
+best_of other than n, ...) and contradictory ones are refused by name, never dropped silently.
+`adapter`, `regex` and `grammar` are lorad's own fields, read by constraints.py. Checks that need
+the model (served ids and adapters, context length, vocabulary, n against --max-num-seqs) happen
+in routes.py and model_ids.py.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from dataclasses import dataclass
 
 from lorad.daemon.constraints import Constraint, parse_constraint
 from lorad.daemon.errors import bad_request
-from lorad.protocol.messages import MAX_TOP_LOGPROBS
+from lorad.protocol.messages import MAX_CHOICES, MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
+MAX_PROMPTS = 64  # prompts in one completions request (each its own choice or choices)
 CHAT_ROLES = ("system", "user", "assistant")
 _INT64 = 2**63
 # Known OpenAI fields lorad does not implement: refused unless they hold their "off" value.
@@ -42,15 +44,23 @@ class SamplingOptions:
     # None: no log probabilities; k: each token's log probability and its k most likely
     # alternatives (completions' logprobs, chat's top_logprobs with logprobs true)
     num_logprobs: int | None = None
+    n: int = 1  # choices per prompt, sharing the prompt's prefill
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
     model: str
     adapter: str | None  # lorad extension: an adapter's name, with model = the base model's id
-    prompt: str | list[int]
+    prompts: tuple[str | list[int], ...]  # 1..MAX_PROMPTS, in the order of their choices
     options: SamplingOptions
     constraint: Constraint | None = None  # response_format, regex or grammar, compiled
+
+    @property
+    def prompt(self) -> str | list[int]:
+        """The request's only prompt."""
+        if len(self.prompts) != 1:
+            raise ValueError(f"the request holds {len(self.prompts)} prompts")
+        return self.prompts[0]
 
 
 @dataclass(frozen=True)
@@ -65,10 +75,11 @@ class ChatRequest:
 def parse_completion(body: object) -> CompletionRequest:
     body = _object(body)
     _refuse_unsupported(body, "completions")
-    if _int(body, "best_of", lo=1, default=1) != 1:
-        raise bad_request("best_of other than 1 is not supported", "best_of", "unsupported")
+    n = _n(body)
+    if _int(body, "best_of", lo=1, default=n) != n:
+        raise bad_request("best_of other than n is not supported", "best_of", "unsupported")
     return CompletionRequest(model=_model(body), adapter=_adapter(body),
-                             prompt=_prompt(body.get("prompt")),
+                             prompts=_prompts(body.get("prompt")),
                              options=_options(body, "max_tokens",
                                               _int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)),
                              constraint=parse_constraint(body))
@@ -96,8 +107,10 @@ def _refuse_unsupported(body: dict, route: str) -> None:
     for name in _UNSUPPORTED[route]:
         if body.get(name) not in (None, False, 0, "", [], {}):
             raise bad_request(f"{name} is not supported by lorad", name, "unsupported")
-    if _int(body, "n", lo=1, default=1) != 1:
-        raise bad_request("only n=1 is supported", "n", "unsupported")
+
+
+def _n(body: dict) -> int:
+    return _int(body, "n", lo=1, hi=MAX_CHOICES, default=1)
 
 
 def _model(body: dict) -> str:
@@ -157,6 +170,7 @@ def _options(body: dict, max_tokens_field: str, num_logprobs: int | None) -> Sam
                                "stream_options."),
         ignore_eos=_bool(body, "ignore_eos", False),
         num_logprobs=num_logprobs,
+        n=_n(body),
     )
 
 
@@ -198,13 +212,13 @@ def _number(body: dict, name: str, default: float, ok, bounds: str) -> float:
     return float(value)
 
 
-def _text(value: str, where: str) -> str:
+def _text(value: str, where: str, param: str | None = None) -> str:
     """A string the tokenizer can take: JSON may spell lone UTF-16 surrogates (\\ud800)."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise bad_request(f"{where} holds an unpaired surrogate at character {exc.start}, which "
-                          f"is not text", where) from None
+                          f"is not text", param or where) from None
     return value
 
 
@@ -221,20 +235,25 @@ def _stop(value: object) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _prompt(value: object) -> str | list[int]:
-    # A one-element batch is accepted as the prompt it holds; real batches are not supported.
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
-    if isinstance(value, str):
-        return _text(value, "prompt")
-    if isinstance(value, list) and value and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return value
+def _prompts(value: object) -> tuple[str | list[int], ...]:
+    """A string, a list of token ids, or a list of up to MAX_PROMPTS of either."""
     if value is None:
         raise bad_request("you must provide a prompt", "prompt", "missing_required")
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-        raise bad_request("only one prompt per request is supported", "prompt", "unsupported")
-    raise bad_request("prompt must be a string or a non-empty list of token ids", "prompt",
+        if len(value) > MAX_PROMPTS:
+            raise bad_request(f"prompt may hold at most {MAX_PROMPTS} prompts, got {len(value)}",
+                              "prompt")
+        return tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(value))
+    return (_prompt(value, "prompt"),)
+
+
+def _prompt(value: object, where: str) -> str | list[int]:
+    if isinstance(value, str):
+        return _text(value, where, "prompt")
+    if isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    raise bad_request(f"{where} must be a string or a non-empty list of token ids", "prompt",
                       "invalid_type")
 
 

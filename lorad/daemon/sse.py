@@ -1,7 +1,8 @@
 """Server-sent events: one generation's deltas as `data: {chunk}` events, then `data: [DONE]`.
 
-Headers and the opening chunk go out with the first delta, i.e. when the first token exists, even
-if its text is held back: a client times the first token by the first event. A request that fails
+The choices' chunks interleave, each naming its index. Headers go out with the first delta, and
+each choice's opening chunk with its first delta, i.e. when its first token exists, even if its
+text is held back: a client times the first token by the first event. A request that fails
 before that gets a plain JSON error (500, 503 or 504: GenerationError's status); after it, a
 failure is a `data: {"error": ...}` event before [DONE]. Later deltas without text are sent only
 when the client asked for usage on every chunk. A client that hangs up raises out of the writes;
@@ -26,43 +27,47 @@ def _event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _open(request: web.Request, fmt: CompletionFormat,
-                num_prompt: int) -> web.StreamResponse:
+async def _open(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
-    await response.write(_event(fmt.opening_chunk(num_prompt)))
     return response
 
 
 async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
-                        fmt: CompletionFormat) -> web.StreamResponse:
+                        fmt: CompletionFormat, num_prompt: int) -> web.StreamResponse:
+    """num_prompt: the request's prompt tokens (each prompt once), for its usage."""
     response = None
-    last: Delta | None = None
-    entries = []  # log probabilities of tokens not yet sent: they ride with the next chunk
+    completions: dict[int, int] = {}  # choice index -> its tokens so far; opened choices
+    entries: dict[int, list] = {}  # log probabilities not yet sent: they ride with the next chunk
     try:
         async for delta in deltas:
             if response is None:
-                response = await _open(request, fmt, delta.num_prompt_tokens)
-            last = delta
-            entries.extend(delta.logprobs)
+                response = await _open(request)
+            index = delta.index
+            if index not in completions:  # the choice's first token exists
+                completions[index] = 0
+                await response.write(_event(fmt.opening_chunk(
+                    num_prompt, sum(completions.values()), index)))
+            completions[index] = delta.num_completion_tokens
+            pending = entries.setdefault(index, [])
+            pending.extend(delta.logprobs)
             # Without per-chunk usage an empty chunk would tell the client nothing the opening
             # chunk did not; with it, each step's chunk lets the client count and time tokens.
             if delta.text or delta.finish_reason is not None or fmt.continuous_usage:
                 await response.write(_event(fmt.chunk(delta.text, delta.finish_reason,
-                                                      delta.num_prompt_tokens,
-                                                      delta.num_completion_tokens, entries)))
-                entries = []
+                                                      num_prompt, sum(completions.values()),
+                                                      pending, index)))
+                entries[index] = []
     except GenerationError as exc:
         if response is None:
             return error_response(exc.status, str(exc), code=exc.code)
         await response.write(_event(error_body(exc.status, str(exc), code=exc.code)))
     else:
         if response is None:  # cannot happen: generate() always yields a final delta
-            response = await _open(request, fmt, 0)
-        if fmt.include_usage and last is not None:
-            usage = fmt.usage_chunk(last.num_prompt_tokens, last.num_completion_tokens)
-            await response.write(_event(usage))
+            response = await _open(request)
+        if fmt.include_usage:
+            await response.write(_event(fmt.usage_chunk(num_prompt, sum(completions.values()))))
     await response.write(DONE)
     await response.write_eof()
     return response

@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # 2: RankStatus; 3: Ready.startup_phases; 4: Ready.max_num_seqs; 5: Admit.grammar;
-# 6: SamplingParams.num_logprobs, SeqOutput.logprobs
-PROTOCOL_VERSION = 6
+# 6: SamplingParams.num_logprobs, SeqOutput.logprobs; 7: Admit.n, StepResult.num_model_tokens
+PROTOCOL_VERSION = 7
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; keeps a step result's size bounded
+MAX_CHOICES = 16  # n: choices of one prompt, each a live sequence after the shared prefill
 
 
 # --- coordinator -> workers -------------------------------------------------------------------
@@ -60,6 +61,18 @@ class Admit:
     # The output constraint as llguidance's grammar text (its JSON form or Lark, validated by the
     # coordinator), "" for none. Text, never a pickled object; only the leader builds a matcher.
     grammar: str = ""
+    # Choices of this prompt (1..MAX_CHOICES), sharing its prefill; choice j is the sequence
+    # choice_ids(request_id, n)[j], sampled with seed + j (mod 2**64).
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"Admit.n must be 1..{MAX_CHOICES}, got {self.n}")
+
+
+def choice_ids(request_id: str, n: int) -> list[str]:
+    """The request ids of an admission's n choices: its own id alone when n is 1."""
+    return [request_id] if n == 1 else [f"{request_id}/{j}" for j in range(n)]
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,7 @@ class StepResult:
     num_running: int
     num_waiting: int
     num_free_blocks: int
+    num_model_tokens: int = 0  # tokens the step ran through the model (prefill chunks, decodes)
 
 
 @dataclass(frozen=True)

@@ -99,8 +99,9 @@ _TABLES = _PackedTables()
 
 def live_digest(live: Iterable[Sequence]) -> int:
     """sha256 of the live set in arrival order: ids, adapter slot and key, token positions and
-    KV blocks. Every step, on every rank: the strings go in length-prefixed, the block table
-    as little-endian int64s (a JSON text per sequence cost 7 us each, 0.45 ms a step at 64
+    KV blocks (a fork's shared blocks in each holder's table), and the choices still to fork.
+    Every step, on every rank: the strings go in length-prefixed, the block table as
+    little-endian int64s (a JSON text per sequence cost 7 us each, 0.45 ms a step at 64
     sequences). One buffer hashed once, the tables packed when they change: 30% less than an
     update and an array per sequence, for the same bytes (docs/performance-log.md: live
     digest packed once)."""
@@ -113,6 +114,8 @@ def live_digest(live: Iterable[Sequence]) -> int:
                      f"{len(seq.prompt_ids) + len(seq.output_ids)},{seq.num_computed},"
                      f"{len(seq.block_table)};".encode())
         parts.append(table_bytes)
+        if seq.fork_ids:  # the choices still to fork from it (n > 1), by id
+            parts.append(("|" + ",".join(seq.fork_ids) + ";").encode())
     return to_int64(hashlib.sha256(b"".join(parts)).digest())
 
 

@@ -1,7 +1,10 @@
-"""A fixed pool of KV cache blocks and the free list every rank walks in the same order.
+"""A fixed pool of KV cache blocks, the free list every rank walks in the same order, and each
+used block's reference count.
 
-Only bookkeeping: which block ids are free. The cache tensors themselves belong to the model;
-prefix sharing (reference counts, hashes) is not done here yet.
+Only bookkeeping: which block ids are free and how many sequences hold each used one (the choices
+of one prompt share its prefill's blocks, fork.py); a block returns to the free list when its
+last holder frees it. The cache tensors themselves belong to the model; prefix hashes are not
+done here yet.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ class BlockManager:
         # Lowest ids first, freed blocks go to the back: the same history gives the same ids on
         # every rank, which the KV slot mapping (and the live-set digest) rely on.
         self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # used block -> how many sequences hold it
+        self.num_shared = 0  # used blocks held by more than one sequence
 
     @property
     def num_free_blocks(self) -> int:
@@ -35,12 +39,36 @@ class BlockManager:
         if not self.can_allocate(num_blocks):
             raise RuntimeError(f"asked for {num_blocks} KV blocks, {len(self._free)} free")
         blocks = [self._free.popleft() for _ in range(num_blocks)]
-        self._used.update(blocks)
+        for block in blocks:
+            self._refs[block] = 1
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of these used blocks."""
         for block in blocks:
-            if block not in self._used:
+            refs = self._refs.get(block)
+            if refs is None:
+                raise RuntimeError(f"KV block {block} shared but not allocated")
+            self._refs[block] = refs + 1
+            if refs == 1:
+                self.num_shared += 1
+
+    def is_shared(self, block: int) -> bool:
+        return self._refs.get(block, 0) > 1
+
+    def ref_count(self, block: int) -> int:
+        return self._refs.get(block, 0)
+
+    def free(self, blocks: list[int]) -> None:
+        """One holder fewer for each block; a block nobody holds goes back to the free list."""
+        for block in blocks:
+            refs = self._refs.get(block)
+            if refs is None:
                 raise RuntimeError(f"KV block {block} freed twice or never allocated")
-            self._used.remove(block)
-            self._free.append(block)
+            if refs > 1:
+                self._refs[block] = refs - 1
+                if refs == 2:
+                    self.num_shared -= 1
+            else:
+                del self._refs[block]
+                self._free.append(block)

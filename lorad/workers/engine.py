@@ -191,6 +191,8 @@ class Engine:
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """-> [num_sampled, vocab] fp32 logits of the plan's sampling chunks, in plan order."""
+        if plan.block_copies:  # copies on write of blocks a fork shares, before any write
+            self.model.copy_kv_blocks(plan.block_copies)
         chunks = plan.batch_chunks()
         if self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.run(chunks)

@@ -36,3 +36,9 @@ class PagedKVCache:
         num_heads, head_dim = self.k.shape[2:]
         return (self.k.view(-1, num_heads, head_dim).index_select(0, slots),
                 self.v.view(-1, num_heads, head_dim).index_select(0, slots))
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        # src, dst: [num_copies] block ids. Gathered before written: a block freed and reused
+        # as a destination in the same step still gives its old content to the copies reading it.
+        self.k[dst] = self.k[src]
+        self.v[dst] = self.v[src]

@@ -20,7 +20,7 @@ from lorad.config import WorkerConfig
 from lorad.protocol import (
     PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, Ready, Shutdown, StepFailed, StepResult,
     decode, encode)
-from lorad.protocol.messages import SeqOutput
+from lorad.protocol.messages import SeqOutput, choice_ids
 from lorad.workers.agreement import Inbox, StepAgreement, agree_step, broadcast_ids, live_digest
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.engine import Engine
@@ -205,19 +205,23 @@ class WorkerLoop:
             slot += 1
             log.warning("%s: applying request %r with slot %d instead of %d",
                         CORRUPT_SLOT_RANK_ENV, msg.request_id, slot, msg.adapter_slot)
-        seq = Sequence(msg.request_id, list(msg.prompt_ids), msg.sampling, slot,
-                       msg.adapter_key, arrival=msg.seq)
+        ids = choice_ids(msg.request_id, msg.n)
+        # Choice j (ids[j]) prefills as ids[0] and forks from it (fork.py).
+        seq = Sequence(ids[0], list(msg.prompt_ids), msg.sampling, slot, msg.adapter_key,
+                       arrival=msg.seq, fork_ids=ids[1:])
         # Every rank decides alone; a rank that decides otherwise has another live set, and the
         # agreement right after this fails the step on every rank before the model runs.
         refusal = self.engine.adapter_refusal(slot, msg.adapter_key) or self.planner.admit(seq)
         if refusal is not None:
             log.error("refused request %r: %s", msg.request_id, refusal)
             if self.is_leader:
-                self.push.send(encode(StepFailed(self.planner.step, [msg.request_id], refusal)))
+                self.push.send(encode(StepFailed(self.planner.step, ids, refusal)))
         elif self.is_leader:
-            self.sampler.add(msg.request_id, msg.sampling.seed)
-            if msg.grammar:
-                self.grammars.add(msg.request_id, msg.grammar, msg.sampling.stop_token_ids)
+            for j, request_id in enumerate(ids):
+                # seed + j: choice j samples as a request of that seed alone would
+                self.sampler.add(request_id, msg.sampling.seed + j)
+                if msg.grammar:
+                    self.grammars.add(request_id, msg.grammar, msg.sampling.stop_token_ids)
 
     # --- 5. sample ----------------------------------------------------------------------------
 
@@ -227,6 +231,8 @@ class WorkerLoop:
             return []
         sampled = None
         if self.is_leader:
+            if plan.forks:  # a fork's choices sample from their parent's row
+                logits = logits[plan.logits_rows]  # [num_sampled_ids, vocab]
             params = [self.planner.sequence(r).sampling for r in request_ids]
             # Before the mask writes into the logits: the model's own distribution.
             pending = logprobs.compute(logits, params)
@@ -256,7 +262,8 @@ class WorkerLoop:
         if self._step_logprobs:
             events = [_with_logprobs(e, self._step_logprobs) for e in events]
             self._step_logprobs = {}
-        self.push.send(encode(StepResult(plan.step, events, *load)))
+        num_model_tokens = sum(len(c.token_ids) for c in plan.chunks)
+        self.push.send(encode(StepResult(plan.step, events, *load, num_model_tokens)))
         self._published_load = load
 
 

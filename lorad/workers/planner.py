@@ -3,19 +3,22 @@
 Pure and deterministic (no sockets, no torch, no clocks), so every rank that holds the same live
 set and applies the same messages plans the same step. `plan()` schedules (allocating KV blocks
 lazily and preempting newest-first when they run out); `apply(plan, sampled)` advances the
-sequences with the sampled ids and returns the events the leader publishes. Prefix caching and
-grammar state are not handled here.
+sequences with the sampled ids and returns the events the leader publishes. The choices of one
+prompt share its prefill (fork.py). Prefix caching and grammar state are not handled here.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from lorad.protocol.messages import SeqOutput
 from lorad.workers.block_manager import BlockManager
+from lorad.workers.fork import Forks
 from lorad.workers.sequence import Sequence, SeqStatus
+from lorad.workers.step_plan import ScheduledChunk, StepPlan
+
+__all__ = ["Planner", "PlannerLimits", "ScheduledChunk", "StepPlan"]
 
 
 @dataclass(frozen=True)
@@ -23,36 +26,6 @@ class PlannerLimits:
     max_num_seqs: int  # live sequences holding KV blocks at once
     max_num_batched_tokens: int  # tokens (decode + prefill chunks) in one step
     max_model_len: int  # prompt + output never exceeds this
-
-
-class ScheduledChunk(NamedTuple):
-    """Immutable as a frozen dataclass would be, and built in 0.3 us instead of 0.7: one per
-    sequence per step, a quarter of plan() at 256 sequences (docs/performance-log.md:
-    planner decode fast paths)."""
-
-    request_id: str
-    token_ids: list[int]  # new tokens at positions start..start+len-1
-    start: int
-    block_table: list[int]  # covers every position up to start+len-1
-    sample: bool  # the chunk reaches the sequence's last token: sample its next one
-    adapter_slot: int
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    step: int
-    chunks: list[ScheduledChunk]  # decodes first, then prefill chunks, each group oldest first
-    preempted: list[str]  # request ids sent back to waiting by this plan
-
-    @property
-    def sampled_request_ids(self) -> list[str]:
-        return [c.request_id for c in self.chunks if c.sample]
-
-    def batch_chunks(self) -> list[tuple[list[int], int, list[int], bool, int]]:
-        """The plan in the form `ForwardBatch.build` takes: each chunk but its request id,
-        (token_ids, start, block_table, sample, adapter_slot), by a tuple slice (5 attribute
-        reads per chunk were a fifth of the planner's step at 256 sequences)."""
-        return [c[1:] for c in self.chunks]
 
 
 class Planner:
@@ -67,6 +40,8 @@ class Planner:
         self.running: list[Sequence] = []  # by arrival
         self._by_id: dict[str, Sequence] = {}
         self._events: list[SeqOutput] = []  # terminal events decided between steps
+        self.forks = Forks(blocks)
+        self._copies: list[tuple[int, int]] = []  # this plan's copies on write
 
     # --- the live set -------------------------------------------------------------------------
 
@@ -75,18 +50,25 @@ class Planner:
         return sorted(self.running + self.waiting, key=lambda s: s.arrival)
 
     def sequence(self, request_id: str) -> Sequence:
-        return self._by_id[request_id]
+        """A live sequence, or the one a choice not forked yet will fork from."""
+        return self._by_id.get(request_id) or self.forks.unforked[request_id]
 
     def admit(self, seq: Sequence) -> str | None:
-        """Queue a new sequence; returns why it was refused, or None."""
-        if seq.request_id in self._by_id:
-            return f"request id {seq.request_id!r} is already live"
+        """Queue a new sequence (with its other choices in seq.fork_ids); returns why it was
+        refused, or None."""
+        ids = [seq.request_id, *seq.fork_ids]
+        for request_id in ids:
+            if request_id in self._by_id or request_id in self.forks.unforked:
+                return f"request id {request_id!r} is already live"
         if not seq.prompt_ids:
             return f"request {seq.request_id!r} has an empty prompt"
+        if len(ids) > self.limits.max_num_seqs:
+            return f"{len(ids)} choices exceed the {self.limits.max_num_seqs} sequences a step runs"
         if seq.num_tokens >= self.limits.max_model_len or seq.sampling.max_tokens <= 0:
-            self._events.append(SeqOutput(seq.request_id, [], "length", seq.num_prompt_tokens))
+            self._events.extend(SeqOutput(r, [], "length", seq.num_prompt_tokens) for r in ids)
             return None
         self._by_id[seq.request_id] = seq
+        self.forks.register(seq)
         _insert_by_arrival(self.waiting, seq)
         return None
 
@@ -94,8 +76,14 @@ class Planner:
         """End a live sequence with "cancelled"; False when it is not live (already ended)."""
         seq = self._by_id.get(request_id)
         if seq is None:
-            return False
-        self._finish(seq, "cancelled")
+            seq = self.forks.cancel(request_id)  # a choice not forked yet, or None
+            if seq is None:
+                return False
+        elif seq.fork_ids:  # the prompt's other choices still need this prefill
+            del self._by_id[request_id]
+            self._by_id[self.forks.promote(seq)] = seq
+        else:
+            self._finish(seq, "cancelled")
         self._events.append(SeqOutput(request_id, [], "cancelled", seq.num_prompt_tokens))
         return True
 
@@ -104,9 +92,11 @@ class Planner:
 
         The failed step uses up a step number, so StepFailed and StepResult never share one."""
         self.step += 1
-        ids = [s.request_id for s in self.live()]
-        for request_id in ids:
-            self._finish(self._by_id[request_id], "error")
+        live = self.live()
+        ids = [r for s in live for r in (s.request_id, *s.fork_ids)]
+        for seq in live:
+            self._finish(seq, "error")
+        self.forks.unforked.clear()
         self._events = []
         return ids
 
@@ -120,7 +110,13 @@ class Planner:
         if len(scheduled) < len(self.running):  # else every running sequence got its decode
             budget = self._continue_prefills(budget, scheduled, preempted)
         budget = self._start_waiting(budget, scheduled, preempted)  # 3. new and preempted ones
-        return StepPlan(self.step, [self._chunk(seq, num) for seq, num in scheduled], preempted)
+        chunks = [self._chunk(seq, num) for seq, num in scheduled]
+        forks = {}
+        if self.forks.unforked:  # prefills of several choices that complete in this step
+            forks = {seq.request_id: list(seq.fork_ids) for seq, num in scheduled
+                     if seq.fork_ids and seq.num_computed + num == seq.num_tokens}
+        copies, self._copies = self._copies, []
+        return StepPlan(self.step, chunks, preempted, forks, copies)
 
     def _schedule_decodes(self, budget: int, scheduled: list, preempted: list[str]) -> int:
         """1. every decode gets its next token; -> the budget left. Runs for every sequence every
@@ -128,13 +124,16 @@ class Planner:
         decode whose next position fits in the blocks it holds needs no reservation, which is
         what _reserve would find."""
         block_size, running = self.blocks.block_size, SeqStatus.RUNNING
+        shared = self.blocks.num_shared > 0  # only a fork shares blocks; never made mid-plan
         for seq in list(self.running):
             if budget == 0:
                 break
             if (seq.status is not running
                     or len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed != 1):
                 continue  # not decoding (seq.is_decoding, inlined)
-            if (seq.num_computed < len(seq.block_table) * block_size
+            if ((seq.num_computed < len(seq.block_table) * block_size
+                 and not (shared and self.blocks.is_shared(
+                     seq.block_table[seq.num_computed // block_size])))
                     or self._reserve(seq, 1, scheduled, preempted)):
                 scheduled.append((seq, 1))
                 budget -= 1
@@ -161,7 +160,10 @@ class Planner:
         # recomputes), counting what this pass already promised: starting it on a partial chunk
         # would only get it preempted again by the first decode that needs a block.
         num_promised = 0
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        # Choices not forked yet count as running: a prompt starts only with room for all.
+        num_unforked = sum(len(s.fork_ids) for s in self.running) if self.forks.unforked else 0
+        while (self.waiting and budget > 0 and len(self.running) + num_unforked
+               + len(self.waiting[0].fork_ids) < self.limits.max_num_seqs):
             seq = self.waiting[0]
             num_blocks = self.blocks.blocks_for(seq.num_tokens)
             if (seq.request_id in preempted
@@ -173,6 +175,7 @@ class Planner:
             _insert_by_arrival(self.running, seq)
             self._allocate_for(seq, num)
             num_promised += num_blocks - len(seq.block_table)
+            num_unforked += len(seq.fork_ids)
             scheduled.append((seq, num))
             budget -= num
         return budget
@@ -180,6 +183,8 @@ class Planner:
     def _reserve(self, seq: Sequence, num: int, scheduled: list, preempted: list[str]) -> bool:
         """Blocks for `num` more tokens, preempting newer unscheduled sequences if needed."""
         need = self.blocks.blocks_for(seq.num_computed + num) - len(seq.block_table)
+        if self.blocks.num_shared:
+            need += self.forks.num_copies(seq, num)
         while not self.blocks.can_allocate(need):
             victim = self._newest_victim(seq, scheduled)
             if victim is None:
@@ -211,6 +216,8 @@ class Planner:
         return num_blocks * self.blocks.block_size - seq.num_computed
 
     def _allocate_for(self, seq: Sequence, num: int) -> None:
+        if self.blocks.num_shared:
+            self.forks.copy_on_write(seq, num, self._copies)
         need = self.blocks.blocks_for(seq.num_computed + num) - len(seq.block_table)
         if need > 0:
             seq.block_table.extend(self.blocks.allocate(need))
@@ -251,13 +258,24 @@ class Planner:
             seq.num_computed += len(chunk.token_ids)
             if not chunk.sample:
                 continue
-            token = next(tokens)
-            seq.output_ids.append(token)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason)
-            events.append(SeqOutput(seq.request_id, [token], reason, len(seq.prompt_ids)))
+            # Forked before any choice takes its token: a choice that ends now frees only its
+            # own references.
+            for member in (seq, *(self._fork(seq) if seq.fork_ids else ())):
+                token = next(tokens)
+                member.output_ids.append(token)
+                reason = self._finish_reason(member, token)
+                if reason is not None:
+                    self._finish(member, reason)
+                events.append(SeqOutput(member.request_id, [token], reason,
+                                        len(member.prompt_ids)))
         return events
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        children = self.forks.fork(seq)
+        for child in children:
+            self._by_id[child.request_id] = child
+            _insert_by_arrival(self.running, child)
+        return children
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling

@@ -31,6 +31,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # KV block ids, in position order
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
+    # The request ids of the other choices of its prompt, until its prefill completes and they
+    # fork from it (fork.py); empty for n = 1 and for every sequence after its first sample.
+    fork_ids: list[str] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -25,6 +25,7 @@ from lorad.protocol import (
     PROTOCOL_VERSION, Admit, Cancel, Hello, RankStatus, Ready, SamplingParams, Shutdown,
     StepFailed, StepResult, WorkerFailed, decode, encode)
 from lorad.protocol import MAX_FRAME_BYTES
+from lorad.protocol.messages import choice_ids
 from lorad.protocol.sockets import (
     bind_publisher, bind_puller, connect_pusher, connect_subscriber, make_runtime_dir)
 from lorad.workers import loop as loop_module
@@ -210,6 +211,31 @@ def test_worker_loop_serves_like_transformers(checkpoint, prompts, reference, pa
         _cancel_frees_blocks(coord, prompts[3])
         _every_rank_reports_a_free_pool(coord)
         _sampling_ignores_neighbours(coord, prompts)
+        coord.send(Shutdown)
+        for proc in coord.procs:
+            assert proc.wait(timeout=30) == 0, coord.worker_logs()
+    finally:
+        coord.close()
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_n_choices_fork_through_preemption_like_transformers(checkpoint, prompts, reference,
+                                                              parallel):
+    # Three greedy choices of each prompt in the small pool: the choices share each prompt's
+    # blocks, get preempted (releasing only their references) and recompute, and every one
+    # still equals transformers' greedy run; the pool is whole again at the end.
+    coord = FakeCoordinator(checkpoint, parallel)
+    try:
+        coord.handshake()
+        for i, (prompt, max_tokens) in enumerate(zip(prompts, MAX_TOKENS)):
+            coord.send(lambda seq: Admit(seq, f"r{i}", prompt, greedy(max_tokens), 0, "", "", 3))
+        ids = [choice_ids(f"r{i}", 3) for i in range(len(prompts))]
+        tokens, finished, result = _collect(coord, [r for group in ids for r in group])
+        for group, ref in zip(ids, reference):
+            assert [tokens[r] for r in group] == [ref] * 3
+            assert {finished[r] for r in group} == {"stop" if ref[-1] == EOS else "length"}
+        assert result.num_free_blocks == NUM_KV_BLOCKS
+        assert "preempted" in coord.worker_logs()
         coord.send(Shutdown)
         for proc in coord.procs:
             assert proc.wait(timeout=30) == 0, coord.worker_logs()

@@ -105,3 +105,25 @@ def test_a_cut_while_the_deadline_fires_does_not_raise():
                 await consumer
 
     asyncio.run(run())
+
+
+def test_a_request_of_several_choices_is_admitted_whole_or_refused():
+    async def run():
+        admission = Admission(max_queued=4, request_timeout=None)
+        with admission.ticket(time.monotonic(), 3) as ticket:
+            assert admission.num_queued == 3
+            admission.check("serving", 1)
+            with pytest.raises(ApiError) as exc:
+                admission.check("serving", 2)  # 3 + 2 > 4: nothing of it is admitted
+            assert exc.value.status == 429 and "2 choices" in exc.value.message
+
+            async def deltas():
+                yield Delta("x", None, 3, 1, index=1)
+                yield Delta("x", None, 3, 2, index=1)
+                yield Delta("x", None, 3, 1, index=0)
+
+            seen = [admission.num_queued async for _ in admission.bounded(deltas(), ticket)]
+            assert seen == [2, 2, 1]
+        assert admission.num_queued == 0
+
+    asyncio.run(run())

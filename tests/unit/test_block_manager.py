@@ -43,3 +43,23 @@ def test_can_allocate_and_refusals():
 def test_blocks_for():
     bm = BlockManager(4, 16)
     assert [bm.blocks_for(n) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+
+
+def test_a_shared_block_is_freed_by_its_last_holder():
+    bm = BlockManager(4, 2)
+    blocks = bm.allocate(2)
+    bm.share(blocks)
+    bm.share(blocks[:1])
+    assert [bm.ref_count(b) for b in blocks] == [3, 2] and bm.num_shared == 2
+    assert bm.is_shared(0) and not bm.is_shared(2)
+    bm.free(blocks)
+    assert [bm.ref_count(b) for b in blocks] == [2, 1] and bm.num_shared == 1
+    assert bm.num_free_blocks == 2  # still held
+    bm.free(blocks)
+    assert bm.num_free_blocks == 3 and bm.num_shared == 0  # block 1 went back, 0 is held once
+    bm.free([0])
+    assert bm.num_free_blocks == 4 and bm.ref_count(0) == 0
+    with pytest.raises(RuntimeError):
+        bm.free([0])
+    with pytest.raises(RuntimeError):
+        bm.share([3])  # not allocated

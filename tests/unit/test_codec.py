@@ -26,6 +26,8 @@ MESSAGES = [
           [StartupPhase("workers up", 1.25), StartupPhase("weights", 0.5)]),
     StepResult(7, [SeqOutput("a", [5], None, 3), SeqOutput("b", [6, 2], "stop", 9)], 1, 0, 120),
     StepResult(8, [], 0, 0, 128),
+    StepResult(10, [], 4, 0, 100, 37),
+    Admit(6, "cmpl-n", [1, 2], SAMPLING, 0, "", "", 16),
     StepResult(9, [SeqOutput("a", [5], None, 3, [TokenLogprobs(-0.25, [5, 7], [-0.25, -2.5])]),
                    SeqOutput("b", [2], "stop", 9, [TokenLogprobs(-3.0, [], [])])], 1, 0, 120),
     Admit(5, "cmpl-l", [1], SamplingParams(0.0, 1.0, 0, 1, 4, [2], False, 20), 0, ""),
@@ -43,7 +45,7 @@ def test_round_trip(msg):
 
 def test_int_is_accepted_for_float():
     frame = bytes([Admit.KIND]) + msgpack.packb(
-        [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1], 0, "", ""])
+        [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1], 0, "", "", 1])
     assert decode(frame, (Admit,)).sampling.temperature == 1.0
 
 
@@ -66,7 +68,11 @@ def _frame(kind: int, body) -> bytes:
                               1, 0, 9]), (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None, 3, [[-1.0, [1, 2], [-1.0]]]]], 1, 0, 9]),
      (StepResult,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, 21], 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, 21], 0, "", "", 1]), (Admit,)),
+    # n outside 1..MAX_CHOICES
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", "", 0]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", "", 17]),
+     (Admit,)),
     (_frame(Cancel.KIND, [1]), (Cancel,)),  # too few fields
     (_frame(Cancel.KIND, [1, "x", 3]), (Cancel,)),  # too many fields
     (_frame(Cancel.KIND, {"seq": 1, "request_id": "x"}), (Cancel,)),  # a map, not an array
@@ -75,12 +81,14 @@ def _frame(kind: int, body) -> bytes:
     (_frame(Cancel.KIND, [1.0, "x"]), (Cancel,)),  # float for int
     (_frame(Cancel.KIND, [1, b"x"]), (Cancel,)),  # bytes for str
     (_frame(Shutdown.KIND, [None]), (Shutdown,)),  # None for a required int
-    (_frame(Admit.KIND, [1, "r", [1, "2"], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", ""]),
+    (_frame(Admit.KIND, [1, "r", [1, "2"], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", "", 1]),
      (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], 0, -1], 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [True, 1.0, 0, 0, 4, [], False, -1], 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", 7, [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", None]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], 0, -1], 0, "", "", 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [True, 1.0, 0, 0, 4, [], False, -1], 0, "", "", 1]),
+     (Admit,)),
+    (_frame(Admit.KIND, [1, "r", 7, [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", "", 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", None, 1]),
+     (Admit,)),
     (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, ""]), (Admit,)),
     (_frame(StepResult.KIND, [1, [["a", [5], 3, 3]], 1, 0, 9]), (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None]], 1, 0, 9]), (StepResult,)),

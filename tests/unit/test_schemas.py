@@ -45,6 +45,20 @@ def test_one_element_prompt_batches_are_unwrapped():
     assert parse_completion({**COMPLETION, "prompt": [[5, 6]]}).prompt == [5, 6]
 
 
+def test_prompt_lists_keep_their_order():
+    req = parse_completion({**COMPLETION, "prompt": ["a", [5, 6], "c"]})
+    assert req.prompts == ("a", [5, 6], "c")
+    assert len(parse_completion({**COMPLETION, "prompt": ["x"] * 64}).prompts) == 64
+    with pytest.raises(ValueError):
+        req.prompt  # noqa: B018 - a request of several prompts has no single one
+
+
+def test_n_choices_and_best_of_equal_to_n():
+    assert parse_completion({**COMPLETION, "n": 16, "best_of": 16}).options.n == 16
+    assert parse_completion({**COMPLETION, "n": 3}).options.n == 3
+    assert parse_chat({**CHAT, "n": 4}).options.n == 4
+
+
 def test_chat_messages_and_text_parts():
     req = parse_chat({"model": "m", "max_completion_tokens": 3, "messages": [
         {"role": "system", "content": "be brief", "name": "ignored"},
@@ -80,7 +94,10 @@ def _refused(parse, body, param):
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [1, True]}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a"] * 65}, "prompt"),
+    ({"prompt": ["a", []]}, "prompt"),
+    ({"prompt": ["a", [1, True]]}, "prompt"),
+    ({"prompt": ["a", "b\ud800"]}, "prompt"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "5"}, "max_tokens"),
     ({"max_tokens": True}, "max_tokens"),
@@ -99,8 +116,9 @@ def _refused(parse, body, param):
     ({"stop": ["a", 1]}, "stop"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": [""]}, "stop"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"n": 0}, "n"),
+    ({"n": 2, "best_of": 3}, "best_of"),
     ({"n": True}, "n"),
     ({"best_of": 3}, "best_of"),
     ({"echo": True}, "echo"),
@@ -146,7 +164,7 @@ def test_chat_message_refusals(messages, param):
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"n": 3}, "n"),
+    ({"n": 17}, "n"),
 ])
 def test_chat_unsupported_features_are_refused_not_ignored(patch, param):
     _refused(parse_chat, {**CHAT, **patch}, param)

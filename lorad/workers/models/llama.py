@@ -251,6 +251,14 @@ class LlamaForCausalLM(nn.Module):
                                          self.dtype, self.device)
 
     @torch.inference_mode()
+    def copy_kv_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) KV block, K and V, in every layer."""
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for layer in self.model.layers:
+            layer.self_attn.attn.kv_cache.copy_blocks(src, dst)
+
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, lora_launch_always: bool = False) -> torch.Tensor:
         """-> [num_sampled, vocab_size] float32 logits of batch.sample_rows, the same on every
         rank. lora_launch_always: capturing a CUDA graph that replays for any adapter mixture,

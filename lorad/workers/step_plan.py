@@ -1,0 +1,58 @@
+"""What one model step runs: the planner's output, which the engine and the sampler read.
+
+A plan is plain data (no tensors): each scheduled chunk of tokens with its block table, the
+preemptions it made, the forks of several choices completing their prefill, and the KV block
+copies to make before the forward. planner.py builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class ScheduledChunk(NamedTuple):
+    """Immutable as a frozen dataclass would be, and built in 0.3 us instead of 0.7: one per
+    sequence per step, a quarter of plan() at 256 sequences (docs/performance-log.md:
+    planner decode fast paths)."""
+
+    request_id: str
+    token_ids: list[int]  # new tokens at positions start..start+len-1
+    start: int
+    block_table: list[int]  # covers every position up to start+len-1
+    sample: bool  # the chunk reaches the sequence's last token: sample its next one
+    adapter_slot: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    chunks: list[ScheduledChunk]  # decodes first, then prefill chunks, each group oldest first
+    preempted: list[str]  # request ids sent back to waiting by this plan
+    # A sampling chunk that completes a prefill of n > 1 choices -> the other choices' ids: they
+    # sample their first token from its logits row, and fork from it in apply().
+    forks: dict[str, list[str]] = field(default_factory=dict)
+    # (source, destination) KV blocks to copy in every layer before the forward (fork.py)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def sampled_request_ids(self) -> list[str]:
+        """One per sampled token, in order: each sampling chunk's, then its forks'."""
+        ids = [c.request_id for c in self.chunks if c.sample]
+        if not self.forks:
+            return ids
+        return [r for request_id in ids for r in (request_id, *self.forks.get(request_id, ()))]
+
+    @property
+    def logits_rows(self) -> list[int]:
+        """For each sampled token, its row of the forward's logits (one row per sampling
+        chunk; a fork's choices read their parent's)."""
+        ids = [c.request_id for c in self.chunks if c.sample]
+        return [k for k, request_id in enumerate(ids)
+                for _ in range(1 + len(self.forks.get(request_id, ())))]
+
+    def batch_chunks(self) -> list[tuple[list[int], int, list[int], bool, int]]:
+        """The plan in the form `ForwardBatch.build` takes: each chunk but its request id,
+        (token_ids, start, block_table, sample, adapter_slot), by a tuple slice (5 attribute
+        reads per chunk were a fifth of the planner's step at 256 sequences)."""
+        return [c[1:] for c in self.chunks]
