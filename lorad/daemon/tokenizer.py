@@ -2,9 +2,9 @@
 
 Loads tokenizer.json with `tokenizers` and renders the chat template the way transformers'
 `apply_chat_template` does (same sandbox, globals and filters; encoded without special tokens),
-except that message content is text: a special-token string typed in it is encoded as ordinary
-tokens, so only the template's own markers are control tokens. Does not decode incrementally:
-that is detokenizer.py.
+except that what the client sent (content, tools, tool calls) is text: a special-token string
+typed in it is encoded as ordinary tokens, so only the template's own markers are control tokens.
+Does not decode incrementally: that is detokenizer.py.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ class ToolCallFormat(ChatFormat):
             message["tool_calls"] = [_call(name, arguments) for name, arguments in calls]
         body = self._envelope([{"index": 0, "message": message,
                                 "logprobs": self._logprobs(entries),
-                                "finish_reason": _finish(finish_reason)}], self.object_name)
+                                "finish_reason": _finish(finish_reason, bool(calls))}],
+                              self.object_name)
         body["usage"] = usage(num_prompt, num_completion)
         return body
 
@@ -99,7 +100,8 @@ class ToolCallFormat(ChatFormat):
                 self._num_sent += 1
         if not calls and finish_reason is None and not self.continuous_usage:
             return None
-        return self._chunk({"tool_calls": calls} if calls else {}, _finish(finish_reason),
+        return self._chunk({"tool_calls": calls} if calls else {},
+                           _finish(finish_reason, self._num_sent > 0),
                            (num_prompt, num_completion), self._logprobs(entries))
 
 
@@ -108,7 +110,8 @@ def _call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def _finish(reason: str | None) -> str | None:
+def _finish(reason: str | None, any_calls: bool) -> str | None:
     # Only the completed grammar ends a forced call with "stop" (stop strings are refused with
-    # it), so "stop" always means the calls are whole: OpenAI's word for that is "tool_calls".
-    return "tool_calls" if reason == "stop" else reason
+    # it), so "stop" means the calls are whole: OpenAI's word for that is "tool_calls". Without
+    # a call (a matcher the leader could not build ends the answer at once) "stop" stays.
+    return "tool_calls" if reason == "stop" and any_calls else reason

@@ -3,9 +3,9 @@ pirate adapters), through the openai client: a named function's arguments and ev
 "required" answer parse and validate (jsonschema) against the called tool's parameters, for each
 model id, greedy and seeded, streamed and not, in one mixed burst with plain requests (which give
 their solo runs' text); the stream's tool_calls deltas add up to the full answer's; max_tokens
-cuts a call with "length"; bad tools, "auto" and a second constraint are 400s before a stream;
-tools reach SmolLM2's template (which ignores them) and tool turns render as transformers
-renders them."""
+cuts a call with "length"; calls validate at --parallel 2 too; bad tools, "auto" and a second
+constraint are 400s before a stream; tools reach SmolLM2's template (which ignores them) and tool
+turns render as transformers renders them."""
 
 from __future__ import annotations
 
@@ -191,7 +191,8 @@ def test_tools_reach_the_template_and_tool_turns_render(demo_daemon, demo_model_
     transformers renders it (the assistant's null content as "")."""
     reference = AutoTokenizer.from_pretrained(demo_model_dir)
     call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+            "function": {"name": "get_weather",
+                         "arguments": '{"city": "Paris", "unit": "celsius"}'}}
     turns = [*PROMPT, {"role": "assistant", "content": None, "tool_calls": [call]},
              {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
     base = {"model": NAME, "max_tokens": 8, "temperature": 0}
@@ -208,3 +209,22 @@ def test_tools_reach_the_template_and_tool_turns_render(demo_daemon, demo_model_
         [{**t, "content": t["content"] or ""} for t in turns], tools=TOOLS,
         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     assert answer["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_forced_calls_validate_at_parallel_2(demo_model_dir):
+    flags = [flag for name, path in ADAPTERS.items() for flag in ("--adapter", f"{name}={path}")]
+    daemon = start_daemon(demo_model_dir, "--name", NAME, "--parallel", "2", "--max-model-len",
+                          "768", "--kv-cache-blocks", "160", "--max-num-seqs", "16", *flags)
+    try:
+        cases = [(m, c, s, st) for m in MODELS for c, s, st in (
+            ("book_table", SAMPLINGS[0], True), ("required_one", SAMPLINGS[1], False))]
+        answers = run_all(daemon, [
+            tool_request(m, "required", s, st, parallel_tool_calls=False)
+            if c == "required_one" else tool_request(m, named(c), s, st)
+            for m, c, s, st in cases])
+    finally:
+        assert daemon.stop() == 0, daemon.log()[-4000:]
+    for (model, choice, sampling, stream), answer in zip(cases, answers):
+        where = f"{model} {choice} {sampling} stream={stream}: {answer}"
+        check_calls(answer, tuple(PARAMETERS) if choice == "required_one" else (choice,), where)
+        assert len(answer["tool_calls"]) == 1, where

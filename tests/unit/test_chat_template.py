@@ -211,7 +211,8 @@ Tools:
 {% for message in messages %}
 <|im_start|>{{ message.role }}
 {% if message.content %}{{ message.content }}{% endif %}
-{% for call in message.tool_calls or [] %}<call id={{ call.id }}>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</call>
+{% for call in message.tool_calls or [] %}<call id={{ call.id }}>\
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</call>
 {% endfor %}
 {% if message.role == 'tool' %} (answers {{ message.tool_call_id }}){% endif %}<|im_end|>
 {% endfor %}

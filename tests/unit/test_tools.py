@@ -59,7 +59,8 @@ def test_required_is_an_array_of_calls_to_the_tools(parallel, limit):
     good = [{"name": "move", "arguments": {"x": 1, "y": 2}}, {"name": "stop-now", "arguments": {}}]
     jsonschema.validate(good[:1], schema)
     for calls in ([], [{"name": "move", "arguments": {"x": 1}}],
-                  [{"name": "jump", "arguments": {}}], [{"name": "stop-now", "arguments": {"a": 1}}],
+                  [{"name": "jump", "arguments": {}}],
+                  [{"name": "stop-now", "arguments": {"a": 1}}],
                   [{"name": "move", "arguments": {"x": 1, "y": 2}, "extra": 0}],
                   {"name": "move", "arguments": {"x": 1, "y": 2}}):
         with pytest.raises(jsonschema.ValidationError):
@@ -232,6 +233,19 @@ def test_streamed_tool_calls_add_up_to_the_full_answer(choice, text, finish, exp
     streamed = _stream(ToolCallFormat("chatcmpl-1", "m", choice), pieces, finish)
     assert streamed["finish_reason"] == expected
     assert [c["function"] for c in streamed["tool_calls"]] == [c["function"] for c in calls]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_without_a_call_does_not_say_tool_calls(stream):
+    # A leader that cannot build the matcher ends the answer at once with "stop" and no text.
+    fmt = ToolCallFormat("chatcmpl-1", "m", ToolChoice(None))
+    if stream:
+        fmt.opening_chunk(3)
+        [choice] = fmt.chunk("", "stop", 3, 1)["choices"]
+    else:
+        [choice] = fmt.full("", "stop", 3, 1)["choices"]
+        assert choice["message"] == {"role": "assistant", "content": None}
+    assert choice["finish_reason"] == "stop"
 
 
 def test_a_required_stream_sends_nothing_until_a_call_closes():
