@@ -60,7 +60,7 @@ def _message(message: object, where: str, call_ids: set[str]) -> dict:
         if call_id not in call_ids:
             raise bad_request(f"{where}.tool_call_id {call_id!r} answers no tool call of an "
                               f"earlier assistant message", f"{where}.tool_call_id")
-        out["tool_call_id"] = call_id
+        out["tool_call_id"] = text(call_id, f"{where}.tool_call_id")
     return out
 
 
@@ -86,7 +86,7 @@ def _tool_calls(value: object, where: str) -> list[dict]:
         except (TypeError, AttributeError, json.JSONDecodeError):
             raise bad_request(f"{here}.function.arguments must be a string of JSON",
                               f"{here}.function.arguments") from None
-        calls.append({"id": call["id"], "type": "function",
+        calls.append({"id": text(call["id"], f"{here}.id"), "type": "function",
                       "function": {"name": text(function["name"], f"{here}.function.name"),
                                    "arguments": parsed}})
     return calls

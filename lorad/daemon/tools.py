@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from lorad.daemon.chat_messages import text
 from lorad.daemon.constraints import CONSTRAINT_FIELDS, Constraint, compile_json_schema
 from lorad.daemon.errors import bad_request
 
@@ -103,7 +104,7 @@ def _tool(tool: object, where: str) -> dict:
         if not isinstance(description, str):
             raise bad_request(f"{where}.function.description must be a string",
                               f"{where}.function.description", "invalid_type")
-        out["description"] = description
+        out["description"] = text(description, f"{where}.function.description")
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"{where}.function.strict must be a boolean",
