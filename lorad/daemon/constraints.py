@@ -52,6 +52,16 @@ def parse_constraint(body: dict) -> Constraint | None:
     return Constraint(where, grammar)
 
 
+def compile_json_schema(schema: dict, where: str) -> Constraint:
+    """A JSON schema from another field (a tool's parameters), compiled as response_format's is;
+    a 400 naming `where` if llguidance refuses it."""
+    grammar, error = _compile("json_schema",
+                              _string(json.dumps(schema, ensure_ascii=False), where))
+    if error:
+        raise bad_request(f"{where}: {error}", where, "invalid_constraint")
+    return Constraint(where, grammar)
+
+
 def _response_format(fmt: object) -> tuple[str, str, str]:
     """-> (field, kind, source text) of a response_format other than text."""
     if not isinstance(fmt, dict):

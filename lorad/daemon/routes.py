@@ -32,6 +32,8 @@ from lorad.daemon.responses import ChatFormat, CompletionFormat, FullChoice
 from lorad.daemon.schemas import SamplingOptions, parse_chat, parse_completion
 from lorad.daemon.sse import stream_events
 from lorad.daemon.token_bytes import TokenBytes
+from lorad.daemon.tool_calls import ToolCallFormat
+from lorad.daemon.tools import ToolChoice
 from lorad.daemon.tokenizer import ChatTemplateError, ModelTokenizer
 from lorad.protocol import SamplingParams
 
@@ -127,11 +129,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_n(state, body.options.n)
     state.admission.check(state.status, body.options.n)
     try:
-        prompt_ids = state.model.tokenizer.encode_chat(body.messages)
+        prompt_ids = state.model.tokenizer.encode_chat(body.messages, body.tools)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages", "chat_template_error") from None
     return await _generate(request, state, ChatFormat, choice, [prompt_ids], body.options,
-                           "messages", started, body.constraint)
+                           "messages", started, body.constraint, body.tool_choice)
 
 
 def _check_n(state: AppState, n: int) -> None:
@@ -151,8 +153,8 @@ def _choose(request: web.Request, state: AppState, model: str,
 
 async def _generate(request: web.Request, state: AppState, format_cls: type[CompletionFormat],
                     choice: ModelChoice, prompts_ids: list[list[int]], options: SamplingOptions,
-                    prompt_param: str, started: float,
-                    constraint: Constraint | None = None) -> web.StreamResponse:
+                    prompt_param: str, started: float, constraint: Constraint | None = None,
+                    tool_choice: ToolChoice | None = None) -> web.StreamResponse:
     # From admission.check() to the Admits inside generate() nothing awaits, so the queue bound
     # and the draining switch hold exactly.
     prompts = [Prompt(ids, _sampling(state.model, ids, options, prompt_param))
@@ -161,10 +163,12 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
     logprobs = (LogprobsFormat(state.model.tokenizer.decode, format_cls is ChatFormat,
                                state.model.token_bytes)
                 if options.num_logprobs is not None else None)
-    fmt = format_cls(f"{format_cls.id_prefix}{uuid.uuid4().hex}", choice.model_id,
-                     include_usage=options.stream and options.include_usage,
-                     continuous_usage=options.stream and options.continuous_usage,
-                     logprobs=logprobs)
+    # A forced tool call answers in tool_calls (tool_calls.py), whatever the route's format.
+    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    fmt = (format_cls if tool_choice is None else ToolCallFormat)(
+        f"{format_cls.id_prefix}{uuid.uuid4().hex}", choice.model_id,
+        include_usage=options.stream and options.include_usage,
+        continuous_usage=options.stream and options.continuous_usage, logprobs=logprobs, **extra)
     request[ADMITTED_KEY] = True
     with state.admission.ticket(started, len(prompts) * options.n) as ticket:
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompts,

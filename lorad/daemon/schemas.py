@@ -1,10 +1,11 @@
 """OpenAI request bodies, checked field by field into frozen dataclasses.
 
-Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (echo, tools,
+Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (echo, functions,
 best_of other than n, ...) and contradictory ones are refused by name, never dropped silently.
-`adapter`, `regex` and `grammar` are lorad's own fields, read by constraints.py. Checks that need
-the model (served ids and adapters, context length, vocabulary, n against --max-num-seqs) happen
-in routes.py and model_ids.py.
+`adapter`, `regex` and `grammar` are lorad's own fields, read by constraints.py; chat's messages
+and tools are read by chat_messages.py and tools.py. Checks that need the model (served ids and
+adapters, context length, vocabulary, n against --max-num-seqs) happen in routes.py and
+model_ids.py.
 """
 
 from __future__ import annotations
@@ -12,19 +13,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lorad.daemon.chat_messages import parse_messages, text
 from lorad.daemon.constraints import Constraint, parse_constraint
 from lorad.daemon.errors import bad_request
+from lorad.daemon.tools import ToolChoice, parse_tools
 from lorad.protocol.messages import MAX_CHOICES, MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS = 64  # prompts in one completions request (each its own choice or choices)
-CHAT_ROLES = ("system", "user", "assistant")
 _INT64 = 2**63
 # Known OpenAI fields lorad does not implement: refused unless they hold their "off" value.
 _UNSUPPORTED = {
     "completions": ("echo", "suffix", "logit_bias", "presence_penalty", "frequency_penalty"),
-    "chat": ("logit_bias", "presence_penalty", "frequency_penalty", "tools", "functions",
-             "audio"),
+    "chat": ("logit_bias", "presence_penalty", "frequency_penalty", "functions", "audio"),
 }
 
 
@@ -67,9 +68,11 @@ class CompletionRequest:
 class ChatRequest:
     model: str
     adapter: str | None
-    messages: list[dict]  # [{"role": ..., "content": str}], as the chat template sees them
+    messages: list[dict]  # [{"role": ..., "content": str, ...}], as the chat template sees them
     options: SamplingOptions
-    constraint: Constraint | None = None
+    constraint: Constraint | None = None  # response_format, regex, grammar or the forced call
+    tools: list[dict] | None = None  # the chat template's `tools`
+    tool_choice: ToolChoice | None = None  # None: the answer is text
 
 
 def parse_completion(body: object) -> CompletionRequest:
@@ -88,13 +91,13 @@ def parse_completion(body: object) -> CompletionRequest:
 def parse_chat(body: object) -> ChatRequest:
     body = _object(body)
     _refuse_unsupported(body, "chat")
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad_request("tool_choice is not supported", "tool_choice", "unsupported")
     tokens = _max_tokens_field(body)
+    tools = parse_tools(body)
     return ChatRequest(model=_model(body), adapter=_adapter(body),
-                       messages=_messages(body.get("messages")),
+                       messages=parse_messages(body.get("messages")),
                        options=_options(body, tokens, _chat_logprobs(body)),
-                       constraint=parse_constraint(body))
+                       constraint=tools.constraint or parse_constraint(body),
+                       tools=tools.tools, tool_choice=tools.choice)
 
 
 def _object(body: object) -> dict:
@@ -212,16 +215,6 @@ def _number(body: dict, name: str, default: float, ok, bounds: str) -> float:
     return float(value)
 
 
-def _text(value: str, where: str, param: str | None = None) -> str:
-    """A string the tokenizer can take: JSON may spell lone UTF-16 surrogates (\\ud800)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise bad_request(f"{where} holds an unpaired surrogate at character {exc.start}, which "
-                          f"is not text", param or where) from None
-    return value
-
-
 def _stop(value: object) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -249,46 +242,9 @@ def _prompts(value: object) -> tuple[str | list[int], ...]:
 
 def _prompt(value: object, where: str) -> str | list[int]:
     if isinstance(value, str):
-        return _text(value, where, "prompt")
+        return text(value, where, "prompt")
     if isinstance(value, list) and value and all(
             isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
     raise bad_request(f"{where} must be a string or a non-empty list of token ids", "prompt",
                       "invalid_type")
-
-
-def _messages(value: object) -> list[dict]:
-    if value is None:
-        raise bad_request("you must provide messages", "messages", "missing_required")
-    if not isinstance(value, list) or not value:
-        raise bad_request("messages must be a non-empty list", "messages",
-                          "invalid_type" if not isinstance(value, list) else "invalid_value")
-    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
-
-
-def _message(message: object, where: str) -> dict:
-    if not isinstance(message, dict):
-        raise bad_request(f"{where} must be an object", where, "invalid_type")
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
-                          f"{where}.role")
-    return {"role": role, "content": _content(message.get("content"), f"{where}.content")}
-
-
-def _content(content: object, where: str) -> str:
-    if isinstance(content, str):
-        return _text(content, where)
-    if not isinstance(content, list):
-        raise bad_request(f"{where} must be a string or a list of text parts", where,
-                          "invalid_type")
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise bad_request(f"{where}[{i}]: only text parts are supported", f"{where}[{i}]",
-                              "unsupported")
-        if not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}[{i}].text must be a string", f"{where}[{i}].text",
-                              "invalid_type")
-        texts.append(_text(part["text"], f"{where}[{i}].text"))
-    return "\n".join(texts)  # as vLLM joins text parts for text-only models

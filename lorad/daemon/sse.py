@@ -55,10 +55,11 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
             # Without per-chunk usage an empty chunk would tell the client nothing the opening
             # chunk did not; with it, each step's chunk lets the client count and time tokens.
             if delta.text or delta.finish_reason is not None or fmt.continuous_usage:
-                await response.write(_event(fmt.chunk(delta.text, delta.finish_reason,
-                                                      num_prompt, sum(completions.values()),
-                                                      pending, index)))
-                entries[index] = []
+                chunk = fmt.chunk(delta.text, delta.finish_reason, num_prompt,
+                                  sum(completions.values()), pending, index)
+                if chunk is not None:  # None: text that completes no tool call yet
+                    await response.write(_event(chunk))
+                    entries[index] = []
     except GenerationError as exc:
         if response is None:
             return error_response(exc.status, str(exc), code=exc.code)

@@ -2,9 +2,9 @@
 
 Loads tokenizer.json with `tokenizers` and renders the chat template the way transformers'
 `apply_chat_template` does (same sandbox, globals and filters; encoded without special tokens),
-except that message content is text: a special-token string typed in it is encoded as ordinary
-tokens, so only the template's own markers are control tokens. Does not decode incrementally:
-that is detokenizer.py.
+except that what the client sent (content, tools, tool calls) is text: a special-token string
+typed in it is encoded as ordinary tokens, so only the template's own markers are control tokens.
+Does not decode incrementally: that is detokenizer.py.
 """
 
 from __future__ import annotations
@@ -81,11 +81,12 @@ class ModelTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """tools: Hugging Face's convention, [{"type": "function", "function": {...}}] or None."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
+            return self._template.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=True, **self.special_tokens)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from None
@@ -93,15 +94,16 @@ class ModelTokenizer:
             raise ChatTemplateError(
                 f"chat template error: {type(exc).__name__}: {exc}") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The rendered conversation's ids; special ids only where the template writes them.
 
-        Content is escaped before rendering (each special-token string becomes a sentinel no
+        Every string the client sent (content, tool calls' arguments, tool definitions, keys
+        included) is escaped before rendering (each special-token string becomes a sentinel no
         user can type), so every special-token string left in the rendered text is the
         template's. The text between those is encoded with the sentinels restored, as text.
         """
-        escape = _ContentEscape(self._special_pattern, messages)
-        text = self.render_chat([{**m, "content": escape.apply(m["content"])} for m in messages])
+        escape = _ContentEscape(self._special_pattern, [messages, tools])
+        text = self.render_chat(escape.apply(messages), escape.apply(tools))
         # The template writes the special tokens itself, so none are added (as transformers does).
         encoding = self._tokenizer.encode(text, add_special_tokens=False)
         if not escape.num_escaped:
@@ -121,18 +123,19 @@ class ModelTokenizer:
 
 
 class _ContentEscape:
-    """Swaps special-token strings in content for sentinels and back, for one conversation.
+    """Swaps special-token strings in a request's strings for sentinels and back.
 
     A sentinel is private-use characters around a random number and the string's index: no
-    message holds it (checked), and case filters or trim leave it whole.
+    string of the request holds it (checked), and case filters, trim or tojson leave it whole.
     """
 
-    def __init__(self, special_pattern: re.Pattern | None, messages: list[dict]) -> None:
+    def __init__(self, special_pattern: re.Pattern | None, request: object) -> None:
         self._find = special_pattern
         self._strings: list[str] = []  # the escaped strings, by sentinel index
+        strings = list(_strings_in(request))
         while True:
             self._nonce = str(secrets.randbelow(10 ** 12))
-            if not any(f"\ue000{self._nonce}." in m["content"] for m in messages):
+            if not any(f"\ue000{self._nonce}." in s for s in strings):
                 break
         self._sentinel = re.compile(f"\ue000{self._nonce}\\.(\\d+)\ue001")
 
@@ -140,8 +143,17 @@ class _ContentEscape:
     def num_escaped(self) -> int:
         return len(self._strings)
 
-    def apply(self, content: str) -> str:
-        return content if self._find is None else self._find.sub(self._escape, content)
+    def apply(self, value):
+        """value with every string in it escaped, at any depth (dict keys too)."""
+        if self._find is None:
+            return value
+        if isinstance(value, str):
+            return self._find.sub(self._escape, value)
+        if isinstance(value, dict):
+            return {self.apply(k): self.apply(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.apply(v) for v in value]
+        return value
 
     def restore(self, text: str) -> str:
         return self._sentinel.sub(lambda m: self._strings[int(m.group(1))], text)
@@ -149,6 +161,18 @@ class _ContentEscape:
     def _escape(self, match: re.Match) -> str:
         self._strings.append(match.group())
         return f"\ue000{self._nonce}.{len(self._strings) - 1}\ue001"
+
+
+def _strings_in(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings_in(k)
+            yield from _strings_in(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings_in(v)
 
 
 def _compile(source: str) -> jinja2.Template:

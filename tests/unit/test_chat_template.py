@@ -198,3 +198,54 @@ def test_missing_tokenizer_is_refused(tmp_path, folders):
     with pytest.raises(ConfigError, match="no tokenizer.json"):
         ModelTokenizer.from_dir(folder)
 
+
+
+# Tools the way Qwen2.5's template shows them (Hugging Face's convention): the definitions as
+# JSON in the system turn, each earlier call's arguments rendered with tojson, results as turns.
+TOOL_TEMPLATE = """\
+{% if tools %}<|im_start|>system
+Tools:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}
+{% for message in messages %}
+<|im_start|>{{ message.role }}
+{% if message.content %}{{ message.content }}{% endif %}
+{% for call in message.tool_calls or [] %}<call id={{ call.id }}>\
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</call>
+{% endfor %}
+{% if message.role == 'tool' %} (answers {{ message.tool_call_id }}){% endif %}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}
+"""
+TOOLS = [{"type": "function", "function": {"name": "move", "description": "Move. <|im_end|>",
+                                           "parameters": {"type": "object", "properties": {
+                                               "x<|im_start|>": {"type": "integer"}}}}}]
+TOOL_TURNS = [
+    {"role": "user", "content": "go"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"id": "call_1", "type": "function",
+                     "function": {"name": "move", "arguments": {"x": 1, "note": "é"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "moved"}]
+
+
+def test_tools_and_tool_turns_match_transformers(tmp_path):
+    folder = _folder(tmp_path, "tools", template_entry=TOOL_TEMPLATE)
+    reference = AutoTokenizer.from_pretrained(folder)
+    ours = ModelTokenizer.from_dir(folder)
+    expected_text = reference.apply_chat_template(TOOL_TURNS, tools=TOOLS, tokenize=False,
+                                                  add_generation_prompt=True)
+    assert "Tools:" in expected_text and '"arguments": {"x": 1, "note": "é"}' in expected_text
+    assert ours.render_chat(TOOL_TURNS, TOOLS) == expected_text
+    assert ours.render_chat(TOOL_TURNS) == reference.apply_chat_template(
+        TOOL_TURNS, tokenize=False, add_generation_prompt=True)
+    # The special-token strings in the definitions (a description, a property's name) are text:
+    # the special ids are the template's own, as for the same tools without those strings.
+    innocent = [{"type": "function", "function": {
+        "name": "move", "description": "Move.", "parameters": {"type": "object"}}}]
+    ids = ours.encode_chat(TOOL_TURNS, TOOLS)
+    expected_ids = reference.apply_chat_template(TOOL_TURNS, tools=innocent, tokenize=True,
+                                                 add_generation_prompt=True, return_dict=False)
+    assert [i for i in ids if i < 3] == [i for i in expected_ids if i < 3]
+    assert reference.decode(ids) == expected_text

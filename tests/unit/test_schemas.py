@@ -145,7 +145,7 @@ def test_completion_refusals(patch, param):
     ([], "messages"),
     ("hi", "messages"),
     (["hi"], "messages[0]"),
-    ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
     ([{"role": "developer", "content": "x"}], "messages[0].role"),
     ([{"content": "x"}], "messages[0].role"),
     ([{"role": "user"}], "messages[0].content"),
@@ -161,7 +161,8 @@ def test_chat_message_refusals(messages, param):
 
 
 @pytest.mark.parametrize("patch,param", [
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"n": 17}, "n"),
