@@ -53,7 +53,7 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
     except EngineDead as exc:
         raise GenerationError(f"the engine is down: {exc}") from None
     detokenizer = IncrementalDetokenizer(tokenizer.decode, stop)
-    stop_ids = set(sampling.stop_token_ids)
+    stop_ids = set(sampling.stop_token_ids) | set(sampling.request_stop_token_ids)
     num_generated = 0
     finished = False
     try:

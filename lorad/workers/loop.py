@@ -24,7 +24,7 @@ from lorad.protocol.messages import SeqOutput
 from lorad.workers.agreement import Inbox, StepAgreement, agree_step, broadcast_ids, live_digest
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.engine import Engine
-from lorad.workers import logprobs
+from lorad.workers import logits_processors, logprobs
 from lorad.workers.grammar import GrammarRows
 from lorad.workers.planner import Planner, PlannerLimits, StepPlan
 from lorad.workers.sampler import Sampler
@@ -229,6 +229,12 @@ class WorkerLoop:
             # Before the mask writes into the logits: the model's own distribution.
             pending = logprobs.compute(logits, params)
             self.grammars.mask(logits, request_ids)  # constrained rows only, in place
+            rows = logits_processors.rows_to_transform(params)
+            if rows:  # logit_bias, min_tokens, penalties: those rows only, in place
+                seqs = [self.planner.sequence(request_ids[i]) for i in rows]
+                logits_processors.transform(logits, rows, [s.sampling for s in seqs],
+                                            [s.prompt_ids for s in seqs],
+                                            [s.output_ids for s in seqs])
             sampled = self.sampler.sample(logits, request_ids, params)
             self.grammars.advance(request_ids, sampled)
             self._step_logprobs = logprobs.complete(pending, request_ids, sampled)
