@@ -2,19 +2,26 @@
 the sampler's warpers: logit_bias and the min_tokens mask, then the repetition, frequency and
 presence penalties, as vLLM defines them (docs/api.md, *Sampling order*).
 
-Only the rows whose request set one are touched (their logits are gathered, transformed and
-written back); the others keep their bits and cost one attribute check each. Everything is
-elementwise or a scatter of exact values (counts of ones, a bias added once), so a row's result
-depends on that row alone and is the same on the CPU and on a GPU. The token histories travel
-to the logits' device in one copy per step; nothing is read back. min_p is the sampler's (it
-follows top-p). Log probabilities are taken before this runs (logprobs.py).
+Only the (row, token) entries a transform changes are read and written, in place: rows that ask
+for nothing keep their bits and cost one attribute check each, and no [rows, vocab] temporary is
+made. Every write is elementwise from one entry's own value (a bias added once, a count of the
+sequence's own tokens), so a row's result depends on that row alone and is the same on the CPU
+and on a GPU. The leader keeps, per request, its output token counts (brought up to date from
+the sequence's ids each step) and its prompt's distinct ids on the logits' device; a step's
+entries travel in one copy and nothing is read back. min_p is the sampler's (it follows top-p).
+Log probabilities are taken before this runs (logprobs.py).
 """
 
 from __future__ import annotations
 
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+
 import torch
 
 from lorad.protocol.messages import SamplingParams
+from lorad.workers.sequence import Sequence
 
 
 def rows_to_transform(params: list[SamplingParams]) -> list[int]:
@@ -22,92 +29,134 @@ def rows_to_transform(params: list[SamplingParams]) -> list[int]:
     return [i for i, p in enumerate(params) if p.transforms_logits]
 
 
-def transform(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
-              prompts: list[list[int]], outputs: list[list[int]]) -> None:
-    """Apply each row's transforms to logits ([num_sampled, vocab] fp32), in place.
+@dataclass
+class _History:
+    """One request's tokens as its transforms need them."""
 
-    rows: positions in logits (ascending, as rows_to_transform gives them); params, prompts and
-    outputs: those rows' sampling parameters, prompt ids and generated ids, in the same order.
-    """
-    if not rows:
-        return
-    packed = _Packed(rows, params, prompts, outputs)
-    values = torch.tensor(packed.floats, dtype=torch.float32).to(logits.device)  # one copy
-    with torch.inference_mode():  # the engine's logits are inference tensors
-        index = packed.part(values, "rows").long()
-        transformed = apply_rows(logits[index], packed, values)
-        logits[index] = transformed
+    counts: Counter = field(default_factory=Counter)  # output token id -> times generated
+    num_counted: int = 0  # output tokens counted so far
+    prompt_ids: torch.Tensor | None = None  # [distinct prompt ids] int64 on the logits' device
 
 
-class _Packed:
-    """A step's transform inputs as one flat fp32 list (token ids and row numbers below 2**24
-    are exact), with each part's (start, stop) in it; pairs are (row in the gathered batch,
-    token id) in two parts of equal length."""
+class _Segments:
+    """A step's entries as one flat fp32 list (ids, counts and row numbers below 2**24 are
+    exact): a header of `width` values per row (its row first, its number of entries second),
+    and the rows' entries, each a flat list, concatenated in row order."""
 
-    def __init__(self, rows: list[int], params: list[SamplingParams],
-                 prompts: list[list[int]], outputs: list[list[int]]) -> None:
-        parts: dict[str, list] = {name: [] for name in (
-            "rows", "repetition", "frequency", "presence", "bias_rows", "bias_ids",
-            "bias_values", "mask_rows", "mask_ids", "seen_rows", "seen_ids", "count_rows",
-            "count_ids")}
-        for j, (row, p, prompt, output) in enumerate(zip(rows, params, prompts, outputs)):
-            parts["rows"].append(row)
-            parts["repetition"].append(p.repetition_penalty)
-            parts["frequency"].append(p.frequency_penalty)
-            parts["presence"].append(p.presence_penalty)
-            for entry in p.logit_bias:
-                parts["bias_rows"].append(j)
-                parts["bias_ids"].append(entry.token_id)
-                parts["bias_values"].append(entry.bias)
-            if len(output) < p.min_tokens:
+    def __init__(self, width: int, *entries: str) -> None:
+        self.width = width
+        self.header: list[float] = []
+        self.entries: dict[str, list] = {name: [] for name in entries}
+
+    def pack(self, floats: list) -> tuple[int, list[int]]:
+        """Append to floats -> (where the header starts, where each entry list starts)."""
+        start = len(floats)
+        floats += self.header
+        starts = []
+        for values in self.entries.values():
+            starts.append(len(floats))
+            floats += values
+        return start, starts
+
+
+class LogitsTransforms:
+    def __init__(self) -> None:
+        self._histories: dict[str, _History] = {}
+
+    def remove(self, request_id: str) -> None:
+        self._histories.pop(request_id, None)
+
+    def apply(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+        """Transform logits ([num_sampled, vocab] fp32) in place: row rows[j] is seqs[j]'s
+        (rows as rows_to_transform gives them)."""
+        if not rows:
+            return
+        bias = _Segments(2, "ids", "values")  # header (row, n)
+        mask = _Segments(2, "ids")  # header (row, n): the ending tokens, under min_tokens
+        prompt = _Segments(3)  # header (row, n, repetition): the cached prompt ids, below
+        output = _Segments(5, "ids", "counts")  # header (row, n, repetition, freq, presence)
+        prompts = []
+        for row, seq in zip(rows, seqs):
+            p = seq.sampling
+            if p.logit_bias:
+                bias.header += (row, len(p.logit_bias))
+                bias.entries["ids"] += [entry.token_id for entry in p.logit_bias]
+                bias.entries["values"] += [entry.bias for entry in p.logit_bias]
+            if len(seq.output_ids) < p.min_tokens:
                 ending = p.request_stop_token_ids + ([] if p.ignore_eos else p.stop_token_ids)
-                parts["mask_rows"].extend([j] * len(ending))
-                parts["mask_ids"].extend(ending)
-            if p.repetition_penalty != 1.0:  # CTRL's: every token seen, prompt and output
-                parts["seen_rows"].extend([j] * (len(prompt) + len(output)))
-                parts["seen_ids"].extend(prompt)
-                parts["seen_ids"].extend(output)
-            if p.frequency_penalty or p.presence_penalty:  # OpenAI's: the output only
-                parts["count_rows"].extend([j] * len(output))
-                parts["count_ids"].extend(output)
-        self.floats: list[float] = []
-        self.spans: dict[str, tuple[int, int]] = {}
-        for name, part in parts.items():
-            self.spans[name] = (len(self.floats), len(self.floats) + len(part))
-            self.floats.extend(part)
-        self.any_repetition = bool(parts["seen_rows"])
-        self.any_counts = bool(parts["count_rows"])
+                mask.header += (row, len(ending))
+                mask.entries["ids"] += ending
+            if p.repetition_penalty == 1.0 and not (p.frequency_penalty or p.presence_penalty):
+                continue
+            counts = self._counts(seq)
+            # Every penalized row takes all three over its output: a penalty of 1 divides or
+            # multiplies by 1, and 0 subtracts 0, which leave each value's bits as they were.
+            output.header += (row, len(counts), p.repetition_penalty, p.frequency_penalty,
+                              p.presence_penalty)
+            output.entries["ids"] += counts.keys()
+            output.entries["counts"] += counts.values()
+            if p.repetition_penalty != 1.0:  # CTRL's: the prompt's tokens too
+                prompts.append(self._prompt_ids(seq, logits.device))
+                prompt.header += (row, len(prompts[-1]), p.repetition_penalty)
+        floats: list = []
+        layout = [segments.pack(floats) for segments in (bias, mask, prompt, output)]
+        if not floats:  # e.g. only min_tokens, and that many were generated
+            return
+        # One copy to the device; an array's fp32 buffer is made several times faster than a
+        # tensor from the list.
+        values = torch.frombuffer(array("f", floats), dtype=torch.float32).to(logits.device)
+        parts = []
+        for segments, (start, starts) in zip((bias, mask, prompt, output), layout):
+            num_rows = len(segments.header) // segments.width
+            header = values[start:start + len(segments.header)].reshape(
+                num_rows, segments.width)  # [rows, width]
+            total = len(next(iter(segments.entries.values()), ()))
+            if segments is prompt:
+                total = sum(len(ids) for ids in prompts)
+            lists = [values[s:s + total] for s in starts]
+            # The rows of the entries, and the header's other columns per entry; the size is
+            # known on the host, so repeat_interleave needs no sync.
+            per_entry = torch.repeat_interleave(header, header[:, 1].long(), dim=0,
+                                                output_size=total)  # [total, width]
+            parts.append((per_entry, lists))
+        with torch.inference_mode():  # the engine's logits are inference tensors
+            _apply(logits, parts, prompts)
 
-    def size(self, name: str) -> int:
-        start, stop = self.spans[name]
-        return stop - start
+    def _counts(self, seq: Sequence) -> Counter:
+        history = self._histories.setdefault(seq.request_id, _History())
+        if history.num_counted < len(seq.output_ids):  # usually the one token sampled last
+            history.counts.update(seq.output_ids[history.num_counted:])
+            history.num_counted = len(seq.output_ids)
+        return history.counts
 
-    def part(self, values: torch.Tensor, name: str) -> torch.Tensor:
-        start, stop = self.spans[name]
-        return values[start:stop]
+    def _prompt_ids(self, seq: Sequence, device: torch.device) -> torch.Tensor:
+        history = self._histories[seq.request_id]
+        if history.prompt_ids is None:  # once per request: its distinct prompt ids
+            history.prompt_ids = torch.tensor(sorted(set(seq.prompt_ids)),
+                                              dtype=torch.int64).to(device)
+        return history.prompt_ids
 
 
-def apply_rows(batch: torch.Tensor, packed: _Packed, values: torch.Tensor) -> torch.Tensor:
-    """batch [n, vocab] fp32, the gathered rows (a copy) -> the transformed rows."""
-    def pairs(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return (packed.part(values, f"{name}_rows").long(),
-                packed.part(values, f"{name}_ids").long())
-
-    if packed.size("bias_rows"):  # ids are unique per row: each bias is added exactly once
-        rows, ids = pairs("bias")
-        batch[rows, ids] += packed.part(values, "bias_values")
-    if packed.size("mask_rows"):
-        batch[pairs("mask")] = float("-inf")
-    if packed.any_repetition:
-        seen = torch.zeros_like(batch, dtype=torch.bool)  # [n, vocab]
-        seen[pairs("seen")] = True
-        penalty = packed.part(values, "repetition")[:, None]  # [n, 1]; 1 for rows without
-        penalized = torch.where(batch > 0, batch / penalty, batch * penalty)
-        batch = torch.where(seen, penalized, batch)
-    if packed.any_counts:
-        counts = torch.zeros_like(batch)  # [n, vocab] fp32: sums of ones are exact
-        rows, ids = pairs("count")
-        counts.index_put_((rows, ids), torch.ones_like(rows, dtype=batch.dtype), accumulate=True)
-        batch = batch - packed.part(values, "frequency")[:, None] * counts
-        batch = batch - packed.part(values, "presence")[:, None] * (counts > 0).to(batch.dtype)
-    return batch
+def _apply(logits: torch.Tensor, parts: list, prompts: list[torch.Tensor]) -> None:
+    """In place, in the documented order. parts: (per-entry header, entry lists) of the bias,
+    mask, prompt and output segments; prompts: the repetition rows' distinct prompt ids. A
+    row's ids are distinct within the bias and within its output, so each such entry is read
+    and written once; a token in both a prompt and its output is listed twice in the
+    repetition, and both entries read the same value and write the same result."""
+    (bias_rows, (bias_ids, bias_values)), (mask_rows, (mask_ids,)), (prompt_rows, _), \
+        (output_rows, (output_ids, output_counts)) = parts
+    if len(bias_ids):
+        where = (bias_rows[:, 0].long(), bias_ids.long())
+        logits[where] = logits[where] + bias_values
+    if len(mask_ids):
+        logits[mask_rows[:, 0].long(), mask_ids.long()] = float("-inf")
+    if not len(output_ids) and not prompts:
+        return
+    seen = (torch.cat([prompt_rows[:, 0], output_rows[:, 0]]).long(),
+            torch.cat([*prompts, output_ids.long()]))
+    penalty = torch.cat([prompt_rows[:, 2], output_rows[:, 2]])
+    x = logits[seen]
+    logits[seen] = torch.where(x > 0, x / penalty, x * penalty)
+    if len(output_ids):  # as vLLM: x - frequency * count, then - presence
+        where = (output_rows[:, 0].long(), output_ids.long())
+        logits[where] = logits[where] - output_rows[:, 3] * output_counts - output_rows[:, 4]

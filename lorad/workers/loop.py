@@ -24,8 +24,9 @@ from lorad.protocol.messages import SeqOutput
 from lorad.workers.agreement import Inbox, StepAgreement, agree_step, broadcast_ids, live_digest
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.engine import Engine
-from lorad.workers import logits_processors, logprobs
+from lorad.workers import logprobs
 from lorad.workers.grammar import GrammarRows
+from lorad.workers.logits_processors import LogitsTransforms, rows_to_transform
 from lorad.workers.planner import Planner, PlannerLimits, StepPlan
 from lorad.workers.sampler import Sampler
 from lorad.workers.sequence import Sequence
@@ -60,6 +61,7 @@ class WorkerLoop:
         self.sampler = Sampler() if self.is_leader else None
         # Followers never build matchers: the mask only changes what the leader samples.
         self.grammars = GrammarRows(cfg.model_dir) if self.is_leader else None
+        self.transforms = LogitsTransforms() if self.is_leader else None
         self._step_logprobs: dict = {}  # request id -> TokenLogprobs of this step (leader)
         self.inbox = Inbox()
         self._agreed_watermark = 0  # apply messages up to here at the next step
@@ -181,6 +183,7 @@ class WorkerLoop:
             for request_id in request_ids:
                 self.sampler.remove(request_id)
                 self.grammars.remove(request_id)
+                self.transforms.remove(request_id)
             self.push.send(encode(StepFailed(self.planner.step, request_ids, message)))
 
     def _apply_messages(self, watermark: int) -> bool:
@@ -229,12 +232,10 @@ class WorkerLoop:
             # Before the mask writes into the logits: the model's own distribution.
             pending = logprobs.compute(logits, params)
             self.grammars.mask(logits, request_ids)  # constrained rows only, in place
-            rows = logits_processors.rows_to_transform(params)
+            rows = rows_to_transform(params)
             if rows:  # logit_bias, min_tokens, penalties: those rows only, in place
-                seqs = [self.planner.sequence(request_ids[i]) for i in rows]
-                logits_processors.transform(logits, rows, [s.sampling for s in seqs],
-                                            [s.prompt_ids for s in seqs],
-                                            [s.output_ids for s in seqs])
+                self.transforms.apply(logits, rows,
+                                      [self.planner.sequence(request_ids[i]) for i in rows])
             sampled = self.sampler.sample(logits, request_ids, params)
             self.grammars.advance(request_ids, sampled)
             self._step_logprobs = logprobs.complete(pending, request_ids, sampled)
@@ -257,6 +258,7 @@ class WorkerLoop:
             if event.finish_reason is not None:
                 self.sampler.remove(event.request_id)
                 self.grammars.remove(event.request_id)
+                self.transforms.remove(event.request_id)
         if self._step_logprobs:
             events = [_with_logprobs(e, self._step_logprobs) for e in events]
             self._step_logprobs = {}

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from lorad.protocol.messages import SamplingParams, TokenBias
-from lorad.workers.logits_processors import rows_to_transform, transform
+from lorad.workers.logits_processors import LogitsTransforms, rows_to_transform
 from lorad.workers.sampler import Sampler, warp, warp_rows
+from lorad.workers.sequence import Sequence
 
 pytestmark = pytest.mark.gpu
 
@@ -53,10 +54,10 @@ def cases(seed: int, num_rows: int) -> list[tuple[SamplingParams, list[int], lis
 
 def run(logits: torch.Tensor, made) -> torch.Tensor:
     logits = logits.clone()
-    params = [p for p, _, _ in made]
-    rows = rows_to_transform(params)
-    transform(logits, rows, [params[i] for i in rows], [made[i][1] for i in rows],
-              [made[i][2] for i in rows])
+    rows = rows_to_transform([p for p, _, _ in made])
+    seqs = [Sequence(f"r{i}", made[i][1], made[i][0], 0, "", i, output_ids=list(made[i][2]))
+            for i in rows]
+    LogitsTransforms().apply(logits, rows, seqs)
     return logits
 
 

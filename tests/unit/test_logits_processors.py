@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from lorad.protocol.messages import SamplingParams, TokenBias
-from lorad.workers.logits_processors import rows_to_transform, transform
+from lorad.workers.logits_processors import LogitsTransforms, rows_to_transform
 from lorad.workers.sampler import Sampler, warp, warp_rows
+from lorad.workers.sequence import Sequence
 
 VOCAB = 300
 EOS = [0, 2]
@@ -25,6 +26,15 @@ def sp(**changed) -> SamplingParams:
     return SamplingParams(**{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
                              "max_tokens": 64, "stop_token_ids": EOS, "ignore_eos": False,
                              **changed})
+
+
+def transform(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+              prompts: list[list[int]], outputs: list[list[int]],
+              transforms: LogitsTransforms | None = None) -> None:
+    """The leader's call, with a Sequence per transformed row (request ids r0, r1, ...)."""
+    seqs = [Sequence(f"r{j}", list(prompt), p, 0, "", j, output_ids=list(output))
+            for j, (p, prompt, output) in enumerate(zip(params, prompts, outputs))]
+    (transforms or LogitsTransforms()).apply(logits, rows, seqs)
 
 
 def reference(row: torch.Tensor, p: SamplingParams, prompt: list[int],
@@ -82,11 +92,35 @@ def test_each_row_equals_the_reference_whatever_its_neighbours(seed):
               [outputs[i] for i in rows])
     for i, (p, prompt, output) in enumerate(cases):
         expected = reference(before[i], p, prompt, output) if i in rows else before[i]
-        # Equal values (-0.0 may come out +0.0: x - (-f * 0) is x + 0, as in vLLM's arithmetic)
         assert torch.equal(logits[i], expected), (i, p)
+        assert torch.equal(torch.signbit(logits[i]), torch.signbit(expected)), i  # -0.0 too
         alone = before[i:i + 1].clone()
         transform(alone, [0] if i in rows else [], [p], [prompt], [output])
         assert torch.equal(alone[0], logits[i]), i
+
+
+def test_counts_kept_between_steps_follow_the_growing_output():
+    """The leader counts each request's new tokens once per step (and forgets it at remove):
+    every step equals the reference over the whole history."""
+    rng = random.Random(5)
+    p = sp(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=-0.7,
+           min_tokens=4, request_stop_token_ids=[9])
+    transforms = LogitsTransforms()
+    prompt = [rng.randrange(VOCAB) for _ in range(30)]
+    seq = Sequence("r", prompt, p, 0, "", 1)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(12):
+        logits = torch.randn(2, VOCAB, generator=gen)
+        before = logits.clone()
+        transforms.apply(logits, [1], [seq])
+        assert torch.equal(logits[1], reference(before[1], p, prompt, seq.output_ids))
+        assert torch.equal(logits[0], before[0])
+        seq.output_ids.append(rng.choice(prompt[:5] + [rng.randrange(VOCAB)]))
+    transforms.remove("r")
+    fresh = Sequence("r", [3], p, 0, "", 2)  # the same id again: nothing of the old one stays
+    logits = torch.ones(1, VOCAB)
+    transforms.apply(logits, [0], [fresh])
+    assert torch.equal(logits[0], reference(torch.ones(VOCAB), p, [3], []))
 
 
 def test_rows_that_ask_for_nothing_cost_nothing():
@@ -102,9 +136,10 @@ def test_each_field_alone_changes_what_its_definition_says():
     logits = torch.ones(1, VOCAB)
     transform(logits, [0], [sp(min_tokens=2, request_stop_token_ids=[7])], [[1]], [[4]])
     assert set(torch.isinf(logits[0]).nonzero().flatten().tolist()) == {0, 2, 7}
-    logits = torch.ones(1, VOCAB)
-    transform(logits, [0], [sp(min_tokens=1, ignore_eos=True)], [[1]], [[4]])
-    assert torch.isfinite(logits).all()  # min_tokens reached; and EOS is no stop with ignore_eos
+    for output in ([4], []):  # min_tokens reached; and EOS is no stop with ignore_eos
+        logits = torch.ones(1, VOCAB)
+        transform(logits, [0], [sp(min_tokens=1, ignore_eos=True)], [[1]], [output])
+        assert torch.equal(logits, torch.ones(1, VOCAB))
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
     transform(logits, [0], [sp(repetition_penalty=2.0)], [[0]], [[1]])
     assert logits.tolist() == [[1.0, -4.0, 2.0, -2.0]]
