@@ -102,3 +102,8 @@ def test_min_p_keeps_the_cpu_paths_tokens(min_p):
         near = (ratio - min_p).abs() <= 1e-6 * min_p  # where exp's last bit may decide
         differ = torch.isfinite(on_cpu) != torch.isfinite(on_gpu[i])
         assert not (differ & ~near).any(), i
+
+
+def test_min_p_on_the_sampler_kernel_path():
+    from tests.kernels import sampler_min_p_checks as checks
+    checks.check_min_p_on_the_kernel_path(device="cuda", vocab=checks.GPU_VOCAB)
