@@ -71,9 +71,34 @@ class LogitsTransforms:
         (rows as rows_to_transform gives them)."""
         if not rows:
             return
+        segments, prompts = self._collect(rows, seqs, logits.device)
+        floats: list = []
+        layout = [part.pack(floats) for part in segments]
+        if not floats:  # e.g. only min_tokens, and that many were generated
+            return
+        # One copy to the device; an array's fp32 buffer is made several times faster than a
+        # tensor from the list.
+        values = torch.frombuffer(array("f", floats), dtype=torch.float32).to(logits.device)
+        parts = []
+        for part, (start, starts) in zip(segments, layout):
+            header = values[start:start + len(part.header)].reshape(-1, part.width)
+            total = (sum(len(ids) for ids in prompts) if not part.entries
+                     else len(next(iter(part.entries.values()))))
+            # The header's row per entry (and its other columns); the size is known on the
+            # host, so repeat_interleave needs no sync.
+            per_entry = torch.repeat_interleave(header, header[:, 1].long(), dim=0,
+                                                output_size=total)  # [total, width]
+            parts.append((per_entry, [values[s:s + total] for s in starts]))
+        with torch.inference_mode():  # the engine's logits are inference tensors
+            _apply(logits, parts, prompts)
+
+    def _collect(self, rows: list[int], seqs: list[Sequence],
+                 device: torch.device) -> tuple[tuple[_Segments, ...], list[torch.Tensor]]:
+        """-> the step's bias, mask, prompt and output segments, and the repetition rows'
+        distinct prompt ids (on the device, in the prompt segment's order)."""
         bias = _Segments(2, "ids", "values")  # header (row, n)
         mask = _Segments(2, "ids")  # header (row, n): the ending tokens, under min_tokens
-        prompt = _Segments(3)  # header (row, n, repetition): the cached prompt ids, below
+        prompt = _Segments(3)  # header (row, n, repetition): the cached prompt ids
         output = _Segments(5, "ids", "counts")  # header (row, n, repetition, freq, presence)
         prompts = []
         for row, seq in zip(rows, seqs):
@@ -96,31 +121,9 @@ class LogitsTransforms:
             output.entries["ids"] += counts.keys()
             output.entries["counts"] += counts.values()
             if p.repetition_penalty != 1.0:  # CTRL's: the prompt's tokens too
-                prompts.append(self._prompt_ids(seq, logits.device))
+                prompts.append(self._prompt_ids(seq, device))
                 prompt.header += (row, len(prompts[-1]), p.repetition_penalty)
-        floats: list = []
-        layout = [segments.pack(floats) for segments in (bias, mask, prompt, output)]
-        if not floats:  # e.g. only min_tokens, and that many were generated
-            return
-        # One copy to the device; an array's fp32 buffer is made several times faster than a
-        # tensor from the list.
-        values = torch.frombuffer(array("f", floats), dtype=torch.float32).to(logits.device)
-        parts = []
-        for segments, (start, starts) in zip((bias, mask, prompt, output), layout):
-            num_rows = len(segments.header) // segments.width
-            header = values[start:start + len(segments.header)].reshape(
-                num_rows, segments.width)  # [rows, width]
-            total = len(next(iter(segments.entries.values()), ()))
-            if segments is prompt:
-                total = sum(len(ids) for ids in prompts)
-            lists = [values[s:s + total] for s in starts]
-            # The rows of the entries, and the header's other columns per entry; the size is
-            # known on the host, so repeat_interleave needs no sync.
-            per_entry = torch.repeat_interleave(header, header[:, 1].long(), dim=0,
-                                                output_size=total)  # [total, width]
-            parts.append((per_entry, lists))
-        with torch.inference_mode():  # the engine's logits are inference tensors
-            _apply(logits, parts, prompts)
+        return (bias, mask, prompt, output), prompts
 
     def _counts(self, seq: Sequence) -> Counter:
         history = self._histories.setdefault(seq.request_id, _History())
