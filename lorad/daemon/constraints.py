@@ -42,6 +42,9 @@ def parse_constraint(body: dict) -> Constraint | None:
         raise bad_request("ignore_eos cannot be combined with an output constraint: the "
                           "constraint ends the completion with an end-of-sequence token",
                           "ignore_eos")
+    if body.get("min_tokens"):  # a complete answer leaves only the masked stop tokens
+        raise bad_request("min_tokens cannot be combined with an output constraint: the "
+                          "constraint decides where the completion ends", "min_tokens")
     if given[0] == "response_format":
         where, kind, source = _response_format(body["response_format"])
     else:

@@ -91,7 +91,8 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
     except BaseException:
         _cancel_open(engine, choices)  # all or nothing: no prompt runs without the others
         raise
-    stop_ids = set(prompts[0].sampling.stop_token_ids)
+    sampling = prompts[0].sampling  # the prompts differ only in max_tokens
+    stop_ids = set(sampling.stop_token_ids) | set(sampling.request_stop_token_ids)
     num_open = len(choices)
     try:
         while num_open:

@@ -34,8 +34,10 @@ from lorad.daemon.sse import stream_events
 from lorad.daemon.token_bytes import TokenBytes
 from lorad.daemon.tool_calls import ToolCallFormat
 from lorad.daemon.tools import ToolChoice
+from lorad.daemon.token_fields import check_vocabulary
 from lorad.daemon.tokenizer import ChatTemplateError, ModelTokenizer
 from lorad.protocol import SamplingParams
+from lorad.protocol.messages import TokenBias
 
 
 @dataclass(frozen=True)
@@ -211,12 +213,22 @@ def _sampling(model: ServedModel, prompt_ids: list[int], options: SamplingOption
                           f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the "
                           f"prompt, {max_tokens} for the completion).", "max_tokens",
                           "context_length_exceeded")
+    if options.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({options.min_tokens}) exceeds the {max_tokens} tokens "
+                          f"left for the completion", "min_tokens")
+    check_vocabulary(options.logit_bias, options.stop_token_ids, model.vocab_size)
     seed = options.seed if options.seed is not None else secrets.randbits(63)
     return SamplingParams(temperature=options.temperature, top_p=options.top_p,
                           top_k=options.top_k, seed=seed, max_tokens=max_tokens,
                           stop_token_ids=list(model.stop_token_ids), ignore_eos=options.ignore_eos,
                           num_logprobs=(-1 if options.num_logprobs is None
-                                        else options.num_logprobs))
+                                        else options.num_logprobs),
+                          presence_penalty=options.presence_penalty,
+                          frequency_penalty=options.frequency_penalty,
+                          repetition_penalty=options.repetition_penalty, min_p=options.min_p,
+                          logit_bias=[TokenBias(t, b) for t, b in options.logit_bias],
+                          request_stop_token_ids=list(options.stop_token_ids),
+                          min_tokens=options.min_tokens)
 
 
 def _check_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:

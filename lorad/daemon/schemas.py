@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from lorad.daemon.chat_messages import parse_messages, text
 from lorad.daemon.constraints import Constraint, parse_constraint
 from lorad.daemon.errors import bad_request
+from lorad.daemon.token_fields import parse_logit_bias, parse_stop_token_ids
 from lorad.daemon.tools import ToolChoice, parse_tools
 from lorad.protocol.messages import MAX_CHOICES, MAX_TOP_LOGPROBS
 
@@ -24,8 +25,8 @@ MAX_PROMPTS = 64  # prompts in one completions request (each its own choice or c
 _INT64 = 2**63
 # Known OpenAI fields lorad does not implement: refused unless they hold their "off" value.
 _UNSUPPORTED = {
-    "completions": ("echo", "suffix", "logit_bias", "presence_penalty", "frequency_penalty"),
-    "chat": ("logit_bias", "presence_penalty", "frequency_penalty", "functions", "audio"),
+    "completions": ("echo", "suffix"),
+    "chat": ("functions", "audio"),
 }
 
 
@@ -46,6 +47,14 @@ class SamplingOptions:
     # alternatives (completions' logprobs, chat's top_logprobs with logprobs true)
     num_logprobs: int | None = None
     n: int = 1  # choices per prompt, sharing the prompt's prefill
+    # The logits transforms (docs/api.md, *Sampling order*); each default is "off".
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,8 +169,12 @@ def _options(body: dict, max_tokens_field: str, num_logprobs: int | None) -> Sam
     if stream_options is not None and not isinstance(stream_options, dict):
         raise bad_request("stream_options must be an object", "stream_options", "invalid_type")
     top_k = _int(body, "top_k", lo=-1, default=0)
+    max_tokens = _int(body, max_tokens_field, lo=1, default=None)
+    min_tokens = _int(body, "min_tokens", lo=0, hi=max_tokens or _INT64 - 1, default=0)
+    penalty = {name: _number(body, name, 0.0, lambda v: -2 <= v <= 2, "between -2 and 2")
+               for name in ("presence_penalty", "frequency_penalty")}
     return SamplingOptions(
-        max_tokens=_int(body, max_tokens_field, lo=1, default=None),
+        max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, lambda v: 0 <= v <= 2, "between 0 and 2"),
         top_p=_number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "greater than 0 and at most 1"),
         top_k=0 if top_k == -1 else top_k,
@@ -174,6 +187,13 @@ def _options(body: dict, max_tokens_field: str, num_logprobs: int | None) -> Sam
         ignore_eos=_bool(body, "ignore_eos", False),
         num_logprobs=num_logprobs,
         n=_n(body),
+        **penalty,
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, lambda v: 0 < v <= 2,
+                                   "greater than 0 and at most 2"),
+        min_p=_number(body, "min_p", 0.0, lambda v: 0 <= v <= 1, "between 0 and 1"),
+        logit_bias=parse_logit_bias(body.get("logit_bias")),
+        stop_token_ids=parse_stop_token_ids(body.get("stop_token_ids")),
+        min_tokens=min_tokens,
     )
 
 

@@ -10,13 +10,16 @@ The kind byte of each class is fixed here forever; a new field means a new PROTO
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # 2: RankStatus; 3: Ready.startup_phases; 4: Ready.max_num_seqs; 5: Admit.grammar;
-# 6: SamplingParams.num_logprobs, SeqOutput.logprobs; 7: Admit.n, StepResult.num_model_tokens
-PROTOCOL_VERSION = 7
+# 6: SamplingParams.num_logprobs, SeqOutput.logprobs; 7: Admit.n, StepResult.num_model_tokens;
+# 8: SamplingParams' penalties, min_p, logit_bias, request_stop_token_ids and min_tokens
+PROTOCOL_VERSION = 8
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; keeps a step result's size bounded
 MAX_CHOICES = 16  # n: choices of one prompt, each a live sequence after the shared prefill
+MAX_LOGIT_BIAS = 300  # entries of logit_bias per request: bounds an Admit and a step's copy
+MAX_STOP_TOKEN_IDS = 64  # request stop_token_ids per request
 
 
 # --- coordinator -> workers -------------------------------------------------------------------
@@ -31,22 +34,64 @@ class Hello:
 
 
 @dataclass(frozen=True)
+class TokenBias:
+    """One logit_bias entry: on the wire the pair [token_id, bias]."""
+
+    token_id: int
+    bias: float  # -100..100, added to the token's logit
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float  # 0 means greedy
     top_p: float  # 1.0 disables
     top_k: int  # 0 disables
     seed: int  # seeds this request's own generator
     max_tokens: int
-    stop_token_ids: list[int]  # end the sequence with finish_reason "stop" (EOS and friends)
+    # EOS and friends: end the sequence with finish_reason "stop", unless ignore_eos
+    stop_token_ids: list[int]
     ignore_eos: bool
     # -1: no log probabilities; 0..MAX_TOP_LOGPROBS: each sampled token's log probability and
     # this many most likely alternatives (workers/logprobs.py)
     num_logprobs: int = -1
+    # The logits transforms (workers/logits_processors.py); each default is "off".
+    presence_penalty: float = 0.0  # -2..2, over the output tokens
+    frequency_penalty: float = 0.0  # -2..2, over the output tokens
+    repetition_penalty: float = 1.0  # (0, 2], over the prompt and output tokens
+    min_p: float = 0.0  # 0..1
+    logit_bias: list[TokenBias] = field(default_factory=list)  # sorted by token id, unique
+    # The request's own stop_token_ids: end with "stop" even with ignore_eos
+    request_stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many were generated
 
     def __post_init__(self) -> None:
         if not -1 <= self.num_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_logprobs must be -1..{MAX_TOP_LOGPROBS}, "
                              f"got {self.num_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be -2..2, got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], "
+                             f"got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be 0..1, got {self.min_p}")
+        ids = [b.token_id for b in self.logit_bias]
+        if (len(ids) > MAX_LOGIT_BIAS or ids != sorted(set(ids))
+                or not all(-100.0 <= b.bias <= 100.0 for b in self.logit_bias)):
+            raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries with "
+                             f"unique ascending ids and biases in -100..100")
+        if len(self.request_stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"request_stop_token_ids holds more than {MAX_STOP_TOKEN_IDS} ids")
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            raise ValueError(f"min_tokens must be 0..max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens}")
+
+    @property
+    def transforms_logits(self) -> bool:
+        """Whether any transform of workers/logits_processors.py applies to this request."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from lorad.workers.block_manager import BlockManager
 from lorad.workers.engine import Engine
 from lorad.workers import logprobs
 from lorad.workers.grammar import GrammarRows
+from lorad.workers.logits_processors import LogitsTransforms, rows_to_transform
 from lorad.workers.planner import Planner, PlannerLimits, StepPlan
 from lorad.workers.sampler import Sampler
 from lorad.workers.sequence import Sequence
@@ -60,6 +61,7 @@ class WorkerLoop:
         self.sampler = Sampler() if self.is_leader else None
         # Followers never build matchers: the mask only changes what the leader samples.
         self.grammars = GrammarRows(cfg.model_dir) if self.is_leader else None
+        self.transforms = LogitsTransforms() if self.is_leader else None
         self._step_logprobs: dict = {}  # request id -> TokenLogprobs of this step (leader)
         self.inbox = Inbox()
         self._agreed_watermark = 0  # apply messages up to here at the next step
@@ -183,6 +185,7 @@ class WorkerLoop:
             for request_id in request_ids:
                 self.sampler.remove(request_id)
                 self.grammars.remove(request_id)
+                self.transforms.remove(request_id)
             self.push.send(encode(StepFailed(self.planner.step, request_ids, message)))
 
     def _apply_messages(self, watermark: int) -> bool:
@@ -237,6 +240,10 @@ class WorkerLoop:
             # Before the mask writes into the logits: the model's own distribution.
             pending = logprobs.compute(logits, params)
             self.grammars.mask(logits, request_ids)  # constrained rows only, in place
+            rows = rows_to_transform(params)
+            if rows:  # logit_bias, min_tokens, penalties: those rows only, in place
+                self.transforms.apply(logits, rows,
+                                      [self.planner.sequence(request_ids[i]) for i in rows])
             sampled = self.sampler.sample(logits, request_ids, params)
             self.grammars.advance(request_ids, sampled)
             self._step_logprobs = logprobs.complete(pending, request_ids, sampled)
@@ -259,6 +266,7 @@ class WorkerLoop:
             if event.finish_reason is not None:
                 self.sampler.remove(event.request_id)
                 self.grammars.remove(event.request_id)
+                self.transforms.remove(event.request_id)
         if self._step_logprobs:
             events = [_with_logprobs(e, self._step_logprobs) for e in events]
             self._step_logprobs = {}

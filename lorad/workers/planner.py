@@ -279,9 +279,13 @@ class Planner:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling
-        if not params.ignore_eos and token in params.stop_token_ids:
-            return "stop"
         num_output = len(seq.output_ids)
+        # The leader masks the stop tokens under min_tokens; this holds even for a row it left
+        # nothing else to draw (as vLLM's stop check, which skips until min_tokens).
+        if num_output >= params.min_tokens and (
+                token in params.request_stop_token_ids
+                or (not params.ignore_eos and token in params.stop_token_ids)):
+            return "stop"
         if (num_output >= params.max_tokens
                 or len(seq.prompt_ids) + num_output >= self.limits.max_model_len):
             return "length"

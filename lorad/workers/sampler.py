@@ -6,7 +6,8 @@ requests share the batch. The uniforms are taken UNIFORMS_AT_ONCE at a time (tor
 generator gives a block the same values as as many single draws; tests/unit/test_sampler.py
 checks it): a torch op per row per step cost more host time than the rest of a step's sampling.
 Warping follows transformers' order (temperature, then top-k, then top-p keeping at least one
-token), in fp32. A constrained row arrives already masked (grammar.py, before this runs).
+token), then min_p, in fp32. A constrained row arrives already masked (grammar.py), and a row
+with logit_bias or penalties already transformed (logits_processors.py), before this runs.
 """
 
 from __future__ import annotations
@@ -78,41 +79,44 @@ class Sampler:
             tokens = []
             for i, u in zip(rows, uniforms):
                 p = params[i]
-                probs = torch.softmax(warp(logits[i], p.temperature, p.top_k, p.top_p), dim=-1)
+                probs = torch.softmax(warp(logits[i], p.temperature, p.top_k, p.top_p, p.min_p),
+                                      dim=-1)
                 tokens.append(int(draw(probs, u)))
             return tokens
         from lorad.workers.kernels.token_draw import draw_tokens
         vocab = logits.shape[1]
         warped = [j for j, i in enumerate(rows)
-                  if 0 < params[i].top_k < vocab or params[i].top_p < 1.0]
+                  if 0 < params[i].top_k < vocab or params[i].top_p < 1.0 or params[i].min_p > 0]
         every_row = len(rows) == logits.shape[0] and logits.stride(1) == 1
         # [num_drawn, vocab]: the logits themselves when nothing writes into them (no warp, or
         # every row warped: warp_rows returns new rows); else a copy of the drawn rows.
         batch = logits if every_row and len(warped) in (0, len(rows)) else logits[rows]
-        # Everything the device needs in one copy: [6, num_drawn] fp32 (ints below 2**24 are
+        # Everything the device needs in one copy: [7, num_drawn] fp32 (ints below 2**24 are
         # exact): the uniforms, the draw's temperatures (1 for warped rows, already scaled),
-        # then, in the first len(warped) columns, the warped rows' temperature, top-k, top-p
-        # and position in the batch. Built as lists: assigning a tensor's items one by one
-        # costs microseconds each.
+        # then, in the first len(warped) columns, the warped rows' temperature, top-k, top-p,
+        # min_p and position in the batch. Built as lists: assigning a tensor's items one by
+        # one costs microseconds each.
         temperatures = [params[i].temperature for i in rows]
         warped_params = [params[rows[j]] for j in warped]
-        of_warped = [[0.0] * len(rows) for _ in range(4)]
+        of_warped = [[0.0] * len(rows) for _ in range(5)]
         for n, (j, p) in enumerate(zip(warped, warped_params)):
             temperatures[j] = 1.0
-            for field, value in zip(of_warped, (p.temperature, p.top_k, p.top_p, j)):
+            for field, value in zip(of_warped, (p.temperature, p.top_k, p.top_p, p.min_p, j)):
                 field[n] = value
         values = device_columns([uniforms, temperatures, *of_warped], logits.device)
         if warped:
             num = len(warped)
             max_top_k = max(p.top_k if p.top_k < vocab else 0 for p in warped_params)
             any_top_p = any(p.top_p < 1.0 for p in warped_params)
+            min_ps = values[5] if any(p.min_p > 0 for p in warped_params) else None
             if num == len(rows):  # every drawn row, in order: no gather, no scatter
                 batch = warp_rows(batch, values[2], values[3].long(), values[4], max_top_k,
-                                  any_top_p)
+                                  any_top_p, min_ps)
             else:
-                index = values[5, :num].long()
+                index = values[6, :num].long()
                 batch[index] = warp_rows(batch[index], values[2, :num], values[3, :num].long(),
-                                         values[4, :num], max_top_k, any_top_p)
+                                         values[4, :num], max_top_k, any_top_p,
+                                         None if min_ps is None else min_ps[:num])
         return draw_tokens(batch, values[1], values[0]).tolist()
 
 
@@ -128,19 +132,21 @@ def device_columns(columns: list[list[float]], device: torch.device) -> torch.Te
 
 def warm_up(logits: torch.Tensor) -> None:
     """Sample once from `logits` ([2 or more, vocab], the step's device) with a throwaway Sampler,
-    one row plain and one with top-k and top-p: on the kernel path, the draw and top-p's running
-    sum compile here, at start, rather than in the step of the first request that samples."""
+    one row plain and one with top-k, top-p and min_p: on the kernel path, the draw and top-p's
+    running sum compile here, at start, rather than in the step of the first request that
+    samples."""
     sampler = Sampler()
     params = [SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k, seed=0, max_tokens=1,
-                             stop_token_ids=[], ignore_eos=False)
-              for top_k, top_p in ((0, 1.0), (40, 0.9))]
+                             stop_token_ids=[], ignore_eos=False, min_p=min_p)
+              for top_k, top_p, min_p in ((0, 1.0, 0.0), (40, 0.9, 0.05))]
     ids = ["warm-up plain", "warm-up warped"]
     for request_id in ids:
         sampler.add(request_id, 0)
     sampler.sample(logits[:2], ids, params)
 
 
-def warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
+         min_p: float = 0.0) -> torch.Tensor:
     """The CPU path's warp: row [vocab] fp32 logits -> [vocab] logits / temperature with the
     removed tokens at -inf."""
     row = row / temperature
@@ -154,18 +160,30 @@ def warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tor
         remove = cumulative <= (1 - top_p)
         remove[-1] = False  # keep at least the most likely token
         row = row.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    if min_p > 0:
+        row = row.masked_fill(below_min_p(row, torch.tensor(min_p, dtype=torch.float32)),
+                              float("-inf"))
     return row
 
 
+def below_min_p(rows: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """rows [..., vocab] warped logits, min_ps [...] -> True where a token's probability is
+    below min_p times the most likely one's. exp(logit - max) is that ratio without the
+    normalising sum, so no reduction order enters it; the most likely token always stays."""
+    return torch.exp(rows - rows.amax(dim=-1, keepdim=True)) < min_ps[..., None]
+
+
 def warp_rows(rows: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
-              top_ps: torch.Tensor, max_top_k: int, any_top_p: bool) -> torch.Tensor:
+              top_ps: torch.Tensor, max_top_k: int, any_top_p: bool,
+              min_ps: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel path's warp, a step's rows at once: rows [n, vocab] fp32; temperatures, top_ps
     [n] fp32 and top_ks [n] int64 on the rows' device (top-k <= 0 or >= vocab: none; top-p 1:
-    none); max_top_k, any_top_p: what the host knows of them -> [n, vocab] rows / temperature
-    with the removed tokens at -inf, in the CPU path's order (top-k, then top-p keeping at least
-    the most likely token). Nothing here sums across a row but token_draw's running sum (the
-    others are exact: top-k's k-th value, a stable sort, the row's max, elementwise ops), so a
-    row's result depends on that row alone and repeats bit for bit. Top-p compares the running
+    none); max_top_k, any_top_p: what the host knows of them; min_ps [n] fp32 or None (no row
+    has one) -> [n, vocab] rows / temperature with the removed tokens at -inf, in the CPU path's
+    order (top-k, then top-p keeping at least the most likely token, then min_p). Nothing here
+    sums across a row but token_draw's running sum (the others are exact: top-k's k-th value, a
+    stable sort, the row's max, elementwise ops), so a row's result depends on that row alone
+    and repeats bit for bit. Top-p compares the running
     mass of exp(x - max) with (1 - p) times its total, where the CPU path normalises first."""
     from lorad.workers.kernels.token_draw import cumulative_sum
     vocab = rows.shape[1]
@@ -184,6 +202,8 @@ def warp_rows(rows: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tens
         remove &= (top_ps < 1.0)[:, None]
         remove[:, -1] = False  # keep at least the most likely token
         rows = rows.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    if min_ps is not None:  # a row with min_p 0 loses nothing: no ratio is below 0
+        rows = rows.masked_fill(below_min_p(rows, min_ps), float("-inf"))
     return rows
 
 

@@ -20,6 +20,8 @@ Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3
   its torch path on the same weights and steps, with three adapters.
 - token_draw_checks.py: the sampler's draw and running sum against float64 references, rows
   across batches, removed tokens, the distribution, and the sampler's use of it.
+- sampler_min_p_checks.py: min_p on the sampler's kernel path keeps what its definition keeps,
+  and rows draw what they draw alone.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 from tests.kernels import (decode_gemv_checks, fused_ops_checks, lora_kernel_checks,
-                           model_kernel_checks, paged_attention_checks, token_draw_checks)
+                           model_kernel_checks, paged_attention_checks, sampler_min_p_checks,
+                           token_draw_checks)
 from tests.kernels.triton_interpreter import interpret_in_subprocess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -40,7 +43,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 MODULES = {module.__name__: module.CHECKS for module in (
     lora_kernel_checks, paged_attention_checks, fused_ops_checks, decode_gemv_checks,
-    model_kernel_checks, token_draw_checks)}
+    model_kernel_checks, token_draw_checks, sampler_min_p_checks)}
 # The modules' interpreter run times on a 2-core machine, longest first (2026-12-02: 118, 107,
 # 54, 39, 22, 11 s): two runners finish together when the long runs start first.
 SLOWEST_FIRST = ("tests.kernels.model_kernel_checks", "tests.kernels.lora_kernel_checks",

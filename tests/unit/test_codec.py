@@ -10,7 +10,7 @@ from lorad.protocol import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, RankStatus, Ready,
     SamplingParams, SeqOutput, Shutdown, StartupPhase, StepFailed, StepResult, WorkerFailed,
     decode, encode)
-from lorad.protocol.messages import TokenLogprobs
+from lorad.protocol.messages import TokenBias, TokenLogprobs
 from lorad.protocol.messages import COORDINATOR_TO_WORKER, WORKER_TO_COORDINATOR
 
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**62 + 5, max_tokens=16,
@@ -31,6 +31,10 @@ MESSAGES = [
     StepResult(9, [SeqOutput("a", [5], None, 3, [TokenLogprobs(-0.25, [5, 7], [-0.25, -2.5])]),
                    SeqOutput("b", [2], "stop", 9, [TokenLogprobs(-3.0, [], [])])], 1, 0, 120),
     Admit(5, "cmpl-l", [1], SamplingParams(0.0, 1.0, 0, 1, 4, [2], False, 20), 0, ""),
+    Admit(6, "cmpl-p", [1], SamplingParams(
+        0.5, 1.0, 0, 1, 8, [2], True, presence_penalty=-2.0, frequency_penalty=0.5,
+        repetition_penalty=1.3, min_p=0.1, logit_bias=[TokenBias(3, -100.0), TokenBias(9, 2.5)],
+        request_stop_token_ids=[4, 5], min_tokens=8), 0, ""),
     StepFailed(9, ["a", "b"], "live sets disagree"),
     WorkerFailed(1, "CUDA error: out of memory"),
     RankStatus(0, "loading", 0, 0.0, 0, 0),
@@ -45,8 +49,10 @@ def test_round_trip(msg):
 
 def test_int_is_accepted_for_float():
     frame = bytes([Admit.KIND]) + msgpack.packb(
-        [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1], 0, "", "", 1])
-    assert decode(frame, (Admit,)).sampling.temperature == 1.0
+        [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1, 0, 0, 1, 0, [[7, 5]], [], 0], 0, "", "", 1])
+    sampling = decode(frame, (Admit,)).sampling
+    assert sampling.temperature == 1.0 and sampling.repetition_penalty == 1.0
+    assert sampling.logit_bias == [TokenBias(7, 5.0)]
 
 
 def test_kinds_are_distinct():
@@ -55,6 +61,14 @@ def test_kinds_are_distinct():
 
 def _frame(kind: int, body) -> bytes:
     return bytes([kind]) + msgpack.packb(body, use_bin_type=True)
+
+
+def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
+    """A SamplingParams body on the wire: the first eight fields, then the version 8 ones
+    (penalties, min_p, logit_bias, request stop ids, min_tokens) as given or off."""
+    later = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+             "min_p": 0.0, "logit_bias": [], "request_stop_token_ids": [], "min_tokens": 0}
+    return [*first, *{**later, **changed}.values()]
 
 
 @pytest.mark.parametrize("frame,accept", [
@@ -68,10 +82,11 @@ def _frame(kind: int, body) -> bytes:
                               1, 0, 9]), (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None, 3, [[-1.0, [1, 2], [-1.0]]]]], 1, 0, 9]),
      (StepResult,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, 21], 0, "", "", 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 4, [], False, 21)), 0, "", "", 1]),
+     (Admit,)),
     # n outside 1..MAX_CHOICES
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", "", 0]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", "", 17]),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", "", 0]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", "", 17]),
      (Admit,)),
     (_frame(Cancel.KIND, [1]), (Cancel,)),  # too few fields
     (_frame(Cancel.KIND, [1, "x", 3]), (Cancel,)),  # too many fields
@@ -81,19 +96,27 @@ def _frame(kind: int, body) -> bytes:
     (_frame(Cancel.KIND, [1.0, "x"]), (Cancel,)),  # float for int
     (_frame(Cancel.KIND, [1, b"x"]), (Cancel,)),  # bytes for str
     (_frame(Shutdown.KIND, [None]), (Shutdown,)),  # None for a required int
-    (_frame(Admit.KIND, [1, "r", [1, "2"], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", "", 1]),
+    (_frame(Admit.KIND, [1, "r", [1, "2"], _sp(), 0, "", "", 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 4, [], 0, -1)), 0, "", "", 1]),
      (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], 0, -1], 0, "", "", 1]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [True, 1.0, 0, 0, 4, [], False, -1], 0, "", "", 1]),
+    (_frame(Admit.KIND, [1, "r", [1], _sp((True, 1.0, 0, 0, 4, [], False, -1)), 0, "", "", 1]),
      (Admit,)),
-    (_frame(Admit.KIND, [1, "r", 7, [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", "", 1]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", None, 1]),
-     (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", 7, _sp(), 0, "", "", 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", None, 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, ""]), (Admit,)),
     (_frame(StepResult.KIND, [1, [["a", [5], 3, 3]], 1, 0, 9]), (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None]], 1, 0, 9]), (StepResult,)),
     (_frame(Ready.KIND, [0, 3, "x", 1, 1, "d", [["weights", "1.5"]]]), (Ready,)),  # str seconds
     (bytes([Cancel.KIND]) + b"\xc1\xc1", (Cancel,)),  # bytes msgpack never produces
+    # the version 7 fields' own bounds: a penalty of 0, a bias over 100, unsorted or repeated
+    # logit_bias ids, min_tokens over max_tokens, a bias entry that is not a pair
+    (_frame(Admit.KIND, [1, "r", [1], _sp(repetition_penalty=0), 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[3, 101.0]]), 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[9, 1], [3, 1]]), 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[3, 1], [3, 2]]), 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(min_tokens=5), 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[3]), 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(presence_penalty=2.5), 0, "", ""]), (Admit,)),
 ])
 def test_rejections(frame, accept):
     with pytest.raises(ProtocolError):

@@ -8,9 +8,11 @@ from lorad.workers.planner import Planner, PlannerLimits
 from lorad.workers.sequence import Sequence, SeqStatus
 
 
-def params(max_tokens=100, stop=(), ignore_eos=False) -> SamplingParams:
+def params(max_tokens=100, stop=(), ignore_eos=False, request_stop=(),
+           min_tokens=0) -> SamplingParams:
     return SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0, max_tokens=max_tokens,
-                          stop_token_ids=list(stop), ignore_eos=ignore_eos)
+                          stop_token_ids=list(stop), ignore_eos=ignore_eos,
+                          request_stop_token_ids=list(request_stop), min_tokens=min_tokens)
 
 
 def seq(rid: str, prompt_len: int, arrival: int, **kw) -> Sequence:
@@ -133,6 +135,16 @@ def test_stop_token_is_included_and_ignore_eos_skips_it():
         [("a", [2], "stop"), ("b", [2], None)]
     assert [s.request_id for s in p.live()] == ["b"]
     assert p.blocks.num_free_blocks == 63
+
+
+def test_request_stop_ids_stop_even_with_ignore_eos_and_min_tokens_holds_every_stop():
+    p = planner()
+    p.admit(seq("a", 3, 1, stop=[2], request_stop=[5], ignore_eos=True))
+    p.admit(seq("b", 3, 2, stop=[2], request_stop=[5], min_tokens=2))
+    _, events = step(p, token=5)
+    assert [(e.request_id, e.finish_reason) for e in events] == [("a", "stop"), ("b", None)]
+    _, events = step(p, token=2)  # b's second token: min_tokens generated, an EOS stops it
+    assert [(e.request_id, e.token_ids, e.finish_reason) for e in events] == [("b", [2], "stop")]
 
 
 def test_max_tokens_and_max_model_len_finish_with_length():

@@ -127,7 +127,7 @@ def _refused(parse, body, param):
     ({"logprobs": True}, "logprobs"),
     ({"logprobs": 1.5}, "logprobs"),
     ({"suffix": "x"}, "suffix"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
