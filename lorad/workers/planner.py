@@ -4,7 +4,7 @@ Pure and deterministic (no sockets, no torch, no clocks), so every rank that hol
 set and applies the same messages plans the same step. `plan()` schedules (allocating KV blocks
 lazily and preempting newest-first when they run out); `apply(plan, sampled)` advances the
 sequences with the sampled ids and returns the events the leader publishes. Prefix caching and
-grammar state are not handled here.
+grammar state are not handled here; echo's rows are prompt_logprobs.py's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import bisect
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from lorad.protocol.messages import SeqOutput
+from lorad.protocol.messages import MAX_PROMPT_LOGPROBS_PER_STEP, SeqOutput
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.sequence import Sequence, SeqStatus
 
@@ -67,6 +67,7 @@ class Planner:
         self.running: list[Sequence] = []  # by arrival
         self._by_id: dict[str, Sequence] = {}
         self._events: list[SeqOutput] = []  # terminal events decided between steps
+        self._prompt_rows_left = 0  # echo's share of the step being planned (_chunk_size)
 
     # --- the live set -------------------------------------------------------------------------
 
@@ -83,7 +84,10 @@ class Planner:
             return f"request id {seq.request_id!r} is already live"
         if not seq.prompt_ids:
             return f"request {seq.request_id!r} has an empty prompt"
-        if seq.num_tokens >= self.limits.max_model_len or seq.sampling.max_tokens <= 0:
+        # Echo with max_tokens 0 scores the prompt: it runs, and its one sample is dropped.
+        scoring = seq.sampling.max_tokens == 0 and seq.sampling.prompt_logprobs >= 0
+        if not scoring and (seq.num_tokens >= self.limits.max_model_len
+                            or seq.sampling.max_tokens <= 0):
             self._events.append(SeqOutput(seq.request_id, [], "length", seq.num_prompt_tokens))
             return None
         self._by_id[seq.request_id] = seq
@@ -114,6 +118,7 @@ class Planner:
 
     def plan(self) -> StepPlan:
         self.step += 1
+        self._prompt_rows_left = MAX_PROMPT_LOGPROBS_PER_STEP
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[str] = []
         budget = self._schedule_decodes(self.limits.max_num_batched_tokens, scheduled, preempted)
@@ -150,7 +155,7 @@ class Planner:
                 break
             if seq.status is not SeqStatus.RUNNING or id(seq) in decoding:
                 continue
-            num = self._reserve_chunk(seq, min(seq.num_pending, budget), scheduled, preempted)
+            num = self._reserve_chunk(seq, self._chunk_size(seq, budget), scheduled, preempted)
             if num:
                 scheduled.append((seq, num))
                 budget -= num
@@ -167,7 +172,9 @@ class Planner:
             if (seq.request_id in preempted
                     or num_blocks > self.blocks.num_free_blocks - num_promised):
                 break  # first come, first served: nobody overtakes the head of the queue
-            num = min(seq.num_pending, budget)
+            num = self._chunk_size(seq, budget)
+            if num == 0:  # echo's share of the step is spent
+                break
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
             _insert_by_arrival(self.running, seq)
@@ -176,6 +183,14 @@ class Planner:
             scheduled.append((seq, num))
             budget -= num
         return budget
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        """A prefill chunk's tokens; echo's chunks share MAX_PROMPT_LOGPROBS_PER_STEP a step."""
+        num = min(seq.num_pending, budget)
+        if seq.sampling.prompt_logprobs >= 0:
+            num = min(num, self._prompt_rows_left)
+            self._prompt_rows_left -= num
+        return num
 
     def _reserve(self, seq: Sequence, num: int, scheduled: list, preempted: list[str]) -> bool:
         """Blocks for `num` more tokens, preempting newer unscheduled sequences if needed."""
@@ -252,6 +267,10 @@ class Planner:
             if not chunk.sample:
                 continue
             token = next(tokens)
+            if seq.sampling.max_tokens == 0:  # a scored prompt: its sample is not kept
+                self._finish(seq, "length")
+                events.append(SeqOutput(seq.request_id, [], "length", len(seq.prompt_ids)))
+                continue
             seq.output_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:

@@ -31,6 +31,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # KV block ids, in position order
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
+    # Echo: prompt positions 0..num_prompt_logprobs-1 have had their log probabilities computed
+    # (prompt_logprobs.py); a recompute after preemption does not send them again.
+    num_prompt_logprobs: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,7 +10,8 @@ from lorad.protocol import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, RankStatus, Ready,
     SamplingParams, SeqOutput, Shutdown, StartupPhase, StepFailed, StepResult, WorkerFailed,
     decode, encode)
-from lorad.protocol.messages import TokenLogprobs
+from lorad.protocol.messages import (
+    MAX_PROMPT_LOGPROBS_PER_STEP, MAX_TOP_LOGPROBS, TokenLogprobs)
 from lorad.protocol.messages import COORDINATOR_TO_WORKER, WORKER_TO_COORDINATOR
 
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**62 + 5, max_tokens=16,
@@ -29,6 +30,10 @@ MESSAGES = [
     StepResult(9, [SeqOutput("a", [5], None, 3, [TokenLogprobs(-0.25, [5, 7], [-0.25, -2.5])]),
                    SeqOutput("b", [2], "stop", 9, [TokenLogprobs(-3.0, [], [])])], 1, 0, 120),
     Admit(5, "cmpl-l", [1], SamplingParams(0.0, 1.0, 0, 1, 4, [2], False, 20), 0, ""),
+    Admit(6, "cmpl-e", [1, 2], SamplingParams(0.0, 1.0, 0, 1, 0, [2], False, 3, 3), 0, ""),
+    StepResult(10, [SeqOutput("e", [], None, 9, None, [TokenLogprobs(-1.5, [4], [-0.5])] * 3),
+                    SeqOutput("f", [], "length", 2, None, [TokenLogprobs(-2.0, [], [])])],
+               0, 0, 120),
     StepFailed(9, ["a", "b"], "live sets disagree"),
     WorkerFailed(1, "CUDA error: out of memory"),
     RankStatus(0, "loading", 0, 0.0, 0, 0),
@@ -43,7 +48,7 @@ def test_round_trip(msg):
 
 def test_int_is_accepted_for_float():
     frame = bytes([Admit.KIND]) + msgpack.packb(
-        [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1], 0, "", ""])
+        [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1, -1], 0, "", ""])
     assert decode(frame, (Admit,)).sampling.temperature == 1.0
 
 
@@ -62,11 +67,13 @@ def _frame(kind: int, body) -> bytes:
     (b"", ALL_KINDS),
     (encode(StepResult(1, [SeqOutput("a", [5], None, 3)], 1, 0, 9))[:-3], (StepResult,)),
     # 21 alternatives, or ids and values of different lengths: over the message's own bounds
-    (_frame(StepResult.KIND, [1, [["a", [5], None, 3, [[-1.0, list(range(21)), [-1.0] * 21]]]],
-                              1, 0, 9]), (StepResult,)),
-    (_frame(StepResult.KIND, [1, [["a", [5], None, 3, [[-1.0, [1, 2], [-1.0]]]]], 1, 0, 9]),
+    (_frame(StepResult.KIND,
+            [1, [["a", [5], None, 3, [[-1.0, list(range(21)), [-1.0] * 21]], None]], 1, 0, 9]),
      (StepResult,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, 21], 0, "", ""]), (Admit,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], None, 3, [[-1.0, [1, 2], [-1.0]]], None]], 1, 0, 9]),
+     (StepResult,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, 21, -1], 0, "", ""]),
+     (Admit,)),
     (_frame(Cancel.KIND, [1]), (Cancel,)),  # too few fields
     (_frame(Cancel.KIND, [1, "x", 3]), (Cancel,)),  # too many fields
     (_frame(Cancel.KIND, {"seq": 1, "request_id": "x"}), (Cancel,)),  # a map, not an array
@@ -75,14 +82,22 @@ def _frame(kind: int, body) -> bytes:
     (_frame(Cancel.KIND, [1.0, "x"]), (Cancel,)),  # float for int
     (_frame(Cancel.KIND, [1, b"x"]), (Cancel,)),  # bytes for str
     (_frame(Shutdown.KIND, [None]), (Shutdown,)),  # None for a required int
-    (_frame(Admit.KIND, [1, "r", [1, "2"], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", ""]),
+    (_frame(Admit.KIND, [1, "r", [1, "2"], [1.0, 1.0, 0, 0, 4, [], False, -1, -1], 0, "", ""]),
      (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], 0, -1], 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [True, 1.0, 0, 0, 4, [], False, -1], 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", 7, [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, "", None]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1], 0, ""]), (Admit,)),
-    (_frame(StepResult.KIND, [1, [["a", [5], 3, 3]], 1, 0, 9]), (StepResult,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], 0, -1, -1], 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [True, 1.0, 0, 0, 4, [], False, -1, -1], 0, "", ""]),
+     (Admit,)),
+    (_frame(Admit.KIND, [1, "r", 7, [1.0, 1.0, 0, 0, 4, [], False, -1, -1], 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1, -1], 0, "", None]),
+     (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 4, [], False, -1, -1], 0, ""]), (Admit,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], 3, 3, None, None]], 1, 0, 9]), (StepResult,)),
+    # echo's values out of their bounds, or not a list
+    (_frame(StepResult.KIND, [1, [["a", [], None, 3, None, [[-1.0, [1], []]]]], 1, 0, 9]),
+     (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [], None, 3, None, -1.0]], 1, 0, 9]), (StepResult,)),
+    (_frame(Admit.KIND, [1, "r", [1], [1.0, 1.0, 0, 0, 0, [], False, -1, 21], 0, "", ""]),
+     (Admit,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None]], 1, 0, 9]), (StepResult,)),
     (_frame(Ready.KIND, [0, 3, "x", 1, 1, "d", [["weights", "1.5"]]]), (Ready,)),  # str seconds
     (bytes([Cancel.KIND]) + b"\xc1\xc1", (Cancel,)),  # bytes msgpack never produces
@@ -111,3 +126,14 @@ def test_legit_big_messages_fit_and_oversized_ones_are_refused_at_encode():
     assert decode(encode(StepResult(1, outputs, 512, 0, 9)), (StepResult,)).outputs == outputs
     with pytest.raises(ProtocolError, match="exceeds"):
         encode(StepFailed(1, [], "x" * MAX_FRAME_BYTES))
+
+
+def test_a_step_of_echo_values_at_its_cap_fits_a_frame():
+    """The planner caps echo's prompt positions at MAX_PROMPT_LOGPROBS_PER_STEP a step; that many
+    values with 20 alternatives each, at the widest ids and values msgpack has, fit a frame."""
+    worst = TokenLogprobs(-1e-300 / 3, [2**31 + i for i in range(MAX_TOP_LOGPROBS)],
+                          [-1e-300 / (i + 3) for i in range(MAX_TOP_LOGPROBS)])
+    values = [worst] * MAX_PROMPT_LOGPROBS_PER_STEP
+    frame = encode(StepResult(1, [SeqOutput("cmpl-" + "f" * 32, [2**31], None, 10**6, [worst],
+                                            values)], 1, 0, 9))
+    assert len(frame) < MAX_FRAME_BYTES / 2
