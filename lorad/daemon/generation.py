@@ -37,6 +37,9 @@ class Delta:
     # (token id, its log probabilities) for each token of this step, when the request asked;
     # every generated token has one, the end-of-sequence token too, whatever text is shown.
     logprobs: tuple[tuple[int, TokenLogprobs], ...] = ()
+    # Echo with logprobs, on the first delta only: (token id, its values) for every prompt token,
+    # the first with None (it has no position before it).
+    prompt_logprobs: tuple[tuple[int, TokenLogprobs | None], ...] = ()
 
 
 async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: str,
@@ -56,12 +59,17 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
     stop_ids = set(sampling.stop_token_ids)
     num_generated = 0
     finished = False
+    prompt_values: list[TokenLogprobs] | None = [] if sampling.prompt_logprobs >= 0 else None
     try:
         while not finished:
             event = await queue.get()
             if isinstance(event, RequestFailed):
                 finished = True
                 raise GenerationError(event.message)
+            if prompt_values is not None and event.prompt_logprobs:
+                prompt_values.extend(event.prompt_logprobs)
+                if not event.token_ids and event.finish_reason is None:
+                    continue  # a prefill step's share: it rides with the first delta
             num_generated += len(event.token_ids)
             ids = event.token_ids
             if event.finish_reason == "stop" and ids and ids[-1] in stop_ids:
@@ -78,10 +86,20 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
                     # string: it ends the request as a stop, whatever ended the generation.
                     reason = "stop"
             logprobs = tuple(zip(event.token_ids, event.logprobs or ()))
-            yield Delta(text, reason, len(prompt_ids), num_generated, logprobs)
+            prompt = ()
+            if prompt_values is not None:
+                prompt, prompt_values = _prompt_entries(prompt_ids, prompt_values), None
+            yield Delta(text, reason, len(prompt_ids), num_generated, logprobs, prompt)
     finally:
         if not finished:
             engine.cancel(request_id)
+
+
+def _prompt_entries(prompt_ids: list[int], values: list[TokenLogprobs]) -> tuple:
+    if len(values) != len(prompt_ids) - 1:
+        raise GenerationError(f"the engine sent {len(values)} prompt log probabilities for a "
+                              f"prompt of {len(prompt_ids)} tokens")
+    return ((prompt_ids[0], None), *zip(prompt_ids[1:], values))
 
 
 def _finish_reason(engine_reason: str | None, stop_string_matched: bool) -> str | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from lorad.daemon.logprobs import Entries, LogprobsFormat
+from lorad.daemon.logprobs import Entries, LogprobsFormat, PromptEntries
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
@@ -21,9 +21,11 @@ class CompletionFormat:
     id_prefix = "cmpl-"
 
     def __init__(self, response_id: str, model: str, include_usage: bool = False,
-                 continuous_usage: bool = False, logprobs: LogprobsFormat | None = None) -> None:
+                 continuous_usage: bool = False, logprobs: LogprobsFormat | None = None,
+                 echo: str | None = None) -> None:
         self.response_id = response_id
         self.logprobs = logprobs  # None: the request did not ask; every choice says null
+        self.echo = echo  # completions' echo: the prompt's text, which the answer's text begins
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
@@ -45,11 +47,27 @@ class CompletionFormat:
         return self.logprobs.render(entries) if self.logprobs is not None else None
 
     def full(self, text: str, finish_reason: str, num_prompt: int, num_completion: int,
-             entries: Entries = ()) -> dict:
-        body = self._envelope([{"index": 0, "text": text, "logprobs": self._logprobs(entries),
-                                "finish_reason": finish_reason}], self.object_name)
+             entries: Entries = (), prompt_entries: PromptEntries = ()) -> dict:
+        logprobs = None
+        if self.echo is not None and self.logprobs is not None:
+            prompt = self.logprobs.render_prompt(prompt_entries, self.echo)
+            rest = self.logprobs.render(entries)
+            logprobs = {key: prompt[key] + rest[key] for key in prompt}
+        elif self.logprobs is not None:
+            logprobs = self.logprobs.render(entries)
+        body = self._envelope([{"index": 0, "text": (self.echo or "") + text,
+                                "logprobs": logprobs, "finish_reason": finish_reason}],
+                              self.object_name)
         body["usage"] = usage(num_prompt, num_completion)
         return body
+
+    def echo_chunk(self, num_prompt: int, prompt_entries: PromptEntries) -> dict:
+        """A stream's echo: the prompt's text and its tokens' log probabilities in one chunk,
+        right after the opening chunk."""
+        logprobs = (self.logprobs.render_prompt(prompt_entries, self.echo)
+                    if self.logprobs is not None else None)
+        return self._envelope([{"index": 0, "text": self.echo, "logprobs": logprobs,
+                                "finish_reason": None}], self.object_name, (num_prompt, 0))
 
     def opening_chunk(self, num_prompt: int) -> dict:
         """The stream's first chunk, sent when the first token exists, whatever its text."""
@@ -73,7 +91,8 @@ class ChatFormat(CompletionFormat):
     id_prefix = "chatcmpl-"
 
     def full(self, text: str, finish_reason: str, num_prompt: int, num_completion: int,
-             entries: Entries = ()) -> dict:
+             entries: Entries = (), prompt_entries: PromptEntries = ()) -> dict:
+        # Chat has no echo: prompt_entries is always empty here.
         message = {"role": "assistant", "content": text}
         body = self._envelope([{"index": 0, "message": message,
                                 "logprobs": self._logprobs(entries),

@@ -116,8 +116,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt_ids = state.model.tokenizer.encode(body.prompt)
     else:
         prompt_ids = _check_token_ids(body.prompt, state.model.vocab_size)
+    echo = None
+    if body.echo:  # the prompt as sent; token ids as they decode together
+        echo = body.prompt if isinstance(body.prompt, str) else state.model.tokenizer.decode(
+            prompt_ids)
     return await _generate(request, state, CompletionFormat, choice, prompt_ids, body.options,
-                           "prompt", started, body.constraint)
+                           "prompt", started, body.constraint, echo)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -143,18 +147,18 @@ def _choose(request: web.Request, state: AppState, model: str,
 
 async def _generate(request: web.Request, state: AppState, format_cls: type[CompletionFormat],
                     choice: ModelChoice, prompt_ids: list[int], options: SamplingOptions,
-                    prompt_param: str, started: float,
-                    constraint: Constraint | None = None) -> web.StreamResponse:
+                    prompt_param: str, started: float, constraint: Constraint | None = None,
+                    echo: str | None = None) -> web.StreamResponse:
     # From admission.check() to the Admit inside generate() nothing awaits, so the queue bound
     # and the draining switch hold exactly.
-    sampling = _sampling(state.model, prompt_ids, options, prompt_param)
+    sampling = _sampling(state.model, prompt_ids, options, prompt_param, echo is not None)
     logprobs = (LogprobsFormat(state.model.tokenizer.decode, format_cls is ChatFormat,
                                state.model.token_bytes)
                 if options.num_logprobs is not None else None)
     fmt = format_cls(f"{format_cls.id_prefix}{uuid.uuid4().hex}", choice.model_id,
                      include_usage=options.stream and options.include_usage,
                      continuous_usage=options.stream and options.continuous_usage,
-                     logprobs=logprobs)
+                     logprobs=logprobs, echo=echo)
     request[ADMITTED_KEY] = True
     with state.admission.ticket(started) as ticket:
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompt_ids,
@@ -165,11 +169,12 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
         async with aclosing(deltas):
             if options.stream:
                 return await stream_events(request, deltas, fmt)
-            texts, entries, last = [], [], None
+            texts, entries, prompt_entries, last = [], [], [], None
             try:
                 async for delta in deltas:
                     texts.append(delta.text)
                     entries.extend(delta.logprobs)
+                    prompt_entries.extend(delta.prompt_logprobs)
                     last = delta
             except GenerationError as exc:
                 headers = ({"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)}
@@ -177,17 +182,19 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
                 return error_response(exc.status, str(exc), code=exc.code, headers=headers)
         return web.json_response(fmt.full("".join(texts), last.finish_reason,
                                           last.num_prompt_tokens, last.num_completion_tokens,
-                                          entries))
+                                          entries, prompt_entries))
 
 
 def _sampling(model: ServedModel, prompt_ids: list[int], options: SamplingOptions,
-              prompt_param: str) -> SamplingParams:
+              prompt_param: str, echo: bool = False) -> SamplingParams:
     num_prompt, limit = len(prompt_ids), model.max_model_len
     if num_prompt == 0:
         raise bad_request("the prompt is empty after tokenization", prompt_param)
-    if num_prompt >= limit:
+    scoring = options.max_tokens == 0  # echo only (schemas.py): the prompt may fill the context
+    if num_prompt >= limit + scoring:
         raise bad_request(f"This model's maximum context length is {limit} tokens, but the prompt "
-                          f"has {num_prompt} tokens, leaving no room for a completion.",
+                          f"has {num_prompt} tokens" + ("." if scoring else
+                                                        ", leaving no room for a completion."),
                           prompt_param, "context_length_exceeded")
     max_tokens = options.max_tokens if options.max_tokens is not None else limit - num_prompt
     if num_prompt + max_tokens > limit:
@@ -200,7 +207,9 @@ def _sampling(model: ServedModel, prompt_ids: list[int], options: SamplingOption
                           top_k=options.top_k, seed=seed, max_tokens=max_tokens,
                           stop_token_ids=list(model.stop_token_ids), ignore_eos=options.ignore_eos,
                           num_logprobs=(-1 if options.num_logprobs is None
-                                        else options.num_logprobs))
+                                        else options.num_logprobs),
+                          prompt_logprobs=(options.num_logprobs if echo
+                                           and options.num_logprobs is not None else -1))
 
 
 def _check_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:

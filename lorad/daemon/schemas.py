@@ -1,6 +1,6 @@
 """OpenAI request bodies, checked field by field into frozen dataclasses.
 
-Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (echo, tools,
+Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (suffix, tools,
 n > 1, ...) and contradictory ones are refused by name, never dropped silently. `adapter`,
 `regex` and `grammar` are lorad's own fields, read by constraints.py. Checks that need the model
 (served ids and adapters, context length, vocabulary) happen in routes.py and model_ids.py.
@@ -20,7 +20,7 @@ CHAT_ROLES = ("system", "user", "assistant")
 _INT64 = 2**63
 # Known OpenAI fields lorad does not implement: refused unless they hold their "off" value.
 _UNSUPPORTED = {
-    "completions": ("echo", "suffix", "logit_bias", "presence_penalty", "frequency_penalty"),
+    "completions": ("suffix", "logit_bias", "presence_penalty", "frequency_penalty"),
     "chat": ("logit_bias", "presence_penalty", "frequency_penalty", "tools", "functions",
              "audio"),
 }
@@ -28,7 +28,7 @@ _UNSUPPORTED = {
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    max_tokens: int | None  # None: the rest of the context
+    max_tokens: int | None  # None: the rest of the context; 0 only with completions' echo
     temperature: float
     top_p: float
     top_k: int  # 0 disables
@@ -51,6 +51,7 @@ class CompletionRequest:
     prompt: str | list[int]
     options: SamplingOptions
     constraint: Constraint | None = None  # response_format, regex or grammar, compiled
+    echo: bool = False  # the answer's text (and logprobs) begin with the prompt's
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,16 @@ def parse_completion(body: object) -> CompletionRequest:
     _refuse_unsupported(body, "completions")
     if _int(body, "best_of", lo=1, default=1) != 1:
         raise bad_request("best_of other than 1 is not supported", "best_of", "unsupported")
+    echo = _bool(body, "echo", False)
+    if type(body.get("max_tokens")) is int and body["max_tokens"] == 0 and not echo:
+        raise bad_request("max_tokens 0 generates nothing; it is allowed only with echo: true",
+                          "max_tokens")
     return CompletionRequest(model=_model(body), adapter=_adapter(body),
                              prompt=_prompt(body.get("prompt")),
                              options=_options(body, "max_tokens",
-                                              _int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)),
-                             constraint=parse_constraint(body))
+                                              _int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS),
+                                              min_tokens=0 if echo else 1),
+                             constraint=parse_constraint(body), echo=echo)
 
 
 def parse_chat(body: object) -> ChatRequest:
@@ -136,7 +142,8 @@ def _chat_logprobs(body: dict) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _options(body: dict, max_tokens_field: str, num_logprobs: int | None) -> SamplingOptions:
+def _options(body: dict, max_tokens_field: str, num_logprobs: int | None,
+             min_tokens: int = 1) -> SamplingOptions:
     stream = _bool(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
@@ -145,7 +152,7 @@ def _options(body: dict, max_tokens_field: str, num_logprobs: int | None) -> Sam
         raise bad_request("stream_options must be an object", "stream_options", "invalid_type")
     top_k = _int(body, "top_k", lo=-1, default=0)
     return SamplingOptions(
-        max_tokens=_int(body, max_tokens_field, lo=1, default=None),
+        max_tokens=_int(body, max_tokens_field, lo=min_tokens, default=None),
         temperature=_number(body, "temperature", 1.0, lambda v: 0 <= v <= 2, "between 0 and 2"),
         top_p=_number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "greater than 0 and at most 1"),
         top_k=0 if top_k == -1 else top_k,

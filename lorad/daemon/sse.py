@@ -1,8 +1,8 @@
 """Server-sent events: one generation's deltas as `data: {chunk}` events, then `data: [DONE]`.
 
-Headers and the opening chunk go out with the first delta, i.e. when the first token exists, even
-if its text is held back: a client times the first token by the first event. A request that fails
-before that gets a plain JSON error (500, 503 or 504: GenerationError's status); after it, a
+Headers and the opening chunk (with echo, then the prompt's chunk) go out with the first delta,
+i.e. when the first token exists, even if its text is held back: a client times the first token
+by the first event. A request that fails before that gets a plain JSON error (500, 503 or 504: GenerationError's status); after it, a
 failure is a `data: {"error": ...}` event before [DONE]. Later deltas without text are sent only
 when the client asked for usage on every chunk. A client that hangs up raises out of the writes;
 the caller's aclosing() then cancels.
@@ -44,6 +44,9 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
         async for delta in deltas:
             if response is None:
                 response = await _open(request, fmt, delta.num_prompt_tokens)
+                if fmt.echo is not None:
+                    await response.write(_event(fmt.echo_chunk(delta.num_prompt_tokens,
+                                                                delta.prompt_logprobs)))
             last = delta
             entries.extend(delta.logprobs)
             # Without per-chunk usage an empty chunk would tell the client nothing the opening
