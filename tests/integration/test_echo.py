@@ -189,3 +189,18 @@ def test_a_mixed_burst_gives_other_requests_their_solo_tokens(served):
             values = [v for v in together["logprobs"]["token_logprobs"] if v is not None]
             expected = [v for v in alone["logprobs"]["token_logprobs"] if v is not None]
             assert values == pytest.approx(expected, abs=TOL), i
+
+
+def test_scoring_a_prompt_that_fills_the_context(served, references):
+    """max_tokens 0 leaves no room to need: a prompt of the whole context is scored; asking for
+    one token more is refused."""
+    prompt = [(7 * i + 3) % 380 + 3 for i in range(256)]  # the tiny model's whole context
+    ref = prompt_log_softmax(references["tiny"], prompt)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 0, "logprobs": 0, "echo": True}
+    code, reply = post(f"{served.url}/v1/completions", body)
+    assert code == 200, reply
+    got = reply["choices"][0]["logprobs"]["token_logprobs"]
+    expected = [float(ref[p - 1, prompt[p]]) for p in range(1, len(prompt))]
+    assert got[0] is None and got[1:] == pytest.approx(expected, abs=TOL)
+    code, reply = post(f"{served.url}/v1/completions", {**body, "max_tokens": 1})
+    assert code == 400 and reply["error"]["code"] == "context_length_exceeded", reply
