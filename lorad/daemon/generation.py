@@ -1,9 +1,10 @@
 """One admitted request, from its Admits to its choices' terminal events, as a stream of deltas.
 
-Admits each prompt (one Admit carrying n), detokenizes each choice's ids, ends a choice on the
-engine's finish reason or a stop string (then sends Cancel), and sends Cancel for every open
-choice if its consumer goes away early or one choice fails. Knows nothing of
-OpenAI's JSON shapes (responses.py) or of HTTP.
+Admits each prompt (one Admit carrying n), detokenizes each choice's ids, hands each echoed
+prompt's log probabilities to its choice's first delta, ends a choice on the engine's finish
+reason or a stop string (then sends Cancel), and sends Cancel for every open choice if its
+consumer goes away early or one choice fails. Knows nothing of OpenAI's JSON shapes
+(responses.py) or of HTTP.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Delta:
     logprobs: tuple[tuple[int, TokenLogprobs], ...] = ()
     index: int = 0  # the choice: prompt index * n + j, OpenAI's order
     prompt_index: int = 0  # which prompt of the request it continues
+    # Echo with logprobs, on the choice's first delta only: (token id, its values) for every
+    # token of its prompt, the first with None (it has no position before it).
+    prompt_logprobs: tuple[tuple[int, TokenLogprobs | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -52,17 +56,19 @@ class Prompt:
 
 
 class _Choice:
-    """One choice's state: its worker request id, detokenizer and counts."""
+    """One choice's state: its worker request id, detokenizer and counts; with echo, its
+    prompt's values until its first delta carries them."""
 
-    def __init__(self, index: int, prompt_index: int, request_id: str, num_prompt: int,
-                 tokenizer: ModelTokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, index: int, prompt_index: int, request_id: str, prompt_ids: list[int],
+                 tokenizer: ModelTokenizer, stop: tuple[str, ...], echo: bool) -> None:
         self.index = index
         self.prompt_index = prompt_index
         self.request_id = request_id
-        self.num_prompt = num_prompt
+        self.prompt_ids = prompt_ids
         self.detokenizer = IncrementalDetokenizer(tokenizer.decode, stop)
         self.num_generated = 0
         self.finished = False
+        self.prompt_values: list[TokenLogprobs] | None = [] if echo else None
 
 
 async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: str,
@@ -83,8 +89,10 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
             ids = engine.admit(prompt_id, prompt.token_ids, prompt.sampling, adapter_slot,
                                adapter_key, grammar, n, queue)
             for j, choice_id in enumerate(ids):
-                choices[choice_id] = _Choice(i * n + j, i, choice_id, len(prompt.token_ids),
-                                             tokenizer, stop)
+                # The workers send a prompt's values with its first choice (echo takes n = 1).
+                echo = prompt.sampling.prompt_logprobs >= 0 and j == 0
+                choices[choice_id] = _Choice(i * n + j, i, choice_id, prompt.token_ids,
+                                             tokenizer, stop, echo)
     except EngineDead as exc:
         _cancel_open(engine, choices)
         raise GenerationError(f"the engine is down: {exc}") from None
@@ -102,6 +110,10 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
             choice = choices[event.request_id]
             if choice.finished:
                 continue
+            if choice.prompt_values is not None and event.prompt_logprobs:
+                choice.prompt_values.extend(event.prompt_logprobs)
+                if not event.token_ids and event.finish_reason is None:
+                    continue  # a prefill step's share: it rides with the choice's first delta
             delta = _delta(engine, choice, event, stop_ids)
             if delta.finish_reason is not None:
                 num_open -= 1
@@ -128,8 +140,12 @@ def _delta(engine: EngineClient, choice: _Choice, event, stop_ids: set[int]) -> 
             # ends the choice as a stop, whatever ended the generation.
             reason = "stop"
     logprobs = tuple(zip(event.token_ids, event.logprobs or ()))
-    return Delta(text, reason, choice.num_prompt, choice.num_generated, logprobs, choice.index,
-                 choice.prompt_index)
+    prompt = ()
+    if choice.prompt_values is not None:
+        prompt = _prompt_entries(choice.prompt_ids, choice.prompt_values)
+        choice.prompt_values = None
+    return Delta(text, reason, len(choice.prompt_ids), choice.num_generated, logprobs,
+                 choice.index, choice.prompt_index, prompt)
 
 
 def _cancel_open(engine: EngineClient, choices: dict[str, _Choice]) -> None:
@@ -137,6 +153,13 @@ def _cancel_open(engine: EngineClient, choices: dict[str, _Choice]) -> None:
         if not choice.finished:
             choice.finished = True
             engine.cancel(choice.request_id)
+
+
+def _prompt_entries(prompt_ids: list[int], values: list[TokenLogprobs]) -> tuple:
+    if len(values) != len(prompt_ids) - 1:
+        raise GenerationError(f"the engine sent {len(values)} prompt log probabilities for a "
+                              f"prompt of {len(prompt_ids)} tokens")
+    return ((prompt_ids[0], None), *zip(prompt_ids[1:], values))
 
 
 def _finish_reason(engine_reason: str | None, stop_string_matched: bool) -> str | None:

@@ -2,7 +2,8 @@
 
 One small class per endpoint builds its JSON shapes; routes.py and sse.py decide when to send
 them. Pure dicts in, dicts out. Every choice carries its index (prompt index * n + j); usage is
-the request's: each prompt's tokens once, every choice's completion tokens.
+the request's: each prompt's tokens once, every choice's completion tokens. With completions'
+echo, each choice's text and logprobs begin with its own prompt's.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from lorad.daemon.logprobs import Entries, LogprobsFormat
+from lorad.daemon.logprobs import Entries, LogprobsFormat, PromptEntries
 
 
 class FullChoice(NamedTuple):
@@ -20,6 +21,8 @@ class FullChoice(NamedTuple):
     text: str
     finish_reason: str
     entries: Entries = ()  # its tokens' log probabilities, when asked
+    prompt_index: int = 0  # which prompt of the request it continues
+    prompt_entries: PromptEntries = ()  # echo with logprobs: its prompt's tokens' entries
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
@@ -32,9 +35,12 @@ class CompletionFormat:
     id_prefix = "cmpl-"
 
     def __init__(self, response_id: str, model: str, include_usage: bool = False,
-                 continuous_usage: bool = False, logprobs: LogprobsFormat | None = None) -> None:
+                 continuous_usage: bool = False, logprobs: LogprobsFormat | None = None,
+                 echo: list[str] | None = None) -> None:
         self.response_id = response_id
         self.logprobs = logprobs  # None: the request did not ask; every choice says null
+        # Completions' echo: each prompt's text, by prompt index, which its choices' text begins
+        self.echo = echo
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
@@ -62,9 +68,29 @@ class CompletionFormat:
         return body
 
     def _full_choice(self, choice: FullChoice) -> dict:
-        return {"index": choice.index, "text": choice.text,
-                "logprobs": self._logprobs(choice.entries, choice.index),
+        if self.echo is None:
+            return {"index": choice.index, "text": choice.text,
+                    "logprobs": self._logprobs(choice.entries, choice.index),
+                    "finish_reason": choice.finish_reason}
+        echoed = self.echo[choice.prompt_index]
+        logprobs = None
+        if self.logprobs is not None:
+            prompt = self.logprobs.render_prompt(choice.prompt_entries, echoed, choice.index)
+            rest = self.logprobs.render(choice.entries, choice.index)
+            logprobs = {key: prompt[key] + rest[key] for key in prompt}
+        return {"index": choice.index, "text": echoed + choice.text, "logprobs": logprobs,
                 "finish_reason": choice.finish_reason}
+
+    def echo_chunk(self, num_prompt: int, num_completion: int, prompt_entries: PromptEntries,
+                   index: int = 0, prompt_index: int = 0) -> dict:
+        """A choice's echo in a stream: its prompt's text and its tokens' log probabilities in
+        one chunk, right after the choice's opening chunk."""
+        echoed = self.echo[prompt_index]
+        logprobs = (self.logprobs.render_prompt(prompt_entries, echoed, index)
+                    if self.logprobs is not None else None)
+        return self._envelope([{"index": index, "text": echoed, "logprobs": logprobs,
+                                "finish_reason": None}], self.object_name,
+                              (num_prompt, num_completion))
 
     def opening_chunk(self, num_prompt: int, num_completion: int = 0, index: int = 0) -> dict:
         """A choice's first chunk, sent when its first token exists, whatever its text."""
@@ -89,7 +115,7 @@ class ChatFormat(CompletionFormat):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def _full_choice(self, choice: FullChoice) -> dict:
+    def _full_choice(self, choice: FullChoice) -> dict:  # chat has no echo
         return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
                 "logprobs": self._logprobs(choice.entries, choice.index),
                 "finish_reason": choice.finish_reason}

@@ -119,8 +119,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.admission.check(state.status, len(body.prompts) * body.options.n)
     prompts_ids = [state.model.tokenizer.encode(p) if isinstance(p, str)
                    else _check_token_ids(p, state.model.vocab_size) for p in body.prompts]
+    echo = None
+    if body.echo:  # each prompt as sent; token ids as they decode together
+        echo = [p if isinstance(p, str) else state.model.tokenizer.decode(ids)
+                for p, ids in zip(body.prompts, prompts_ids)]
     return await _generate(request, state, CompletionFormat, choice, prompts_ids, body.options,
-                           "prompt", started, body.constraint)
+                           "prompt", started, body.constraint, echo=echo)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -156,10 +160,11 @@ def _choose(request: web.Request, state: AppState, model: str,
 async def _generate(request: web.Request, state: AppState, format_cls: type[CompletionFormat],
                     choice: ModelChoice, prompts_ids: list[list[int]], options: SamplingOptions,
                     prompt_param: str, started: float, constraint: Constraint | None = None,
-                    tool_choice: ToolChoice | None = None) -> web.StreamResponse:
+                    tool_choice: ToolChoice | None = None,
+                    echo: list[str] | None = None) -> web.StreamResponse:
     # From admission.check() to the Admits inside generate() nothing awaits, so the queue bound
     # and the draining switch hold exactly.
-    prompts = [Prompt(ids, _sampling(state.model, ids, options, prompt_param))
+    prompts = [Prompt(ids, _sampling(state.model, ids, options, prompt_param, echo is not None))
                for ids in prompts_ids]
     num_prompt = sum(len(ids) for ids in prompts_ids)
     logprobs = (LogprobsFormat(state.model.tokenizer.decode, format_cls is ChatFormat,
@@ -170,7 +175,8 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
     fmt = (format_cls if tool_choice is None else ToolCallFormat)(
         f"{format_cls.id_prefix}{uuid.uuid4().hex}", choice.model_id,
         include_usage=options.stream and options.include_usage,
-        continuous_usage=options.stream and options.continuous_usage, logprobs=logprobs, **extra)
+        continuous_usage=options.stream and options.continuous_usage, logprobs=logprobs,
+        echo=echo, **extra)
     request[ADMITTED_KEY] = True
     with state.admission.ticket(started, len(prompts) * options.n) as ticket:
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompts,
@@ -181,31 +187,36 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
         async with aclosing(deltas):
             if options.stream:
                 return await stream_events(request, deltas, fmt, num_prompt)
-            texts, entries, last = {}, {}, {}
+            texts, entries, prompt_entries, last = {}, {}, {}, {}
             try:
                 async for delta in deltas:
                     texts.setdefault(delta.index, []).append(delta.text)
                     entries.setdefault(delta.index, []).extend(delta.logprobs)
+                    prompt_entries.setdefault(delta.index, []).extend(delta.prompt_logprobs)
                     last[delta.index] = delta
             except GenerationError as exc:
                 headers = ({"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)}
                            if exc.status == 503 else None)
                 return error_response(exc.status, str(exc), code=exc.code, headers=headers)
-        choices = [FullChoice(i, "".join(texts[i]), last[i].finish_reason, entries[i])
+        choices = [FullChoice(i, "".join(texts[i]), last[i].finish_reason, entries[i],
+                              last[i].prompt_index, prompt_entries[i])
                    for i in sorted(last)]
         return web.json_response(fmt.full(choices, num_prompt, sum(
             d.num_completion_tokens for d in last.values())))
 
 
 def _sampling(model: ServedModel, prompt_ids: list[int], options: SamplingOptions,
-              prompt_param: str) -> SamplingParams:
-    """One prompt's sampling; every prompt takes the request's seed, or draws its own."""
+              prompt_param: str, echo: bool = False) -> SamplingParams:
+    """One prompt's sampling; every prompt takes the request's seed, or draws its own. Echo
+    with logprobs asks for the prompt's log probabilities too."""
     num_prompt, limit = len(prompt_ids), model.max_model_len
     if num_prompt == 0:
         raise bad_request("the prompt is empty after tokenization", prompt_param)
-    if num_prompt >= limit:
+    scoring = options.max_tokens == 0  # echo only (schemas.py): the prompt may fill the context
+    if num_prompt >= limit + scoring:
         raise bad_request(f"This model's maximum context length is {limit} tokens, but the prompt "
-                          f"has {num_prompt} tokens, leaving no room for a completion.",
+                          f"has {num_prompt} tokens" + ("." if scoring else
+                                                        ", leaving no room for a completion."),
                           prompt_param, "context_length_exceeded")
     max_tokens = options.max_tokens if options.max_tokens is not None else limit - num_prompt
     if num_prompt + max_tokens > limit:
@@ -228,7 +239,9 @@ def _sampling(model: ServedModel, prompt_ids: list[int], options: SamplingOption
                           repetition_penalty=options.repetition_penalty, min_p=options.min_p,
                           logit_bias=[TokenBias(t, b) for t, b in options.logit_bias],
                           request_stop_token_ids=list(options.stop_token_ids),
-                          min_tokens=options.min_tokens)
+                          min_tokens=options.min_tokens,
+                          prompt_logprobs=(options.num_logprobs if echo
+                                           and options.num_logprobs is not None else -1))
 
 
 def _check_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:

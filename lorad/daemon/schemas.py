@@ -1,11 +1,11 @@
 """OpenAI request bodies, checked field by field into frozen dataclasses.
 
-Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (echo, functions,
-best_of other than n, ...) and contradictory ones are refused by name, never dropped silently.
-`adapter`, `regex` and `grammar` are lorad's own fields, read by constraints.py; chat's messages
-and tools are read by chat_messages.py and tools.py. Checks that need the model (served ids and
-adapters, context length, vocabulary, n against --max-num-seqs) happen in routes.py and
-model_ids.py.
+Unknown fields are ignored as OpenAI does; known fields lorad cannot honour (suffix, functions,
+best_of other than n, echo with n > 1, ...) and contradictory ones are refused by name, never
+dropped silently. `adapter`, `regex` and `grammar` are lorad's own fields, read by
+constraints.py; chat's messages and tools are read by chat_messages.py and tools.py. Checks that
+need the model (served ids and adapters, context length, vocabulary, n against --max-num-seqs)
+happen in routes.py and model_ids.py.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ MAX_PROMPTS = 64  # prompts in one completions request (each its own choice or c
 _INT64 = 2**63
 # Known OpenAI fields lorad does not implement: refused unless they hold their "off" value.
 _UNSUPPORTED = {
-    "completions": ("echo", "suffix"),
+    "completions": ("suffix",),
     "chat": ("functions", "audio"),
 }
 
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    max_tokens: int | None  # None: the rest of the context
+    max_tokens: int | None  # None: the rest of the context; 0 only with completions' echo
     temperature: float
     top_p: float
     top_k: int  # 0 disables
@@ -64,6 +64,7 @@ class CompletionRequest:
     prompts: tuple[str | list[int], ...]  # 1..MAX_PROMPTS, in the order of their choices
     options: SamplingOptions
     constraint: Constraint | None = None  # response_format, regex or grammar, compiled
+    echo: bool = False  # the answer's text (and logprobs) begin with the prompt's
 
     @property
     def prompt(self) -> str | list[int]:
@@ -90,11 +91,19 @@ def parse_completion(body: object) -> CompletionRequest:
     n = _n(body)
     if _int(body, "best_of", lo=1, default=n) != n:
         raise bad_request("best_of other than n is not supported", "best_of", "unsupported")
+    echo = _bool(body, "echo", False)
+    if echo and n > 1:
+        # The workers score a prompt once, for its first choice: its other choices have no values.
+        raise bad_request(f"echo takes n = 1, got n = {n}", "n", "unsupported")
+    if type(body.get("max_tokens")) is int and body["max_tokens"] == 0 and not echo:
+        raise bad_request("max_tokens 0 generates nothing; it is allowed only with echo: true",
+                          "max_tokens")
     return CompletionRequest(model=_model(body), adapter=_adapter(body),
                              prompts=_prompts(body.get("prompt")),
                              options=_options(body, "max_tokens",
-                                              _int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)),
-                             constraint=parse_constraint(body))
+                                              _int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS),
+                                              min_max_tokens=0 if echo else 1),
+                             constraint=parse_constraint(body), echo=echo)
 
 
 def parse_chat(body: object) -> ChatRequest:
@@ -161,7 +170,8 @@ def _chat_logprobs(body: dict) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _options(body: dict, max_tokens_field: str, num_logprobs: int | None) -> SamplingOptions:
+def _options(body: dict, max_tokens_field: str, num_logprobs: int | None,
+             min_max_tokens: int = 1) -> SamplingOptions:
     stream = _bool(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
@@ -169,8 +179,9 @@ def _options(body: dict, max_tokens_field: str, num_logprobs: int | None) -> Sam
     if stream_options is not None and not isinstance(stream_options, dict):
         raise bad_request("stream_options must be an object", "stream_options", "invalid_type")
     top_k = _int(body, "top_k", lo=-1, default=0)
-    max_tokens = _int(body, max_tokens_field, lo=1, default=None)
-    min_tokens = _int(body, "min_tokens", lo=0, hi=max_tokens or _INT64 - 1, default=0)
+    max_tokens = _int(body, max_tokens_field, lo=min_max_tokens, default=None)  # 0: echo's
+    min_tokens = _int(body, "min_tokens", lo=0,
+                      hi=_INT64 - 1 if max_tokens is None else max_tokens, default=0)
     penalty = {name: _number(body, name, 0.0, lambda v: -2 <= v <= 2, "between -2 and 2")
                for name in ("presence_penalty", "frequency_penalty")}
     return SamplingOptions(

@@ -1,12 +1,12 @@
 """Server-sent events: one generation's deltas as `data: {chunk}` events, then `data: [DONE]`.
 
 The choices' chunks interleave, each naming its index. Headers go out with the first delta, and
-each choice's opening chunk with its first delta, i.e. when its first token exists, even if its
-text is held back: a client times the first token by the first event. A request that fails
-before that gets a plain JSON error (500, 503 or 504: GenerationError's status); after it, a
-failure is a `data: {"error": ...}` event before [DONE]. Later deltas without text are sent only
-when the client asked for usage on every chunk. A client that hangs up raises out of the writes;
-the caller's aclosing() then cancels.
+each choice's opening chunk (with echo, then its prompt's chunk) with its first delta, i.e. when
+its first token exists, even if its text is held back: a client times the first token by the
+first event. A request that fails before that gets a plain JSON error (500, 503 or 504:
+GenerationError's status); after it, a failure is a `data: {"error": ...}` event before [DONE].
+Later deltas without text are sent only when the client asked for usage on every chunk. A client
+that hangs up raises out of the writes; the caller's aclosing() then cancels.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
                 completions[index] = 0
                 await response.write(_event(fmt.opening_chunk(
                     num_prompt, sum(completions.values()), index)))
+                if fmt.echo is not None:
+                    await response.write(_event(fmt.echo_chunk(
+                        num_prompt, sum(completions.values()), delta.prompt_logprobs, index,
+                        delta.prompt_index)))
             completions[index] = delta.num_completion_tokens
             pending = entries.setdefault(index, [])
             pending.extend(delta.logprobs)

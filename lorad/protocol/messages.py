@@ -14,12 +14,17 @@ from dataclasses import dataclass, field
 
 # 2: RankStatus; 3: Ready.startup_phases; 4: Ready.max_num_seqs; 5: Admit.grammar;
 # 6: SamplingParams.num_logprobs, SeqOutput.logprobs; 7: Admit.n, StepResult.num_model_tokens;
-# 8: SamplingParams' penalties, min_p, logit_bias, request_stop_token_ids and min_tokens
-PROTOCOL_VERSION = 8
+# 8: SamplingParams' penalties, min_p, logit_bias, request_stop_token_ids and min_tokens;
+# 9: SamplingParams.prompt_logprobs, SeqOutput.prompt_logprobs (completions' echo)
+PROTOCOL_VERSION = 9
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; keeps a step result's size bounded
 MAX_CHOICES = 16  # n: choices of one prompt, each a live sequence after the shared prefill
 MAX_LOGIT_BIAS = 300  # entries of logit_bias per request: bounds an Admit and a step's copy
 MAX_STOP_TOKEN_IDS = 64  # request stop_token_ids per request
+# Prompt positions whose log probabilities one step computes at most (the planner caps echo's
+# prefill chunks): a StepResult then holds at most ~20 MB of them (~300 bytes each at 20
+# alternatives), within codec.MAX_FRAME_BYTES whatever --max-num-batched-tokens is.
+MAX_PROMPT_LOGPROBS_PER_STEP = 65536
 
 
 # --- coordinator -> workers -------------------------------------------------------------------
@@ -64,10 +69,16 @@ class SamplingParams:
     request_stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0  # EOS and stop tokens are masked until this many were generated
 
+    # -1: none; 0..MAX_TOP_LOGPROBS: completions' echo, the log probability of each prompt token
+    # after the first and this many alternatives (workers/prompt_logprobs.py). With it,
+    # max_tokens may be 0: the prompt is scored, nothing is generated.
+    prompt_logprobs: int = -1
+
     def __post_init__(self) -> None:
-        if not -1 <= self.num_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"num_logprobs must be -1..{MAX_TOP_LOGPROBS}, "
-                             f"got {self.num_logprobs}")
+        for name in ("num_logprobs", "prompt_logprobs"):
+            if not -1 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be -1..{MAX_TOP_LOGPROBS}, "
+                                 f"got {getattr(self, name)}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be -2..2, got {getattr(self, name)}")
@@ -160,10 +171,10 @@ class Ready:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """One sampled token's log probability and its step's most likely alternatives: the model's
-    own fp32 log-softmax, before any warper, penalty or grammar mask."""
+    """One sampled (or, for echo, prompt) token's log probability and its position's most likely
+    alternatives: the model's own fp32 log-softmax, before any warper, penalty or grammar mask."""
 
-    logprob: float  # of the sampled token
+    logprob: float  # of the sampled token (echo: of the prompt's token at the next position)
     top_ids: list[int]  # the num_logprobs most likely tokens, most likely first
     top_logprobs: list[float]  # theirs, in the same order
 
@@ -181,6 +192,10 @@ class SeqOutput:
     num_prompt_tokens: int
     # One per token of token_ids when the request asked for log probabilities, else None.
     logprobs: list[TokenLogprobs] | None = None
+    # Echo: the values of the prompt's tokens 1..n-1 (each from the position before it) for the
+    # prompt positions this step ran, in prompt order; a prefill's steps together send n-1 of
+    # them, steps that sample nothing in an output without tokens. None otherwise.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)

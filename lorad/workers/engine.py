@@ -189,15 +189,20 @@ class Engine:
                     f"{held.key[:16]}..., not {key[:16]}...")
         return None
 
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """-> [num_sampled, vocab] fp32 logits of the plan's sampling chunks, in plan order."""
+    def forward(self, plan: StepPlan, hidden_rows: list[int] | None = None):
+        """-> [num_sampled, vocab] fp32 logits of the plan's sampling chunks, in plan order; with
+        hidden_rows (rows of the step's flat batch: echo's), (logits, [n, hidden] their final
+        hidden states), always eagerly: decode graphs never see them."""
         if plan.block_copies:  # copies on write of blocks a fork shares, before any write
             self.model.copy_kv_blocks(plan.block_copies)
         chunks = plan.batch_chunks()
-        if self.graphs is not None and self.graphs.can_run(chunks):
+        if hidden_rows is None and self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.run(chunks)
         batch = ForwardBatch.build(chunks, self.block_size, self.tp.device, min_rows=MIN_ROWS)
-        return self.model.forward(batch)
+        if hidden_rows is None:
+            return self.model.forward(batch)
+        rows = torch.tensor(hidden_rows, dtype=torch.int64, device=self.tp.device)
+        return self.model.forward(batch, hidden_rows=rows)
 
 
 def resolve_max_num_seqs(cfg: WorkerConfig, tp: TensorParallel, num_blocks: int) -> int:

@@ -24,7 +24,7 @@ from lorad.protocol.messages import SeqOutput, choice_ids
 from lorad.workers.agreement import Inbox, StepAgreement, agree_step, broadcast_ids, live_digest
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.engine import Engine
-from lorad.workers import logprobs
+from lorad.workers import logprobs, prompt_logprobs
 from lorad.workers.grammar import GrammarRows
 from lorad.workers.logits_processors import LogitsTransforms, rows_to_transform
 from lorad.workers.planner import Planner, PlannerLimits, StepPlan
@@ -63,6 +63,7 @@ class WorkerLoop:
         self.grammars = GrammarRows(cfg.model_dir) if self.is_leader else None
         self.transforms = LogitsTransforms() if self.is_leader else None
         self._step_logprobs: dict = {}  # request id -> TokenLogprobs of this step (leader)
+        self._step_prompt: dict = {}  # request id -> echo's TokenLogprobs of this step (leader)
         self.inbox = Inbox()
         self._agreed_watermark = 0  # apply messages up to here at the next step
         self._parent_pid = os.getppid()
@@ -119,7 +120,13 @@ class WorkerLoop:
             self._num_model_steps += 1
             if self._num_model_steps in (self._stall_at, self._raise_at):
                 self._inject_fault()
-        logits = self.engine.forward(plan) if plan.chunks else None  # [num_sampled, vocab]
+        rows = prompt_logprobs.take_rows(plan, self.planner)  # echo's; None in most steps
+        if rows is None:
+            logits = self.engine.forward(plan) if plan.chunks else None  # [num_sampled, vocab]
+        else:  # the LM head over echo's rows runs on every rank: it gathers across them
+            logits, hidden = self.engine.forward(plan, rows.batch_rows)
+            self._step_prompt = prompt_logprobs.compute(self.engine.model.lm_head, hidden, rows,
+                                                        self.planner, self.is_leader)
         # 5. sample on the leader, ids to every rank
         sampled = self._sample(plan, logits)
         # 6. apply and publish
@@ -270,6 +277,8 @@ class WorkerLoop:
         if self._step_logprobs:
             events = [_with_logprobs(e, self._step_logprobs) for e in events]
             self._step_logprobs = {}
+        events = prompt_logprobs.attach(events, self._step_prompt, self.planner)
+        self._step_prompt = {}
         num_model_tokens = sum(len(c.token_ids) for c in plan.chunks)
         self.push.send(encode(StepResult(plan.step, events, *load, num_model_tokens)))
         self._published_load = load

@@ -4,7 +4,8 @@ Pure and deterministic (no sockets, no torch, no clocks), so every rank that hol
 set and applies the same messages plans the same step. `plan()` schedules (allocating KV blocks
 lazily and preempting newest-first when they run out); `apply(plan, sampled)` advances the
 sequences with the sampled ids and returns the events the leader publishes. The choices of one
-prompt share its prefill (fork.py). Prefix caching and grammar state are not handled here.
+prompt share its prefill (fork.py). Prefix caching and grammar state are not handled here; echo's
+rows are prompt_logprobs.py's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from lorad.protocol.messages import SeqOutput
+from lorad.protocol.messages import MAX_PROMPT_LOGPROBS_PER_STEP, SeqOutput
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.fork import Forks
 from lorad.workers.sequence import Sequence, SeqStatus
@@ -42,6 +43,7 @@ class Planner:
         self._events: list[SeqOutput] = []  # terminal events decided between steps
         self.forks = Forks(blocks)
         self._copies: list[tuple[int, int]] = []  # this plan's copies on write
+        self._prompt_rows_left = 0  # echo's share of the step being planned (_chunk_size)
 
     # --- the live set -------------------------------------------------------------------------
 
@@ -64,7 +66,12 @@ class Planner:
             return f"request {seq.request_id!r} has an empty prompt"
         if len(ids) > self.limits.max_num_seqs:
             return f"{len(ids)} choices exceed the {self.limits.max_num_seqs} sequences a step runs"
-        if seq.num_tokens >= self.limits.max_model_len or seq.sampling.max_tokens <= 0:
+        # Echo with max_tokens 0 scores the prompt: it runs, and its one sample is dropped.
+        scoring = seq.sampling.max_tokens == 0 and seq.sampling.prompt_logprobs >= 0
+        if scoring and seq.fork_ids:
+            return f"request {seq.request_id!r}: a scored prompt (max_tokens 0) takes n = 1"
+        if not scoring and (seq.num_tokens >= self.limits.max_model_len
+                            or seq.sampling.max_tokens <= 0):
             self._events.extend(SeqOutput(r, [], "length", seq.num_prompt_tokens) for r in ids)
             return None
         self._by_id[seq.request_id] = seq
@@ -104,6 +111,7 @@ class Planner:
 
     def plan(self) -> StepPlan:
         self.step += 1
+        self._prompt_rows_left = MAX_PROMPT_LOGPROBS_PER_STEP
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[str] = []
         budget = self._schedule_decodes(self.limits.max_num_batched_tokens, scheduled, preempted)
@@ -149,7 +157,7 @@ class Planner:
                 break
             if seq.status is not SeqStatus.RUNNING or id(seq) in decoding:
                 continue
-            num = self._reserve_chunk(seq, min(seq.num_pending, budget), scheduled, preempted)
+            num = self._reserve_chunk(seq, self._chunk_size(seq, budget), scheduled, preempted)
             if num:
                 scheduled.append((seq, num))
                 budget -= num
@@ -169,7 +177,9 @@ class Planner:
             if (seq.request_id in preempted
                     or num_blocks > self.blocks.num_free_blocks - num_promised):
                 break  # first come, first served: nobody overtakes the head of the queue
-            num = min(seq.num_pending, budget)
+            num = self._chunk_size(seq, budget)
+            if num == 0:  # echo's share of the step is spent
+                break
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
             _insert_by_arrival(self.running, seq)
@@ -179,6 +189,14 @@ class Planner:
             scheduled.append((seq, num))
             budget -= num
         return budget
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        """A prefill chunk's tokens; echo's chunks share MAX_PROMPT_LOGPROBS_PER_STEP a step."""
+        num = min(seq.num_pending, budget)
+        if seq.sampling.prompt_logprobs >= 0:
+            num = min(num, self._prompt_rows_left)
+            self._prompt_rows_left -= num
+        return num
 
     def _reserve(self, seq: Sequence, num: int, scheduled: list, preempted: list[str]) -> bool:
         """Blocks for `num` more tokens, preempting newer unscheduled sequences if needed."""
@@ -257,6 +275,11 @@ class Planner:
             seq = self._by_id[chunk.request_id]
             seq.num_computed += len(chunk.token_ids)
             if not chunk.sample:
+                continue
+            if seq.sampling.max_tokens == 0:  # a scored prompt (n = 1): its sample is not kept
+                next(tokens)
+                self._finish(seq, "length")
+                events.append(SeqOutput(seq.request_id, [], "length", len(seq.prompt_ids)))
                 continue
             # Forked before any choice takes its token: a choice that ends now frees only its
             # own references.

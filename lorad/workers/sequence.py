@@ -34,6 +34,9 @@ class Sequence:
     # The request ids of the other choices of its prompt, until its prefill completes and they
     # fork from it (fork.py); empty for n = 1 and for every sequence after its first sample.
     fork_ids: list[str] = field(default_factory=list)
+    # Echo: prompt positions 0..num_prompt_logprobs-1 have had their log probabilities computed
+    # (prompt_logprobs.py); a recompute after preemption does not send them again.
+    num_prompt_logprobs: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,7 +10,8 @@ from lorad.protocol import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, RankStatus, Ready,
     SamplingParams, SeqOutput, Shutdown, StartupPhase, StepFailed, StepResult, WorkerFailed,
     decode, encode)
-from lorad.protocol.messages import TokenBias, TokenLogprobs
+from lorad.protocol.messages import (
+    MAX_PROMPT_LOGPROBS_PER_STEP, MAX_TOP_LOGPROBS, TokenBias, TokenLogprobs)
 from lorad.protocol.messages import COORDINATOR_TO_WORKER, WORKER_TO_COORDINATOR
 
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**62 + 5, max_tokens=16,
@@ -35,6 +36,11 @@ MESSAGES = [
         0.5, 1.0, 0, 1, 8, [2], True, presence_penalty=-2.0, frequency_penalty=0.5,
         repetition_penalty=1.3, min_p=0.1, logit_bias=[TokenBias(3, -100.0), TokenBias(9, 2.5)],
         request_stop_token_ids=[4, 5], min_tokens=8), 0, ""),
+    Admit(6, "cmpl-e", [1, 2], SamplingParams(0.0, 1.0, 0, 1, 0, [2], False, 3,
+                                              prompt_logprobs=3), 0, ""),
+    StepResult(10, [SeqOutput("e", [], None, 9, None, [TokenLogprobs(-1.5, [4], [-0.5])] * 3),
+                    SeqOutput("f", [], "length", 2, None, [TokenLogprobs(-2.0, [], [])])],
+               0, 0, 120),
     StepFailed(9, ["a", "b"], "live sets disagree"),
     WorkerFailed(1, "CUDA error: out of memory"),
     RankStatus(0, "loading", 0, 0.0, 0, 0),
@@ -49,7 +55,8 @@ def test_round_trip(msg):
 
 def test_int_is_accepted_for_float():
     frame = bytes([Admit.KIND]) + msgpack.packb(
-        [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1, 0, 0, 1, 0, [[7, 5]], [], 0], 0, "", "", 1])
+        [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1, 0, 0, 1, 0, [[7, 5]], [], 0, -1], 0, "", "",
+         1])
     sampling = decode(frame, (Admit,)).sampling
     assert sampling.temperature == 1.0 and sampling.repetition_penalty == 1.0
     assert sampling.logit_bias == [TokenBias(7, 5.0)]
@@ -65,9 +72,11 @@ def _frame(kind: int, body) -> bytes:
 
 def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
     """A SamplingParams body on the wire: the first eight fields, then the version 8 ones
-    (penalties, min_p, logit_bias, request stop ids, min_tokens) as given or off."""
+    (penalties, min_p, logit_bias, request stop ids, min_tokens) and the version 9 one
+    (prompt_logprobs) as given or off."""
     later = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-             "min_p": 0.0, "logit_bias": [], "request_stop_token_ids": [], "min_tokens": 0}
+             "min_p": 0.0, "logit_bias": [], "request_stop_token_ids": [], "min_tokens": 0,
+             "prompt_logprobs": -1}
     return [*first, *{**later, **changed}.values()]
 
 
@@ -78,9 +87,10 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
     (b"", ALL_KINDS),
     (encode(StepResult(1, [SeqOutput("a", [5], None, 3)], 1, 0, 9))[:-3], (StepResult,)),
     # 21 alternatives, or ids and values of different lengths: over the message's own bounds
-    (_frame(StepResult.KIND, [1, [["a", [5], None, 3, [[-1.0, list(range(21)), [-1.0] * 21]]]],
-                              1, 0, 9]), (StepResult,)),
-    (_frame(StepResult.KIND, [1, [["a", [5], None, 3, [[-1.0, [1, 2], [-1.0]]]]], 1, 0, 9]),
+    (_frame(StepResult.KIND,
+            [1, [["a", [5], None, 3, [[-1.0, list(range(21)), [-1.0] * 21]], None]], 1, 0, 9]),
+     (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], None, 3, [[-1.0, [1, 2], [-1.0]]], None]], 1, 0, 9]),
      (StepResult,)),
     (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 4, [], False, 21)), 0, "", "", 1]),
      (Admit,)),
@@ -104,19 +114,25 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
     (_frame(Admit.KIND, [1, "r", 7, _sp(), 0, "", "", 1]), (Admit,)),
     (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", None, 1]), (Admit,)),
     (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, ""]), (Admit,)),
-    (_frame(StepResult.KIND, [1, [["a", [5], 3, 3]], 1, 0, 9]), (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], 3, 3, None, None]], 1, 0, 9]), (StepResult,)),
+    # echo's values out of their bounds, or not a list
+    (_frame(StepResult.KIND, [1, [["a", [], None, 3, None, [[-1.0, [1], []]]]], 1, 0, 9]),
+     (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [], None, 3, None, -1.0]], 1, 0, 9]), (StepResult,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 0, [], False, -1),
+                                          prompt_logprobs=21), 0, "", "", 1]), (Admit,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None]], 1, 0, 9]), (StepResult,)),
     (_frame(Ready.KIND, [0, 3, "x", 1, 1, "d", [["weights", "1.5"]]]), (Ready,)),  # str seconds
     (bytes([Cancel.KIND]) + b"\xc1\xc1", (Cancel,)),  # bytes msgpack never produces
-    # the version 7 fields' own bounds: a penalty of 0, a bias over 100, unsorted or repeated
+    # the version 8 fields' own bounds: a penalty of 0, a bias over 100, unsorted or repeated
     # logit_bias ids, min_tokens over max_tokens, a bias entry that is not a pair
-    (_frame(Admit.KIND, [1, "r", [1], _sp(repetition_penalty=0), 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[3, 101.0]]), 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[9, 1], [3, 1]]), 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[3, 1], [3, 2]]), 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(min_tokens=5), 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[3]), 0, "", ""]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(presence_penalty=2.5), 0, "", ""]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(repetition_penalty=0), 0, "", "", 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[3, 101.0]]), 0, "", "", 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[9, 1], [3, 1]]), 0, "", "", 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[3, 1], [3, 2]]), 0, "", "", 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(min_tokens=5), 0, "", "", 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[3]), 0, "", "", 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(presence_penalty=2.5), 0, "", "", 1]), (Admit,)),
 ])
 def test_rejections(frame, accept):
     with pytest.raises(ProtocolError):
@@ -142,3 +158,14 @@ def test_legit_big_messages_fit_and_oversized_ones_are_refused_at_encode():
     assert decode(encode(StepResult(1, outputs, 512, 0, 9)), (StepResult,)).outputs == outputs
     with pytest.raises(ProtocolError, match="exceeds"):
         encode(StepFailed(1, [], "x" * MAX_FRAME_BYTES))
+
+
+def test_a_step_of_echo_values_at_its_cap_fits_a_frame():
+    """The planner caps echo's prompt positions at MAX_PROMPT_LOGPROBS_PER_STEP a step; that many
+    values with 20 alternatives each, at the widest ids and values msgpack has, fit a frame."""
+    worst = TokenLogprobs(-1e-300 / 3, [2**31 + i for i in range(MAX_TOP_LOGPROBS)],
+                          [-1e-300 / (i + 3) for i in range(MAX_TOP_LOGPROBS)])
+    values = [worst] * MAX_PROMPT_LOGPROBS_PER_STEP
+    frame = encode(StepResult(1, [SeqOutput("cmpl-" + "f" * 32, [2**31], None, 10**6, [worst],
+                                            values)], 1, 0, 9))
+    assert len(frame) < MAX_FRAME_BYTES / 2

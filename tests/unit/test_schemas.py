@@ -59,6 +59,13 @@ def test_n_choices_and_best_of_equal_to_n():
     assert parse_chat({**CHAT, "n": 4}).options.n == 4
 
 
+def test_echo_allows_max_tokens_0_with_a_prompt_list_and_n_1():
+    req = parse_completion({**COMPLETION, "prompt": ["a", [5, 6]], "echo": True, "max_tokens": 0,
+                            "logprobs": 2, "n": 1})
+    assert req.echo and req.prompts == ("a", [5, 6])
+    assert req.options.max_tokens == 0 and req.options.min_tokens == 0
+
+
 def test_chat_messages_and_text_parts():
     req = parse_chat({"model": "m", "max_completion_tokens": 3, "messages": [
         {"role": "system", "content": "be brief", "name": "ignored"},
@@ -121,7 +128,12 @@ def _refused(parse, body, param):
     ({"n": 2, "best_of": 3}, "best_of"),
     ({"n": True}, "n"),
     ({"best_of": 3}, "best_of"),
-    ({"echo": True}, "echo"),
+    ({"echo": "yes"}, "echo"),
+    ({"echo": 1}, "echo"),
+    ({"echo": True, "max_tokens": -1}, "max_tokens"),
+    ({"echo": False, "max_tokens": 0}, "max_tokens"),
+    ({"echo": True, "n": 2}, "n"),
+    ({"echo": True, "max_tokens": 0, "min_tokens": 1}, "min_tokens"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"logprobs": True}, "logprobs"),

@@ -259,10 +259,13 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.attn.kv_cache.copy_blocks(src, dst)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, lora_launch_always: bool = False) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, lora_launch_always: bool = False,
+                hidden_rows: torch.Tensor | None = None):
         """-> [num_sampled, vocab_size] float32 logits of batch.sample_rows, the same on every
         rank. lora_launch_always: capturing a CUDA graph that replays for any adapter mixture,
-        so every edited projection launches its LoRA kernels whatever this batch's slots."""
+        so every edited projection launches its LoRA kernels whatever this batch's slots.
+        hidden_rows: [n] int64 more rows, whose final (normed) hidden states [n, hidden] come
+        back beside the logits, as (logits, hidden): echo's (workers/prompt_logprobs.py)."""
         assert self.block_size is not None, "allocate_kv_cache() before forward()"
         ctx = AttentionContext.build(batch, self.block_size)
         rotary = RotaryInputs.build(self.model.rotary_emb, batch.positions)
@@ -276,8 +279,12 @@ class LlamaForCausalLM(nn.Module):
             # The last residual add fused with the final norm, on every row (as cheap as
             # picking the rows first, and one kernel).
             _, normed = self.model.norm.add_and_norm(delta, hidden, delta_lora, lora.pdl_rows)
+            extra = normed[hidden_rows] if hidden_rows is not None else None
             normed = normed[batch.sample_rows]  # [num_sampled, hidden]
         else:
             rows = batch.sample_rows
             _, normed = self.model.norm.add_and_norm(delta[rows], hidden[rows])
-        return self.lm_head(normed)
+            if hidden_rows is not None:  # apart: the sampled rows' arithmetic stays as it was
+                _, extra = self.model.norm.add_and_norm(delta[hidden_rows], hidden[hidden_rows])
+        logits = self.lm_head(normed)
+        return logits if hidden_rows is None else (logits, extra)
