@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -224,6 +225,21 @@ def post(url: str, body, raw: bytes | None = None, method: str = "POST") -> tupl
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def burst_texts(url: str, bodies: list[dict]) -> list[str]:
+    """POST every completions body at once (a thread each) -> each first choice's text, in
+    order: the texts of a burst, to compare with each body's solo run."""
+    texts: list = [None] * len(bodies)
+
+    def run(i: int) -> None:
+        texts[i] = post(f"{url}/v1/completions", bodies[i])[1]["choices"][0]["text"]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return texts
 
 
 def wait_idle(daemon, timeout_s: float = 3.0) -> dict:

@@ -10,7 +10,6 @@ get exactly the tokens they get alone.
 from __future__ import annotations
 
 import json
-import threading
 import urllib.request
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 
 from lorad.daemon.token_bytes import TokenBytes
 from lorad.daemon.tokenizer import ModelTokenizer
-from tests.daemons import adapter_flags, post, start_daemon
+from tests.daemons import adapter_flags, burst_texts, post, start_daemon
 
 TOL = 1e-5
 PROMPT = [5, 17, 42, 99, 7, 250, 31]
@@ -150,16 +149,7 @@ def test_a_mixed_burst_gives_rows_without_logprobs_their_solo_tokens(served):
                **({"logprobs": i % 21} if i % 2 else {})} for i in range(12)]
     plain = [{k: v for k, v in b.items() if k != "logprobs"} for b in bodies]
     solo = [post(f"{served.url}/v1/completions", b)[1]["choices"][0]["text"] for b in plain]
-    burst: list = [None] * len(bodies)
-
-    def run(i: int) -> None:
-        burst[i] = post(f"{served.url}/v1/completions", bodies[i])[1]["choices"][0]["text"]
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert burst == solo
+    assert burst_texts(served.url, bodies) == solo
 
 
 def test_values_are_taken_before_the_grammar_mask_and_the_warpers(served):

@@ -6,7 +6,6 @@ every stream its solo tokens; ids past the vocabulary are a 400 naming the field
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from lorad.daemon.tokenizer import ModelTokenizer
-from tests.daemons import adapter_flags, post, start_daemon
+from tests.daemons import adapter_flags, burst_texts, post, start_daemon
 from tests.integration.test_logprobs import CHAT, PROMPT, references, stream  # noqa: F401
 
 EOS = 2  # the tiny tokenizer's <|im_end|>
@@ -161,16 +160,7 @@ def test_a_mixed_burst_gives_every_stream_its_solo_tokens(served):
                "max_tokens": 8, "temperature": (0, 1.0)[i % 2], "seed": 100 + i,
                **extras[i % len(extras)]} for i in range(18)]
     solo = [post(f"{served.url}/v1/completions", b)[1]["choices"][0]["text"] for b in bodies]
-    burst: list = [None] * len(bodies)
-
-    def run(i: int) -> None:
-        burst[i] = post(f"{served.url}/v1/completions", bodies[i])[1]["choices"][0]["text"]
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert burst == solo
+    assert burst_texts(served.url, bodies) == solo
 
 
 @pytest.mark.parametrize("fields,param", [
