@@ -170,7 +170,8 @@ def main() -> int:
                         for _ in range(args.repeats)]
                 best = min(runs, key=lambda r: r["cpu_s"])
                 print(f"| {num_streams} | {shape} | {best['us_per_token']:.1f} | "
-                      f"{best['system_us']:.1f} | {best['events']} | {best['tokens']} | {best['wall_s']:.1f} |",
+                      f"{best['system_us']:.1f} | {best['events']} | {best['tokens']} | "
+                      f"{best['wall_s']:.1f} |",
                       flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)

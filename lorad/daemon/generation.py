@@ -127,7 +127,7 @@ def _delta(engine: EngineClient, choice: _Choice, event, stop_ids: set[int]) -> 
             # The text held back until now (an incomplete character) held a stop string: it
             # ends the choice as a stop, whatever ended the generation.
             reason = "stop"
-    logprobs = tuple(zip(event.token_ids, event.logprobs or ()))
+    logprobs = tuple(zip(event.token_ids, event.logprobs)) if event.logprobs else ()
     return Delta(text, reason, choice.num_prompt, choice.num_generated, logprobs, choice.index,
                  choice.prompt_index)
 

@@ -52,6 +52,7 @@ def test_int_is_accepted_for_float():
         [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1, 0, 0, 1, 0, [[7, 5]], [], 0], 0, "", "", 1])
     sampling = decode(frame, (Admit,)).sampling
     assert sampling.temperature == 1.0 and sampling.repetition_penalty == 1.0
+    assert type(sampling.temperature) is float and type(sampling.repetition_penalty) is float
     assert sampling.logit_bias == [TokenBias(7, 5.0)]
 
 
@@ -96,6 +97,11 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
     (_frame(Cancel.KIND, [1.0, "x"]), (Cancel,)),  # float for int
     (_frame(Cancel.KIND, [1, b"x"]), (Cancel,)),  # bytes for str
     (_frame(Shutdown.KIND, [None]), (Shutdown,)),  # None for a required int
+    (_frame(Cancel.KIND, [1, None]), (Cancel,)),  # None for a required str
+    # (a whole StepResult, so that only the one bad value is wrong: see the test below)
+    (_frame(StepResult.KIND, [1, [["a", [5], None, 3, "x"]], 1, 0, 9, 0]), (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], b"stop", 3, None]], 1, 0, 9, 0]), (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], None, 3.0, None]], 1, 0, 9, 0]), (StepResult,)),
     (_frame(Admit.KIND, [1, "r", [1, "2"], _sp(), 0, "", "", 1]), (Admit,)),
     (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 4, [], 0, -1)), 0, "", "", 1]),
      (Admit,)),
@@ -121,6 +127,13 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
 def test_rejections(frame, accept):
     with pytest.raises(ProtocolError):
         decode(frame, accept)
+
+
+def test_the_step_result_frame_of_the_rejections_decodes_with_good_values():
+    frame = _frame(StepResult.KIND, [1, [["a", [5], None, 3, None], ["b", [], "stop", 4, None]],
+                                     1, 0, 9, 0])
+    assert decode(frame, (StepResult,)) == StepResult(
+        1, [SeqOutput("a", [5], None, 3), SeqOutput("b", [], "stop", 4)], 1, 0, 9, 0)
 
 
 def test_oversized_frame_is_refused_before_parsing():
