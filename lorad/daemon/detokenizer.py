@@ -65,6 +65,9 @@ class IncrementalDetokenizer:
 
     def _release(self, final: bool) -> str:
         start = self._num_released
+        if not self._stop:  # most requests: nothing to find, nothing to hold back
+            self._num_released = len(self._text)
+            return self._text[start:]
         match = self._first_stop_match(start)
         if match is not None:
             self.stopped = True

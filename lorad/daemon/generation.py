@@ -139,7 +139,7 @@ def _delta(engine: EngineClient, choice: _Choice, event, stop_ids: set[int]) -> 
             # The text held back until now (an incomplete character) held a stop string: it
             # ends the choice as a stop, whatever ended the generation.
             reason = "stop"
-    logprobs = tuple(zip(event.token_ids, event.logprobs or ()))
+    logprobs = tuple(zip(event.token_ids, event.logprobs)) if event.logprobs else ()
     prompt = ()
     if choice.prompt_values is not None:
         prompt = _prompt_entries(choice.prompt_ids, choice.prompt_values)

@@ -6,25 +6,23 @@ its first token exists, even if its text is held back: a client times the first 
 first event. A request that fails before that gets a plain JSON error (500, 503 or 504:
 GenerationError's status); after it, a failure is a `data: {"error": ...}` event before [DONE].
 Later deltas without text are sent only when the client asked for usage on every chunk. A client
-that hangs up raises out of the writes; the caller's aclosing() then cancels.
+that hangs up raises out of the writes; the caller's aclosing() then cancels. Mid-stream chunks
+come from a template cut once per choice (chunk_template.py); the usage chunk or error and [DONE]
+go out in one write.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from lorad.daemon.chunk_template import ChunkTemplate, event_bytes as _event
 from lorad.daemon.errors import error_body, error_response
 from lorad.daemon.generation import Delta, GenerationError
 from lorad.daemon.responses import CompletionFormat
 
 DONE = b"data: [DONE]\n\n"
-
-
-def _event(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
 async def _open(request: web.Request) -> web.StreamResponse:
@@ -40,6 +38,8 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
     response = None
     completions: dict[int, int] = {}  # choice index -> its tokens so far; opened choices
     entries: dict[int, list] = {}  # log probabilities not yet sent: they ride with the next chunk
+    templates: dict[int, ChunkTemplate | None] = {}  # choice index -> its mid-stream chunks
+    final = []  # the events that end the stream, written together
     try:
         async for delta in deltas:
             if response is None:
@@ -47,6 +47,7 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
             index = delta.index
             if index not in completions:  # the choice's first token exists
                 completions[index] = 0
+                templates[index] = ChunkTemplate.of(fmt, index)
                 await response.write(_event(fmt.opening_chunk(
                     num_prompt, sum(completions.values()), index)))
                 if fmt.echo is not None:
@@ -58,7 +59,12 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
             pending.extend(delta.logprobs)
             # Without per-chunk usage an empty chunk would tell the client nothing the opening
             # chunk did not; with it, each step's chunk lets the client count and time tokens.
-            if delta.text or delta.finish_reason is not None or fmt.continuous_usage:
+            template = templates[index]
+            if delta.finish_reason is None and template is not None:
+                if delta.text or fmt.continuous_usage:
+                    await response.write(template.render(delta.text, num_prompt,
+                                                         sum(completions.values())))
+            elif delta.text or delta.finish_reason is not None or fmt.continuous_usage:
                 chunk = fmt.chunk(delta.text, delta.finish_reason, num_prompt,
                                   sum(completions.values()), pending, index)
                 if chunk is not None:  # None: text that completes no tool call yet
@@ -67,12 +73,13 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
     except GenerationError as exc:
         if response is None:
             return error_response(exc.status, str(exc), code=exc.code)
-        await response.write(_event(error_body(exc.status, str(exc), code=exc.code)))
+        final.append(_event(error_body(exc.status, str(exc), code=exc.code)))
     else:
         if response is None:  # cannot happen: generate() always yields a final delta
             response = await _open(request)
         if fmt.include_usage:
-            await response.write(_event(fmt.usage_chunk(num_prompt, sum(completions.values()))))
-    await response.write(DONE)
+            final.append(_event(fmt.usage_chunk(num_prompt, sum(completions.values()))))
+    final.append(DONE)
+    await response.write(b"".join(final))
     await response.write_eof()
     return response

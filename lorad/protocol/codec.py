@@ -80,21 +80,39 @@ def _field_getter(cls: type):
     return operator.attrgetter(*names)
 
 
+class _NoShortcut:
+    """The shortcut type of a field whose values always go through their checker."""
+
+
 @cache
-def _fields(cls: type) -> tuple[tuple[str, object], ...]:
-    """A message class's (field name, checker) pairs in wire order, built once per class."""
+def _fields(cls: type) -> tuple[tuple[type, object, str], ...]:
+    """A message class's (shortcut type, checker, "Class.field") in wire order, built once per
+    class: a step's result decodes one SeqOutput per sequence, so nothing here is per value.
+    A value whose type is exactly the shortcut is valid as it is (str for a str field, None for
+    an optional one), so most values skip the checker's call."""
     hints = typing.get_type_hints(cls)
-    return tuple((f.name, _checker(hints[f.name])) for f in dataclasses.fields(cls))
+    return tuple((_shortcut(hints[f.name]), _checker(hints[f.name]),
+                  f"{cls.__name__}.{f.name}") for f in dataclasses.fields(cls))
+
+
+def _shortcut(tp) -> type:
+    if tp in (int, float, str, bool, bytes):
+        return tp
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    if optional and type(None) in typing.get_args(tp):
+        return type(None)
+    return _NoShortcut
 
 
 def _from_wire(cls: type, body):
     fields = _fields(cls)
     if not isinstance(body, list) or len(body) != len(fields):
         raise ProtocolError(f"{cls.__name__}: expected {len(fields)} fields")
-    values = {name: check(value, f"{cls.__name__}.{name}")
-              for (name, check), value in zip(fields, body)}
+    # Positional: the field order is the wire order (and every field is an __init__ argument).
+    values = [value if type(value) is shortcut else check(value, where)
+              for (shortcut, check, where), value in zip(fields, body)]
     try:
-        return cls(**values)
+        return cls(*values)
     except ValueError as exc:  # the message's own bounds (__post_init__): a bad frame, not a crash
         raise ProtocolError(str(exc)) from None
 

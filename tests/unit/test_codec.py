@@ -59,6 +59,7 @@ def test_int_is_accepted_for_float():
          1])
     sampling = decode(frame, (Admit,)).sampling
     assert sampling.temperature == 1.0 and sampling.repetition_penalty == 1.0
+    assert type(sampling.temperature) is float and type(sampling.repetition_penalty) is float
     assert sampling.logit_bias == [TokenBias(7, 5.0)]
 
 
@@ -88,9 +89,10 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
     (encode(StepResult(1, [SeqOutput("a", [5], None, 3)], 1, 0, 9))[:-3], (StepResult,)),
     # 21 alternatives, or ids and values of different lengths: over the message's own bounds
     (_frame(StepResult.KIND,
-            [1, [["a", [5], None, 3, [[-1.0, list(range(21)), [-1.0] * 21]], None]], 1, 0, 9]),
+            [1, [["a", [5], None, 3, [[-1.0, list(range(21)), [-1.0] * 21]], None]], 1, 0, 9, 0]),
      (StepResult,)),
-    (_frame(StepResult.KIND, [1, [["a", [5], None, 3, [[-1.0, [1, 2], [-1.0]]], None]], 1, 0, 9]),
+    (_frame(StepResult.KIND,
+            [1, [["a", [5], None, 3, [[-1.0, [1, 2], [-1.0]]], None]], 1, 0, 9, 0]),
      (StepResult,)),
     (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 4, [], False, 21)), 0, "", "", 1]),
      (Admit,)),
@@ -106,6 +108,11 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
     (_frame(Cancel.KIND, [1.0, "x"]), (Cancel,)),  # float for int
     (_frame(Cancel.KIND, [1, b"x"]), (Cancel,)),  # bytes for str
     (_frame(Shutdown.KIND, [None]), (Shutdown,)),  # None for a required int
+    (_frame(Cancel.KIND, [1, None]), (Cancel,)),  # None for a required str
+    # (a whole StepResult, so that only the one bad value is wrong: see the test below)
+    (_frame(StepResult.KIND, [1, [["a", [5], None, 3, "x", None]], 1, 0, 9, 0]), (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], b"stop", 3, None, None]], 1, 0, 9, 0]), (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], None, 3.0, None, None]], 1, 0, 9, 0]), (StepResult,)),
     (_frame(Admit.KIND, [1, "r", [1, "2"], _sp(), 0, "", "", 1]), (Admit,)),
     (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 4, [], 0, -1)), 0, "", "", 1]),
      (Admit,)),
@@ -114,14 +121,14 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
     (_frame(Admit.KIND, [1, "r", 7, _sp(), 0, "", "", 1]), (Admit,)),
     (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", None, 1]), (Admit,)),
     (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, ""]), (Admit,)),
-    (_frame(StepResult.KIND, [1, [["a", [5], 3, 3, None, None]], 1, 0, 9]), (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], 3, 3, None, None]], 1, 0, 9, 0]), (StepResult,)),
     # echo's values out of their bounds, or not a list
-    (_frame(StepResult.KIND, [1, [["a", [], None, 3, None, [[-1.0, [1], []]]]], 1, 0, 9]),
+    (_frame(StepResult.KIND, [1, [["a", [], None, 3, None, [[-1.0, [1], []]]]], 1, 0, 9, 0]),
      (StepResult,)),
-    (_frame(StepResult.KIND, [1, [["a", [], None, 3, None, -1.0]], 1, 0, 9]), (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [], None, 3, None, -1.0]], 1, 0, 9, 0]), (StepResult,)),
     (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 0, [], False, -1),
                                           prompt_logprobs=21), 0, "", "", 1]), (Admit,)),
-    (_frame(StepResult.KIND, [1, [["a", [5], None]], 1, 0, 9]), (StepResult,)),
+    (_frame(StepResult.KIND, [1, [["a", [5], None]], 1, 0, 9, 0]), (StepResult,)),
     (_frame(Ready.KIND, [0, 3, "x", 1, 1, "d", [["weights", "1.5"]]]), (Ready,)),  # str seconds
     (bytes([Cancel.KIND]) + b"\xc1\xc1", (Cancel,)),  # bytes msgpack never produces
     # the version 8 fields' own bounds: a penalty of 0, a bias over 100, unsorted or repeated
@@ -137,6 +144,13 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
 def test_rejections(frame, accept):
     with pytest.raises(ProtocolError):
         decode(frame, accept)
+
+
+def test_the_step_result_frame_of_the_rejections_decodes_with_good_values():
+    frame = _frame(StepResult.KIND, [1, [["a", [5], None, 3, None, None],
+                                     ["b", [], "stop", 4, None, None]], 1, 0, 9, 0])
+    assert decode(frame, (StepResult,)) == StepResult(
+        1, [SeqOutput("a", [5], None, 3), SeqOutput("b", [], "stop", 4)], 1, 0, 9, 0)
 
 
 def test_oversized_frame_is_refused_before_parsing():

@@ -110,3 +110,17 @@ def test_stop_strings_against_reference(tokenizer, stop):
         assert "".join(deltas) == (text if cut < 0 else text[:cut])
         assert detok.stopped == (cut >= 0)
         assert not any("\ufffd" in d for d in deltas)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_no_stop_strings_releases_as_the_search_for_one_that_never_matches(tokenizer, chunk):
+    # Without stop strings _release skips the search; its deltas must be the searching path's.
+    rng = random.Random(chunk)
+    for text in TEXTS:
+        ids = tokenizer.encode(text).ids
+        noise = [rng.randrange(3, 384) for _ in range(40)]
+        for sequence in (ids, noise, ids + noise):
+            plain, _ = _stream(tokenizer, sequence, chunk=chunk)
+            searched, detok = _stream(tokenizer, sequence, stop=["\x00never\x00"], chunk=chunk)
+            assert plain == searched and not detok.stopped
+            assert "".join(plain) == tokenizer.decode(sequence, skip_special_tokens=True)

@@ -1,0 +1,62 @@
+"""A stream's mid-stream chunk event, pre-rendered: the bytes of `data: {chunk}` with holes for
+the text and the counts, cut once per request from json.dumps of responses.py's own chunk.
+
+Streaming sends one such event per token, and json.dumps of the whole envelope was most of the
+cost of rendering each (docs/performance-log.md: pre-rendered SSE chunks). Only chunks without
+a finish reason and without logprobs take this path; every other event is rendered in full.
+The bytes equal the full rendering's (tests/unit/test_chunk_template.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from json.encoder import encode_basestring  # json.dumps' own string encoder (ensure_ascii=False)
+
+from lorad.daemon.responses import ChatFormat, CompletionFormat
+
+# Stand-ins rendered into the template and cut out again. The text's JSON form holds escapes
+# no served id or request id holds; the counts are checked to appear exactly as expected.
+TEXT_HOLE = "\x00lorad-text\x00"
+PROMPT_HOLE, COMPLETION_HOLE = 7_340_029_111_317, 8_461_057_222_429
+
+
+def event_bytes(payload: dict) -> bytes:
+    """`data: {json}` and the blank line that ends an SSE event."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+class ChunkTemplate:
+    """render(text, num_prompt, num_completion) == event_bytes(fmt.chunk(text, None,
+    num_prompt, num_completion, index=index)) for the format and choice index it was cut for."""
+
+    def __init__(self, pieces: list[str], with_counts: bool) -> None:
+        self._pieces = pieces  # the literal text around the holes, in order
+        self._with_counts = with_counts  # the holes are text, prompt, completion, total
+
+    @classmethod
+    def of(cls, fmt: CompletionFormat, index: int = 0) -> ChunkTemplate | None:
+        """The template of fmt's mid-stream chunks of choice `index`; None where they have
+        logprobs, where fmt's chunks depend on what came before (tool calls), or where the
+        stand-ins cannot be cut out unambiguously: then every chunk is rendered in full."""
+        # Exact types only: a subclass's chunk() may keep state (ToolCallFormat's splitter),
+        # which rendering the stand-ins through it would disturb.
+        if type(fmt) not in (CompletionFormat, ChatFormat) or fmt.logprobs is not None:
+            return None
+        rendered = event_bytes(fmt.chunk(TEXT_HOLE, None, PROMPT_HOLE, COMPLETION_HOLE,
+                                         index=index)).decode()
+        holes = [encode_basestring(TEXT_HOLE)]
+        if fmt.continuous_usage:
+            holes += [str(PROMPT_HOLE), str(COMPLETION_HOLE), str(PROMPT_HOLE + COMPLETION_HOLE)]
+        pattern = re.compile("|".join(re.escape(hole) for hole in holes))
+        if pattern.findall(rendered) != holes:
+            return None
+        return cls(pattern.split(rendered), fmt.continuous_usage)
+
+    def render(self, text: str, num_prompt: int, num_completion: int) -> bytes:
+        p = self._pieces
+        if not self._with_counts:
+            return (p[0] + encode_basestring(text) + p[1]).encode()
+        return (p[0] + encode_basestring(text) + p[1] + str(num_prompt) + p[2]
+                + str(num_completion) + p[3] + str(num_prompt + num_completion)
+                + p[4]).encode()
