@@ -13,20 +13,13 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from lorad.daemon.tokenizer import ModelTokenizer
-from tests.daemons import adapter_flags, burst_texts, post, start_daemon
-from tests.integration.test_logprobs import CHAT, PROMPT, references, stream  # noqa: F401
+from tests.daemons import burst_texts, post
+from tests.integration.test_logprobs import (  # noqa: F401 (fixtures)
+    CHAT, PROMPT, references, served, stream)
 
 EOS = 2  # the tiny tokenizer's <|im_end|>
 TOL = 1e-5
 NUM = 12  # long enough for every case to change the tiny models' greedy answers
-
-
-@pytest.fixture(scope="module", params=[1, 2], ids=["parallel1", "parallel2"])
-def served(request, tiny_model, tiny_adapters):
-    daemon = start_daemon(tiny_model, "--parallel", str(request.param), "--kv-cache-blocks",
-                          "128", *adapter_flags(tiny_adapters))
-    yield daemon
-    assert daemon.stop() == 0, daemon.log()[-4000:]
 
 
 def reference_greedy(model, prompt: list[int], max_tokens: int, *, logit_bias=None,
