@@ -1,5 +1,5 @@
 """A stream's mid-stream chunk event, pre-rendered: the bytes of `data: {chunk}` with holes for
-the text and the counts, cut once per request from json.dumps of responses.py's own chunk.
+the text and the counts, cut once per choice from json.dumps of responses.py's own chunk.
 
 Streaming sends one such event per token, and json.dumps of the whole envelope was most of the
 cost of rendering each (docs/performance-log.md: pre-rendered SSE chunks). Only chunks without

@@ -81,9 +81,10 @@ class GrammarRows:
         row i is request_ids[i]) to -inf, in place; other rows keep their bits. Joins the fill
         prepare() started for these ids, or fills now."""
         pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[3].result()  # joined either way: a matcher is never filled on two threads
         if pending is not None and pending[0] == request_ids:
-            _, rows, bitmask, filled = pending
-            filled.result()
+            _, rows, bitmask, _ = pending
         else:
             rows = self._rows(request_ids)
             if not rows:

@@ -42,6 +42,9 @@ def take_rows(plan: StepPlan, planner: Planner) -> PromptRows | None:
     row = 0  # ForwardBatch.build lays the chunks out back to back, in plan order
     for chunk in plan.chunks:
         num = len(chunk.token_ids)
+        if num == 1 and chunk.sample:  # a decode, or a prompt's last position: never a value
+            row += 1
+            continue
         seq = planner.sequence(chunk.request_id)
         if seq.sampling.prompt_logprobs >= 0:
             first = max(chunk.start, seq.num_prompt_logprobs)
