@@ -27,6 +27,9 @@ import pytest
 from tests.tiny_models import make_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
+# The demo model's id as lorad serves it, and its two demo adapters by name.
+DEMO_MODEL_ID = "SmolLM2-135M-Instruct"
+DEMO_ADAPTERS = {name: REPO / "demo" / "adapters" / name for name in ("uppercase", "pirate")}
 STARTUP_TIMEOUT_S = 180.0
 
 

@@ -11,13 +11,12 @@ import re
 import openai
 import pytest
 
-from tests.daemons import REPO, start_daemon
+from tests.daemons import DEMO_ADAPTERS, DEMO_MODEL_ID, start_daemon
 
 pytestmark = pytest.mark.slow
 
-NAME = "SmolLM2-135M-Instruct"
-ADAPTERS = {"uppercase": REPO / "demo" / "adapters" / "uppercase",
-            "pirate": REPO / "demo" / "adapters" / "pirate"}
+NAME = DEMO_MODEL_ID
+ADAPTERS = DEMO_ADAPTERS
 QUESTIONS = ("What is the capital of France?", "Name three colours.",
              "What is your favourite food?")
 MAX_TOKENS = 32

@@ -14,13 +14,12 @@ import jsonschema
 import openai
 import pytest
 
-from tests.daemons import REPO, post, start_daemon
+from tests.daemons import DEMO_ADAPTERS, DEMO_MODEL_ID, post, start_daemon
 
 pytestmark = pytest.mark.slow
 
-NAME = "SmolLM2-135M-Instruct"
-ADAPTERS = {"uppercase": REPO / "demo" / "adapters" / "uppercase",
-            "pirate": REPO / "demo" / "adapters" / "pirate"}
+NAME = DEMO_MODEL_ID
+ADAPTERS = DEMO_ADAPTERS
 MODELS = (NAME, *ADAPTERS)
 MAX_TOKENS = 160
 # Bounded lengths and integer ranges: every document these allow fits in MAX_TOKENS.

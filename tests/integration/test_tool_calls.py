@@ -17,13 +17,12 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.daemons import REPO, post, start_daemon
+from tests.daemons import DEMO_ADAPTERS, DEMO_MODEL_ID, post, start_daemon
 
 pytestmark = pytest.mark.slow
 
-NAME = "SmolLM2-135M-Instruct"
-ADAPTERS = {"uppercase": REPO / "demo" / "adapters" / "uppercase",
-            "pirate": REPO / "demo" / "adapters" / "pirate"}
+NAME = DEMO_MODEL_ID
+ADAPTERS = DEMO_ADAPTERS
 MODELS = (NAME, *ADAPTERS)
 MAX_TOKENS = 200
 SAMPLINGS = ({"temperature": 0}, {"temperature": 0.9, "seed": 7})
