@@ -241,6 +241,9 @@ def _add_parallel_flags(group) -> None:
 
 
 def _add_scheduler_flags(group) -> None:
+    group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                       help="compute every prompt from its first token: no reuse of cached KV "
+                            "blocks of earlier prompts with the same prefix and adapter")
     group.add_argument("--max-num-seqs", type=positive_int_or_auto, default="auto", metavar="N",
                        help="most sequences running in one step; auto: as many as the KV pool "
                             "holds at 2,048 tokens each, 64 to 256 on a GPU, 64 on the CPU, at "
@@ -270,7 +273,7 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
             model_dir=args.model, served_name=name, parallel=args.parallel, host=args.host,
             port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
             dist_backend=args.dist_backend, enforce_eager=args.enforce_eager,
-            max_model_len=args.max_model_len, max_num_seqs=_none_if_auto(args.max_num_seqs),
+            prefix_cache=args.prefix_cache, max_model_len=args.max_model_len, max_num_seqs=_none_if_auto(args.max_num_seqs),
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,
             num_threads=args.threads, runtime_dir=args.runtime_dir,

@@ -50,6 +50,7 @@ class ServeConfig:
     device: str = "auto"
     dist_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    prefix_cache: bool = True  # reuse cached KV blocks of equal prefixes (workers/prefix_cache.py)
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # None: auto, from the KV pool (lorad/workers/seq_limit.py)
     max_num_batched_tokens: int = 512
@@ -136,6 +137,7 @@ class WorkerConfig:
     log_level: str = "info"
     load_format: str = "auto"
     enforce_eager: bool = False
+    prefix_cache: bool = True
     # Exported to the worker processes as TRITON_CACHE_DIR (supervisor.py); None: not set.
     kernel_cache_dir: str | None = None
     # One {"name", "path", "strength", "key"} per adapter, slot i + 1; "key" is the identity key

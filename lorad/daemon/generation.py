@@ -45,6 +45,8 @@ class Delta:
     # Echo with logprobs, on the choice's first delta only: (token id, its values) for every
     # token of its prompt, the first with None (it has no position before it).
     prompt_logprobs: tuple[tuple[int, TokenLogprobs | None], ...] = ()
+    # Tokens of its prompt found in the workers' prefix cache (usage's cached_tokens)
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,8 @@ class _Choice:
 
 async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: str,
                    prompts: list[Prompt], stop: tuple[str, ...], adapter_slot: int = 0,
-                   adapter_key: str = "", grammar: str = "", n: int = 1) -> AsyncIterator[Delta]:
+                   adapter_key: str = "", grammar: str = "", n: int = 1,
+                   cache_prompt: bool = True) -> AsyncIterator[Delta]:
     """Yield every choice's deltas, interleaved as their tokens arrive, until each choice has
     yielded one with a finish reason; raise GenerationError when any choice fails (the others
     are cancelled: one error ends the whole request).
@@ -87,7 +90,7 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
         for i, prompt in enumerate(prompts):
             prompt_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             ids = engine.admit(prompt_id, prompt.token_ids, prompt.sampling, adapter_slot,
-                               adapter_key, grammar, n, queue)
+                               adapter_key, grammar, n, queue, cache_prompt)
             for j, choice_id in enumerate(ids):
                 # The workers send a prompt's values with its first choice (echo takes n = 1).
                 echo = prompt.sampling.prompt_logprobs >= 0 and j == 0
@@ -145,7 +148,7 @@ def _delta(engine: EngineClient, choice: _Choice, event, stop_ids: set[int]) -> 
         prompt = _prompt_entries(choice.prompt_ids, choice.prompt_values)
         choice.prompt_values = None
     return Delta(text, reason, len(choice.prompt_ids), choice.num_generated, logprobs,
-                 choice.index, choice.prompt_index, prompt)
+                 choice.index, choice.prompt_index, prompt, event.num_cached_tokens)
 
 
 def _cancel_open(engine: EngineClient, choices: dict[str, _Choice]) -> None:

@@ -43,6 +43,10 @@ class Metrics:
         self.prompt_tokens = Counter(
             "lorad_prompt_tokens", "Prompt tokens of admitted requests that produced a token",
             ["model"], registry=registry)
+        self.cached_prompt_tokens = Counter(
+            "lorad_prompt_tokens_cached", "Prompt tokens of admitted requests that produced a "
+            "token whose KV came from the prefix cache (part of lorad_prompt_tokens_total)",
+            ["model"], registry=registry)
         self.generation_tokens = Counter(
             "lorad_generation_tokens", "Generated tokens (each end-of-sequence token included)",
             ["model"], registry=registry)
@@ -74,6 +78,15 @@ class Metrics:
                              registry=registry)
         self.kv_free = Gauge("lorad_kv_blocks_free", "KV cache blocks free", ["rank"],
                              registry=registry)
+        self.prefix_blocks = Gauge("lorad_prefix_cache_blocks", "Full KV blocks in the prefix "
+                                   "cache's index (held or evictable)", ["rank"],
+                                   registry=registry)
+        self.prefix_evictions = Counter("lorad_prefix_cache_evictions", "Cached KV blocks taken "
+                                        "back for other contents", ["rank"], registry=registry)
+        self._evictions_seen: dict[int, int] = {}  # rank -> its count at the last scrape
+        # Totals since the start, for /health.
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
         self.rank_serving = Gauge("lorad_rank_serving", "1 if the rank's state is serving, else 0",
                                   ["rank"], registry=registry)
         self.startup = Gauge("lorad_startup_seconds", "From the coordinator's process start to "
@@ -108,6 +121,10 @@ class Metrics:
                     if delta.prompt_index not in counted_prompts:
                         counted_prompts.add(delta.prompt_index)
                         self.prompt_tokens.labels(model).inc(delta.num_prompt_tokens)
+                        self.num_prompt_tokens += delta.num_prompt_tokens
+                        if delta.num_cached_tokens:
+                            self.cached_prompt_tokens.labels(model).inc(delta.num_cached_tokens)
+                            self.num_cached_prompt_tokens += delta.num_cached_tokens
                     if num_tokens == 0:
                         num_gaps, gap = num_new - 1, 0.0  # tokens that came with the first one
                     else:
@@ -145,12 +162,17 @@ class Metrics:
         self.open.set(state.admission.num_open)
         self.running.set(state.engine.load.num_running)
         self.waiting.set(state.engine.load.num_waiting)
-        for gauge in (self.kv_used, self.kv_free, self.rank_serving):
+        for gauge in (self.kv_used, self.kv_free, self.rank_serving, self.prefix_blocks):
             gauge.clear()
         for rank in state.engine.rank_states():
             label = str(rank.rank)
             self.kv_used.labels(label).set(rank.kv_blocks_used)
             self.kv_free.labels(label).set(rank.kv_blocks_free)
+            self.prefix_blocks.labels(label).set(rank.prefix_cached_blocks)
+            seen = self._evictions_seen.get(rank.rank, 0)
+            if rank.prefix_evictions > seen:
+                self.prefix_evictions.labels(label).inc(rank.prefix_evictions - seen)
+                self._evictions_seen[rank.rank] = rank.prefix_evictions
             self.rank_serving.labels(label).set(1 if rank.state == "serving" else 0)
         report = state.engine.startup
         if report is not None:

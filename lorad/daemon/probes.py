@@ -25,6 +25,9 @@ def probe_body(state) -> dict:
         "max_queued_requests": state.admission.max_queued,
         "queued": state.admission.num_queued, "open_requests": state.admission.num_open,
         "running": engine.load.num_running, "waiting": engine.load.num_waiting,
+        "prefix_cache": {"enabled": state.prefix_cache,
+                         "prompt_tokens": state.metrics.num_prompt_tokens,
+                         "cached_tokens": state.metrics.num_cached_prompt_tokens},
         "adapters": [{"name": a.name, "slot": a.slot, "key": a.key, "strength": a.strength}
                      for a in state.model.adapters],
         "startup_s": round(startup.total_s, 3) if startup else None,

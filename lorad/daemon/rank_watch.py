@@ -30,6 +30,8 @@ class RankState:
     kv_blocks_free: int
     seconds_since_report: float  # since the coordinator last heard from this rank; -1: never
     step_seconds: float = 0.0  # how long the rank's current round has run (0 between rounds)
+    prefix_cached_blocks: int = 0  # full KV blocks in the prefix cache's index
+    prefix_evictions: int = 0  # cached blocks taken back for other contents since the start
 
 
 class RankWatch:
@@ -85,7 +87,8 @@ class RankWatch:
             else:
                 state = "serving" if report.phase == "serving" else "starting"
             states.append(RankState(rank, state, report.steps, report.kv_blocks_used,
-                                    report.kv_blocks_free, silence, step_seconds))
+                                    report.kv_blocks_free, silence, step_seconds,
+                                    report.prefix_cached_blocks, report.prefix_evictions))
         return states
 
     def stalls(self) -> list[tuple[int, str]]:

@@ -25,9 +25,15 @@ class FullChoice(NamedTuple):
     prompt_entries: PromptEntries = ()  # echo with logprobs: its prompt's tokens' entries
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+def usage(num_prompt_tokens: int, num_completion_tokens: int,
+          num_cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; the request's final usage (num_cached_tokens given) also says how
+    many prompt tokens came from the prefix cache, as OpenAI's prompt_tokens_details does."""
+    body = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}
+    if num_cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return body
 
 
 class CompletionFormat:
@@ -61,10 +67,11 @@ class CompletionFormat:
     def _logprobs(self, entries: Entries, index: int = 0) -> dict | None:
         return self.logprobs.render(entries, index) if self.logprobs is not None else None
 
-    def full(self, choices: list[FullChoice], num_prompt: int, num_completion: int) -> dict:
+    def full(self, choices: list[FullChoice], num_prompt: int, num_completion: int,
+             num_cached: int = 0) -> dict:
         """choices: each choice's whole text, by index; the counts summed over the request."""
         body = self._envelope([self._full_choice(c) for c in choices], self.object_name)
-        body["usage"] = usage(num_prompt, num_completion)
+        body["usage"] = usage(num_prompt, num_completion, num_cached)
         return body
 
     def _full_choice(self, choice: FullChoice) -> dict:
@@ -104,9 +111,9 @@ class CompletionFormat:
                                 "finish_reason": finish_reason}], self.object_name,
                               (num_prompt, num_completion))
 
-    def usage_chunk(self, num_prompt: int, num_completion: int) -> dict:
+    def usage_chunk(self, num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
         body = self._envelope([], self.object_name)
-        body["usage"] = usage(num_prompt, num_completion)
+        body["usage"] = usage(num_prompt, num_completion, num_cached)
         return body
 
 
@@ -133,9 +140,9 @@ class ChatFormat(CompletionFormat):
         return self._chunk(delta, finish_reason, (num_prompt, num_completion),
                            self._logprobs(entries, index), index)
 
-    def usage_chunk(self, num_prompt: int, num_completion: int) -> dict:
+    def usage_chunk(self, num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
         body = self._envelope([], self.chunk_object_name)
-        body["usage"] = usage(num_prompt, num_completion)
+        body["usage"] = usage(num_prompt, num_completion, num_cached)
         return body
 
     def _chunk(self, delta: dict, finish_reason: str | None, counts: tuple[int, int],

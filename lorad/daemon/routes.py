@@ -61,6 +61,7 @@ class AppState:
     # "stopping" once the workers are being stopped; "failed" after a worker failure.
     # service.py is the one place that changes it.
     status: str = "serving"
+    prefix_cache: bool = True  # --no-prefix-cache turns it off, for /health
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -181,15 +182,17 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
     with state.admission.ticket(started, len(prompts) * options.n) as ticket:
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompts,
                           options.stop, choice.adapter_slot, choice.adapter_key,
-                          constraint.grammar if constraint else "", options.n)
+                          constraint.grammar if constraint else "", options.n,
+                          options.cache_prompt)
         deltas = state.metrics.observe(state.admission.bounded(deltas, ticket), choice.model_id,
                                        started)
         async with aclosing(deltas):
             if options.stream:
                 return await stream_events(request, deltas, fmt, num_prompt)
-            texts, entries, prompt_entries, last = {}, {}, {}, {}
+            texts, entries, prompt_entries, last, cached = {}, {}, {}, {}, {}
             try:
                 async for delta in deltas:
+                    cached.setdefault(delta.prompt_index, delta.num_cached_tokens)
                     texts.setdefault(delta.index, []).append(delta.text)
                     entries.setdefault(delta.index, []).extend(delta.logprobs)
                     prompt_entries.setdefault(delta.index, []).extend(delta.prompt_logprobs)
@@ -202,7 +205,7 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
                               last[i].prompt_index, prompt_entries[i])
                    for i in sorted(last)]
         return web.json_response(fmt.full(choices, num_prompt, sum(
-            d.num_completion_tokens for d in last.values())))
+            d.num_completion_tokens for d in last.values()), sum(cached.values())))
 
 
 def _sampling(model: ServedModel, prompt_ids: list[int], options: SamplingOptions,

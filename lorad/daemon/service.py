@@ -89,7 +89,8 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
         if not isinstance(facts, EngineFacts):
             return facts
         max_queued = queue_bound(config.max_queued_requests, facts.max_num_seqs)
-        state = AppState(model, engine, Admission(max_queued, config.request_timeout), Metrics())
+        state = AppState(model, engine, Admission(max_queued, config.request_timeout), Metrics(),
+                         prefix_cache=config.prefix_cache)
         engine.on_step_result = state.metrics.step_result
         engine.start()
         runner = await _start_http(state, config)
@@ -265,7 +266,7 @@ def _worker_config(config: ServeConfig, model: ServedModel, runtime_dir: Path,
         num_threads=config.num_threads, runtime_dir=str(runtime_dir), instance_id=instance_id,
         coordinator_pid=os.getpid(), log_level=config.log_level,
         load_format=config.load_format, enforce_eager=config.enforce_eager,
-        kernel_cache_dir=config.kernel_cache_dir,
+        prefix_cache=config.prefix_cache, kernel_cache_dir=config.kernel_cache_dir,
         adapters=[spec.to_worker_dict() for spec in model.adapters])
 
 

@@ -40,8 +40,10 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
     entries: dict[int, list] = {}  # log probabilities not yet sent: they ride with the next chunk
     templates: dict[int, ChunkTemplate | None] = {}  # choice index -> its mid-stream chunks
     final = []  # the events that end the stream, written together
+    cached: dict[int, int] = {}  # prompt index -> its tokens found in the prefix cache
     try:
         async for delta in deltas:
+            cached.setdefault(delta.prompt_index, delta.num_cached_tokens)
             if response is None:
                 response = await _open(request)
             index = delta.index
@@ -78,7 +80,8 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
         if response is None:  # cannot happen: generate() always yields a final delta
             response = await _open(request)
         if fmt.include_usage:
-            final.append(_event(fmt.usage_chunk(num_prompt, sum(completions.values()))))
+            final.append(_event(fmt.usage_chunk(num_prompt, sum(completions.values()),
+                                                sum(cached.values()))))
     final.append(DONE)
     await response.write(b"".join(final))
     await response.write_eof()

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 # 2: RankStatus; 3: Ready.startup_phases; 4: Ready.max_num_seqs; 5: Admit.grammar;
 # 6: SamplingParams.num_logprobs, SeqOutput.logprobs; 7: Admit.n, StepResult.num_model_tokens;
 # 8: SamplingParams' penalties, min_p, logit_bias, request_stop_token_ids and min_tokens;
-# 9: SamplingParams.prompt_logprobs, SeqOutput.prompt_logprobs (completions' echo)
-PROTOCOL_VERSION = 9
+# 9: SamplingParams.prompt_logprobs, SeqOutput.prompt_logprobs (completions' echo);
+# 10: Admit.cache_prompt, SeqOutput.num_cached_tokens, RankStatus' prefix cache counts
+PROTOCOL_VERSION = 10
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; keeps a step result's size bounded
 MAX_CHOICES = 16  # n: choices of one prompt, each a live sequence after the shared prefill
 MAX_LOGIT_BIAS = 300  # entries of logit_bias per request: bounds an Admit and a step's copy
@@ -120,6 +121,8 @@ class Admit:
     # Choices of this prompt (1..MAX_CHOICES), sharing its prefill; choice j is the sequence
     # choice_ids(request_id, n)[j], sampled with seed + j (mod 2**64).
     n: int = 1
+    # Whether this prompt reads and fills the prefix cache (lorad's "cache_prompt" field).
+    cache_prompt: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
@@ -196,6 +199,8 @@ class SeqOutput:
     # prompt positions this step ran, in prompt order; a prefill's steps together send n-1 of
     # them, steps that sample nothing in an output without tokens. None otherwise.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Prompt tokens whose KV the sequence's first start found in the prefix cache.
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -241,6 +246,10 @@ class RankStatus:
     step_seconds: float  # how long the current round has run; 0.0 between rounds
     kv_blocks_used: int
     kv_blocks_free: int
+    # The prefix cache: full blocks indexed by chain hash (held or evictable, a part of the two
+    # counts above), and cached blocks taken back for other contents since the start.
+    prefix_cached_blocks: int = 0
+    prefix_evictions: int = 0
 
 
 COORDINATOR_TO_WORKER = (Hello, Admit, Cancel, Shutdown)

@@ -52,7 +52,11 @@ class Forks:
                                      output_ids=list(parent.output_ids),
                                      num_computed=parent.num_computed,
                                      block_table=list(parent.block_table),
-                                     status=SeqStatus.RUNNING))
+                                     status=SeqStatus.RUNNING,
+                                     cache_prompt=parent.cache_prompt,
+                                     block_hashes=list(parent.block_hashes),
+                                     num_indexed_blocks=parent.num_indexed_blocks,
+                                     num_cached_tokens=parent.num_cached_tokens))
         parent.fork_ids = []
         return children
 

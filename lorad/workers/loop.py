@@ -57,7 +57,8 @@ class WorkerLoop:
         self.push = push
         self.is_leader = rank == 0
         limits = PlannerLimits(engine.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
-        self.planner = Planner(limits, BlockManager(engine.num_kv_blocks, cfg.block_size))
+        self.planner = Planner(limits, BlockManager(engine.num_kv_blocks, cfg.block_size),
+                               prefix_cache=cfg.prefix_cache)
         self.sampler = Sampler() if self.is_leader else None
         # Followers never build matchers: the mask only changes what the leader samples.
         self.grammars = GrammarRows(cfg.model_dir) if self.is_leader else None
@@ -92,8 +93,7 @@ class WorkerLoop:
             self.progress.begin_round()  # from here on a blocked rank counts as stalled
             if self._step():
                 return 0
-            free = self.planner.blocks.num_free_blocks
-            self.progress.end_round(self.engine.num_kv_blocks - free, free)
+            self.progress.end_round(self.planner.blocks)
         log.error("the coordinator (pid %d) is gone; exiting", self.cfg.coordinator_pid)
         return 1
 
@@ -218,7 +218,7 @@ class WorkerLoop:
         ids = choice_ids(msg.request_id, msg.n)
         # Choice j (ids[j]) prefills as ids[0] and forks from it (fork.py).
         seq = Sequence(ids[0], list(msg.prompt_ids), msg.sampling, slot, msg.adapter_key,
-                       arrival=msg.seq, fork_ids=ids[1:])
+                       arrival=msg.seq, fork_ids=ids[1:], cache_prompt=msg.cache_prompt)
         # Every rank decides alone; a rank that decides otherwise has another live set, and the
         # agreement right after this fails the step on every rank before the model runs.
         refusal = self.engine.adapter_refusal(slot, msg.adapter_key) or self.planner.admit(seq)

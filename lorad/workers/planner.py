@@ -4,8 +4,10 @@ Pure and deterministic (no sockets, no torch, no clocks), so every rank that hol
 set and applies the same messages plans the same step. `plan()` schedules (allocating KV blocks
 lazily and preempting newest-first when they run out); `apply(plan, sampled)` advances the
 sequences with the sampled ids and returns the events the leader publishes. The choices of one
-prompt share its prefill (fork.py). Prefix caching and grammar state are not handled here; echo's
-rows are prompt_logprobs.py's.
+prompt share its prefill (fork.py). With prefix caching on, a sequence that starts takes the
+cached blocks of its longest cached prefix (never the block of its last token, which must run to
+be sampled) and prefills from there, and apply() registers every block a step fills
+(prefix_cache.py). Grammar state is not handled here; echo's rows are prompt_logprobs.py's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from lorad.protocol.messages import MAX_PROMPT_LOGPROBS_PER_STEP, SeqOutput
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.fork import Forks
+from lorad.workers.prefix_cache import extend_hashes
 from lorad.workers.sequence import Sequence, SeqStatus
 from lorad.workers.step_plan import ScheduledChunk, StepPlan
 
@@ -30,12 +33,14 @@ class PlannerLimits:
 
 
 class Planner:
-    def __init__(self, limits: PlannerLimits, blocks: BlockManager) -> None:
+    def __init__(self, limits: PlannerLimits, blocks: BlockManager,
+                 prefix_cache: bool = False) -> None:
         if blocks.num_blocks < blocks.blocks_for(limits.max_model_len):
             raise ValueError(f"a KV pool of {blocks.num_blocks} blocks of {blocks.block_size} "
                              f"cannot hold one sequence of max_model_len {limits.max_model_len}")
         self.limits = limits
         self.blocks = blocks
+        self.prefix_cache = prefix_cache
         self.step = 0
         self.waiting: list[Sequence] = []  # by arrival; holds no blocks
         self.running: list[Sequence] = []  # by arrival
@@ -103,6 +108,7 @@ class Planner:
         ids = [r for s in live for r in (s.request_id, *s.fork_ids)]
         for seq in live:
             self._finish(seq, "error")
+        self.blocks.forget_cached()  # what the ranks cached may be what they disagreed on
         self.forks.unforked.clear()
         self._events = []
         return ids
@@ -174,9 +180,14 @@ class Planner:
                + len(self.waiting[0].fork_ids) < self.limits.max_num_seqs):
             seq = self.waiting[0]
             num_blocks = self.blocks.blocks_for(seq.num_tokens)
+            hits = self._cached_prefix(seq) if self.prefix_cache else []
+            # Cached blocks nobody holds leave the free pool when taken; held ones cost nothing.
+            num_taken = num_blocks - len(hits) + (self.blocks.num_evictable(hits) if hits else 0)
             if (seq.request_id in preempted
-                    or num_blocks > self.blocks.num_free_blocks - num_promised):
+                    or num_taken > self.blocks.num_free_blocks - num_promised):
                 break  # first come, first served: nobody overtakes the head of the queue
+            if hits:
+                self._take_prefix(seq, hits)
             num = self._chunk_size(seq, budget)
             if num == 0:  # echo's share of the step is spent
                 break
@@ -189,6 +200,35 @@ class Planner:
             scheduled.append((seq, num))
             budget -= num
         return budget
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` may start from: those of the longest cached run of its full
+        blocks before the one holding its last token (which runs, so that it is sampled)."""
+        if not seq.cache_prompt or seq.sampling.prompt_logprobs >= 0:  # echo scores every row
+            return []
+        num_full = (seq.num_tokens - 1) // self.blocks.block_size
+        if num_full == 0:
+            return []
+        return self.blocks.cached_prefix(
+            extend_hashes(seq, num_full, self.blocks.block_size)[:num_full])
+
+    def _take_prefix(self, seq: Sequence, blocks: list[int]) -> None:
+        """Start `seq` past its cached prefix: it holds those blocks and computes the rest."""
+        self.blocks.take_cached(blocks)
+        seq.block_table = list(blocks)
+        seq.num_computed = len(blocks) * self.blocks.block_size
+        seq.num_indexed_blocks = len(blocks)
+        if not seq.output_ids:  # a first start, not a recompute after preemption
+            seq.num_cached_tokens = seq.num_computed
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        """Index every block of `seq` that the step filled, under its chain hash."""
+        block_size = self.blocks.block_size
+        num_full = seq.num_computed // block_size
+        hashes = extend_hashes(seq, num_full, block_size)
+        for i in range(seq.num_indexed_blocks, num_full):
+            self.blocks.register(seq.block_table[i], hashes[i])
+        seq.num_indexed_blocks = num_full
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         """A prefill chunk's tokens; echo's chunks share MAX_PROMPT_LOGPROBS_PER_STEP a step."""
@@ -246,6 +286,7 @@ class Planner:
         self.blocks.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        seq.num_indexed_blocks = 0
         seq.status = SeqStatus.WAITING
         _insert_by_arrival(self.waiting, seq)
         preempted.append(seq.request_id)
@@ -271,9 +312,13 @@ class Planner:
             raise RuntimeError(f"{len(sampled)} sampled ids for {num_sampling} sampling sequences")
         events, self._events = self._events, []
         tokens = iter(sampled)
+        caching, block_size = self.prefix_cache, self.blocks.block_size
         for chunk in plan.chunks:
             seq = self._by_id[chunk.request_id]
             seq.num_computed += len(chunk.token_ids)
+            if (caching and seq.num_computed // block_size > seq.num_indexed_blocks
+                    and seq.cache_prompt):
+                self._register_blocks(seq)
             if not chunk.sample:
                 continue
             if seq.sampling.max_tokens == 0:  # a scored prompt (n = 1): its sample is not kept
@@ -290,7 +335,8 @@ class Planner:
                 if reason is not None:
                     self._finish(member, reason)
                 events.append(SeqOutput(member.request_id, [token], reason,
-                                        len(member.prompt_ids)))
+                                        len(member.prompt_ids), None, None,
+                                        member.num_cached_tokens))
         return events
 
     def _fork(self, seq: Sequence) -> list[Sequence]:

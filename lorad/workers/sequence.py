@@ -37,6 +37,14 @@ class Sequence:
     # Echo: prompt positions 0..num_prompt_logprobs-1 have had their log probabilities computed
     # (prompt_logprobs.py); a recompute after preemption does not send them again.
     num_prompt_logprobs: int = 0
+    # Prefix caching (prefix_cache.py): whether this request reads and fills the cache; the
+    # chain hashes of its first full blocks (prompt and output tokens), as far as computed; how
+    # many of its blocks are in the cache's index; and the prompt tokens its first start found
+    # cached (usage's cached_tokens).
+    cache_prompt: bool = True
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_indexed_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

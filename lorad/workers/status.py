@@ -18,6 +18,7 @@ import zmq
 
 from lorad.protocol import RankStatus, encode
 from lorad.protocol.sockets import connect_pusher
+from lorad.workers.block_manager import BlockManager
 
 log = logging.getLogger("lorad.worker")
 
@@ -38,13 +39,17 @@ class LoopProgress:
     step_started: float | None = None  # time.monotonic() at the start of the current round
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
+    prefix_cached_blocks: int = 0
+    prefix_evictions: int = 0
 
     def begin_round(self) -> None:
         self.step_started = time.monotonic()
 
-    def end_round(self, kv_blocks_used: int, kv_blocks_free: int) -> None:
-        self.kv_blocks_used = kv_blocks_used
-        self.kv_blocks_free = kv_blocks_free
+    def end_round(self, blocks: BlockManager) -> None:
+        self.kv_blocks_free = blocks.num_free_blocks
+        self.kv_blocks_used = blocks.num_blocks - self.kv_blocks_free
+        self.prefix_cached_blocks = blocks.num_cached_blocks
+        self.prefix_evictions = blocks.num_evictions
         self.steps += 1
         self.step_started = None
 
@@ -52,7 +57,7 @@ class LoopProgress:
         started = self.step_started
         seconds = 0.0 if started is None else max(0.0, time.monotonic() - started)
         return RankStatus(rank, self.phase, self.steps, seconds, self.kv_blocks_used,
-                          self.kv_blocks_free)
+                          self.kv_blocks_free, self.prefix_cached_blocks, self.prefix_evictions)
 
 
 def coordinator_alive(coordinator_pid: int, parent_pid: int) -> bool:

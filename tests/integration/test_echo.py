@@ -131,7 +131,8 @@ def test_max_tokens_0_scores_the_prompt_alone(served, references, tiny_model, st
         text, got = reply["choices"][0]["text"], reply["choices"][0]["logprobs"]
         finish = reply["choices"][0]["finish_reason"]
         assert reply["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 0,
-                                  "total_tokens": len(PROMPT)}
+                                  "total_tokens": len(PROMPT),
+                                  "prompt_tokens_details": {"cached_tokens": 0}}
     assert finish == "length"
     assert text == tokenizer.decode(PROMPT)
     assert len(got["tokens"]) == len(PROMPT)

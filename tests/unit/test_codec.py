@@ -56,7 +56,7 @@ def test_round_trip(msg):
 def test_int_is_accepted_for_float():
     frame = bytes([Admit.KIND]) + msgpack.packb(
         [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1, 0, 0, 1, 0, [[7, 5]], [], 0, -1], 0, "", "",
-         1])
+         1, True])
     sampling = decode(frame, (Admit,)).sampling
     assert sampling.temperature == 1.0 and sampling.repetition_penalty == 1.0
     assert type(sampling.temperature) is float and type(sampling.repetition_penalty) is float
@@ -94,11 +94,11 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
     (_frame(StepResult.KIND,
             [1, [["a", [5], None, 3, [[-1.0, [1, 2], [-1.0]]], None]], 1, 0, 9, 0]),
      (StepResult,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 4, [], False, 21)), 0, "", "", 1]),
+    (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 4, [], False, 21)), 0, "", "", 1, True]),
      (Admit,)),
     # n outside 1..MAX_CHOICES
-    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", "", 0]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", "", 17]),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", "", 0, True]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", "", 17, True]),
      (Admit,)),
     (_frame(Cancel.KIND, [1]), (Cancel,)),  # too few fields
     (_frame(Cancel.KIND, [1, "x", 3]), (Cancel,)),  # too many fields
@@ -113,13 +113,13 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
     (_frame(StepResult.KIND, [1, [["a", [5], None, 3, "x", None]], 1, 0, 9, 0]), (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [5], b"stop", 3, None, None]], 1, 0, 9, 0]), (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None, 3.0, None, None]], 1, 0, 9, 0]), (StepResult,)),
-    (_frame(Admit.KIND, [1, "r", [1, "2"], _sp(), 0, "", "", 1]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 4, [], 0, -1)), 0, "", "", 1]),
+    (_frame(Admit.KIND, [1, "r", [1, "2"], _sp(), 0, "", "", 1, True]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 4, [], 0, -1)), 0, "", "", 1, True]),
      (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp((True, 1.0, 0, 0, 4, [], False, -1)), 0, "", "", 1]),
+    (_frame(Admit.KIND, [1, "r", [1], _sp((True, 1.0, 0, 0, 4, [], False, -1)), 0, "", "", 1, True]),
      (Admit,)),
-    (_frame(Admit.KIND, [1, "r", 7, _sp(), 0, "", "", 1]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", None, 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", 7, _sp(), 0, "", "", 1, True]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", None, 1, True]), (Admit,)),
     (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, ""]), (Admit,)),
     (_frame(StepResult.KIND, [1, [["a", [5], 3, 3, None, None]], 1, 0, 9, 0]), (StepResult,)),
     # echo's values out of their bounds, or not a list
@@ -127,19 +127,20 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
      (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [], None, 3, None, -1.0]], 1, 0, 9, 0]), (StepResult,)),
     (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 0, [], False, -1),
-                                          prompt_logprobs=21), 0, "", "", 1]), (Admit,)),
+                                          prompt_logprobs=21), 0, "", "", 1, True]), (Admit,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None]], 1, 0, 9, 0]), (StepResult,)),
     (_frame(Ready.KIND, [0, 3, "x", 1, 1, "d", [["weights", "1.5"]]]), (Ready,)),  # str seconds
     (bytes([Cancel.KIND]) + b"\xc1\xc1", (Cancel,)),  # bytes msgpack never produces
     # the version 8 fields' own bounds: a penalty of 0, a bias over 100, unsorted or repeated
     # logit_bias ids, min_tokens over max_tokens, a bias entry that is not a pair
-    (_frame(Admit.KIND, [1, "r", [1], _sp(repetition_penalty=0), 0, "", "", 1]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[3, 101.0]]), 0, "", "", 1]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[9, 1], [3, 1]]), 0, "", "", 1]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[3, 1], [3, 2]]), 0, "", "", 1]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(min_tokens=5), 0, "", "", 1]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[3]), 0, "", "", 1]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(presence_penalty=2.5), 0, "", "", 1]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(repetition_penalty=0), 0, "", "", 1, True]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[3, 101.0]]), 0, "", "", 1, True]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[9, 1], [3, 1]]), 0, "", "", 1, True]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[3, 1], [3, 2]]), 0, "", "", 1, True]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(min_tokens=5), 0, "", "", 1, True]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[3]), 0, "", "", 1, True]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(presence_penalty=2.5), 0, "", "", 1, True]), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", "", 1, 1]), (Admit,)),  # cache_prompt
 ])
 def test_rejections(frame, accept):
     with pytest.raises(ProtocolError):
@@ -147,10 +148,11 @@ def test_rejections(frame, accept):
 
 
 def test_the_step_result_frame_of_the_rejections_decodes_with_good_values():
-    frame = _frame(StepResult.KIND, [1, [["a", [5], None, 3, None, None],
-                                     ["b", [], "stop", 4, None, None]], 1, 0, 9, 0])
+    frame = _frame(StepResult.KIND, [1, [["a", [5], None, 3, None, None, 16],
+                                     ["b", [], "stop", 4, None, None, 0]], 1, 0, 9, 0])
     assert decode(frame, (StepResult,)) == StepResult(
-        1, [SeqOutput("a", [5], None, 3), SeqOutput("b", [], "stop", 4)], 1, 0, 9, 0)
+        1, [SeqOutput("a", [5], None, 3, num_cached_tokens=16), SeqOutput("b", [], "stop", 4)],
+        1, 0, 9, 0)
 
 
 def test_oversized_frame_is_refused_before_parsing():
@@ -160,7 +162,7 @@ def test_oversized_frame_is_refused_before_parsing():
 
 
 def test_rank_status_round_trip():
-    msg = RankStatus(1, "serving", 12345, 0.25, 17, 239)
+    msg = RankStatus(1, "serving", 12345, 0.25, 17, 239, 12, 3)
     assert decode(encode(msg), (RankStatus,)) == msg
 
 

@@ -43,7 +43,8 @@ def test_a_whole_answer_begins_with_the_prompt_and_its_first_token_has_null_valu
         "token_logprobs": [None, -1.5, -2.0, -0.25],
         "top_logprobs": [None, {" caf": -0.5, " cat": -1.5}, {"!": -2.0}, {" cat": -0.25}],
         "text_offset": [0, 3, 7, 8]}
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_echo_without_logprobs_is_the_text_alone_and_max_tokens_0_the_prompt_alone():
