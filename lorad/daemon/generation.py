@@ -1,16 +1,16 @@
 """One admitted request, from its Admits to its choices' terminal events, as a stream of deltas.
 
-Admits each prompt (one Admit carrying n), detokenizes each choice's ids, hands each echoed
-prompt's log probabilities to its choice's first delta, ends a choice on the engine's finish
-reason or a stop string (then sends Cancel), and sends Cancel for every open choice if its
-consumer goes away early or one choice fails. Knows nothing of OpenAI's JSON shapes
-(responses.py) or of HTTP.
+Admits each prompt (one Admit carrying n), detokenizes each choice's ids (passing the ids on as
+well, for return_token_ids), hands each echoed prompt's log probabilities to its choice's first
+delta, ends a choice on the engine's finish reason or a stop string (then sends Cancel), and
+sends Cancel for every open choice if its consumer goes away early or one choice fails. Knows
+nothing of OpenAI's JSON shapes (responses.py) or of HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from lorad.daemon.detokenizer import IncrementalDetokenizer
@@ -45,6 +45,9 @@ class Delta:
     # Echo with logprobs, on the choice's first delta only: (token id, its values) for every
     # token of its prompt, the first with None (it has no position before it).
     prompt_logprobs: tuple[tuple[int, TokenLogprobs | None], ...] = ()
+    # Every id generated in this step, the stop token that ended the choice included (as
+    # logprobs and num_completion_tokens count it), whatever text is shown or held back.
+    token_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ def _delta(engine: EngineClient, choice: _Choice, event, stop_ids: set[int]) -> 
         prompt = _prompt_entries(choice.prompt_ids, choice.prompt_values)
         choice.prompt_values = None
     return Delta(text, reason, len(choice.prompt_ids), choice.num_generated, logprobs,
-                 choice.index, choice.prompt_index, prompt)
+                 choice.index, choice.prompt_index, prompt, token_ids=event.token_ids)
 
 
 def _cancel_open(engine: EngineClient, choices: dict[str, _Choice]) -> None:

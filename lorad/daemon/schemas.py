@@ -55,6 +55,8 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    # vLLM's extension: each choice carries its generated ids (streamed: each chunk its new ones)
+    return_token_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,7 @@ def _options(body: dict, max_tokens_field: str, num_logprobs: int | None,
         logit_bias=parse_logit_bias(body.get("logit_bias")),
         stop_token_ids=parse_stop_token_ids(body.get("stop_token_ids")),
         min_tokens=min_tokens,
+        return_token_ids=_bool(body, "return_token_ids", False),
     )
 
 
