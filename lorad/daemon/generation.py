@@ -1,16 +1,16 @@
 """One admitted request, from its Admits to its choices' terminal events, as a stream of deltas.
 
-Admits each prompt (one Admit carrying n), detokenizes each choice's ids, hands each echoed
-prompt's log probabilities to its choice's first delta, ends a choice on the engine's finish
-reason or a stop string (then sends Cancel), and sends Cancel for every open choice if its
-consumer goes away early or one choice fails. Knows nothing of OpenAI's JSON shapes
-(responses.py) or of HTTP.
+Admits each prompt (one Admit carrying n), detokenizes each choice's ids (passing the ids on as
+well, for return_token_ids), hands each echoed prompt's log probabilities to its choice's first
+delta, ends a choice on the engine's finish reason or a stop string (then sends Cancel), and
+sends Cancel for every open choice if its consumer goes away early or one choice fails. Knows
+nothing of OpenAI's JSON shapes (responses.py) or of HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from lorad.daemon.detokenizer import IncrementalDetokenizer
@@ -47,6 +47,9 @@ class Delta:
     prompt_logprobs: tuple[tuple[int, TokenLogprobs | None], ...] = ()
     # Tokens of its prompt found in the workers' prefix cache (usage's cached_tokens)
     num_cached_tokens: int = 0
+    # Every id generated in this step, the stop token that ended the choice included (as
+    # logprobs and num_completion_tokens count it), whatever text is shown or held back.
+    token_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,8 @@ def _delta(engine: EngineClient, choice: _Choice, event, stop_ids: set[int]) -> 
         prompt = _prompt_entries(choice.prompt_ids, choice.prompt_values)
         choice.prompt_values = None
     return Delta(text, reason, len(choice.prompt_ids), choice.num_generated, logprobs,
-                 choice.index, choice.prompt_index, prompt, event.num_cached_tokens)
+                 choice.index, choice.prompt_index, prompt, event.num_cached_tokens,
+                 token_ids=event.token_ids)
 
 
 def _cancel_open(engine: EngineClient, choices: dict[str, _Choice]) -> None:

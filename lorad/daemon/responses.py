@@ -3,12 +3,14 @@
 One small class per endpoint builds its JSON shapes; routes.py and sse.py decide when to send
 them. Pure dicts in, dicts out. Every choice carries its index (prompt index * n + j); usage is
 the request's: each prompt's tokens once, every choice's completion tokens. With completions'
-echo, each choice's text and logprobs begin with its own prompt's.
+echo, each choice's text and logprobs begin with its own prompt's. With return_token_ids every
+choice object carries "token_ids": its generated ids, or in a chunk those since its last chunk.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from lorad.daemon.logprobs import Entries, LogprobsFormat, PromptEntries
@@ -23,6 +25,7 @@ class FullChoice(NamedTuple):
     entries: Entries = ()  # its tokens' log probabilities, when asked
     prompt_index: int = 0  # which prompt of the request it continues
     prompt_entries: PromptEntries = ()  # echo with logprobs: its prompt's tokens' entries
+    token_ids: Sequence[int] = ()  # every id it generated (shown with return_token_ids)
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int,
@@ -42,8 +45,9 @@ class CompletionFormat:
 
     def __init__(self, response_id: str, model: str, include_usage: bool = False,
                  continuous_usage: bool = False, logprobs: LogprobsFormat | None = None,
-                 echo: list[str] | None = None) -> None:
+                 echo: list[str] | None = None, return_token_ids: bool = False) -> None:
         self.response_id = response_id
+        self.return_token_ids = return_token_ids  # vLLM's extension: each choice's ids
         self.logprobs = logprobs  # None: the request did not ask; every choice says null
         # Completions' echo: each prompt's text, by prompt index, which its choices' text begins
         self.echo = echo
@@ -67,6 +71,13 @@ class CompletionFormat:
     def _logprobs(self, entries: Entries, index: int = 0) -> dict | None:
         return self.logprobs.render(entries, index) if self.logprobs is not None else None
 
+    def _with_ids(self, choice: dict, token_ids: Sequence[int]) -> dict:
+        # After finish_reason, as vLLM places it (and after the text, where chunk_template.py
+        # expects its hole).
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
+
     def full(self, choices: list[FullChoice], num_prompt: int, num_completion: int,
              num_cached: int = 0) -> dict:
         """choices: each choice's whole text, by index; the counts summed over the request."""
@@ -76,17 +87,18 @@ class CompletionFormat:
 
     def _full_choice(self, choice: FullChoice) -> dict:
         if self.echo is None:
-            return {"index": choice.index, "text": choice.text,
-                    "logprobs": self._logprobs(choice.entries, choice.index),
-                    "finish_reason": choice.finish_reason}
+            return self._with_ids({"index": choice.index, "text": choice.text,
+                                   "logprobs": self._logprobs(choice.entries, choice.index),
+                                   "finish_reason": choice.finish_reason}, choice.token_ids)
         echoed = self.echo[choice.prompt_index]
         logprobs = None
         if self.logprobs is not None:
             prompt = self.logprobs.render_prompt(choice.prompt_entries, echoed, choice.index)
             rest = self.logprobs.render(choice.entries, choice.index)
             logprobs = {key: prompt[key] + rest[key] for key in prompt}
-        return {"index": choice.index, "text": echoed + choice.text, "logprobs": logprobs,
-                "finish_reason": choice.finish_reason}
+        return self._with_ids({"index": choice.index, "text": echoed + choice.text,
+                               "logprobs": logprobs, "finish_reason": choice.finish_reason},
+                              choice.token_ids)  # the generated ids only: echo adds text
 
     def echo_chunk(self, num_prompt: int, num_completion: int, prompt_entries: PromptEntries,
                    index: int = 0, prompt_index: int = 0) -> dict:
@@ -95,21 +107,23 @@ class CompletionFormat:
         echoed = self.echo[prompt_index]
         logprobs = (self.logprobs.render_prompt(prompt_entries, echoed, index)
                     if self.logprobs is not None else None)
-        return self._envelope([{"index": index, "text": echoed, "logprobs": logprobs,
-                                "finish_reason": None}], self.object_name,
-                              (num_prompt, num_completion))
+        return self._envelope([self._with_ids({"index": index, "text": echoed,
+                                               "logprobs": logprobs, "finish_reason": None}, ())],
+                              self.object_name, (num_prompt, num_completion))
 
     def opening_chunk(self, num_prompt: int, num_completion: int = 0, index: int = 0) -> dict:
         """A choice's first chunk, sent when its first token exists, whatever its text."""
         return self.chunk("", None, num_prompt, num_completion, index=index)
 
     def chunk(self, text: str, finish_reason: str | None, num_prompt: int,
-              num_completion: int, entries: Entries = (), index: int = 0) -> dict:
-        """One choice's chunk; the counts are the request's so far (continuous usage)."""
-        return self._envelope([{"index": index, "text": text,
-                                "logprobs": self._logprobs(entries, index),
-                                "finish_reason": finish_reason}], self.object_name,
-                              (num_prompt, num_completion))
+              num_completion: int, entries: Entries = (), index: int = 0,
+              token_ids: Sequence[int] = ()) -> dict:
+        """One choice's chunk; the counts are the request's so far (continuous usage);
+        token_ids: the choice's ids since its previous chunk."""
+        return self._envelope([self._with_ids({"index": index, "text": text,
+                                               "logprobs": self._logprobs(entries, index),
+                                               "finish_reason": finish_reason}, token_ids)],
+                              self.object_name, (num_prompt, num_completion))
 
     def usage_chunk(self, num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
         body = self._envelope([], self.object_name)
@@ -123,9 +137,10 @@ class ChatFormat(CompletionFormat):
     id_prefix = "chatcmpl-"
 
     def _full_choice(self, choice: FullChoice) -> dict:  # chat has no echo
-        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": self._logprobs(choice.entries, choice.index),
-                "finish_reason": choice.finish_reason}
+        return self._with_ids({"index": choice.index,
+                               "message": {"role": "assistant", "content": choice.text},
+                               "logprobs": self._logprobs(choice.entries, choice.index),
+                               "finish_reason": choice.finish_reason}, choice.token_ids)
 
     def opening_chunk(self, num_prompt: int, num_completion: int = 0, index: int = 0) -> dict:
         # OpenAI's first chunk of a choice: the role, with empty content.
@@ -133,12 +148,13 @@ class ChatFormat(CompletionFormat):
                            (num_prompt, num_completion), None, index)
 
     def chunk(self, text: str, finish_reason: str | None, num_prompt: int,
-              num_completion: int, entries: Entries = (), index: int = 0) -> dict:
+              num_completion: int, entries: Entries = (), index: int = 0,
+              token_ids: Sequence[int] = ()) -> dict:
         # Mid-stream chunks keep "content" even when empty, for clients that index it; the
         # finish chunk without text has an empty delta, as OpenAI's does.
         delta = {"content": text} if text or finish_reason is None else {}
         return self._chunk(delta, finish_reason, (num_prompt, num_completion),
-                           self._logprobs(entries, index), index)
+                           self._logprobs(entries, index), index, token_ids)
 
     def usage_chunk(self, num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
         body = self._envelope([], self.chunk_object_name)
@@ -146,6 +162,8 @@ class ChatFormat(CompletionFormat):
         return body
 
     def _chunk(self, delta: dict, finish_reason: str | None, counts: tuple[int, int],
-               logprobs: dict | None, index: int) -> dict:
-        return self._envelope([{"index": index, "delta": delta, "logprobs": logprobs,
-                                "finish_reason": finish_reason}], self.chunk_object_name, counts)
+               logprobs: dict | None, index: int, token_ids: Sequence[int] = ()) -> dict:
+        return self._envelope([self._with_ids({"index": index, "delta": delta,
+                                               "logprobs": logprobs,
+                                               "finish_reason": finish_reason}, token_ids)],
+                              self.chunk_object_name, counts)

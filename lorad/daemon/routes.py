@@ -177,7 +177,7 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
         f"{format_cls.id_prefix}{uuid.uuid4().hex}", choice.model_id,
         include_usage=options.stream and options.include_usage,
         continuous_usage=options.stream and options.continuous_usage, logprobs=logprobs,
-        echo=echo, **extra)
+        echo=echo, return_token_ids=options.return_token_ids, **extra)
     request[ADMITTED_KEY] = True
     with state.admission.ticket(started, len(prompts) * options.n) as ticket:
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompts,
@@ -189,12 +189,13 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
         async with aclosing(deltas):
             if options.stream:
                 return await stream_events(request, deltas, fmt, num_prompt)
-            texts, entries, prompt_entries, last, cached = {}, {}, {}, {}, {}
+            texts, entries, prompt_entries, ids, last, cached = {}, {}, {}, {}, {}, {}
             try:
                 async for delta in deltas:
                     cached.setdefault(delta.prompt_index, delta.num_cached_tokens)
                     texts.setdefault(delta.index, []).append(delta.text)
                     entries.setdefault(delta.index, []).extend(delta.logprobs)
+                    ids.setdefault(delta.index, []).extend(delta.token_ids)
                     prompt_entries.setdefault(delta.index, []).extend(delta.prompt_logprobs)
                     last[delta.index] = delta
             except GenerationError as exc:
@@ -202,7 +203,7 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
                            if exc.status == 503 else None)
                 return error_response(exc.status, str(exc), code=exc.code, headers=headers)
         choices = [FullChoice(i, "".join(texts[i]), last[i].finish_reason, entries[i],
-                              last[i].prompt_index, prompt_entries[i])
+                              last[i].prompt_index, prompt_entries[i], ids[i])
                    for i in sorted(last)]
         return web.json_response(fmt.full(choices, num_prompt, sum(
             d.num_completion_tokens for d in last.values()), sum(cached.values())))

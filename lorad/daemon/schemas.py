@@ -57,6 +57,8 @@ class SamplingOptions:
     min_tokens: int = 0
     # lorad extension: false computes the prompt from its first token and caches nothing of it
     cache_prompt: bool = True
+    # vLLM's extension: each choice carries its generated ids (streamed: each chunk its new ones)
+    return_token_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,6 +210,7 @@ def _options(body: dict, max_tokens_field: str, num_logprobs: int | None,
         stop_token_ids=parse_stop_token_ids(body.get("stop_token_ids")),
         min_tokens=min_tokens,
         cache_prompt=_bool(body, "cache_prompt", True),
+        return_token_ids=_bool(body, "return_token_ids", False),
     )
 
 

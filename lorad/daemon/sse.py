@@ -5,10 +5,11 @@ each choice's opening chunk (with echo, then its prompt's chunk) with its first 
 its first token exists, even if its text is held back: a client times the first token by the
 first event. A request that fails before that gets a plain JSON error (500, 503 or 504:
 GenerationError's status); after it, a failure is a `data: {"error": ...}` event before [DONE].
-Later deltas without text are sent only when the client asked for usage on every chunk. A client
-that hangs up raises out of the writes; the caller's aclosing() then cancels. Mid-stream chunks
-come from a template cut once per choice (chunk_template.py); the usage chunk or error and [DONE]
-go out in one write.
+Later deltas without text are sent only when the client asked for usage on every chunk; their
+log probabilities and token ids ride with the choice's next chunk (at the latest its finishing
+one). A client that hangs up raises out of the writes; the caller's aclosing() then cancels.
+Mid-stream chunks come from a template cut once per choice (chunk_template.py); the usage chunk
+or error and [DONE] go out in one write.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
     response = None
     completions: dict[int, int] = {}  # choice index -> its tokens so far; opened choices
     entries: dict[int, list] = {}  # log probabilities not yet sent: they ride with the next chunk
+    ids: dict[int, list[int]] = {}  # token ids not yet sent (return_token_ids), likewise
     templates: dict[int, ChunkTemplate | None] = {}  # choice index -> its mid-stream chunks
     final = []  # the events that end the stream, written together
     cached: dict[int, int] = {}  # prompt index -> its tokens found in the prefix cache
@@ -59,19 +61,23 @@ async def stream_events(request: web.Request, deltas: AsyncIterator[Delta],
             completions[index] = delta.num_completion_tokens
             pending = entries.setdefault(index, [])
             pending.extend(delta.logprobs)
+            pending_ids = ids.setdefault(index, [])
+            pending_ids.extend(delta.token_ids)
             # Without per-chunk usage an empty chunk would tell the client nothing the opening
             # chunk did not; with it, each step's chunk lets the client count and time tokens.
             template = templates[index]
             if delta.finish_reason is None and template is not None:
                 if delta.text or fmt.continuous_usage:
                     await response.write(template.render(delta.text, num_prompt,
-                                                         sum(completions.values())))
+                                                         sum(completions.values()), pending_ids))
+                    ids[index] = []
             elif delta.text or delta.finish_reason is not None or fmt.continuous_usage:
                 chunk = fmt.chunk(delta.text, delta.finish_reason, num_prompt,
-                                  sum(completions.values()), pending, index)
+                                  sum(completions.values()), pending, index, pending_ids)
                 if chunk is not None:  # None: text that completes no tool call yet
                     await response.write(_event(chunk))
                     entries[index] = []
+                    ids[index] = []
     except GenerationError as exc:
         if response is None:
             return error_response(exc.status, str(exc), code=exc.code)

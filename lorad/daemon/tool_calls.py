@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 
 from lorad.daemon.logprobs import Entries
 from lorad.daemon.responses import ChatFormat, FullChoice
@@ -73,9 +74,10 @@ class ToolCallFormat(ChatFormat):
         message = {"role": "assistant", "content": None}
         if calls:
             message["tool_calls"] = [_call(name, arguments) for name, arguments in calls]
-        return {"index": choice.index, "message": message,
-                "logprobs": self._logprobs(choice.entries, choice.index),
-                "finish_reason": _finish(choice.finish_reason, bool(calls))}
+        return self._with_ids({"index": choice.index, "message": message,
+                               "logprobs": self._logprobs(choice.entries, choice.index),
+                               "finish_reason": _finish(choice.finish_reason, bool(calls))},
+                              choice.token_ids)
 
     def opening_chunk(self, num_prompt: int, num_completion: int = 0, index: int = 0) -> dict:
         delta = {"role": "assistant", "content": None}
@@ -86,7 +88,8 @@ class ToolCallFormat(ChatFormat):
         return self._chunk(delta, None, (num_prompt, num_completion), None, index)
 
     def chunk(self, text: str, finish_reason: str | None, num_prompt: int,
-              num_completion: int, entries: Entries = (), index: int = 0) -> dict | None:
+              num_completion: int, entries: Entries = (), index: int = 0,
+              token_ids: Sequence[int] = ()) -> dict | None:
         """-> the chunk, or None when it would say nothing (sse.py then sends nothing)."""
         sent = self._num_sent.setdefault(index, 0)
         if self.tool_choice.function is not None:
@@ -101,7 +104,8 @@ class ToolCallFormat(ChatFormat):
             return None
         return self._chunk({"tool_calls": calls} if calls else {},
                            _finish(finish_reason, sent > 0),
-                           (num_prompt, num_completion), self._logprobs(entries, index), index)
+                           (num_prompt, num_completion), self._logprobs(entries, index), index,
+                           token_ids)
 
 
 def _call(name: str, arguments: str) -> dict:

@@ -1,42 +1,60 @@
 """scripts/adapter_mix.py against real daemons (tiny Llama, adapters a and b, --parallel 2): a burst
-mixing the base model and both adapters equals every stream's solo run (exit 0, clean table);
-with the solo runs taken from a daemon that serves the same folders under swapped names, the
-script exits 1 and names exactly the mismatched adapters."""
+mixing the base model and both adapters equals every stream's solo run by token ids (exit 0,
+clean table), also greedy and seeded over prompts of 8, 60 and 150 random token ids prefilled in
+chunks of 32 beside the other streams' decodes; with the solo runs taken from a daemon that serves
+the same folders under swapped names, or another model under the same name, the script exits 1
+and names exactly the mismatched model ids."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from tests.daemons import REPO, adapter_flags
+import pytest
+
+from tests.daemons import REPO, adapter_flags, start_daemon
+from tests.tiny_models import make_tiny_llama
 
 SCRIPT = REPO / "scripts" / "adapter_mix.py"
 MODELS = ("tiny", "a", "b")
 NUM_PROMPTS = 4  # the script's built-in prompts
 BURST = 2 * len(MODELS) * NUM_PROMPTS  # its default burst
+LENGTHS = "8,60,150"  # the tiny model's context is 256
 
 
-def run_mix(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--models", ",".join(MODELS),
+def run_mix(*flags: str, models: tuple[str, ...] = MODELS) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--models", ",".join(models),
                            "--max-tokens", "16", "--ignore-eos", *flags],
                           capture_output=True, text=True, timeout=300)
 
 
-def table(stdout: str) -> dict[str, tuple[int, ...]]:
-    """model -> (solo, burst, match, mismatch) from the summary table."""
+def table(stdout: str, models: tuple[str, ...] = MODELS) -> dict[tuple[str, str], tuple]:
+    """(model, mode) -> (solo, burst, match, mismatch) from the summary table."""
     rows = {}
     for line in stdout.splitlines():
         parts = line.split()
-        if parts and parts[0] in MODELS and len(parts) == 6:
-            rows[parts[0]] = tuple(int(p) for p in parts[1:5])
+        if parts and parts[0] in models and len(parts) == 7:
+            rows[parts[0], parts[1]] = tuple(int(p) for p in parts[2:6])
     return rows
+
+
+@pytest.fixture(scope="module")
+def chunking_daemon(tiny_model, tiny_adapters):
+    """adapter_daemon's setup with prefill chunks of at most 32 tokens."""
+    daemon = start_daemon(tiny_model, "--parallel", "2", "--kv-cache-blocks", "512",
+                          "--max-num-seqs", "48", "--max-num-batched-tokens", "32",
+                          *adapter_flags(tiny_adapters))
+    yield daemon
+    assert daemon.stop() == 0, daemon.log()[-4000:]
 
 
 def test_a_mixed_burst_equals_every_solo_run(adapter_daemon):
     result = run_mix("--url", adapter_daemon.url)
     assert result.returncode == 0, result.stdout + result.stderr
     per_model = BURST // len(MODELS)
-    assert table(result.stdout) == {m: (NUM_PROMPTS, per_model, per_model, 0) for m in MODELS}
+    assert table(result.stdout) == {(m, "greedy"): (NUM_PROMPTS, per_model, per_model, 0)
+                                    for m in MODELS}
+    assert "compared by token ids" in result.stdout and "warning" not in result.stderr
     assert f"OK: all {BURST} streams equal their solo runs" in result.stdout
     assert "MISMATCH" not in result.stdout
 
@@ -47,17 +65,44 @@ def test_a_chat_burst_equals_every_solo_run(adapter_daemon):
     assert "OK: all 9 streams equal their solo runs" in result.stdout
 
 
+def test_seeded_streams_of_mixed_prompt_lengths_equal_their_solo_runs(chunking_daemon):
+    result = run_mix("--url", chunking_daemon.url, "--seeded", "--prompt-lengths", LENGTHS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    burst = 2 * len(MODELS) * 3 * 2  # models x prompts x modes, twice
+    per_row = burst // (2 * len(MODELS))
+    assert table(result.stdout) == {(m, mode): (3, per_row, per_row, 0)
+                                    for m in MODELS for mode in ("greedy", "seeded")}
+    assert "prompts of 8/60/150 token ids < 400" in result.stdout  # the vocabulary, asked
+    assert f"OK: all {burst} streams equal their solo runs" in result.stdout
+
+
 def test_mismatches_are_named_and_exit_nonzero(adapter_daemon, start_lorad, tiny_adapters):
     swapped = start_lorad("--parallel", "2", "--kv-cache-blocks", "128",
                           *adapter_flags({"a": tiny_adapters["b"], "b": tiny_adapters["a"]}))
     result = run_mix("--url", adapter_daemon.url, "--reference-url", swapped.url)
     assert result.returncode == 1, result.stdout + result.stderr
     per_model = BURST // len(MODELS)
-    assert table(result.stdout) == {"tiny": (NUM_PROMPTS, per_model, per_model, 0),
-                                    "a": (NUM_PROMPTS, per_model, 0, per_model),
-                                    "b": (NUM_PROMPTS, per_model, 0, per_model)}
+    assert table(result.stdout) == {("tiny", "greedy"): (NUM_PROMPTS, per_model, per_model, 0),
+                                    ("a", "greedy"): (NUM_PROMPTS, per_model, 0, per_model),
+                                    ("b", "greedy"): (NUM_PROMPTS, per_model, 0, per_model)}
     named = {line.split()[1] for line in result.stdout.splitlines()
              if line.startswith("MISMATCH")}
     assert named == {"a", "b"}
     assert f"{2 * per_model} of {BURST} streams differ" in result.stderr
     assert "(models: a, b)" in result.stderr
+
+
+def test_another_model_as_the_reference_is_a_mismatch(chunking_daemon, start_lorad,
+                                                      tmp_path_factory):
+    """The same id served from other random weights: every stream differs, greedy and seeded,
+    even where neither model shows any text."""
+    other = make_tiny_llama(tmp_path_factory.mktemp("other") / "other", seed=7)
+    reference = start_lorad("--name", "tiny", "--kv-cache-blocks", "128", model_dir=other)
+    result = run_mix("--url", chunking_daemon.url, "--reference-url", reference.url,
+                     "--seeded", "--prompt-lengths", "8,60", models=("tiny",))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert table(result.stdout, ("tiny",)) == {("tiny", "greedy"): (2, 4, 0, 4),
+                                               ("tiny", "seeded"): (2, 4, 0, 4)}
+    mismatched = [line for line in result.stdout.splitlines() if line.startswith("MISMATCH")]
+    assert len(mismatched) == 8 and all("ids differ from token" in m for m in mismatched)
+    assert "8 of 8 streams differ" in result.stderr and "(models: tiny)" in result.stderr

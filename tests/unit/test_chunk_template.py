@@ -1,6 +1,7 @@
 """The pre-rendered mid-stream chunk (chunk_template.py) against json.dumps of responses.py's
-chunk: the same bytes for every format, usage setting, text and count, and no template where the
-stand-ins cannot be cut out unambiguously."""
+chunk: the same bytes for every format, usage setting, text, count and token ids (with and
+without return_token_ids), and no template where the stand-ins cannot be cut out
+unambiguously."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import pytest
 
 from lorad.daemon.chunk_template import (
-    COMPLETION_HOLE, PROMPT_HOLE, TEXT_HOLE, ChunkTemplate, event_bytes)
+    COMPLETION_HOLE, IDS_HOLE, PROMPT_HOLE, TEXT_HOLE, ChunkTemplate, event_bytes)
 from lorad.daemon.logprobs import LogprobsFormat
 from lorad.daemon.responses import ChatFormat, CompletionFormat
 
@@ -19,23 +20,26 @@ TEXTS = ["", "a", " the", "quote \" and \\ backslash", "\n\t\r\b\f", "\x00\x01\x
 COUNTS = [(1, 0), (16, 1), (7, 123456), (PROMPT_HOLE, COMPLETION_HOLE), (0, 10**30)]
 USAGE = [(False, False), (True, False), (True, True), (False, True)]
 MODELS = ["tiny", "SmolLM2-135M-Instruct", "mödel/α-\"q\"", "sql"]
+TOKEN_IDS = [(), (0,), (7, 128255), (IDS_HOLE,), tuple(range(40)), (PROMPT_HOLE, 3)]
 
 
 @pytest.mark.parametrize("format_cls", [CompletionFormat, ChatFormat])
 @pytest.mark.parametrize("include_usage,continuous", USAGE)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("index", [0, 1, 13])
+@pytest.mark.parametrize("return_token_ids", [False, True])
 def test_template_bytes_equal_the_full_rendering(format_cls, include_usage, continuous, model,
-                                                 index):
+                                                 index, return_token_ids):
     fmt = format_cls(f"{format_cls.id_prefix}0123abcd", model, include_usage=include_usage,
-                     continuous_usage=continuous)
+                     continuous_usage=continuous, return_token_ids=return_token_ids)
     template = ChunkTemplate.of(fmt, index)
     assert template is not None
     for text in TEXTS:
         for num_prompt, num_completion in COUNTS:
-            expected = event_bytes(fmt.chunk(text, None, num_prompt, num_completion,
-                                             index=index))
-            assert template.render(text, num_prompt, num_completion) == expected
+            for ids in TOKEN_IDS:
+                expected = event_bytes(fmt.chunk(text, None, num_prompt, num_completion,
+                                                 index=index, token_ids=ids))
+                assert template.render(text, num_prompt, num_completion, ids) == expected
 
 
 def test_event_bytes_is_the_sse_form_of_json_dumps():
@@ -50,6 +54,19 @@ def test_usage_on_every_chunk_changes_with_the_counts():
     body = json.loads(template.render("hi", 3, 5)[len(b"data: "):])
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     assert body["choices"][0]["text"] == "hi"
+
+
+def test_token_ids_come_last_in_the_choice_and_only_when_asked():
+    for format_cls in (CompletionFormat, ChatFormat):
+        asked = format_cls("x-1", "tiny", include_usage=True, continuous_usage=True,
+                           return_token_ids=True)
+        body = json.loads(ChunkTemplate.of(asked).render("hi", 3, 5, [4, 2])[len(b"data: "):])
+        assert list(body["choices"][0])[-1] == "token_ids"
+        assert body["choices"][0]["token_ids"] == [4, 2]
+        assert body["usage"]["completion_tokens"] == 5
+        plain = format_cls("x-1", "tiny")
+        body = json.loads(ChunkTemplate.of(plain).render("hi", 3, 5, [4, 2])[len(b"data: "):])
+        assert "token_ids" not in body["choices"][0]
 
 
 def test_no_template_for_a_format_whose_chunks_keep_state():
@@ -69,6 +86,9 @@ def test_no_template_with_logprobs():
 
 
 def test_no_template_when_an_id_holds_a_stand_in():
+    # The ids' stand-in inside the model id, with return_token_ids.
+    fmt = CompletionFormat("cmpl-1", f"m[{IDS_HOLE}]", return_token_ids=True)
+    assert ChunkTemplate.of(fmt) is None
     # The counts' stand-in inside the response id: cutting it out would be ambiguous.
     fmt = CompletionFormat(f"cmpl-{PROMPT_HOLE}", "tiny", include_usage=True,
                            continuous_usage=True)

@@ -19,7 +19,7 @@ def test_completion_defaults():
     assert opts.max_tokens is None and opts.seed is None and opts.stop == ()
     assert (opts.temperature, opts.top_p, opts.top_k) == (1.0, 1.0, 0)
     assert not opts.stream and not opts.include_usage and not opts.ignore_eos
-    assert not opts.continuous_usage
+    assert not opts.continuous_usage and not opts.return_token_ids
 
 
 def test_completion_fields():
@@ -147,6 +147,9 @@ def _refused(parse, body, param):
     ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
      "stream_options.continuous_usage_stats"),
     ({"ignore_eos": "true"}, "ignore_eos"),
+    ({"return_token_ids": "true"}, "return_token_ids"),
+    ({"return_token_ids": 1}, "return_token_ids"),
+    ({"return_token_ids": [True]}, "return_token_ids"),
 ])
 def test_completion_refusals(patch, param):
     _refused(parse_completion, {**COMPLETION, **patch}, param)
@@ -181,6 +184,14 @@ def test_chat_message_refusals(messages, param):
 ])
 def test_chat_unsupported_features_are_refused_not_ignored(patch, param):
     _refused(parse_chat, {**CHAT, **patch}, param)
+
+
+def test_return_token_ids_on_both_routes():
+    assert parse_completion({**COMPLETION, "return_token_ids": True}).options.return_token_ids
+    assert parse_chat({**CHAT, "return_token_ids": True}).options.return_token_ids
+    assert not parse_chat({**CHAT, "return_token_ids": None}).options.return_token_ids
+    assert not parse_chat({**CHAT, "return_token_ids": False}).options.return_token_ids
+    _refused(parse_chat, {**CHAT, "return_token_ids": 0}, "return_token_ids")
 
 
 @pytest.mark.parametrize("patch,param", [
