@@ -1,6 +1,7 @@
 """scripts/bench.py's pure parts, bench_models.py and bench_clock.py: the model picker (round-robin;
 Zipf deterministic given the seed, hottest first, S=0 uniform), the model file's checks, and how a
-stream's chunks become a first token and per-token latencies, with and without per-chunk usage."""
+stream's chunks become a first token and per-token latencies, with and without per-chunk usage,
+the cached prompt tokens a server's usage reports, and the answer's text."""
 
 from __future__ import annotations
 
@@ -113,3 +114,29 @@ def test_without_usage_the_first_chunk_is_the_first_token_then_one_per_text_chun
         clock.chunk(c, now)
     assert outcome.ttft_s == pytest.approx(0.2) and not outcome.usage_per_chunk
     assert outcome.gaps_s == pytest.approx([0.3, 0.1])
+
+
+@pytest.mark.parametrize("usage,cached,reported", [
+    ({"prompt_tokens": 40, "completion_tokens": 2}, 0, False),
+    ({"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": None}, 0, False),
+    ({"prompt_tokens": 40, "completion_tokens": 2,
+      "prompt_tokens_details": {"cached_tokens": 32}}, 32, True),
+    ({"prompt_tokens": 40, "completion_tokens": 2,
+      "prompt_tokens_details": {"cached_tokens": 0}}, 0, True),
+])
+def test_usage_gives_the_cached_prompt_tokens_when_the_server_reports_them(usage, cached,
+                                                                           reported):
+    outcome = bench_clock.Outcome("m")
+    bench_clock.read_usage(outcome, usage)
+    assert (outcome.num_prompt_tokens, outcome.num_output_tokens) == (40, 2)
+    assert (outcome.num_cached_tokens, outcome.cached_reported) == (cached, reported)
+
+
+def test_the_clock_keeps_the_answer_text():
+    outcome = bench_clock.Outcome("m")
+    clock = bench_clock.TokenClock(outcome, started=0.0)
+    for c in [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+              {"choices": [{"index": 0, "delta": {"content": "Hel"}}]},
+              {"choices": [{"index": 0, "delta": {"content": "lo"}}]}]:
+        clock.chunk(c, 0.1)
+    assert outcome.text == "Hello"
