@@ -3,16 +3,18 @@
 
 Prints a table of output tokens/s, requests/s, time to first token and inter-token latency
 (p50/p99), then one of each model id's requests, with the conditions (date, machine, workload).
-Every request sets ignore_eos, so each one generates exactly --max-tokens tokens. Tokens are timed
-by the usage lorad puts on every chunk when asked, so text held back (random weights) does not
-hide them. Does not start or configure the server: say how it was started with --note. Stdlib +
-aiohttp.
+--workload chat-turns and few-shot share a prompt prefix for a prefix cache instead
+(bench_prefix.py). Every request sets ignore_eos, so each one generates exactly --max-tokens
+tokens. Tokens are timed by the usage lorad puts on every chunk when asked, so text held back
+(random weights) does not hide them. Does not start or configure the server: say how it was
+started with --note. Stdlib + aiohttp.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sys
 import time
@@ -21,8 +23,9 @@ import aiohttp
 
 from bench_clock import Outcome
 from bench_models import ModelListError, ModelPicker, check_served, read_model_file
+from bench_prefix import FirstRequestFailed, report_prefix, run_chat_turns, run_few_shot
 from bench_stream import request_fields, stream
-from bench_table import conditions, p50_p99, percentile, ttfts_ms
+from bench_table import conditions, p50_p99, percentile, record, ttfts_ms
 
 CHAT_PROMPTS = (
     "Explain how a bicycle stays upright while moving.",
@@ -94,6 +97,8 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) -> 
     workload = f"{len(outcomes)} requests at concurrency {args.concurrency}, {prompts}"
     if prompt_lens:
         workload += f" ({prompt_lens[0]}-{prompt_lens[-1]} prompt tokens by usage)"
+    if args.no_cache:
+        workload += ", cache_prompt false"
     lines = [
         *conditions(args),
         f"workload:  {workload}, max_tokens {args.max_tokens}, ignore_eos, "
@@ -129,6 +134,26 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) -> 
     return "\n".join(lines)
 
 
+def add_prefix_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=("independent", "chat-turns", "few-shot"),
+                        default="independent",
+                        help="independent: unrelated prompts (default); chat-turns: --concurrency "
+                        "conversations of --turns turns sharing a system prompt; few-shot: "
+                        "--requests prompts sharing --shots examples")
+    parser.add_argument("--turns", type=int, default=4, help="chat-turns: turns per conversation")
+    parser.add_argument("--system-tokens", type=int, default=512,
+                        help="chat-turns: the shared system prompt's size, about (default: "
+                        "%(default)s)")
+    parser.add_argument("--shots", type=int, default=4, help="few-shot: examples per prompt")
+    parser.add_argument("--shot-tokens", type=int, default=64,
+                        help="few-shot: each example's size, about (default: %(default)s)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help='send "cache_prompt": false (lorad\'s switch for its prefix cache) on '
+                        "every request, to compare with the cache on the same server")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also write the conditions and each measured request to FILE")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
@@ -155,10 +180,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
     parser.add_argument("--note", default="",
                         help="how the server was started, printed with the conditions")
+    add_prefix_flags(parser)
     args = parser.parse_args(argv)
-    for name in ("concurrency", "requests", "max_tokens", "prompt_len"):
+    for name in ("concurrency", "requests", "max_tokens", "prompt_len", "turns", "system_tokens",
+                 "shots", "shot_tokens"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.chat and args.workload != "independent":
+        parser.error(f"--chat is for --workload independent; {args.workload} sets its own prompts")
     if args.zipf is not None and not args.zipf >= 0:  # also refuses NaN
         parser.error(f"--zipf must be 0 or more, got {args.zipf}")
     args.url = args.url.rstrip("/")
@@ -175,14 +204,30 @@ async def main_async(args: argparse.Namespace) -> int:
         models = served[:1]
     check_served(models, served, args.url)
     args.picker = ModelPicker(models, args.zipf, args.seed)
-    if args.warmup:
-        warm, _ = await run_all(args, args.warmup, first_index=1_000_000)
-        if not any(o.ok for o in warm):
-            print(f"bench: warm-up failed: {warm[0].error}", file=sys.stderr)
+    if args.workload != "independent":
+        run = await (run_chat_turns if args.workload == "chat-turns" else run_few_shot)(args)
+        text, measured = report_prefix(args, run), run.measured
+    else:
+        if args.warmup:
+            warm, _ = await run_all(args, args.warmup, first_index=1_000_000)
+            if not any(o.ok for o in warm):
+                raise FirstRequestFailed("warm-up", warm[0].error)
+        outcomes, wall_s = await run_all(args, args.requests, first_index=0)
+        run = None
+        text, measured = report(args, outcomes, wall_s), [({}, o) for o in outcomes]
+    print(text)
+    if args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"workload": args.workload,
+                           "conditions": text.split("\n\n")[0].splitlines(),
+                           "shared_prompt_tokens": run.num_shared_tokens if run else None,
+                           "requests": [record(o, **labels) for labels, o in measured]},
+                          f, indent=1)
+        except OSError as exc:
+            print(f"bench: --json {args.json}: cannot write it: {exc}", file=sys.stderr)
             return 1
-    outcomes, wall_s = await run_all(args, args.requests, first_index=0)
-    print(report(args, outcomes, wall_s))
-    return 0 if all(o.ok for o in outcomes) else 1
+    return 0 if all(o.ok for _, o in measured) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     except ModelListError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
+    except FirstRequestFailed as exc:
+        error = " ".join(exc.error.split())
+        if args.no_cache and "cache_prompt" in error:
+            print(f'bench: the server refused "cache_prompt": false, which --no-cache sends '
+                  f"(lorad's switch for its prefix cache); run without --no-cache: {error}",
+                  file=sys.stderr)
+            return 2
+        print(f"bench: {exc.what} failed: {error}", file=sys.stderr)
+        return 1
     except (aiohttp.ClientError, OSError) as exc:
         print(f"bench: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1

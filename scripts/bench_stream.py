@@ -21,6 +21,8 @@ def request_fields(args: argparse.Namespace, model: str, seed: int) -> dict:
     fields = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
               "stream": True, "ignore_eos": True, "seed": seed,
               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if args.no_cache:
+        fields["cache_prompt"] = False  # lorad's switch for its prefix cache, per request
     return fields
 
 

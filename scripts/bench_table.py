@@ -1,5 +1,6 @@
 """What every bench.py report shares: the conditions lines (date, machine, server, model ids),
-percentiles and their table cells. Pure but for the clock and /proc/cpuinfo; knows nothing of HTTP.
+percentiles and their table cells, the prompt cache's hit rate, and the run as JSON records.
+Pure but for the clock and /proc/cpuinfo; knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def ttfts_ms(outcomes: list[Outcome]) -> list[float]:
     return [o.ttft_s * 1000 for o in outcomes if o.ok and o.ttft_s is not None]
 
 
+def hit_rate(outcomes: list[Outcome]) -> float | None:
+    """Cached over prompt tokens, summed over the completed requests; None without any."""
+    num_prompt = sum(o.num_prompt_tokens for o in outcomes if o.ok)
+    num_cached = sum(o.num_cached_tokens for o in outcomes if o.ok)
+    return num_cached / num_prompt if num_prompt else None
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -55,3 +63,11 @@ def conditions(args: argparse.Namespace) -> list[str]:
         + (f" (from {args.models_from_file})" if args.models_from_file else ""),
     ]
 
+
+def record(outcome: Outcome, **labels: int) -> dict:
+    """One measured request for --json; labels say which (conversation, turn, request)."""
+    return {**labels, "model": outcome.model, "ok": outcome.ok, "error": outcome.error,
+            "ttft_ms": None if outcome.ttft_s is None else outcome.ttft_s * 1000,
+            "prompt_tokens": outcome.num_prompt_tokens,
+            "cached_tokens": outcome.num_cached_tokens if outcome.cached_reported else None,
+            "output_tokens": outcome.num_output_tokens}

@@ -2,10 +2,12 @@
 Zipf deterministic given the seed, hottest first, S=0 uniform), the model file's checks, and how a
 stream's chunks become a first token and per-token latencies, with and without per-chunk usage,
 the cached prompt tokens a server's usage reports, and the answer's text. Then the prefix
-workloads' text (bench_prompts.py): deterministic, each turn extending the last."""
+workloads' parts: their text (bench_prompts.py: deterministic, each turn extending the last), the
+hit rate, and what --no-cache adds to a body."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from collections import Counter
@@ -29,6 +31,8 @@ def _load(name: str):
 bench_models = _load("bench_models")
 bench_clock = _load("bench_clock")
 bench_prompts = _load("bench_prompts")
+bench_table = _load("bench_table")
+bench_stream = _load("bench_stream")
 MODELS = [f"m{i}" for i in range(8)]
 
 
@@ -183,3 +187,21 @@ def test_each_turn_extends_the_last_by_its_answer_and_a_new_question():
     assert conversation.next_turn()[:5] == second + [{"role": "assistant", "content": ""}]
     other = bench_prompts.Conversation(system, 3, seed=0).next_turn()
     assert other[0] == first[0] and other[1] != second[1]  # same system prompt, own question
+
+
+def test_hit_rate_sums_tokens_over_completed_requests():
+    def outcome(prompt, cached, ok=True):
+        return bench_clock.Outcome("m", ok=ok, num_prompt_tokens=prompt, num_cached_tokens=cached)
+    assert bench_table.hit_rate([outcome(100, 64), outcome(60, 0), outcome(50, 50, ok=False)]) \
+        == pytest.approx(64 / 160)
+    assert bench_table.hit_rate([outcome(10, 0, ok=False)]) is None
+
+
+@pytest.mark.parametrize("no_cache", [False, True])
+def test_no_cache_adds_cache_prompt_false_and_nothing_else(no_cache):
+    args = argparse.Namespace(max_tokens=8, temperature=0.0, no_cache=no_cache)
+    fields = bench_stream.request_fields(args, "m", seed=5)
+    assert fields.pop("cache_prompt", None) is (False if no_cache else None)
+    assert fields == {"model": "m", "max_tokens": 8, "temperature": 0.0, "stream": True,
+                      "ignore_eos": True, "seed": 5,
+                      "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
