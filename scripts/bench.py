@@ -2,10 +2,12 @@
 """Load a running lorad (or any OpenAI-compatible server) with concurrent streaming requests.
 
 Prints a table of output tokens/s, requests/s, time to first token and inter-token latency
-(p50/p99), then one of each model id's requests, with the conditions (date, machine, workload). Every request
-sets ignore_eos, so each one generates exactly --max-tokens tokens. Tokens are timed by the usage
-lorad puts on every chunk when asked, so text held back (random weights) does not hide them. Does
-not start or configure the server: say how it was started with --note. Stdlib + aiohttp.
+(p50/p99), then one of each model id's requests, with the conditions (date, machine, workload).
+--workload chat-turns and few-shot share a prompt prefix for a prefix cache instead
+(bench_prefix.py). Every request sets ignore_eos, so each one generates exactly --max-tokens
+tokens. Tokens are timed by the usage lorad puts on every chunk when asked, so text held back
+(random weights) does not hide them. Does not start or configure the server: say how it was
+started with --note. Stdlib + aiohttp.
 """
 
 from __future__ import annotations
@@ -13,16 +15,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
 import sys
 import time
 
 import aiohttp
 
-from bench_clock import Outcome, TokenClock
+from bench_clock import Outcome
 from bench_models import ModelListError, ModelPicker, check_served, read_model_file
+from bench_prefix import FirstRequestFailed, report_prefix, run_chat_turns, run_few_shot
+from bench_stream import request_fields, stream
+from bench_table import conditions, p50_p99, percentile, record, ttfts_ms
 
 CHAT_PROMPTS = (
     "Explain how a bicycle stays upright while moving.",
@@ -39,11 +42,7 @@ PROMPT_ID_RANGE = (100, 1000)
 
 
 def build_body(args: argparse.Namespace, index: int, model: str) -> tuple[str, dict]:
-    # continuous_usage_stats: lorad (and vLLM) then count the tokens on every chunk and send a
-    # chunk per step even when its text is held back; other servers ignore it.
-    common = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "stream": True, "ignore_eos": True, "seed": args.seed + index,
-              "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    common = request_fields(args, model, args.seed + index)
     if args.chat:
         prompt = CHAT_PROMPTS[index % len(CHAT_PROMPTS)]
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
@@ -55,35 +54,7 @@ def build_body(args: argparse.Namespace, index: int, model: str) -> tuple[str, d
 
 async def run_one(session: aiohttp.ClientSession, args: argparse.Namespace, index: int) -> Outcome:
     path, body = build_body(args, index, args.picker.pick(index))
-    outcome = Outcome(body["model"])
-    clock = TokenClock(outcome, time.perf_counter())
-    try:
-        async with session.post(args.url + path, json=body) as response:
-            if response.status != 200:
-                outcome.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                return outcome
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    outcome.ok = not outcome.error
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    outcome.error = str(chunk["error"].get("message", chunk["error"]))[:200]
-                    continue
-                clock.chunk(chunk, now)
-                if chunk.get("usage"):
-                    outcome.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    outcome.num_output_tokens = chunk["usage"]["completion_tokens"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
-        outcome.error = f"{type(exc).__name__}: {exc}"[:200]
-    if outcome.ok and not outcome.num_output_tokens:
-        outcome.num_output_tokens = clock.num_tokens  # the server sent no usage at all
-    return outcome
+    return await stream(session, args.url + path, body)
 
 
 async def run_all(args: argparse.Namespace, num_requests: int,
@@ -112,54 +83,24 @@ async def served_models(url: str) -> list[str]:
             return [card["id"] for card in (await response.json())["data"]]
 
 
-def percentile(values: list[float], pct: float) -> float | None:
-    """Linear interpolation between closest ranks, as numpy's default."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * pct / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def report(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) -> str:
     done = [o for o in outcomes if o.ok]
     failed = [o for o in outcomes if not o.ok]
-    ttfts = [o.ttft_s * 1000 for o in done if o.ttft_s is not None]
+    ttfts = ttfts_ms(done)
     gaps = [g * 1000 for o in done for g in o.gaps_s]
     num_output = sum(o.num_output_tokens for o in done)
     prompt_lens = sorted({o.num_prompt_tokens for o in done})
     itl = ("per token, by the usage on every chunk" if done and all(o.usage_per_chunk for o in done)
            else "per chunk with text (the server sent no usage per chunk)")
 
-    def ms(values: list[float]) -> str:
-        if not values:
-            return "n/a"
-        return f"{percentile(values, 50):.1f} / {percentile(values, 99):.1f}"
-
     prompts = "chat prompts" if args.chat else f"random {args.prompt_len}-token prompts"
     workload = f"{len(outcomes)} requests at concurrency {args.concurrency}, {prompts}"
     if prompt_lens:
         workload += f" ({prompt_lens[0]}-{prompt_lens[-1]} prompt tokens by usage)"
+    if args.no_cache:
+        workload += ", cache_prompt false"
     lines = [
-        f"date:      {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-        f"machine:   {os.cpu_count()} cores, {cpu_name()}, {platform.system()} "
-        f"{platform.machine()}",
-        f"server:    {args.url}" + (f", {args.note}" if args.note else ""),
-        f"models:    {args.picker.describe()}"
-        + (f" (from {args.models_from_file})" if args.models_from_file else ""),
+        *conditions(args),
         f"workload:  {workload}, max_tokens {args.max_tokens}, ignore_eos, "
         f"temperature {args.temperature}",
         f"latency:   TTFT to the first token's chunk; ITL {itl}",
@@ -168,8 +109,8 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) -> 
         "|---|---|",
         f"| output tokens/s | {num_output / wall_s:.1f} |",
         f"| requests/s | {len(done) / wall_s:.3f} |",
-        f"| time to first token p50 / p99 (ms) | {ms(ttfts)} |",
-        f"| inter-token latency p50 / p99 (ms) | {ms(gaps)} |",
+        f"| time to first token p50 / p99 (ms) | {p50_p99(ttfts)} |",
+        f"| inter-token latency p50 / p99 (ms) | {p50_p99(gaps)} |",
         f"| completed / failed requests | {len(done)} / {len(failed)} |",
         f"| requests timed to first token / with any text | "
         f"{len(ttfts)} / {sum(o.num_text_chunks > 0 for o in done)} |",
@@ -191,6 +132,26 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) -> 
     if failed:
         lines.append(f"first failure: {failed[0].error}")
     return "\n".join(lines)
+
+
+def add_prefix_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=("independent", "chat-turns", "few-shot"),
+                        default="independent",
+                        help="independent: unrelated prompts (default); chat-turns: --concurrency "
+                        "conversations of --turns turns sharing a system prompt; few-shot: "
+                        "--requests prompts sharing --shots examples")
+    parser.add_argument("--turns", type=int, default=4, help="chat-turns: turns per conversation")
+    parser.add_argument("--system-tokens", type=int, default=512,
+                        help="chat-turns: the shared system prompt's size, about (default: "
+                        "%(default)s)")
+    parser.add_argument("--shots", type=int, default=4, help="few-shot: examples per prompt")
+    parser.add_argument("--shot-tokens", type=int, default=64,
+                        help="few-shot: each example's size, about (default: %(default)s)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help='send "cache_prompt": false (lorad\'s switch for its prefix cache) on '
+                        "every request, to compare with the cache on the same server")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also write the conditions and each measured request to FILE")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -219,10 +180,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
     parser.add_argument("--note", default="",
                         help="how the server was started, printed with the conditions")
+    add_prefix_flags(parser)
     args = parser.parse_args(argv)
-    for name in ("concurrency", "requests", "max_tokens", "prompt_len"):
+    for name in ("concurrency", "requests", "max_tokens", "prompt_len", "turns", "system_tokens",
+                 "shots", "shot_tokens"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.chat and args.workload != "independent":
+        parser.error(f"--chat is for --workload independent; {args.workload} sets its own prompts")
     if args.zipf is not None and not args.zipf >= 0:  # also refuses NaN
         parser.error(f"--zipf must be 0 or more, got {args.zipf}")
     args.url = args.url.rstrip("/")
@@ -239,14 +204,30 @@ async def main_async(args: argparse.Namespace) -> int:
         models = served[:1]
     check_served(models, served, args.url)
     args.picker = ModelPicker(models, args.zipf, args.seed)
-    if args.warmup:
-        warm, _ = await run_all(args, args.warmup, first_index=1_000_000)
-        if not any(o.ok for o in warm):
-            print(f"bench: warm-up failed: {warm[0].error}", file=sys.stderr)
+    if args.workload != "independent":
+        run = await (run_chat_turns if args.workload == "chat-turns" else run_few_shot)(args)
+        text, measured = report_prefix(args, run), run.measured
+    else:
+        if args.warmup:
+            warm, _ = await run_all(args, args.warmup, first_index=1_000_000)
+            if not any(o.ok for o in warm):
+                raise FirstRequestFailed("warm-up", warm[0].error)
+        outcomes, wall_s = await run_all(args, args.requests, first_index=0)
+        run = None
+        text, measured = report(args, outcomes, wall_s), [({}, o) for o in outcomes]
+    print(text)
+    if args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"workload": args.workload,
+                           "conditions": text.split("\n\n")[0].splitlines(),
+                           "shared_prompt_tokens": run.num_shared_tokens if run else None,
+                           "requests": [record(o, **labels) for labels, o in measured]},
+                          f, indent=1)
+        except OSError as exc:
+            print(f"bench: --json {args.json}: cannot write it: {exc}", file=sys.stderr)
             return 1
-    outcomes, wall_s = await run_all(args, args.requests, first_index=0)
-    print(report(args, outcomes, wall_s))
-    return 0 if all(o.ok for o in outcomes) else 1
+    return 0 if all(o.ok for _, o in measured) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,6 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     except ModelListError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
+    except FirstRequestFailed as exc:
+        error = " ".join(exc.error.split())
+        if args.no_cache and "cache_prompt" in error:
+            print(f'bench: the server refused "cache_prompt": false, which --no-cache sends '
+                  f"(lorad's switch for its prefix cache); run without --no-cache: {error}",
+                  file=sys.stderr)
+            return 2
+        print(f"bench: {exc.what} failed: {error}", file=sys.stderr)
+        return 1
     except (aiohttp.ClientError, OSError) as exc:
         print(f"bench: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1

@@ -1,5 +1,6 @@
 """How one bench.py stream's chunks become its outcome: the first token's time, per-token gaps,
-token counts. Pure: the caller reads the socket and passes each chunk with its arrival time.
+token counts (cached prompt tokens too), the text. Pure: the caller reads the socket and passes
+each chunk with its arrival time.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ class Outcome:
     gaps_s: list[float] = field(default_factory=list)  # inter-token latencies (see TokenClock)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # usage.prompt_tokens_details.cached_tokens, as OpenAI reports its prompt cache's hits
+    num_cached_tokens: int = 0
+    cached_reported: bool = False  # the usage carried that field (servers without a cache omit it)
     num_text_chunks: int = 0
     usage_per_chunk: bool = False  # the server counted the tokens on every chunk
+    text: str = ""  # the answer (chat-turns appends it to the conversation)
 
 
 class TokenClock:
@@ -36,7 +41,9 @@ class TokenClock:
     def chunk(self, chunk: dict, now: float) -> None:
         if not chunk.get("choices"):
             return  # the final usage chunk: no token
-        has_text = bool(chunk_text(chunk))
+        text = chunk_text(chunk)
+        has_text = bool(text)
+        self.outcome.text += text
         self.outcome.num_text_chunks += has_text
         usage = chunk.get("usage")
         if usage:
@@ -53,6 +60,15 @@ class TokenClock:
         self.num_tokens += num_new
         self.last_at = now
 
+
+def read_usage(outcome: Outcome, usage: dict) -> None:
+    """The counts of a chunk's usage; a later chunk's replace an earlier one's."""
+    outcome.num_prompt_tokens = usage["prompt_tokens"]
+    outcome.num_output_tokens = usage["completion_tokens"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is not None:
+        outcome.num_cached_tokens = cached
+        outcome.cached_reported = True
 
 
 def chunk_text(chunk: dict) -> str:

@@ -5,7 +5,8 @@ text is never shown (as random 8B weights hold theirs back), served with adapter
 Checks that every stream opens when its first token exists (before any text, which here never
 comes), that usage on every chunk counts each token, that the openai client parses both, and
 that bench.py times every request's first token, spreads requests over a model file by its Zipf
-picker, and refuses a bad model file in one line before sending any load."""
+picker, and refuses a bad model file in one line before sending any load. Its prefix workloads
+(chat-turns, few-shot) are checked on the wire through a recording proxy and by the usage."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import openai
 import pytest
 
 from tests.daemons import REPO, adapter_flags, start_daemon
+from tests.integration.recording_proxy import RecordingProxy
 from tests.unit.test_bench_script import bench_models
 
 SCRIPT = REPO / "scripts" / "bench.py"
@@ -200,3 +202,110 @@ def test_bench_refuses_a_bad_model_file_before_any_load(silent_daemon, tmp_path,
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     time.sleep(0.2)  # a request in flight would have been counted by now
     assert _num_requests(silent_daemon) == before
+
+
+CHAT_TURNS = ("--workload", "chat-turns", "--concurrency", "2", "--turns", "3",
+              "--system-tokens", "16")  # the silent model's context is 256 tokens
+
+
+def run_prefix_bench(url: str, tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess,
+                                                                     dict | None]:
+    """bench.py with --json; returns the run and the JSON it wrote (None if none)."""
+    out = tmp_path / "run.json"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--url", url, "--max-tokens", "3",
+                             "--warmup", "1", "--json", str(out), *flags],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    return result, json.loads(out.read_text()) if out.exists() else None
+
+
+def hit_rates(stdout: str, run: dict, rows: list[str]) -> list[float]:
+    """The hit-rate cells of these rows: numbers in [0, 1], and 0 while usage reports no cached
+    tokens (today's lorad, before its prefix cache)."""
+    table = table_rows(stdout)
+    cells = [table[row][0 if row.startswith("hit rate") else 3] for row in rows]
+    rates = [float(cell.split()[0]) for cell in cells]
+    assert all(0.0 <= rate <= 1.0 for rate in rates), cells
+    if all(r["cached_tokens"] is None for r in run["requests"]):
+        assert rates == [0.0] * len(rates) and "usage reports no cached tokens" in stdout
+    return rates
+
+
+def test_chat_turns_extend_each_conversation_after_one_shared_system_prompt(silent_daemon,
+                                                                          client, tmp_path):
+    with RecordingProxy(silent_daemon.url) as proxy:
+        result, run = run_prefix_bench(proxy.url, tmp_path, *CHAT_TURNS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = sorted(run["requests"], key=lambda r: (r["conversation"], r["turn"]))
+    assert [(r["conversation"], r["turn"]) for r in records] == [(c, t) for c in (1, 2)
+                                                                 for t in (1, 2, 3)]
+    assert all(r["ok"] and r["output_tokens"] == 3 and r["ttft_ms"] > 0 for r in records)
+    num_system = run["shared_prompt_tokens"]
+    assert f"prefix:    a system prompt of {num_system} tokens by usage" in result.stdout
+    for c in (1, 2):  # each turn's prompt is the last one's and more
+        prompts = [r["prompt_tokens"] for r in records if r["conversation"] == c]
+        assert num_system < prompts[0] < prompts[1] < prompts[2], prompts
+    # On the wire: the system message alone, then each conversation's turns, every one opening
+    # with that same message and extending its previous turn by the answer and a question.
+    chats = [b for b in proxy.bodies if b["messages"][0]["role"] == "system"]
+    probe, turns = chats[0], chats[1:]
+    assert len(probe["messages"]) == 1 and probe["max_tokens"] == 1 and len(turns) == 6
+    assert all(b["messages"][0] == probe["messages"][0] for b in turns)
+    assert not any("cache_prompt" in b for b in proxy.bodies)
+    for c in (1, 2):
+        mine = sorted((b["messages"] for b in turns
+                       if b["messages"][1]["content"].startswith(f"Conversation {c},")), key=len)
+        for last, this in zip(mine, mine[1:]):
+            assert this[:len(last)] == last
+            assert this[len(last):][0] == {"role": "assistant", "content": ""}  # silent's text
+            assert [m["role"] for m in this[len(last):]] == ["assistant", "user"]
+    reference = client.chat.completions.create(model=probe["model"], messages=probe["messages"],
+                                               max_tokens=1)
+    assert reference.usage.prompt_tokens == num_system
+    rows = table_rows(result.stdout)
+    assert [rows[t][0] for t in ("1", "2", "3")] == ["2", "2", "2"]
+    hit_rates(result.stdout, run, ["1", "2", "3", "hit rate (cached / prompt tokens)"])
+
+
+def test_few_shot_puts_the_same_examples_before_each_question(silent_daemon, tmp_path):
+    with RecordingProxy(silent_daemon.url) as proxy:
+        result, run = run_prefix_bench(proxy.url, tmp_path, "--workload", "few-shot",
+                                       "--requests", "4", "--concurrency", "2", "--shots", "2",
+                                       "--shot-tokens", "12")
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = run["requests"]
+    assert sorted(r["request"] for r in records) == [1, 2, 3, 4]
+    assert all(r["ok"] and r["prompt_tokens"] > run["shared_prompt_tokens"] for r in records)
+    prompts = [b["prompt"] for b in proxy.bodies if not b["prompt"].startswith("Warm-up")]
+    examples, questions = prompts[0], prompts[1:]
+    assert examples.count("\nA2: ") == 1 and len(set(questions)) == 4
+    assert all(q.startswith(examples) and len(q) > len(examples) for q in questions)
+    p50, p99 = map(float, table_rows(result.stdout)["time to first token p50 / p99 (ms)"][0]
+                   .split(" / "))
+    assert 0 < p50 <= p99
+    hit_rates(result.stdout, run, ["hit rate (cached / prompt tokens)"])
+
+
+def test_no_cache_sends_cache_prompt_false_on_every_request(silent_daemon, tmp_path):
+    with RecordingProxy(silent_daemon.url) as proxy:
+        result, run = run_prefix_bench(proxy.url, tmp_path, *CHAT_TURNS, "--turns", "2",
+                                       "--no-cache")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(proxy.bodies) == 6  # the warm-up, the system prompt alone, 2 x 2 turns
+    assert all(b["cache_prompt"] is False for b in proxy.bodies)
+    assert "cache:     cache_prompt false on every request (--no-cache)" in result.stdout
+    # Opted out, no request may count cached tokens, with a prefix cache or without.
+    assert hit_rates(result.stdout, run, ["1", "2", "hit rate (cached / prompt tokens)"]) == [0] * 3
+    assert all(not r["cached_tokens"] for r in run["requests"])
+
+
+@pytest.mark.parametrize("flags", [("--chat",), ("--workload", "chat-turns"),
+                                   ("--workload", "few-shot", "--warmup", "0")])
+def test_a_server_that_refuses_cache_prompt_is_named_in_one_line(silent_daemon, tmp_path, flags):
+    """lorad ignores unknown fields as OpenAI's schema allows, but OpenAI itself answers 400."""
+    with RecordingProxy(silent_daemon.url, refuse_field="cache_prompt") as proxy:
+        result, run = run_prefix_bench(proxy.url, tmp_path, *flags, "--no-cache")
+    assert result.returncode == 2 and result.stdout == "" and run is None, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith('bench: the server refused "cache_prompt": false')
+    assert "Unrecognized request argument supplied: cache_prompt" in result.stderr
+    assert len(proxy.bodies) == 1  # nothing sent after the first refusal
