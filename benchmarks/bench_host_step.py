@@ -6,7 +6,8 @@ CPU besides the forward and the sampling (on a GPU, time in which the GPU waits)
 
 `batch` sequences, each decoding after a 600-token prompt (blocks of 16; the prompts are
 prefilled before timing, so every timed step is a decode of the whole batch), as the worker loop
-runs them: the live-set digest (only computed at --parallel 2 and more), plan(), the plan's
+runs them (with prefix caching, as lorad's default; --no-prefix-cache without): the live-set
+digest (only computed at --parallel 2 and more), plan(), the plan's
 chunks, apply() with one sampled id per sequence, and the StepResult frame the leader publishes;
 then the coordinator's decode of that frame. "graph fill" is the decode graphs' host-side input
 fill (DecodeInputs.fill with LoRA tiles, on the CPU here: numpy writes, the copies are CPU
@@ -39,9 +40,9 @@ BLOCK_SIZE = 16
 LORA_BLOCK_M = 16  # the decode tiles' rows (tuning.py's default on the H200)
 
 
-def measure(batch: int, steps: int) -> dict[str, float]:
+def measure(batch: int, steps: int, prefix_cache: bool = True) -> dict[str, float]:
     planner = Planner(PlannerLimits(max(batch, 1), 8192, MAX_MODEL_LEN),
-                      BlockManager(1 << 16, BLOCK_SIZE))
+                      BlockManager(1 << 16, BLOCK_SIZE), prefix_cache=prefix_cache)
     params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0, max_tokens=1 << 20,
                             stop_token_ids=[2], ignore_eos=False)
     for i in range(batch):
@@ -80,15 +81,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                        help="the planner without prefix caching (lorad's --no-prefix-cache)")
     args = parser.parse_args()
     # As a worker's default (--threads 1): a multi-threaded copy of the inputs on a shared host
     # measured thread wake-ups (0.1 to 6 ms a fill), not the fill.
     torch.set_num_threads(1)
     print(f"# worker host work per decode step, {conditions('cpu')}; "
-          f"us, median of {args.steps} steps")
+          f"us, median of {args.steps} steps; prefix cache {'on' if args.prefix_cache else 'off'}")
     print(f"{'batch':>5} " + " ".join(f"{part:>18}" for part in PARTS))
     for batch in (int(b) for b in args.batches.split(",") if b):
-        figures = measure(batch, args.steps)
+        figures = measure(batch, args.steps, args.prefix_cache)
         print(f"{batch:>5} " + " ".join(f"{figures[part]:>18.0f}" for part in PARTS), flush=True)
     return 0
 

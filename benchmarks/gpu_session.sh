@@ -11,6 +11,8 @@
 #   engine    bench_engine (the decode step against its memory floor)
 #   multi     bench_multi_gpu (world 1, 2, 4 over NCCL)
 #   profile   profile_decode;  graph: profile_graph (traces in $OUT/traces);
+#   prefill   profile_prefill (prefill steps' kernels by group, base and LoRA) and
+#             probe_matmul_rows (which row counts change a row's bits in cuBLAS and the GEMV);
 #   ncu       ncu_decode_kernels (CSVs in $OUT/ncu)
 # Environment: OUT (default /tmp/lorad-gpu-session); LORAD_TEST_ARGS (default tests/gpu);
 # LORAD_BENCH_ARGS_<module>, e.g. LORAD_BENCH_ARGS_bench_engine="--quick", options for one
@@ -79,6 +81,9 @@ for part in "${parts[@]}"; do
     engine) bench bench-engine.log 210 bench_engine --table-out "$OUT/bench-engine.md" ;;
     multi) bench bench-multi-gpu.log 240 bench_multi_gpu --table-out "$OUT/bench-multi-gpu.md" ;;
     profile) bench profile.log 90 profile_decode ;;
+    prefill)
+      bench prefill-profile.log 150 profile_prefill
+      bench matmul-rows.log 90 probe_matmul_rows ;;
     graph) bench graph-profile.log 150 profile_graph --trace-out "$OUT/traces" ;;
     ncu) bench ncu.log 120 ncu_decode_kernels --csv-out "$OUT/ncu" ;;
     *) echo "gpu_session: unknown part $part (see the header of $0)" >&2; status[$part]=2 ;;

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lorad.config.adapters import AdapterArg
 from lorad.config.errors import ConfigError
-from lorad.config.kernel_cache import resolve_kernel_cache_dir
+from lorad.config.kernel_cache import check_writable, resolve_kernel_cache_dir
 from lorad.config.serve import DIST_BACKENDS, DTYPES, DEVICES, LOAD_FORMATS, ServeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2,
@@ -94,6 +94,9 @@ def byte_size(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a size above zero, got {text!r}")
     return value
+
+
+DEFAULT_SPILL_BYTES = 8 << 30
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,6 +262,26 @@ def _add_scheduler_flags(group) -> None:
     kv.add_argument("--kv-cache-memory", type=byte_size, metavar="SIZE",
                     help="KV cache memory per worker, e.g. 512MiB or 2GiB "
                          "(default: the workers size the cache themselves)")
+    group.add_argument("--kv-spill-dir", metavar="DIR",
+                       help="write prefix-cache blocks evicted from the KV pool to this folder "
+                            "(one subfolder per rank) and read them back for later prompts, also "
+                            "after a restart (default: no spill)")
+    group.add_argument("--kv-spill-bytes", type=byte_size, default=DEFAULT_SPILL_BYTES,
+                       metavar="SIZE", help="most bytes each rank spills (default: 8GiB)")
+
+
+def _spill_dir(args) -> str | None:
+    """--kv-spill-dir made absolute, created and checked writable; None without it."""
+    if args.kv_spill_dir is None:
+        return None
+    if not args.prefix_cache:
+        raise ConfigError("--kv-spill-dir holds prefix-cache blocks: it needs the prefix cache "
+                          "(drop --no-prefix-cache)")
+    if not args.kv_spill_dir.strip():
+        raise ConfigError(f"--kv-spill-dir must name a folder, got {args.kv_spill_dir!r}")
+    path = Path(args.kv_spill_dir).expanduser().absolute()
+    check_writable(path, f"--kv-spill-dir {args.kv_spill_dir}")
+    return str(path)
 
 
 def parse_args(argv: list[str] | None = None) -> ServeConfig:
@@ -273,7 +296,8 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
             model_dir=args.model, served_name=name, parallel=args.parallel, host=args.host,
             port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
             dist_backend=args.dist_backend, enforce_eager=args.enforce_eager,
-            prefix_cache=args.prefix_cache, max_model_len=args.max_model_len, max_num_seqs=_none_if_auto(args.max_num_seqs),
+            prefix_cache=args.prefix_cache, kv_spill_dir=_spill_dir(args),
+            kv_spill_bytes=args.kv_spill_bytes, max_model_len=args.max_model_len, max_num_seqs=_none_if_auto(args.max_num_seqs),
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,
             num_threads=args.threads, runtime_dir=args.runtime_dir,

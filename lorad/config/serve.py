@@ -51,6 +51,8 @@ class ServeConfig:
     dist_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     prefix_cache: bool = True  # reuse cached KV blocks of equal prefixes (workers/prefix_cache.py)
+    kv_spill_dir: str | None = None  # absolute, checked writable; None: no disk spill
+    kv_spill_bytes: int = 8 << 30  # per rank
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # None: auto, from the KV pool (lorad/workers/seq_limit.py)
     max_num_batched_tokens: int = 512
@@ -138,6 +140,8 @@ class WorkerConfig:
     load_format: str = "auto"
     enforce_eager: bool = False
     prefix_cache: bool = True
+    kv_spill_dir: str | None = None  # each rank's store is its rank-R subfolder
+    kv_spill_bytes: int = 8 << 30
     # Exported to the worker processes as TRITON_CACHE_DIR (supervisor.py); None: not set.
     kernel_cache_dir: str | None = None
     # One {"name", "path", "strength", "key"} per adapter, slot i + 1; "key" is the identity key

@@ -26,6 +26,16 @@ OUTCOME_BY_CODE = {"request_timeout": "timeout", "shutdown": "shutdown"}
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 MODEL_KEY = web.RequestKey("lorad_model", str)  # the served id, once the request resolved it
 ADMITTED_KEY = web.RequestKey("lorad_admitted", bool)
+RANK_COUNTERS = (  # (RankState field, metric, help) of the counts a rank reports
+    ("prefix_evictions", "lorad_prefix_cache_evictions",
+     "Cached KV blocks taken back for other contents"),
+    ("spill_writes", "lorad_kv_spill_writes", "Evicted prefix-cache blocks written to the spill"),
+    ("spill_reads", "lorad_kv_spill_reads", "Spilled blocks read back for a prompt"),
+    ("spill_read_failures", "lorad_kv_spill_read_failures", "Spill reads that found the file "
+     "missing, truncated or failing its checksum (the blocks were recomputed)"),
+    ("spill_drops", "lorad_kv_spill_drops", "Spill entries dropped as invalid at start or by a "
+     "failed read"),
+)
 
 
 class Metrics:
@@ -81,9 +91,12 @@ class Metrics:
         self.prefix_blocks = Gauge("lorad_prefix_cache_blocks", "Full KV blocks in the prefix "
                                    "cache's index (held or evictable)", ["rank"],
                                    registry=registry)
-        self.prefix_evictions = Counter("lorad_prefix_cache_evictions", "Cached KV blocks taken "
-                                        "back for other contents", ["rank"], registry=registry)
-        self._evictions_seen: dict[int, int] = {}  # rank -> its count at the last scrape
+        # Counts each rank keeps since its start, exposed as counters: (RankState field, counter)
+        self.rank_counts = [(field, Counter(name, doc, ["rank"], registry=registry))
+                            for field, name, doc in RANK_COUNTERS]
+        self._counts_seen: dict[tuple[str, int], int] = {}  # (field, rank) -> at the last scrape
+        self.spill_blocks = Gauge("lorad_kv_spill_blocks", "Prefix-cache blocks in the rank's "
+                                  "disk spill (--kv-spill-dir)", ["rank"], registry=registry)
         # Totals since the start, for /health.
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
@@ -162,17 +175,20 @@ class Metrics:
         self.open.set(state.admission.num_open)
         self.running.set(state.engine.load.num_running)
         self.waiting.set(state.engine.load.num_waiting)
-        for gauge in (self.kv_used, self.kv_free, self.rank_serving, self.prefix_blocks):
+        for gauge in (self.kv_used, self.kv_free, self.rank_serving, self.prefix_blocks,
+                      self.spill_blocks):
             gauge.clear()
         for rank in state.engine.rank_states():
             label = str(rank.rank)
             self.kv_used.labels(label).set(rank.kv_blocks_used)
             self.kv_free.labels(label).set(rank.kv_blocks_free)
             self.prefix_blocks.labels(label).set(rank.prefix_cached_blocks)
-            seen = self._evictions_seen.get(rank.rank, 0)
-            if rank.prefix_evictions > seen:
-                self.prefix_evictions.labels(label).inc(rank.prefix_evictions - seen)
-                self._evictions_seen[rank.rank] = rank.prefix_evictions
+            self.spill_blocks.labels(label).set(rank.spill_blocks)
+            for field, counter in self.rank_counts:
+                value, seen = getattr(rank, field), self._counts_seen.get((field, rank.rank), 0)
+                if value > seen:
+                    counter.labels(label).inc(value - seen)
+                    self._counts_seen[field, rank.rank] = value
             self.rank_serving.labels(label).set(1 if rank.state == "serving" else 0)
         report = state.engine.startup
         if report is not None:

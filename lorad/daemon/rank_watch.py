@@ -32,6 +32,12 @@ class RankState:
     step_seconds: float = 0.0  # how long the rank's current round has run (0 between rounds)
     prefix_cached_blocks: int = 0  # full KV blocks in the prefix cache's index
     prefix_evictions: int = 0  # cached blocks taken back for other contents since the start
+    # The disk spill: blocks held; since the start, writes, reads, failed reads, dropped entries
+    spill_blocks: int = 0
+    spill_writes: int = 0
+    spill_reads: int = 0
+    spill_read_failures: int = 0
+    spill_drops: int = 0
 
 
 class RankWatch:
@@ -88,7 +94,9 @@ class RankWatch:
                 state = "serving" if report.phase == "serving" else "starting"
             states.append(RankState(rank, state, report.steps, report.kv_blocks_used,
                                     report.kv_blocks_free, silence, step_seconds,
-                                    report.prefix_cached_blocks, report.prefix_evictions))
+                                    report.prefix_cached_blocks, report.prefix_evictions,
+                                    report.spill_blocks, report.spill_writes, report.spill_reads,
+                                    report.spill_read_failures, report.spill_drops))
         return states
 
     def stalls(self) -> list[tuple[int, str]]:

@@ -266,7 +266,8 @@ def _worker_config(config: ServeConfig, model: ServedModel, runtime_dir: Path,
         num_threads=config.num_threads, runtime_dir=str(runtime_dir), instance_id=instance_id,
         coordinator_pid=os.getpid(), log_level=config.log_level,
         load_format=config.load_format, enforce_eager=config.enforce_eager,
-        prefix_cache=config.prefix_cache, kernel_cache_dir=config.kernel_cache_dir,
+        prefix_cache=config.prefix_cache, kv_spill_dir=config.kv_spill_dir,
+        kv_spill_bytes=config.kv_spill_bytes, kernel_cache_dir=config.kernel_cache_dir,
         adapters=[spec.to_worker_dict() for spec in model.adapters])
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 # 6: SamplingParams.num_logprobs, SeqOutput.logprobs; 7: Admit.n, StepResult.num_model_tokens;
 # 8: SamplingParams' penalties, min_p, logit_bias, request_stop_token_ids and min_tokens;
 # 9: SamplingParams.prompt_logprobs, SeqOutput.prompt_logprobs (completions' echo);
-# 10: Admit.cache_prompt, SeqOutput.num_cached_tokens, RankStatus' prefix cache counts
+# 10: Admit.cache_prompt, SeqOutput.num_cached_tokens, RankStatus' prefix cache and spill counts
 PROTOCOL_VERSION = 10
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; keeps a step result's size bounded
 MAX_CHOICES = 16  # n: choices of one prompt, each a live sequence after the shared prefill
@@ -250,6 +250,13 @@ class RankStatus:
     # counts above), and cached blocks taken back for other contents since the start.
     prefix_cached_blocks: int = 0
     prefix_evictions: int = 0
+    # The disk spill (--kv-spill-dir): blocks held, and since the start blocks written, read
+    # back, reads that failed (missing or corrupt), entries dropped as invalid.
+    spill_blocks: int = 0
+    spill_writes: int = 0
+    spill_reads: int = 0
+    spill_read_failures: int = 0
+    spill_drops: int = 0
 
 
 COORDINATOR_TO_WORKER = (Hello, Admit, Cancel, Shutdown)

@@ -80,7 +80,11 @@ def _serve(cfg: WorkerConfig, rank: int, sub: zmq.Socket, push: zmq.Socket,
     from lorad.workers.loop import WorkerLoop
 
     engine = Engine.start(cfg, rank, clock)
-    return WorkerLoop(cfg, rank, engine, sub, push, progress).run()
+    loop = WorkerLoop(cfg, rank, engine, sub, push, progress)
+    try:
+        return loop.run()
+    finally:
+        loop.close()
 
 
 def _die_with_parent() -> None:

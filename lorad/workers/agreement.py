@@ -175,12 +175,19 @@ class StepAgreement:
     watermark: int  # apply messages up to here (the minimum over ranks)
     digests_agree: bool
     digests: list[int]  # each rank's live-set digest, by rank
+    spill_finished: int = 0  # the disk spill's operations every rank has finished (minimum)
+    spill_read_failures: int = 0  # the last plan's spill reads that failed on some rank (OR)
 
 
-def agree_step(tp: CpuGroup, watermark: int, digest: int) -> StepAgreement:
-    rows = all_gather_int64(tp, [watermark, digest])
+def agree_step(tp: CpuGroup, watermark: int, digest: int, spill_finished: int = 0,
+               spill_read_failures: int = 0) -> StepAgreement:
+    rows = all_gather_int64(tp, [watermark, digest, spill_finished, spill_read_failures])
     digests = [row[1] for row in rows]
-    return StepAgreement(min(row[0] for row in rows), len(set(digests)) == 1, digests)
+    failures = 0
+    for row in rows:
+        failures |= row[3]
+    return StepAgreement(min(row[0] for row in rows), len(set(digests)) == 1, digests,
+                         min(row[2] for row in rows), failures)
 
 
 def check_registry(tp: CpuGroup, registry: RegistryDigest) -> str | None:

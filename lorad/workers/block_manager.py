@@ -30,6 +30,8 @@ class BlockManager:
         # Cached blocks nobody holds, least recently freed first: free, but kept until needed.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0  # cached blocks taken back for other contents, ever
+        # (block, chain hash) of the blocks evicted since the planner last took them (its spill)
+        self.evicted: list[tuple[int, bytes]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,7 +60,9 @@ class BlockManager:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._cached[self._hash_of.pop(block)]
+                block_hash = self._hash_of.pop(block)
+                del self._cached[block_hash]
+                self.evicted.append((block, block_hash))
                 self.num_evictions += 1
             blocks.append(block)
             self._refs[block] = 1

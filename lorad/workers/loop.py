@@ -30,6 +30,7 @@ from lorad.workers.logits_processors import LogitsTransforms, rows_to_transform
 from lorad.workers.planner import Planner, PlannerLimits, StepPlan
 from lorad.workers.sampler import Sampler
 from lorad.workers.sequence import Sequence
+from lorad.workers.spill import RankSpill
 from lorad.workers.status import LoopProgress, coordinator_alive
 
 log = logging.getLogger("lorad.worker")
@@ -57,8 +58,11 @@ class WorkerLoop:
         self.push = push
         self.is_leader = rank == 0
         limits = PlannerLimits(engine.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        opened = RankSpill.open(cfg, engine)
+        self.spill, spill_index = opened if opened is not None else (None, None)
         self.planner = Planner(limits, BlockManager(engine.num_kv_blocks, cfg.block_size),
-                               prefix_cache=cfg.prefix_cache)
+                               prefix_cache=cfg.prefix_cache, spill=spill_index)
+        self._spill_read_failures = 0  # this rank's, of the last plan's reads
         self.sampler = Sampler() if self.is_leader else None
         # Followers never build matchers: the mask only changes what the leader samples.
         self.grammars = GrammarRows(cfg.model_dir) if self.is_leader else None
@@ -93,7 +97,7 @@ class WorkerLoop:
             self.progress.begin_round()  # from here on a blocked rank counts as stalled
             if self._step():
                 return 0
-            self.progress.end_round(self.planner.blocks)
+            self.progress.end_round(self.planner.blocks, self.spill)
         log.error("the coordinator (pid %d) is gone; exiting", self.cfg.coordinator_pid)
         return 1
 
@@ -106,13 +110,18 @@ class WorkerLoop:
             return True
         # A lone rank has no one to disagree with: no digest to compute.
         digest = live_digest(self.planner.live()) if self.engine.tp.world_size > 1 else 0
-        agreed = agree_step(self.engine.tp, self.inbox.watermark, digest)
+        spill = self.spill
+        agreed = agree_step(self.engine.tp, self.inbox.watermark, digest,
+                            spill.num_finished if spill else 0, self._spill_read_failures)
         self._agreed_watermark = agreed.watermark
         if not agreed.digests_agree:
             self._fail_step(agreed)
             return False
         # 3. plan
+        self.planner.agree_spill(agreed.spill_finished, agreed.spill_read_failures)
         plan = self.planner.plan()
+        if spill is not None:  # blocks out of the pool before this step writes into them
+            self._spill_read_failures = spill.run(plan)
         # 4. run; the leader fills the step's grammar masks meanwhile (joined in 5)
         if self.is_leader:
             self.grammars.prepare(plan.sampled_request_ids)
@@ -133,6 +142,11 @@ class WorkerLoop:
         events = self.planner.apply(plan, sampled)
         self._publish(plan, events)
         return False
+
+    def close(self) -> None:
+        """Finish what outlives the loop: the disk spill's queued writes."""
+        if self.spill is not None:
+            self.spill.close()
 
     def coordinator_alive(self) -> bool:
         return coordinator_alive(self.cfg.coordinator_pid, self._parent_pid)

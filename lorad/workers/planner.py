@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from lorad.protocol.messages import MAX_PROMPT_LOGPROBS_PER_STEP, SeqOutput
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.fork import Forks
-from lorad.workers.prefix_cache import extend_hashes
+from lorad.workers.prefix_cache import PrefixReuse
+from lorad.workers.spill_index import SpillIndex
 from lorad.workers.sequence import Sequence, SeqStatus
 from lorad.workers.step_plan import ScheduledChunk, StepPlan
 
@@ -34,13 +35,14 @@ class PlannerLimits:
 
 class Planner:
     def __init__(self, limits: PlannerLimits, blocks: BlockManager,
-                 prefix_cache: bool = False) -> None:
+                 prefix_cache: bool = False, spill: SpillIndex | None = None) -> None:
         if blocks.num_blocks < blocks.blocks_for(limits.max_model_len):
             raise ValueError(f"a KV pool of {blocks.num_blocks} blocks of {blocks.block_size} "
                              f"cannot hold one sequence of max_model_len {limits.max_model_len}")
         self.limits = limits
         self.blocks = blocks
-        self.prefix_cache = prefix_cache
+        # Cached and spilled blocks: None without prefix caching.
+        self.reuse = PrefixReuse(blocks, spill) if prefix_cache else None
         self.step = 0
         self.waiting: list[Sequence] = []  # by arrival; holds no blocks
         self.running: list[Sequence] = []  # by arrival
@@ -108,16 +110,26 @@ class Planner:
         ids = [r for s in live for r in (s.request_id, *s.fork_ids)]
         for seq in live:
             self._finish(seq, "error")
-        self.blocks.forget_cached()  # what the ranks cached may be what they disagreed on
+        if self.reuse is not None:
+            self.reuse.forget()  # what the ranks cached may be what they disagreed on
         self.forks.unforked.clear()
         self._events = []
         return ids
 
     # --- plan ---------------------------------------------------------------------------------
 
+    def agree_spill(self, num_finished: int, read_failures: int) -> None:
+        """What the ranks agreed on before this step: the spill operations every rank has
+        finished (the minimum), and which of the last plan's reads failed on some rank."""
+        if self.reuse is not None:
+            self.reuse.agree_spill(num_finished, read_failures)
+
     def plan(self) -> StepPlan:
         self.step += 1
         self._prompt_rows_left = MAX_PROMPT_LOGPROBS_PER_STEP
+        if self.reuse is not None:  # last plan's reads, now agreed: those sequences may start
+            self.reuse.begin_plan(lambda seq: self._by_id.get(seq.request_id) is seq
+                                  and seq.status is SeqStatus.WAITING)
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[str] = []
         budget = self._schedule_decodes(self.limits.max_num_batched_tokens, scheduled, preempted)
@@ -130,7 +142,9 @@ class Planner:
             forks = {seq.request_id: list(seq.fork_ids) for seq, num in scheduled
                      if seq.fork_ids and seq.num_computed + num == seq.num_tokens}
         copies, self._copies = self._copies, []
-        return StepPlan(self.step, chunks, preempted, forks, copies)
+        if self.reuse is None:
+            return StepPlan(self.step, chunks, preempted, forks, copies)
+        return StepPlan(self.step, chunks, preempted, forks, copies, *self.reuse.end_plan())
 
     def _schedule_decodes(self, budget: int, scheduled: list, preempted: list[str]) -> int:
         """1. every decode gets its next token; -> the budget left. Runs for every sequence every
@@ -180,14 +194,17 @@ class Planner:
                + len(self.waiting[0].fork_ids) < self.limits.max_num_seqs):
             seq = self.waiting[0]
             num_blocks = self.blocks.blocks_for(seq.num_tokens)
-            hits = self._cached_prefix(seq) if self.prefix_cache else []
+            hits, on_disk = self.reuse.lookup(seq) if self.reuse is not None else ([], [])
             # Cached blocks nobody holds leave the free pool when taken; held ones cost nothing.
             num_taken = num_blocks - len(hits) + (self.blocks.num_evictable(hits) if hits else 0)
             if (seq.request_id in preempted
                     or num_taken > self.blocks.num_free_blocks - num_promised):
                 break  # first come, first served: nobody overtakes the head of the queue
+            if on_disk:
+                self.reuse.start_restore(seq, hits, on_disk)
+                break  # it starts next step, from its restored blocks, still at the head
             if hits:
-                self._take_prefix(seq, hits)
+                self.reuse.take(seq, hits)
             num = self._chunk_size(seq, budget)
             if num == 0:  # echo's share of the step is spent
                 break
@@ -200,35 +217,6 @@ class Planner:
             scheduled.append((seq, num))
             budget -= num
         return budget
-
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks `seq` may start from: those of the longest cached run of its full
-        blocks before the one holding its last token (which runs, so that it is sampled)."""
-        if not seq.cache_prompt or seq.sampling.prompt_logprobs >= 0:  # echo scores every row
-            return []
-        num_full = (seq.num_tokens - 1) // self.blocks.block_size
-        if num_full == 0:
-            return []
-        return self.blocks.cached_prefix(
-            extend_hashes(seq, num_full, self.blocks.block_size)[:num_full])
-
-    def _take_prefix(self, seq: Sequence, blocks: list[int]) -> None:
-        """Start `seq` past its cached prefix: it holds those blocks and computes the rest."""
-        self.blocks.take_cached(blocks)
-        seq.block_table = list(blocks)
-        seq.num_computed = len(blocks) * self.blocks.block_size
-        seq.num_indexed_blocks = len(blocks)
-        if not seq.output_ids:  # a first start, not a recompute after preemption
-            seq.num_cached_tokens = seq.num_computed
-
-    def _register_blocks(self, seq: Sequence) -> None:
-        """Index every block of `seq` that the step filled, under its chain hash."""
-        block_size = self.blocks.block_size
-        num_full = seq.num_computed // block_size
-        hashes = extend_hashes(seq, num_full, block_size)
-        for i in range(seq.num_indexed_blocks, num_full):
-            self.blocks.register(seq.block_table[i], hashes[i])
-        seq.num_indexed_blocks = num_full
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         """A prefill chunk's tokens; echo's chunks share MAX_PROMPT_LOGPROBS_PER_STEP a step."""
@@ -312,13 +300,13 @@ class Planner:
             raise RuntimeError(f"{len(sampled)} sampled ids for {num_sampling} sampling sequences")
         events, self._events = self._events, []
         tokens = iter(sampled)
-        caching, block_size = self.prefix_cache, self.blocks.block_size
+        reuse, block_size = self.reuse, self.blocks.block_size
         for chunk in plan.chunks:
             seq = self._by_id[chunk.request_id]
             seq.num_computed += len(chunk.token_ids)
-            if (caching and seq.num_computed // block_size > seq.num_indexed_blocks
+            if (reuse is not None and seq.num_computed // block_size > seq.num_indexed_blocks
                     and seq.cache_prompt):
-                self._register_blocks(seq)
+                reuse.register(seq)
             if not chunk.sample:
                 continue
             if seq.sampling.max_tokens == 0:  # a scored prompt (n = 1): its sample is not kept
@@ -366,6 +354,8 @@ class Planner:
             self.blocks.free(seq.block_table)
         else:
             self.waiting.remove(seq)
+            if seq.block_table:  # a sequence waiting on its reads from the spill
+                self.blocks.free(seq.block_table)
         seq.block_table = []
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

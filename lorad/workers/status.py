@@ -13,12 +13,16 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
 from lorad.protocol import RankStatus, encode
 from lorad.protocol.sockets import connect_pusher
 from lorad.workers.block_manager import BlockManager
+
+if TYPE_CHECKING:  # torch and the spill's files stay out of the status thread's imports
+    from lorad.workers.spill import RankSpill
 
 log = logging.getLogger("lorad.worker")
 
@@ -41,15 +45,18 @@ class LoopProgress:
     kv_blocks_free: int = 0
     prefix_cached_blocks: int = 0
     prefix_evictions: int = 0
+    spill: tuple[int, ...] = (0, 0, 0, 0, 0)  # RankStatus' spill counts, in its order
 
     def begin_round(self) -> None:
         self.step_started = time.monotonic()
 
-    def end_round(self, blocks: BlockManager) -> None:
+    def end_round(self, blocks: BlockManager, spill: RankSpill | None = None) -> None:
         self.kv_blocks_free = blocks.num_free_blocks
         self.kv_blocks_used = blocks.num_blocks - self.kv_blocks_free
         self.prefix_cached_blocks = blocks.num_cached_blocks
         self.prefix_evictions = blocks.num_evictions
+        if spill is not None:
+            self.spill = spill.counts()
         self.steps += 1
         self.step_started = None
 
@@ -57,7 +64,8 @@ class LoopProgress:
         started = self.step_started
         seconds = 0.0 if started is None else max(0.0, time.monotonic() - started)
         return RankStatus(rank, self.phase, self.steps, seconds, self.kv_blocks_used,
-                          self.kv_blocks_free, self.prefix_cached_blocks, self.prefix_evictions)
+                          self.kv_blocks_free, self.prefix_cached_blocks, self.prefix_evictions,
+                          *self.spill)
 
 
 def coordinator_alive(coordinator_pid: int, parent_pid: int) -> bool:

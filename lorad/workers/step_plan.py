@@ -34,6 +34,12 @@ class StepPlan:
     forks: dict[str, list[str]] = field(default_factory=dict)
     # (source, destination) KV blocks to copy in every layer before the forward (fork.py)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The disk spill (spill_index.py), in the engine's order: (block, chain hash) of evicted
+    # blocks to write out before anything writes into them, hashes to delete, then (block, hash)
+    # to read back into fresh blocks; a read's outcome is agreed at the next step.
+    spill_writes: list[tuple[int, bytes]] = field(default_factory=list)
+    spill_deletes: list[bytes] = field(default_factory=list)
+    spill_reads: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def sampled_request_ids(self) -> list[str]:

@@ -25,6 +25,11 @@ RANK_SCRIPT = textwrap.dedent("""
     tp = SimpleNamespace(rank=rank, world_size=2, cpu_group=dist.new_group(backend="gloo"))
     same = agreement.agree_step(tp, [5, 3][rank], 42)
     differ = agreement.agree_step(tp, 9, [42, 43][rank])
+    spill = agreement.agree_step(tp, 9, 42, [7, 4][rank], [0b0101, 0b0010][rank])
+    import hashlib
+    from lorad.workers.spill import agree_entries
+    hashes = [hashlib.blake2b(bytes([i]), digest_size=16).digest() for i in range(5)]
+    held = [hashes[4], hashes[0], hashes[2], hashes[1]] if rank == 0 else hashes[1:]
     reg_same = agreement.check_registry(tp, RegistryDigest(b"m" * 32, b"e" * 32, b"a" * 32))
     reg_differ = agreement.check_registry(
         tp, RegistryDigest(b"m" * 32, [b"e", b"f"][rank] * 32, b"a" * 32))
@@ -38,7 +43,9 @@ RANK_SCRIPT = textwrap.dedent("""
         "same": [same.watermark, same.digests_agree], "differ": [differ.digests_agree,
         differ.digests], "reg_same": reg_same, "reg_differ": reg_differ, "ids": ids,
         "reg_adapter": reg_adapter, "reg_count": reg_count,
-        "min": agreement.agree_min(tp, [100, 80][rank])}))
+        "min": agreement.agree_min(tp, [100, 80][rank]),
+        "spill": [spill.spill_finished, spill.spill_read_failures],
+        "entries": [hashes.index(h) for h in agree_entries(tp, held)]}))
     dist.destroy_process_group()
 """)
 
@@ -61,6 +68,9 @@ def test_two_gloo_ranks_agree(tmp_path):
         assert "engine source" in out["reg_differ"] and "rank(s) [1]" in out["reg_differ"]
         assert "base model" not in out["reg_differ"]
         assert out["ids"] == [11, 12, 13] and out["min"] == 80
+        # The spill: finished operations are the minimum, failed reads any rank's; the blocks
+        # every rank holds after a restart come in rank 0's order.
+        assert out["spill"] == [4, 0b0111] and out["entries"] == [4, 2, 1]
         # An adapter that differs is named; one that agrees is not.
         assert "adapter 'chat' (slot 2) differs from rank 0 on rank(s) [1]" in out["reg_adapter"]
         assert "'sql'" not in out["reg_adapter"] and "engine" not in out["reg_adapter"]

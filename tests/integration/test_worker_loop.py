@@ -394,8 +394,8 @@ def test_digest_mismatch_fails_the_step_and_the_loop_goes_on(tmp_path, monkeypat
     steps_with_a = []
     real_agree = loop_module.agree_step
 
-    def agree(tp, watermark, digest):
-        agreed = real_agree(tp, watermark, digest)
+    def agree(tp, watermark, digest, *spill):
+        agreed = real_agree(tp, watermark, digest, *spill)
         if any(seq.request_id == "a" for seq in worker.planner.live()):
             steps_with_a.append(digest)
             if len(steps_with_a) == 2:

@@ -88,6 +88,10 @@ def test_byte_sizes(text, expected):
     (["--load-format", "gguf"], "--load-format"),
     (["--enforce-eager", "yes"], "yes"),
     (["--name", "two words"], "--name"),
+    (["--kv-spill-bytes", "0"], "--kv-spill-bytes"),
+    (["--kv-spill-dir", "/tmp/lorad-spill", "--no-prefix-cache"], "--kv-spill-dir"),
+    (["--kv-spill-dir", "/proc/lorad-spill"], "--kv-spill-dir /proc/lorad-spill"),
+    (["--kv-spill-dir", " "], "--kv-spill-dir"),
 ])
 def test_bad_values_are_one_line_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -96,6 +100,17 @@ def test_bad_values_are_one_line_naming_the_flag(argv, flag, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("lorad: error: ")
     assert flag in err
+
+
+def test_prefix_cache_and_spill_flags(tmp_path):
+    config = parse_args(["--model", "m"])
+    assert (config.prefix_cache, config.kv_spill_dir, config.kv_spill_bytes) == \
+        (True, None, 8 << 30)
+    config = parse_args(["--model", "m", "--kv-spill-dir", str(tmp_path / "spill"),
+                         "--kv-spill-bytes", "2GiB"])
+    assert (config.kv_spill_dir, config.kv_spill_bytes) == (str(tmp_path / "spill"), 2 << 30)
+    assert (tmp_path / "spill").is_dir()  # made and checked writable at once
+    assert parse_args(["--model", "m", "--no-prefix-cache"]).prefix_cache is False
 
 
 def test_step_timeout():

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Where a prefill step's GPU time goes: eager prompt steps of lorad's 8B-shaped model (random
+weights, bf16, 64 adapters of rank 16 on all seven projections loaded), each timed (CUDA events,
+median of 3) and profiled once, its kernels grouped (base matmuls, LoRA, attention, the rest)
+and the top ones listed.
+
+Cases: `--cases base:1x512,one:1x512,base:1x2048,one:1x2048,many:8x256` = SLOTS:SEQSxTOKENS,
+SLOTS one of base (slot 0), one (slot 1 on every prompt), many (prompt i on slot 1 + i).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.bench_engine import (BLOCK_SIZE, CUDA, PROMPT_ID_RANGE, build_lorad,
+                                     load_adapters, write_adapter)
+from benchmarks.common import REPO, conditions, time_cuda
+from lorad.config import ModelConfig
+from lorad.workers.batch import ForwardBatch
+
+GROUPS = (("lora", ("lora", "_shrink", "_expand")), ("attention", ("attention", "prefill")),
+          ("matmul", ("gemm", "xmma", "cutlass", "sm90", "gemv", "matmul")))
+
+
+def group_of(name: str) -> str:
+    lowered = name.lower()
+    for group, keys in GROUPS:
+        if any(key in lowered for key in keys):
+            return group
+    return "other"
+
+
+def prefill_chunks(case: str, blocks_per_seq: int) -> list[tuple]:
+    slots_name, shape = case.split(":")
+    num_seqs, length = (int(x) for x in shape.split("x"))
+    slots = {"base": [0] * num_seqs, "one": [1] * num_seqs,
+             "many": [1 + i for i in range(num_seqs)]}[slots_name]
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randint(*PROMPT_ID_RANGE, (length,), generator=gen).tolist(), 0,
+             list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)), True, slot)
+            for i, slot in enumerate(slots)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=str(REPO / "scripts/configs/llama3-8b"))
+    p.add_argument("--cases", default="base:1x512,one:1x512,base:1x2048,one:1x2048,"
+                                      "base:8x256,many:8x256")
+    p.add_argument("--top", type=int, default=8)
+    args = p.parse_args()
+    print(conditions(CUDA))
+    config = ModelConfig.from_dir(args.config)
+    cases = [c for c in args.cases.split(",") if c]
+    most_tokens = max(int(c.split("x")[1]) for c in cases)
+    most_seqs = max(int(c.split(":")[1].split("x")[0]) for c in cases)
+    blocks_per_seq = -(-most_tokens // BLOCK_SIZE)
+    model = build_lorad(config, most_seqs, blocks_per_seq)
+    with tempfile.TemporaryDirectory() as tmp:
+        load_adapters(model, write_adapter(Path(tmp), config, 16), 64)
+    summary = []
+    for case in cases:
+        batch = ForwardBatch.build(prefill_chunks(case, blocks_per_seq), BLOCK_SIZE, CUDA)
+        with torch.inference_mode():
+            seconds = time_cuda(lambda: model.forward(batch), 3, warmup=1)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                model.forward(batch)
+                torch.cuda.synchronize()
+        kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+        by_group: dict[str, float] = {}
+        for e in kernels:
+            by_group[group_of(e.key)] = by_group.get(group_of(e.key), 0.0) + e.device_time_total
+        total = sum(by_group.values())
+        summary.append((case, seconds * 1e3, total / 1e3, by_group))
+        print(f"\n{case}: step {seconds * 1e3:.2f} ms, kernels {total / 1e3:.2f} ms")
+        print("| kernel | calls | total us | mean us |\n|---|---|---|---|")
+        for e in sorted(kernels, key=lambda e: -e.device_time_total)[:args.top]:
+            print(f"| {e.key[:80]} | {e.count} | {e.device_time_total:.0f} | "
+                  f"{e.device_time_total / e.count:.1f} |")
+    print("\n| case | step ms | kernels ms | matmul | lora | attention | other |")
+    print("|---|---|---|---|---|---|---|")
+    for case, step_ms, kernel_ms, by_group in summary:
+        cells = " | ".join(f"{by_group.get(g, 0.0) / 1e3:.2f}"
+                           for g in ("matmul", "lora", "attention", "other"))
+        print(f"| {case} | {step_ms:.2f} | {kernel_ms:.2f} | {cells} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
