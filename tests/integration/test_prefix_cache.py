@@ -141,3 +141,19 @@ def test_no_prefix_cache_computes_every_prompt(tiny_model):
             "enabled": False, "prompt_tokens": 2 * PROMPT_LEN, "cached_tokens": 0}
     finally:
         assert daemon.stop() == 0
+
+
+def test_a_follow_up_takes_the_blocks_its_answer_filled_while_decoding(served):
+    """A second turn sent back as token ids, the answer included, finds the blocks that the first
+    turn's decode steps filled (blocks 6 and 7 hold generated tokens) and equals its cold run."""
+    prompt = fresh_prompt(100)
+    status, first = post(f"{served.url}/v1/completions",
+                         {"model": "a", "prompt": prompt, "max_tokens": 40, "ignore_eos": True,
+                          "temperature": 0, "return_token_ids": True})
+    assert status == 200, first
+    answer = first["choices"][0]["token_ids"]
+    assert len(answer) == 40
+    # 139 positions ran through the model (the last sampled token has not): 8 full blocks.
+    follow_up = prompt + answer + fresh_prompt(10)
+    cold, _ = run(served.url, "a", follow_up, cache=False)
+    assert run(served.url, "a", follow_up) == (cold, 8 * BLOCK)
