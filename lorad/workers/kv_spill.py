@@ -107,8 +107,9 @@ class SpillStore:
     def write(self, block_hash: bytes, payload: bytes) -> None:
         """Queue this block to be stored (a held one is rewritten); returns at once. `payload`
         must be `bytes` (a copy: the block's memory is reused once evicted). A write that takes
-        the store past max_bytes is still done: the caller deletes first. I/O errors are counted and logged, never raised;
-        RuntimeError if max_pending writes and deletes are unprocessed or the store is closed."""
+        the store past max_bytes is still done: the caller deletes first. I/O errors are counted
+        and logged, never raised; RuntimeError if max_pending writes and deletes are unprocessed
+        or the store is closed."""
         _check_hash(block_hash)
         if not isinstance(payload, bytes):
             raise TypeError(f"a spilled payload must be bytes, got {type(payload).__name__}")

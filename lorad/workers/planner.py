@@ -44,7 +44,7 @@ class Planner:
         # Cached and spilled blocks: None without prefix caching.
         self.reuse = PrefixReuse(blocks, spill) if prefix_cache else None
         self.step = 0
-        self.waiting: list[Sequence] = []  # by arrival; no blocks (but while reading its spilled ones)
+        self.waiting: list[Sequence] = []  # by arrival; no blocks but those its spill reads fill
         self.running: list[Sequence] = []  # by arrival
         self._by_id: dict[str, Sequence] = {}
         self._events: list[SeqOutput] = []  # terminal events decided between steps

@@ -45,7 +45,8 @@ class RankSpill:
         tp, model = engine.tp, engine.model
         identity = SpillIdentity(
             engine=f"{engine_digest().hex()} torch {torch.__version__} {tp.device.type}",
-            model=model_identity(cfg, Path(cfg.kv_spill_dir)), dtype=str(model.dtype).split(".")[-1],
+            model=model_identity(cfg, Path(cfg.kv_spill_dir)),
+            dtype=str(model.dtype).split(".")[-1],
             parallel=tp.world_size, rank=tp.rank, block_size=cfg.block_size,
             block_bytes=block_payload_bytes(model))
         store = SpillStore(Path(cfg.kv_spill_dir) / f"rank-{tp.rank}", identity,

@@ -27,7 +27,8 @@ class SpillIndex:
         self.max_pending = max_pending
         self._entries: OrderedDict[bytes, None] = OrderedDict.fromkeys(entries)  # agreed, LRU first
         self._writing: set[bytes] = set()  # issued writes not yet agreed finished
-        self._ops: deque[tuple[int, bytes | None]] = deque()  # (number, hash of a write; None: a delete)
+        # (operation number, the hash of a write; None for a delete), oldest first
+        self._ops: deque[tuple[int, bytes | None]] = deque()
         self._num_issued = 0
         self._num_agreed = 0
 
