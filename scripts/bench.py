@@ -25,7 +25,7 @@ from bench_clock import Outcome
 from bench_models import ModelListError, ModelPicker, check_served, read_model_file
 from bench_prefix import FirstRequestFailed, report_prefix, run_chat_turns, run_few_shot
 from bench_stream import request_fields, stream
-from bench_table import conditions, p50_p99, percentile, record, ttfts_ms
+from bench_table import conditions, footer, p50_p99, percentile, record, ttfts_ms
 
 CHAT_PROMPTS = (
     "Explain how a bicycle stays upright while moving.",
@@ -126,12 +126,7 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) -> 
         p50 = f"{percentile(ttft, 50):.1f}" if ttft else "n/a"
         lines.append(f"| {model} | {len(mine)} | {len(mine) - len(ok)} | "
                      f"{sum(o.num_output_tokens for o in ok)} | {p50} |")
-    if any(o.num_output_tokens != args.max_tokens for o in done):
-        lines.append("note: some requests generated fewer than max_tokens tokens "
-                     "(the server may not honour ignore_eos)")
-    if failed:
-        lines.append(f"first failure: {failed[0].error}")
-    return "\n".join(lines)
+    return "\n".join(lines + footer(args, done, failed))
 
 
 def add_prefix_flags(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from bench_clock import Outcome
 from bench_prompts import (Conversation, few_shot_examples, few_shot_prompt, system_prompt,
                            warm_up_message)
 from bench_stream import request_fields, stream
-from bench_table import conditions, hit_rate, p50_p99, ttfts_ms
+from bench_table import conditions, footer, hit_rate, p50_p99, ttfts_ms
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -188,9 +188,4 @@ def report_prefix(args: argparse.Namespace, run: Run) -> str:
     ]
     if args.workload == "chat-turns":
         lines += ["", *turn_rows(args, run)]
-    if any(o.num_output_tokens != args.max_tokens for o in done):
-        lines.append("note: some requests generated fewer than max_tokens tokens "
-                     "(the server may not honour ignore_eos)")
-    if failed:
-        lines.append(f"first failure: {failed[0].error}")
-    return "\n".join(lines)
+    return "\n".join(lines + footer(args, done, failed))

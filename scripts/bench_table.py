@@ -34,6 +34,17 @@ def ttfts_ms(outcomes: list[Outcome]) -> list[float]:
     return [o.ttft_s * 1000 for o in outcomes if o.ok and o.ttft_s is not None]
 
 
+def footer(args: argparse.Namespace, done: list[Outcome], failed: list[Outcome]) -> list[str]:
+    """A report's closing lines: requests short of max_tokens, the first failure."""
+    lines = []
+    if any(o.num_output_tokens != args.max_tokens for o in done):
+        lines.append("note: some requests generated fewer than max_tokens tokens "
+                     "(the server may not honour ignore_eos)")
+    if failed:
+        lines.append(f"first failure: {failed[0].error}")
+    return lines
+
+
 def hit_rate(outcomes: list[Outcome]) -> float | None:
     """Cached over prompt tokens, summed over the completed requests; None without any."""
     num_prompt = sum(o.num_prompt_tokens for o in outcomes if o.ok)

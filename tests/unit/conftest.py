@@ -1,15 +1,27 @@
-"""Fixtures of the adapter tests: a tiny base (config and weights, no tokenizer) and a good PEFT
-folder for it, built once per test module; a module may override any of them."""
+"""Fixtures of the unit tests: a tiny base (config and weights, no tokenizer) and a good PEFT
+folder for it, built once per test module (a module may override any of them), and one_thread
+for the modules whose rows must keep their bits."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from lorad.config import ModelConfig
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for the module: the rule under which the CPU path keeps a row's bits
+    whatever shares its step (shared/DESIGN.md, "Numerics")."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,7 @@ PER_STREAM = -(-PROMPT_LEN // BLOCK_SIZE)
 CHUNKINGS = ([None], [64, 64, 64, 38], [7] * 32 + [6], [1] * PROMPT_LEN, [229, 1], [100, 130])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the rule the CPU path keeps (shared/DESIGN.md, "Numerics")
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,7 @@ def test_only_pure_decode_steps_qualify():
     assert not is_decode_step([([6], 3, [2], False, 0)])  # a chunk that does not sample
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Rows are bit-equal across batch sizes with one thread (shared/DESIGN.md, "Numerics").
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
