@@ -14,7 +14,8 @@ import torch
 
 from tests.daemons import adapter_flags, start_daemon
 from tests.integration.test_kv_spill import evict_everything
-from tests.integration.test_prefix_cache import BLOCK, HIT, base_id, fresh_prompt, run
+from tests.integration.test_prefix_cache import (BLOCK, HIT, base_id, check_resumed,
+                                                 fresh_prompt, run)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -41,14 +42,7 @@ def served(tiny_model, tiny_adapters):
 @pytest.mark.parametrize("seed", [None, 5], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("model", ["base", "a"])
 def test_a_resumed_prompt_gives_the_cold_tokens(served, model, seed):
-    model = base_id(served) if model == "base" else model
-    prompt = fresh_prompt()
-    cold, _ = run(served.url, model, prompt, cache=False, seed=seed)
-    first, first_cached = run(served.url, model, prompt, seed=seed)
-    again, cached = run(served.url, model, prompt, seed=seed)
-    assert (first_cached, cached) == (0, HIT)
-    same_tokens(first, cold)
-    same_tokens(again, cold)
+    check_resumed(served.url, base_id(served) if model == "base" else model, seed, same_tokens)
 
 
 def test_a_burst_over_a_shared_prefix_gives_the_cold_tokens(served):

@@ -58,21 +58,31 @@ def run(url: str, model: str, prompt: list[int], cache: bool = True,
     return (logprobs["tokens"], logprobs["token_logprobs"]), cached
 
 
+def same_bits(got, want) -> None:
+    assert got == want  # the same tokens and the same fp32 log probabilities
+
+
+def check_resumed(url: str, model: str, seed: int | None, same=same_bits) -> None:
+    """A prompt cold, then twice with the cache (the second resumes), then a longer prompt over
+    the same prefix: every cached run is `same` as its cold one."""
+    prompt = fresh_prompt()
+    cold, cold_cached = run(url, model, prompt, cache=False, seed=seed)
+    first, first_cached = run(url, model, prompt, seed=seed)
+    again, again_cached = run(url, model, prompt, seed=seed)
+    assert (cold_cached, first_cached, again_cached) == (0, 0, HIT)
+    same(first, cold)
+    same(again, cold)
+    longer = prompt + fresh_prompt(40)
+    cold_longer, _ = run(url, model, longer, cache=False, seed=seed)
+    resumed, cached = run(url, model, longer, seed=seed)
+    assert cached == HIT
+    same(resumed, cold_longer)
+
+
 @pytest.mark.parametrize("seed", [None, 5], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("model", ["base", "a"])
 def test_a_resumed_prompt_equals_the_cold_one(served, model, seed):
-    model = base_id(served) if model == "base" else model
-    prompt = fresh_prompt()
-    cold, cold_cached = run(served.url, model, prompt, cache=False, seed=seed)
-    first, first_cached = run(served.url, model, prompt, seed=seed)
-    again, again_cached = run(served.url, model, prompt, seed=seed)
-    assert (cold_cached, first_cached, again_cached) == (0, 0, HIT)
-    assert first == cold and again == cold  # the same tokens and the same fp32 values
-    # A longer prompt over the same prefix takes its blocks and still equals its cold run.
-    longer = prompt + fresh_prompt(40)
-    cold_longer, _ = run(served.url, model, longer, cache=False, seed=seed)
-    resumed, cached = run(served.url, model, longer, seed=seed)
-    assert cached == HIT and resumed == cold_longer
+    check_resumed(served.url, base_id(served) if model == "base" else model, seed)
 
 
 def test_identities_share_only_when_bytes_and_strength_agree(served):
