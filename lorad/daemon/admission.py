@@ -3,8 +3,9 @@ each admitted request's deadline (--request-timeout, or the end of a drain).
 
 The queue is what the coordinator can count without asking the workers: each choice of a request
 (prompts x n) is *queued* from its admission until its first generated token arrives (waiting in
-the workers or in its prefill); a request is admitted whole or refused whole. Does not tokenize,
-publish messages or write HTTP.
+the workers or in its prefill), then *running* until its finish reason or the request's end; both
+are counted in total and per served model id. A request is admitted whole or refused whole. Does
+not tokenize, publish messages or write HTTP.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ RETRY_AFTER_UNAVAILABLE_S = 5  # draining or failed: another instance, or this o
 
 
 class Ticket:
-    """One admitted request: which of its choices are still queued, and when it must end and
-    why."""
+    """One admitted request: which of its choices are queued or running, and when it must end
+    and why."""
 
-    def __init__(self, deadline: float | None, num_choices: int = 1) -> None:
+    def __init__(self, deadline: float | None, num_choices: int = 1, model: str = "") -> None:
+        self.model = model  # the served model id it runs on
         self.queued = set(range(num_choices))  # choice indexes without a token yet
+        self.running: set[int] = set()  # choice indexes with a token and no finish reason yet
         self.deadline = deadline  # loop time; None: no deadline
         self.cut_message: str | None = None  # set when a drain ends it
         self._timer: asyncio.Timeout | None = None  # armed while waiting for the next delta
@@ -61,6 +64,11 @@ class Admission:
         self.max_queued = max_queued
         self.request_timeout = request_timeout
         self.num_queued = 0
+        self.num_running = 0  # choices past their first token, not finished
+        # served model id -> its choices queued / running; only models that have some (/metrics
+        # lists the adapters found here at each scrape)
+        self.queued_by_model: dict[str, int] = {}
+        self.running_by_model: dict[str, int] = {}
         self._open: set[Ticket] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -87,23 +95,25 @@ class Admission:
                            headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)})
 
     @contextmanager
-    def ticket(self, started: float, num_choices: int = 1):
-        """Count one admitted request (its choices in the queue) from here until the handler is
-        done with it; `started` (time.monotonic()) is its arrival, where --request-timeout counts
-        from."""
+    def ticket(self, started: float, num_choices: int = 1, model: str = ""):
+        """Count one admitted request on the served model id `model` (its choices in the queue)
+        from here until the handler is done with it; `started` (time.monotonic()) is its arrival,
+        where --request-timeout counts from."""
         deadline = None
         if self.request_timeout is not None:  # on the loop's clock, which timeouts run on
             remaining = started + self.request_timeout - time.monotonic()
             deadline = asyncio.get_running_loop().time() + remaining
-        ticket = Ticket(deadline, num_choices)
+        ticket = Ticket(deadline, num_choices, model)
         self._open.add(ticket)
-        self.num_queued += num_choices
+        self._count(model, num_choices, 0)
         self._idle.clear()
         try:
             yield ticket
         finally:
             self._open.discard(ticket)
-            self._leave_queue(ticket)
+            self._count(model, -len(ticket.queued), -len(ticket.running))
+            ticket.queued.clear()
+            ticket.running.clear()
             if not self._open:
                 self._idle.set()
 
@@ -122,8 +132,14 @@ class Admission:
                     raise ticket.error(self.request_timeout) from None
                 finally:
                     ticket._timer = None
-                if delta.num_completion_tokens:
-                    self._leave_queue(ticket, delta.index)
+                # Two set look-ups a delta: the counts change only at a choice's first token
+                # and at its finish.
+                if delta.index in ticket.queued and delta.num_completion_tokens:
+                    ticket.queued.discard(delta.index)
+                    ticket.running.add(delta.index)
+                    self._count(ticket.model, -1, 1)
+                if delta.finish_reason is not None:
+                    self._finish(ticket, delta.index)
                 yield delta
         finally:
             await deltas.aclose()
@@ -138,8 +154,28 @@ class Admission:
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    def _leave_queue(self, ticket: Ticket, index: int | None = None) -> None:
-        """One choice got its first token (index), or the request is done (None: all)."""
-        leaving = ticket.queued if index is None else ticket.queued & {index}
-        self.num_queued -= len(leaving)
-        ticket.queued -= leaving
+    def _finish(self, ticket: Ticket, index: int) -> None:
+        """A choice's finish reason came (after its tokens, or with none: max_tokens 0)."""
+        if index in ticket.running:
+            ticket.running.discard(index)
+            self._count(ticket.model, 0, -1)
+        elif index in ticket.queued:
+            ticket.queued.discard(index)
+            self._count(ticket.model, -1, 0)
+
+    def _count(self, model: str, num_queued: int, num_running: int) -> None:
+        """Add to the queued and running counts, in total and for `model`."""
+        self.num_queued += num_queued
+        self.num_running += num_running
+        _add(self.queued_by_model, model, num_queued)
+        _add(self.running_by_model, model, num_running)
+
+
+def _add(counts: dict[str, int], key: str, num: int) -> None:
+    """counts[key] += num, leaving out a key whose count is 0."""
+    if num:
+        left = counts.get(key, 0) + num
+        if left:
+            counts[key] = left
+        else:
+            del counts[key]

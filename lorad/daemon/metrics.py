@@ -2,7 +2,8 @@
 
 Request metrics are counted as requests go; the engine's state (queue, sequences, KV blocks per
 rank) is read when scraped. `model` labels are served model ids (the base id or an adapter's
-name), never a string a client made up, so the label set stays bounded.
+name), never a string a client made up, so the label set stays bounded. The vLLM-named gauges a
+router reads are router_metrics.py's, in the same registry.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prometheus_client import (
     CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest)
 
 from lorad.daemon.generation import Delta, GenerationError
+from lorad.daemon.router_metrics import RouterMetrics
 from lorad.protocol import StepResult
 
 # Histogram buckets in seconds: a first token waits for a prefill (and a queue); later tokens
@@ -107,6 +109,7 @@ class Metrics:
         self.startup_phase = Gauge("lorad_startup_phase_seconds", "Start-up time by phase: the "
                                    "coordinator's, then the slowest rank's", ["phase"],
                                    registry=registry)
+        self.router = RouterMetrics(registry)
         self._last_step_at: float | None = None
         self._engine_busy = False
 
@@ -195,6 +198,7 @@ class Metrics:
             self.startup.set(report.total_s)
             for name, seconds in report.phases:
                 self.startup_phase.labels(name).set(seconds)
+        self.router.read(state)
         return generate_latest(self.registry)
 
     content_type = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes

@@ -179,7 +179,7 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
         continuous_usage=options.stream and options.continuous_usage, logprobs=logprobs,
         echo=echo, return_token_ids=options.return_token_ids, **extra)
     request[ADMITTED_KEY] = True
-    with state.admission.ticket(started, len(prompts) * options.n) as ticket:
+    with state.admission.ticket(started, len(prompts) * options.n, choice.model_id) as ticket:
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompts,
                           options.stop, choice.adapter_slot, choice.adapter_key,
                           constraint.grammar if constraint else "", options.n,

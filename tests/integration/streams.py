@@ -14,10 +14,11 @@ from urllib.parse import urlsplit
 class Stream(threading.Thread):
     """POST /v1/completions with stream=true; events are the `data:` payloads in order."""
 
-    def __init__(self, url: str, max_tokens: int = 200, prompt: str = "hello") -> None:
+    def __init__(self, url: str, max_tokens: int = 200, prompt: str = "hello",
+                 model: str = "tiny") -> None:
         super().__init__(daemon=True)
         self._address = urlsplit(url).netloc
-        self._body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+        self._body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
                                  "ignore_eos": True, "stream": True})
         self.status: int | None = None
         self.events: list[bytes] = []

@@ -1,6 +1,7 @@
-"""Admission on its own: the 503/429 checks, the queued count (admission to first token), a
-deadline that cancels the generator it bounds (504), and a drain's cut (503) of every open
-request, including one cut while its own deadline is already firing."""
+"""Admission on its own: the 503/429 checks, the queued count (admission to first token) and the
+running count (first token to finish), in total and per model, a deadline that cancels the
+generator it bounds (504), and a drain's cut (503) of every open request, including one cut while
+its own deadline is already firing."""
 
 from __future__ import annotations
 
@@ -125,5 +126,54 @@ def test_a_request_of_several_choices_is_admitted_whole_or_refused():
             seen = [admission.num_queued async for _ in admission.bounded(deltas(), ticket)]
             assert seen == [2, 2, 1]
         assert admission.num_queued == 0
+
+    asyncio.run(run())
+
+
+def test_choices_count_as_queued_then_running_per_model():
+    async def run():
+        admission = Admission(max_queued=8, request_timeout=None)
+        counts = []
+
+        def snapshot():
+            counts.append((admission.num_queued, admission.num_running,
+                           dict(admission.queued_by_model), dict(admission.running_by_model)))
+
+        async def deltas():
+            yield Delta("x", None, 3, 1, index=1)
+            yield Delta("x", None, 3, 2, index=1)
+            yield Delta("x", "length", 3, 1, index=0)  # its first token is also its last
+            yield Delta("x", "stop", 3, 3, index=1)
+
+        with admission.ticket(time.monotonic(), 1, "tiny"):  # the base model: never started
+            with admission.ticket(time.monotonic(), 2, "a") as ticket:
+                snapshot()
+                async for _ in admission.bounded(deltas(), ticket):
+                    snapshot()
+            snapshot()
+        snapshot()
+        assert counts == [
+            (3, 0, {"tiny": 1, "a": 2}, {}),
+            (2, 1, {"tiny": 1, "a": 1}, {"a": 1}),
+            (2, 1, {"tiny": 1, "a": 1}, {"a": 1}),
+            (1, 1, {"tiny": 1}, {"a": 1}),
+            (1, 0, {"tiny": 1}, {}),
+            (1, 0, {"tiny": 1}, {}),
+            (0, 0, {}, {}),
+        ]
+
+    asyncio.run(run())
+
+
+def test_a_request_that_ends_early_leaves_both_counts():
+    async def run():
+        admission, closed = Admission(max_queued=8, request_timeout=None), []
+        with admission.ticket(time.monotonic(), 1, "b") as ticket:
+            async for delta in admission.bounded(_deltas(1000, 0.001, closed), ticket):
+                if delta.num_completion_tokens == 3:
+                    assert (admission.num_running, admission.running_by_model) == (1, {"b": 1})
+                    break  # the client went away
+        assert (admission.num_queued, admission.num_running) == (0, 0)
+        assert (admission.queued_by_model, admission.running_by_model) == ({}, {})
 
     asyncio.run(run())
