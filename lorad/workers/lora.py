@@ -159,8 +159,8 @@ class PendingShrink:
         tables = self.tables
         lora_expand(self.t, outs, [lora.lora_b for lora in tables],
                     [lora.rank_table for lora in tables], [lora.scale_table for lora in tables],
-                    self.rows.tiles, row_strengths=self.rows.row_strengths, deltas=deltas, steps=self.rows.expand,
-                    pdl_rows=self.rows.pdl_rows)
+                    self.rows.tiles, row_strengths=self.rows.row_strengths, deltas=deltas,
+                    steps=self.rows.expand, pdl_rows=self.rows.pdl_rows)
 
     def expand_into(self, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Add each edited output's delta into it, in place (the expand kernel); -> outs."""

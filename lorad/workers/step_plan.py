@@ -60,6 +60,6 @@ class StepPlan:
 
     def batch_chunks(self) -> list[tuple[list[int], int, list[int], bool, int, float]]:
         """The plan in the form `ForwardBatch.build` takes: each chunk but its request id,
-        (token_ids, start, block_table, sample, adapter_slot, adapter_strength), by a tuple slice (5 attribute
-        reads per chunk were a fifth of the planner's step at 256 sequences)."""
+        (token_ids, start, block_table, sample, adapter_slot, adapter_strength), by a tuple slice
+        (5 attribute reads per chunk were a fifth of the planner's step at 256 sequences)."""
         return [c[1:] for c in self.chunks]

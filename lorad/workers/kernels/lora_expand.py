@@ -144,28 +144,30 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
             _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out0_ptr, stride_out0,
                            N0, b0_ptr, ranks0_ptr, scales0_ptr, max_rank0, first,
                            tl.minimum(group, blocks0 - first), slot, rows, in_tile,
-                           strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS, NUM_STAGES, DELTA)
+                           strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
+                           NUM_STAGES, DELTA)
         elif NUM_TABLES == 2:
             first = (g - groups0) * group
             _expand_blocks(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
                            out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr, max_rank1,
                            first, tl.minimum(group, blocks1 - first), slot, rows, in_tile,
-                           strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS, NUM_STAGES, DELTA)
+                           strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
+                           NUM_STAGES, DELTA)
         elif NUM_TABLES == 3:
             if g < groups01:
                 first = (g - groups0) * group
                 _expand_blocks(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
                                out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr,
                                max_rank1, first, tl.minimum(group, blocks1 - first), slot, rows,
-                               in_tile, strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
-                               NUM_STAGES, DELTA)
+                               in_tile, strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS,
+                               B_PARTS, NUM_STAGES, DELTA)
             else:
                 first = (g - groups01) * group
                 _expand_blocks(t_ptr + 2 * stride_t_table, stride_t, stride_t_chunk, num_chunks,
                                out2_ptr, stride_out2, N2, b2_ptr, ranks2_ptr, scales2_ptr,
                                max_rank2, first, tl.minimum(group, blocks2 - first), slot, rows,
-                               in_tile, strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
-                               NUM_STAGES, DELTA)
+                               in_tile, strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS,
+                               B_PARTS, NUM_STAGES, DELTA)
     pdl.finish(PDL)
 
 
@@ -177,8 +179,8 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
                 num_target_items: int | None = None, steps: ExpandSteps = ExpandSteps(),
                 pdl_rows: int = 0) -> None:
     """outs[i][row] += (scale * (sum_c t[i, row, c, :rank] B_i[slot, :, :rank]^T)) * strength[row],
-    in place, for each row whose slot table i edits (rank = rank_tables[i][slot] > 0); no other element is
-    touched.
+    in place, for each row whose slot table i edits (rank = rank_tables[i][slot] > 0); no other
+    element is touched.
 
     t: [num_tables, num_rows, num_k_chunks, width] float32 from lora_shrink; outs[i]: [num_rows,
     out_i] float32, or the model dtype (then widened, added to in fp32 and rounded back once; rows
