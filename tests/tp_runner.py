@@ -6,7 +6,8 @@
 SPEC.json: {"models": [{"name", "dir", "dtype", "num_blocks", "block_size",
 "scenarios": {name: [step, ...]}[, "adapters": [{"name", "path", "strength"}, ...]]
 [, "graphs": {"max_num_seqs", "max_model_len"}]}]}, a step
-being a list of chunks [token_ids, start_position, block_table, wants_sample, adapter_slot]
+being a list of chunks [token_ids, start_position, block_table, wants_sample, adapter_slot
+[, adapter_strength]]
 (ForwardBatch.build's). Adapters take slots 1..K in list order, through lorad's load_adapter.
 Each rank writes DIR/<model>.rank<R>.safetensors with one tensor "<scenario>.<step>" per step:
 that step's [num_sampled, vocab_size] float32 logits. With "graphs" (CUDA), decode steps replay

@@ -79,7 +79,8 @@ class _Choice:
 async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: str,
                    prompts: list[Prompt], stop: tuple[str, ...], adapter_slot: int = 0,
                    adapter_key: str = "", grammar: str = "", n: int = 1,
-                   cache_prompt: bool = True) -> AsyncIterator[Delta]:
+                   cache_prompt: bool = True,
+                   adapter_strength: float = 1.0) -> AsyncIterator[Delta]:
     """Yield every choice's deltas, interleaved as their tokens arrive, until each choice has
     yielded one with a finish reason; raise GenerationError when any choice fails (the others
     are cancelled: one error ends the whole request).
@@ -93,7 +94,7 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
         for i, prompt in enumerate(prompts):
             prompt_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             ids = engine.admit(prompt_id, prompt.token_ids, prompt.sampling, adapter_slot,
-                               adapter_key, grammar, n, queue, cache_prompt)
+                               adapter_key, grammar, n, queue, cache_prompt, adapter_strength)
             for j, choice_id in enumerate(ids):
                 # The workers send a prompt's values with its first choice (echo takes n = 1).
                 echo = prompt.sampling.prompt_logprobs >= 0 and j == 0

@@ -163,6 +163,12 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
                     prompt_param: str, started: float, constraint: Constraint | None = None,
                     tool_choice: ToolChoice | None = None,
                     echo: list[str] | None = None) -> web.StreamResponse:
+    if options.adapter_strength is not None and choice.adapter is None:
+        raise bad_request(f"adapter_strength multiplies an adapter's scales, and "
+                          f"`{choice.model_id}` is the base model: name an adapter, or leave "
+                          f"adapter_strength out",
+                          "adapter_strength")
+    strength = 1.0 if options.adapter_strength is None else options.adapter_strength
     # From admission.check() to the Admits inside generate() nothing awaits, so the queue bound
     # and the draining switch hold exactly.
     prompts = [Prompt(ids, _sampling(state.model, ids, options, prompt_param, echo is not None))
@@ -183,7 +189,7 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompts,
                           options.stop, choice.adapter_slot, choice.adapter_key,
                           constraint.grammar if constraint else "", options.n,
-                          options.cache_prompt)
+                          options.cache_prompt, strength)
         deltas = state.metrics.observe(state.admission.bounded(deltas, ticket), choice.model_id,
                                        started)
         async with aclosing(deltas):

@@ -18,7 +18,7 @@ from lorad.daemon.constraints import Constraint, parse_constraint
 from lorad.daemon.errors import bad_request
 from lorad.daemon.token_fields import parse_logit_bias, parse_stop_token_ids
 from lorad.daemon.tools import ToolChoice, parse_tools
-from lorad.protocol.messages import MAX_CHOICES, MAX_TOP_LOGPROBS
+from lorad.protocol.messages import MAX_ADAPTER_STRENGTH, MAX_CHOICES, MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS = 64  # prompts in one completions request (each its own choice or choices)
@@ -59,6 +59,9 @@ class SamplingOptions:
     cache_prompt: bool = True
     # vLLM's extension: each choice carries its generated ids (streamed: each chunk its new ones)
     return_token_ids: bool = False
+    # lorad extension: the multiplier of the chosen adapter's scales, 0..MAX_ADAPTER_STRENGTH;
+    # None: absent (1.0). routes.py refuses it on a request for the base model.
+    adapter_strength: float | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,9 @@ def _options(body: dict, max_tokens_field: str, num_logprobs: int | None,
         min_tokens=min_tokens,
         cache_prompt=_bool(body, "cache_prompt", True),
         return_token_ids=_bool(body, "return_token_ids", False),
+        adapter_strength=_number(body, "adapter_strength", None,
+                                 lambda v: 0 <= v <= MAX_ADAPTER_STRENGTH,
+                                 f"between 0 and {MAX_ADAPTER_STRENGTH}"),
     )
 
 
@@ -236,7 +242,7 @@ def _int(body: dict, name: str, lo: int, hi: int = _INT64 - 1, default=None):
     return value
 
 
-def _number(body: dict, name: str, default: float, ok, bounds: str) -> float:
+def _number(body: dict, name: str, default: float | None, ok, bounds: str) -> float | None:
     value = body.get(name)
     if value is None:
         return default

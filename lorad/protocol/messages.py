@@ -17,9 +17,13 @@ from dataclasses import dataclass, field
 # 8: SamplingParams' penalties, min_p, logit_bias, request_stop_token_ids and min_tokens;
 # 9: SamplingParams.prompt_logprobs, SeqOutput.prompt_logprobs (completions' echo);
 # 10: Admit.cache_prompt, SeqOutput.num_cached_tokens, RankStatus' prefix cache and spill counts
-PROTOCOL_VERSION = 10
+# 11: Admit.adapter_strength (per-request strength)
+PROTOCOL_VERSION = 11
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; keeps a step result's size bounded
 MAX_CHOICES = 16  # n: choices of one prompt, each a live sequence after the shared prefill
+# adapter_strength: 4x the adapter's scales is past any use seen (1..2 is common) and keeps a
+# delta's growth bounded; 0 is the base model's arithmetic on the adapter's rows.
+MAX_ADAPTER_STRENGTH = 4.0
 MAX_LOGIT_BIAS = 300  # entries of logit_bias per request: bounds an Admit and a step's copy
 MAX_STOP_TOKEN_IDS = 64  # request stop_token_ids per request
 # Prompt positions whose log probabilities one step computes at most (the planner caps echo's
@@ -123,10 +127,18 @@ class Admit:
     n: int = 1
     # Whether this prompt reads and fills the prefix cache (lorad's "cache_prompt" field).
     cache_prompt: bool = True
+    # lorad's "adapter_strength": the multiplier of the adapter's scales for this request alone,
+    # 0..MAX_ADAPTER_STRENGTH; 1.0 for slot 0.
+    adapter_strength: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"Admit.n must be 1..{MAX_CHOICES}, got {self.n}")
+        if not 0.0 <= self.adapter_strength <= MAX_ADAPTER_STRENGTH:
+            raise ValueError(f"Admit.adapter_strength must be 0..{MAX_ADAPTER_STRENGTH}, "
+                             f"got {self.adapter_strength}")
+        if self.adapter_slot == 0 and self.adapter_strength != 1.0:
+            raise ValueError("Admit.adapter_strength needs an adapter (slot 0 is the base model)")
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:

@@ -98,9 +98,9 @@ _TABLES = _PackedTables()
 
 
 def live_digest(live: Iterable[Sequence]) -> int:
-    """sha256 of the live set in arrival order: ids, adapter slot and key, token positions and
-    KV blocks (a fork's shared blocks in each holder's table), and the choices still to fork.
-    Every step, on every rank: the strings go in length-prefixed, the block table as
+    """sha256 of the live set in arrival order: ids, adapter slot, key and strength, token
+    positions and KV blocks (a fork's shared blocks in each holder's table), and the choices
+    still to fork. Every step, on every rank: the strings go in length-prefixed, the block table as
     little-endian int64s (a JSON text per sequence cost 7 us each, 0.45 ms a step at 64
     sequences). One buffer hashed once, the tables packed when they change: 30% less than an
     update and an array per sequence, for the same bytes (docs/performance-log.md: live
@@ -110,7 +110,7 @@ def live_digest(live: Iterable[Sequence]) -> int:
     for seq, table_bytes in zip(live, _TABLES.packed(live)):
         request_id, key = seq.request_id, seq.adapter_key
         parts.append(f"{len(request_id)}:{request_id}{len(key)}:{key}{seq.arrival},"
-                     f"{seq.adapter_slot},{_STATUS_TEXT[seq.status]},"
+                     f"{seq.adapter_slot},{seq.adapter_strength!r},{_STATUS_TEXT[seq.status]},"
                      f"{len(seq.prompt_ids) + len(seq.output_ids)},{seq.num_computed},"
                      f"{len(seq.block_table)};".encode())
         parts.append(table_bytes)

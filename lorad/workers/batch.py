@@ -24,6 +24,7 @@ class SeqChunk:
     context_len: int  # tokens in the KV cache after this step: positions 0..context_len-1
     block_table: list[int]  # KV block ids holding positions 0..context_len-1, in order
     adapter_slot: int  # 0 = base model
+    adapter_strength: float = 1.0  # the request's multiplier of its adapter's scales
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class ForwardBatch:
     # The LoRA kernels' row tiles (tile_slot, tile_rows, num_tiles: LoraTiles' tensors) where
     # the batch's maker filled them (a decode graph's static inputs); None: built from `seqs`.
     lora_tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # [num_rows] float32: each row's adapter strength (1.0 for padding and base rows), by which
+    # the LoRA paths multiply the row's delta after its scale. None: every row 1.0.
+    row_strengths: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -52,25 +56,31 @@ class ForwardBatch:
     @classmethod
     def build(cls, chunks: list[tuple[list[int], int, list[int], bool, int]], block_size: int,
               device: torch.device | str = "cpu", min_rows: int = MIN_ROWS) -> "ForwardBatch":
-        """chunks: (new_token_ids, start_position, block_table, wants_sample, adapter_slot)."""
+        """chunks: (new_token_ids, start_position, block_table, wants_sample, adapter_slot[,
+        adapter_strength]) (strength 1.0 when absent)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         row_adapters: list[int] = []
+        row_strengths: list[float] = []
         seqs: list[SeqChunk] = []
         sample_rows: list[int] = []
-        for token_ids, start, block_table, wants_sample, adapter_slot in chunks:
+        for chunk in chunks:
+            token_ids, start, block_table, wants_sample, adapter_slot = chunk[:5]
+            strength = chunk[5] if len(chunk) > 5 else 1.0
             n = len(token_ids)
             assert n > 0, "a chunk has at least one token"
             assert (start + n + block_size - 1) // block_size <= len(block_table), \
                 "block table too short for the chunk"
-            seqs.append(SeqChunk(len(ids), n, start + n, list(block_table), adapter_slot))
+            seqs.append(SeqChunk(len(ids), n, start + n, list(block_table), adapter_slot,
+                                 strength))
             for i, token in enumerate(token_ids):
                 pos = start + i
                 ids.append(token)
                 positions.append(pos)
                 slots.append(kv_slot(block_table, pos, block_size))
                 row_adapters.append(adapter_slot)
+                row_strengths.append(strength)
             if wants_sample:
                 sample_rows.append(len(ids) - 1)
         num_tokens = len(ids)
@@ -79,6 +89,7 @@ class ForwardBatch:
         positions += [0] * pad
         slots += [-1] * pad
         row_adapters += [0] * pad
+        row_strengths += [1.0] * pad
 
         def tensor(values, dtype=torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -90,7 +101,8 @@ class ForwardBatch:
                    tensor(sample_rows), num_tokens,
                    tensor(tables, torch.int32).reshape(len(seqs), max_blocks),
                    tensor([s.context_len for s in seqs], torch.int32),
-                   tensor(starts, torch.int32))
+                   tensor(starts, torch.int32), None,
+                   tensor(row_strengths, torch.float32))
 
 
 def kv_slot(block_table: list[int], pos: int, block_size: int) -> int:

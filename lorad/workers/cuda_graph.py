@@ -32,8 +32,9 @@ log = logging.getLogger("lorad.worker")
 
 NUM_WARMUP = 2  # eager runs per bucket before its capture: Triton compiles, cuBLAS workspaces
 ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_adapter_slots")
-# (new_token_ids, start_position, block_table, wants_sample, adapter_slot): StepPlan.batch_chunks
-Chunk = tuple[list[int], int, list[int], bool, int]
+# (new_token_ids, start_position, block_table, wants_sample, adapter_slot[, adapter_strength]):
+# StepPlan.batch_chunks (strength 1.0 when absent)
+Chunk = tuple
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -52,7 +53,7 @@ def rows_of(bucket: int) -> int:
 
 def is_decode_step(chunks: list[Chunk]) -> bool:
     """Every chunk is one token that samples: the only step shape graphs capture."""
-    return bool(chunks) and all(len(ids) == 1 and sample for ids, _, _, sample, _ in chunks)
+    return bool(chunks) and all(len(chunk[0]) == 1 and chunk[3] for chunk in chunks)
 
 
 class DecodeInputs:
@@ -71,6 +72,8 @@ class DecodeInputs:
         num_rows = rows_of(max_seqs)
         # [4, num_rows] int64, one row per ROW_FIELDS entry: a single copy fills them all
         self.rows = torch.zeros(len(ROW_FIELDS), num_rows, dtype=torch.int64, device=device)
+        # [num_rows] float32: each row's adapter strength (ForwardBatch.row_strengths), 1.0 pads
+        self.strengths = torch.ones(num_rows, dtype=torch.float32, device=device)
         self.context_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)  # [max_seqs]
         # [max_seqs, max_blocks_per_seq]
         self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32,
@@ -83,6 +86,8 @@ class DecodeInputs:
         # and the GPU waits for the whole fill).
         pin = device.type == "cuda"
         self._host_rows = torch.zeros(self.rows.shape, dtype=torch.int64, pin_memory=pin)
+        self._host_strengths = torch.ones(num_rows, dtype=torch.float32, pin_memory=pin)
+        self._strengths_np = self._host_strengths.numpy()
         self._host_context_lens = torch.zeros(max_seqs, dtype=torch.int32, pin_memory=pin)
         self._host_block_tables = torch.zeros(self.block_tables.shape, dtype=torch.int32,
                                               pin_memory=pin)
@@ -102,7 +107,7 @@ class DecodeInputs:
         tiles = None if self._tiles is None else self._tiles.views(num_rows)
         return ForwardBatch(ids, positions, slots, adapters, seqs, self.sample_rows[:bucket],
                             bucket, self.block_tables[:bucket], self.context_lens[:bucket],
-                            self.query_starts[:bucket + 1], tiles)
+                            self.query_starts[:bucket + 1], tiles, self.strengths[:num_rows])
 
     def fill(self, chunks: list[Chunk], bucket: int) -> None:
         """Copy a decode step (see is_decode_step) into bucket `bucket`'s part of the buffers,
@@ -111,17 +116,21 @@ class DecodeInputs:
         num_seqs, num_rows, block_size = len(chunks), rows_of(bucket), self.block_size
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free once that copy ran
-        ids, positions, kv_slots, adapters = [], [], [], []
-        for (token,), pos, table, _, adapter in chunks:
+        ids, positions, kv_slots, adapters, strengths = [], [], [], [], []
+        for chunk in chunks:
+            (token,), pos, table, _, adapter = chunk[:5]
             ids.append(token)
             positions.append(pos)
             kv_slots.append(kv_slot(table, pos, block_size))
             adapters.append(adapter)
+            strengths.append(chunk[5] if len(chunk) > 5 else 1.0)
         rows = self._rows_np
         for i, values in enumerate((ids, positions, kv_slots, adapters)):  # ROW_FIELDS' order
             rows[i, :num_seqs] = values
         rows[:, num_seqs:num_rows] = 0
         rows[2, num_seqs:num_rows] = -1  # padding rows write no KV
+        self._strengths_np[:num_seqs] = strengths
+        self._strengths_np[num_seqs:num_rows] = 1.0
         context_lens = self._context_lens_np
         context_lens[:num_seqs] = positions
         context_lens[:num_seqs] += 1
@@ -129,7 +138,8 @@ class DecodeInputs:
         # Columns past a sequence's own blocks keep older ids: they are never read, since the
         # context length bounds what attention reads, and any id there is a valid block.
         tables, written = self._block_tables_np, self._tables
-        for i, (_, _, table, _, _) in enumerate(chunks):
+        for i, chunk in enumerate(chunks):
+            table = chunk[2]
             if written[i] != table:
                 tables[i, :len(table)] = table
                 written[i] = list(table)  # a copy: the caller may grow its list in place
@@ -138,6 +148,7 @@ class DecodeInputs:
                 tables[i] = 0
                 written[i] = []
         self.rows.copy_(self._host_rows, non_blocking=True)
+        self.strengths.copy_(self._host_strengths, non_blocking=True)
         self.context_lens[:bucket].copy_(self._host_context_lens[:bucket], non_blocking=True)
         self.block_tables[:bucket].copy_(self._host_block_tables[:bucket], non_blocking=True)
         if self._tiles is not None and any(adapters):  # only the LoRA graphs read the tiles
@@ -278,7 +289,7 @@ class DecodeGraphs:
 
     def can_run(self, chunks: list[Chunk]) -> bool:
         return (is_decode_step(chunks) and len(chunks) <= self.buckets[-1]
-                and all(len(table) <= self.max_blocks_per_seq for _, _, table, _, _ in chunks))
+                and all(len(chunk[2]) <= self.max_blocks_per_seq for chunk in chunks))
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -286,7 +297,7 @@ class DecodeGraphs:
         num_seqs = len(chunks)
         bucket = self.bucket_for(num_seqs)
         self.inputs.fill(chunks, bucket)
-        key = (bucket, any(slot != 0 for *_, slot in chunks))
+        key = (bucket, any(chunk[4] != 0 for chunk in chunks))
         graph = self._graphs.get(key)
         if graph is None:
             batch = self.inputs.batch(bucket, self.inputs.seqs(chunks, bucket))

@@ -56,7 +56,8 @@ class Forks:
                                      cache_prompt=parent.cache_prompt,
                                      block_hashes=list(parent.block_hashes),
                                      num_indexed_blocks=parent.num_indexed_blocks,
-                                     num_cached_tokens=parent.num_cached_tokens))
+                                     num_cached_tokens=parent.num_cached_tokens,
+                                     adapter_strength=parent.adapter_strength))
         parent.fork_ids = []
         return children
 

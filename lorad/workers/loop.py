@@ -232,7 +232,8 @@ class WorkerLoop:
         ids = choice_ids(msg.request_id, msg.n)
         # Choice j (ids[j]) prefills as ids[0] and forks from it (fork.py).
         seq = Sequence(ids[0], list(msg.prompt_ids), msg.sampling, slot, msg.adapter_key,
-                       arrival=msg.seq, fork_ids=ids[1:], cache_prompt=msg.cache_prompt)
+                       arrival=msg.seq, fork_ids=ids[1:], cache_prompt=msg.cache_prompt,
+                       adapter_strength=msg.adapter_strength)
         # Every rank decides alone; a rank that decides otherwise has another live set, and the
         # agreement right after this fails the step on every rank before the model runs.
         refusal = self.engine.adapter_refusal(slot, msg.adapter_key) or self.planner.admit(seq)

@@ -102,18 +102,19 @@ class LoraSlots(nn.Module):
         self.scale_table[slot] = module.scale  # rounded to fp32, as torch's `fp32 * scale` does
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, rows: LoraRows | None) -> torch.Tensor:
-        """out + scale * (x A^T) B^T for each row, by its slot; `out` itself when no row edits.
+        """out + (scale * (x A^T) B^T) * strength for each row, by its slot (and its request's
+        strength); `out` itself when no row edits.
 
         x: [num_rows, in_end - in_start]; out: [num_rows, out_end - out_start] (a row-parallel
         layer passes its fp32 partial sum: the delta then joins the layer's all-reduce)."""
         if rows is not None and rows.tiles is not None:
             return add_lora_deltas([self], [out], x, rows)[0]
-        groups = [(slot, idx) for slot, idx in rows.groups if self.ranks[slot]] if rows else []
+        groups = [group for group in rows.groups if self.ranks[group[0]]] if rows else []
         if not groups:
             return out
         # One rounding of base + delta, in fp32, as peft does for a low-precision base.
         acc = out if out.dtype == torch.float32 else out.float()
-        for slot, idx in groups:
+        for slot, idx, strengths in groups:
             r = self.ranks[slot]
             xs = x.index_select(0, idx).float().unsqueeze(1)  # [num_slot_rows, 1, in]
             n = xs.shape[0]
@@ -125,6 +126,8 @@ class LoraSlots(nn.Module):
             b_t = self.lora_b[slot, :, :r].float().t().unsqueeze(0).expand(n, -1, -1)  # [n, r, out]
             shrink = torch.bmm(xs, a_t)  # [n, 1, r]
             delta = torch.bmm(shrink, b_t).squeeze(1) * self.scales[slot]  # [n, out]
+            if strengths is not None:  # the request's strength, after the scale, as the kernel
+                delta = delta * strengths
             acc.index_add_(0, idx, delta)  # each row once: a single fp32 add per element
         return acc if acc is out else acc.to(out.dtype)
 
@@ -156,8 +159,8 @@ class PendingShrink:
         tables = self.tables
         lora_expand(self.t, outs, [lora.lora_b for lora in tables],
                     [lora.rank_table for lora in tables], [lora.scale_table for lora in tables],
-                    self.rows.tiles, deltas=deltas, steps=self.rows.expand,
-                    pdl_rows=self.rows.pdl_rows)
+                    self.rows.tiles, row_strengths=self.rows.row_strengths, deltas=deltas,
+                    steps=self.rows.expand, pdl_rows=self.rows.pdl_rows)
 
     def expand_into(self, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Add each edited output's delta into it, in place (the expand kernel); -> outs."""

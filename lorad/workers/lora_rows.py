@@ -28,12 +28,16 @@ class LoraRows:
     with no per-slot tensors and no host sync, so a CUDA graph can capture the whole step."""
 
     slots: tuple[int, ...]  # adapter slots (>= 1) with rows this step, ascending
-    groups: list[tuple[int, torch.Tensor]]  # torch path: (slot, row indices [n] int64)
+    # torch path: (slot, row indices [n] int64, the rows' strengths [n, 1] float32 or None when
+    # every one is 1.0: then no multiply, so those deltas keep their bits)
+    groups: list[tuple[int, torch.Tensor, torch.Tensor | None]]
     tiles: LoraTiles | None = None  # kernel path; None on the torch path
     # Kernel path in a CUDA graph: launch for every edited projection whatever `slots` says
     # (replays serve other mixtures); rows of slot 0 then exit inside the kernels.
     launch_always: bool = False
     row_slots: torch.Tensor | None = None  # kernel path: [num_rows] int64, each row's slot
+    # kernel path: [num_rows] float32, each row's adapter strength (the expand multiplies by it)
+    row_strengths: torch.Tensor | None = None
     # Kernel path: the LoRA kernels' settings, and the step's PDL row limit, which every kernel
     # of the step takes (kernels/pdl.py; 0 on the torch path).
     shrink: ShrinkConfig = ShrinkConfig()
@@ -46,10 +50,13 @@ class LoraRows:
         """use_kernels: None picks the kernels on CUDA when triton imports (tests force it)."""
         # From the chunk list, not from batch.row_adapter_slots: no device-to-host copy per step.
         rows: dict[int, list[int]] = {}
+        strengths: dict[int, list[float]] = {}
         for chunk in batch.seqs:
             if chunk.adapter_slot != 0:
                 rows.setdefault(chunk.adapter_slot, []).extend(
                     range(chunk.token_start, chunk.token_start + chunk.num_tokens))
+                strengths.setdefault(chunk.adapter_slot, []).extend(
+                    [chunk.adapter_strength] * chunk.num_tokens)
         slots = tuple(sorted(rows))
         device = batch.input_ids.device
         if use_kernels is None:
@@ -61,12 +68,16 @@ class LoraRows:
                 max_tiles = count_tiles((len(rows[slot]) for slot in slots), tuning.tiles.block_m)
             pdl_rows = tuning.pdl.step_rows(with_lora=bool(slots) or launch_always)
             tiles = step_tiles(batch, max_tiles, tuning, _capturing(device))
-            return cls(slots, [], tiles, launch_always, batch.row_adapter_slots, tuning.shrink,
-                       tuning.expand, pdl_rows)
+            row_strengths = batch.row_strengths
+            if row_strengths is None:
+                row_strengths = torch.ones(batch.row_adapter_slots.shape[0], dtype=torch.float32,
+                                           device=device)
+            return cls(slots, [], tiles, launch_always, batch.row_adapter_slots, row_strengths,
+                       tuning.shrink, tuning.expand, pdl_rows)
         if launch_always:
             raise ValueError("launch_always is for the kernel path (CUDA graphs)")
-        return cls(slots, [(slot, torch.tensor(rows[slot], dtype=torch.int64, device=device))
-                           for slot in slots])
+        return cls(slots, [(slot, torch.tensor(rows[slot], dtype=torch.int64, device=device),
+                            _group_strengths(strengths[slot], device)) for slot in slots])
 
     @property
     def any_delta(self) -> bool:
@@ -77,6 +88,13 @@ class LoraRows:
         """Kernel path: whether a table with these ranks per slot (LoraSlots.ranks) takes part
         (a fact known to Python, no sync)."""
         return self.launch_always or any(ranks[slot] for slot in self.slots)
+
+
+def _group_strengths(strengths: list[float], device: torch.device) -> torch.Tensor | None:
+    """[n, 1] float32: a slot group's row strengths, or None when all are 1.0 (no multiply)."""
+    if all(x == 1.0 for x in strengths):
+        return None
+    return torch.tensor(strengths, dtype=torch.float32, device=device).unsqueeze(1)
 
 
 def step_tiles(batch: ForwardBatch, max_tiles: int, tuning: Tuning,

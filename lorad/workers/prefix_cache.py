@@ -5,7 +5,8 @@ A block's hash is blake2b over its parent's hash and its token ids; the first bl
 the root of the sequence's adapter identity key (adapter_key.py: the factor bytes, module set and
 final scales), the base model's root being the key "". Two names registered on byte-identical
 folders at the same strength have one key and so share blocks; a reload with other bytes or
-another strength gets another key and shares nothing. Pure bookkeeping, replicated on every rank:
+another strength gets another key and shares nothing; so does a request's own adapter_strength
+other than 1.0 (root_hash). Pure bookkeeping, replicated on every rank:
 which block holds which hash is block_manager.py's, the spill's index spill_index.py's, the I/O
 spill.py's, and when a sequence starts the planner's.
 """
@@ -23,8 +24,12 @@ from lorad.workers.spill_index import MAX_READS_PER_STEP, SpillIndex
 _DOMAIN = b"lorad prefix cache v1\0"
 
 
-def root_hash(adapter_key: str) -> bytes:
-    """The parent of a sequence's first block: its adapter identity key's ("" for the base)."""
+def root_hash(adapter_key: str, strength: float = 1.0) -> bytes:
+    """The parent of a sequence's first block: its adapter identity key's ("" for the base), with
+    the request's adapter strength when it is not 1.0 (so 1.0 keeps the roots it always had, and
+    two strengths of one adapter never share a block)."""
+    if strength != 1.0:
+        adapter_key = adapter_key + "@" + repr(float(strength))
     return hashlib.blake2b(_DOMAIN + adapter_key.encode(), digest_size=16).digest()
 
 
@@ -37,7 +42,7 @@ def extend_hashes(seq: Sequence, num_blocks: int, block_size: int) -> list[bytes
     """seq.block_hashes grown to cover its first num_blocks full blocks (of prompt + output
     tokens; the caller keeps num_blocks * block_size within them); -> that list."""
     hashes = seq.block_hashes
-    parent = hashes[-1] if hashes else root_hash(seq.adapter_key)
+    parent = hashes[-1] if hashes else root_hash(seq.adapter_key, seq.adapter_strength)
     for i in range(len(hashes), num_blocks):
         parent = block_hash(parent, seq.token_slice(i * block_size, (i + 1) * block_size))
         hashes.append(parent)

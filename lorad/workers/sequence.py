@@ -45,6 +45,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_indexed_blocks: int = 0
     num_cached_tokens: int = 0
+    # The request's multiplier of its adapter's scales (lorad's "adapter_strength"); 1.0 for the
+    # base model, whose requests cannot carry one.
+    adapter_strength: float = 1.0
 
     @property
     def num_prompt_tokens(self) -> int:

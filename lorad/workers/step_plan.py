@@ -22,6 +22,7 @@ class ScheduledChunk(NamedTuple):
     block_table: list[int]  # covers every position up to start+len-1
     sample: bool  # the chunk reaches the sequence's last token: sample its next one
     adapter_slot: int
+    adapter_strength: float = 1.0  # the request's multiplier of its adapter's scales
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,8 @@ class StepPlan:
         return [k for k, request_id in enumerate(ids)
                 for _ in range(1 + len(self.forks.get(request_id, ())))]
 
-    def batch_chunks(self) -> list[tuple[list[int], int, list[int], bool, int]]:
+    def batch_chunks(self) -> list[tuple[list[int], int, list[int], bool, int, float]]:
         """The plan in the form `ForwardBatch.build` takes: each chunk but its request id,
-        (token_ids, start, block_table, sample, adapter_slot), by a tuple slice (5 attribute
-        reads per chunk were a fifth of the planner's step at 256 sequences)."""
+        (token_ids, start, block_table, sample, adapter_slot, adapter_strength), by a tuple slice
+        (5 attribute reads per chunk were a fifth of the planner's step at 256 sequences)."""
         return [c[1:] for c in self.chunks]

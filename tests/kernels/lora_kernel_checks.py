@@ -95,7 +95,8 @@ def mixed_slots(num_rows: int, num_slots: int, gen: torch.Generator) -> torch.Te
 
 def run_kernels(x: torch.Tensor, outs: list[torch.Tensor], tables: Tables, row_slots: torch.Tensor,
                 max_tiles: int | None = None, num_programs: int | None = None,
-                t: torch.Tensor | None = None, deltas: bool = False) -> torch.Tensor:
+                t: torch.Tensor | None = None, deltas: bool = False,
+                row_strengths: torch.Tensor | None = None) -> torch.Tensor:
     from lorad.workers.kernels.lora_expand import lora_expand
     from lorad.workers.kernels.lora_shrink import lora_shrink
     from lorad.workers.kernels.configs import TileConfig
@@ -105,8 +106,8 @@ def run_kernels(x: torch.Tensor, outs: list[torch.Tensor], tables: Tables, row_s
         max_tiles = count_tiles((int(c) for c in counts), TileConfig().block_m)
     tiles = LoraTiles.build(row_slots, max_tiles)
     t = lora_shrink(x, tables.a, tables.ranks, tiles, out=t, num_programs=num_programs)
-    lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles, num_programs=num_programs,
-                deltas=deltas)
+    lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles,
+                row_strengths=row_strengths, num_programs=num_programs, deltas=deltas)
     return t
 
 
@@ -434,11 +435,46 @@ def fill_lora_slots(lora, tables: Tables, i: int) -> None:
     lora.scale_table.copy_(tables.scales[i])
 
 
+def check_mixed_strengths(device: str, shape: Shape, x_dtype: torch.dtype,
+                          num_rows: int = 19) -> None:
+    """Rows of several request strengths (0, 0.5, 1, 2, 4) of the same slots in one launch: each
+    row equals the reference with its strength, in place and as deltas alone; rows at 1.0 keep
+    the bits of a launch without strengths, and rows at 0 keep their base output's."""
+    from lorad.workers.kernels.lora_reference import lora_delta_reference
+    gen = torch.Generator().manual_seed(11)
+    tables = make_tables(shape, gen, device, torch.float32)
+    row_slots = mixed_slots(num_rows, shape.num_slots, gen).to(device)
+    choices = torch.tensor([0.0, 0.5, 1.0, 2.0, 4.0])
+    strengths = choices[torch.randint(0, len(choices), (num_rows,), generator=gen)].to(device)
+    x = torch.randn(num_rows, shape.in_features, generator=gen).to(device, x_dtype)
+    before = [torch.randn(num_rows, n, generator=gen).to(device) for n in shape.out_features]
+    for deltas in (False, True):
+        plain = [torch.zeros_like(o) if deltas else o.clone() for o in before]
+        mixed = [torch.zeros_like(o) if deltas else o.clone() for o in before]
+        run_kernels(x, plain, tables, row_slots, deltas=deltas)
+        run_kernels(x, mixed, tables, row_slots, deltas=deltas, row_strengths=strengths)
+        base = [torch.zeros_like(o) for o in before] if deltas else before
+        want = lora_delta_reference(x, base, tables.a, tables.b, tables.ranks, tables.scales,
+                                    row_slots, strengths)
+        for i, (p, m, w, ranks) in enumerate(zip(plain, mixed, want, tables.ranks)):
+            where = f"table {i}, deltas={deltas}"
+            edited = ranks[row_slots] != 0
+            assert_close(f"{where}: mixed strengths", m[edited], w[edited])
+            at_one = edited & (strengths == 1.0)
+            if not _same_bits(m[at_one], p[at_one]):
+                raise AssertionError(f"{where}: a row at strength 1.0 changed bits")
+            at_zero = edited & (strengths == 0.0)
+            if not deltas and not _same_bits(m[at_zero], base[i][at_zero]):
+                raise AssertionError(f"{where}: a row at strength 0 changed its base output")
+
+
 def check_layer_path(device: str, shape: Shape, x_dtype: torch.dtype,
-                     table_dtype: torch.dtype = torch.float32) -> None:
+                     table_dtype: torch.dtype = torch.float32,
+                     strengths: tuple[float, ...] | None = None) -> None:
     """add_lora_deltas and LoraSlots.add_delta on the kernel path equal the torch path (the CPU's,
     on CPU copies), for bf16 and fp32 outputs, with a projection no adapter edits beside them;
-    launch_always gives the same bits as launching by the chunk list."""
+    launch_always gives the same bits as launching by the chunk list. strengths: each chunk's
+    request strength (None: the chunks carry none, 1.0)."""
     from lorad.workers.lora import LoraSlots, add_lora_deltas
     from lorad.workers.lora_rows import LoraRows
     gen = torch.Generator().manual_seed(3)
@@ -455,6 +491,8 @@ def check_layer_path(device: str, shape: Shape, x_dtype: torch.dtype,
     # Chunks: (tokens, start, block table, sample, slot); a prompt chunk and decodes.
     slots = [shape.num_slots - 1, 0, 1, shape.num_slots - 1, 2, 3]
     chunks = [([5] * (9 if i == 0 else 1), 0, [i], True, slot) for i, slot in enumerate(slots)]
+    if strengths is not None:
+        chunks = [chunk + (x,) for chunk, x in zip(chunks, strengths)]
     batches = {dev: ForwardBatch.build(chunks, 16, dev) for dev in ("cpu", device)}
     num_rows = batches["cpu"].input_ids.shape[0]
     x = torch.randn(num_rows, shape.in_features, generator=gen).to(x_dtype)
@@ -501,6 +539,13 @@ CHECKS = {
     "no_adapter_rows": (check_no_adapter_rows, dict(shape=CPU_SHAPES["pair"],
                                                     x_dtype=torch.bfloat16)),
     "layer_path_bf16": (check_layer_path, dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16)),
+    "layer_path_strengths": (check_layer_path, dict(shape=CPU_SHAPES["qkv"],
+                                                    x_dtype=torch.bfloat16,
+                                                    strengths=(2.0, 1.0, 0.5, 0.0, 1.0, 4.0))),
+    "mixed_strengths_qkv_bf16": (check_mixed_strengths, dict(shape=CPU_SHAPES["qkv"],
+                                                             x_dtype=torch.bfloat16)),
+    "mixed_strengths_one_fp32": (check_mixed_strengths, dict(shape=CPU_SHAPES["one"],
+                                                             x_dtype=torch.float32)),
     "chunk_groups_long_k": (check_chunk_groups_change_no_bit,
                             dict(shape=CPU_SHAPES["long_k"], x_dtype=torch.bfloat16)),
     "exact_dot": (check_exact_dot_keeps_every_bit, {}),

@@ -40,7 +40,8 @@ def test_live_digest_sees_ids_adapters_and_positions():
     assert base == live()
     for change in ({"request_id": "s"}, {"adapter_slot": 2}, {"adapter_key": "k2"},
                    {"num_computed": 1}, {"output_ids": [5]}, {"arrival": 2},
-                   {"block_table": [7]}, {"request_id": "r1", "adapter_key": "ey"}):
+                   {"block_table": [7]}, {"request_id": "r1", "adapter_key": "ey"},
+                   {"adapter_strength": 0.5}, {"adapter_strength": 0.0}):
         assert live(**change) != base, change
 
 
@@ -50,7 +51,8 @@ def reference_live_digest(live) -> int:
     h = hashlib.sha256()
     for seq in live:
         h.update(f"{len(seq.request_id)}:{seq.request_id}{len(seq.adapter_key)}:"
-                 f"{seq.adapter_key}{seq.arrival},{seq.adapter_slot},{seq.status.value},"
+                 f"{seq.adapter_key}{seq.arrival},{seq.adapter_slot},{seq.adapter_strength!r},"
+                 f"{seq.status.value},"
                  f"{seq.num_tokens},{seq.num_computed},{len(seq.block_table)};".encode())
         h.update(array("q", seq.block_table).tobytes())
     return agreement.to_int64(h.digest())
@@ -63,6 +65,7 @@ def random_live_set(rng: random.Random) -> list[Sequence]:
                        for _ in range(rng.randrange(1, 30))], PARAMS, rng.randrange(4),
                        rng.choice(["", "k" * 64, "é-key"]), arrival=arrival * rng.randrange(1, 9))
         seq.output_ids = [rng.randrange(50000) for _ in range(rng.randrange(0, 9))]
+        seq.adapter_strength = rng.choice([1.0, 0.0, 0.5, 2.0])
         seq.status = rng.choice(list(SeqStatus))
         seq.num_computed = rng.randrange(seq.num_tokens + 1)
         seq.block_table = rng.sample(range(1 << 20), rng.randrange(0, 12))

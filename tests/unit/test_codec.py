@@ -29,6 +29,8 @@ MESSAGES = [
     StepResult(8, [], 0, 0, 128),
     StepResult(10, [], 4, 0, 100, 37),
     Admit(6, "cmpl-n", [1, 2], SAMPLING, 0, "", "", 16),
+    Admit(7, "cmpl-s", [1, 2], SAMPLING, 2, "sha256:" + "cd" * 32, adapter_strength=0.5),
+    Admit(8, "cmpl-s0", [1], SAMPLING, 2, "sha256:" + "cd" * 32, adapter_strength=0.0),
     StepResult(9, [SeqOutput("a", [5], None, 3, [TokenLogprobs(-0.25, [5, 7], [-0.25, -2.5])]),
                    SeqOutput("b", [2], "stop", 9, [TokenLogprobs(-3.0, [], [])])], 1, 0, 120),
     Admit(5, "cmpl-l", [1], SamplingParams(0.0, 1.0, 0, 1, 4, [2], False, 20), 0, ""),
@@ -56,7 +58,7 @@ def test_round_trip(msg):
 def test_int_is_accepted_for_float():
     frame = bytes([Admit.KIND]) + msgpack.packb(
         [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1, 0, 0, 1, 0, [[7, 5]], [], 0, -1], 0, "", "",
-         1, True])
+         1, True, 1.0])
     sampling = decode(frame, (Admit,)).sampling
     assert sampling.temperature == 1.0 and sampling.repetition_penalty == 1.0
     assert type(sampling.temperature) is float and type(sampling.repetition_penalty) is float
@@ -65,6 +67,13 @@ def test_int_is_accepted_for_float():
 
 def test_kinds_are_distinct():
     assert len({cls.KIND for cls in ALL_KINDS}) == len(ALL_KINDS)
+
+
+def _admit_frame(prompt, sampling, slot=0, key="", grammar="", n=1, cache_prompt=True,
+                 strength=1.0) -> bytes:
+    """An Admit frame with every field (protocol 11's adapter_strength last)."""
+    return _frame(Admit.KIND, [1, "r", prompt, sampling, slot, key, grammar, n, cache_prompt,
+                               strength])
 
 
 def _frame(kind: int, body) -> bytes:
@@ -94,11 +103,11 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
     (_frame(StepResult.KIND,
             [1, [["a", [5], None, 3, [[-1.0, [1, 2], [-1.0]]], None]], 1, 0, 9, 0]),
      (StepResult,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 4, [], False, 21)), 0, "", "", 1, True]),
+    (_admit_frame([1], _sp((1.0, 1.0, 0, 0, 4, [], False, 21))),
      (Admit,)),
     # n outside 1..MAX_CHOICES
-    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", "", 0, True]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", "", 17, True]),
+    (_admit_frame([1], _sp(), n=0), (Admit,)),
+    (_admit_frame([1], _sp(), n=17),
      (Admit,)),
     (_frame(Cancel.KIND, [1]), (Cancel,)),  # too few fields
     (_frame(Cancel.KIND, [1, "x", 3]), (Cancel,)),  # too many fields
@@ -113,37 +122,40 @@ def _sp(first=(1.0, 1.0, 0, 0, 4, [], False, -1), **changed) -> list:
     (_frame(StepResult.KIND, [1, [["a", [5], None, 3, "x", None]], 1, 0, 9, 0]), (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [5], b"stop", 3, None, None]], 1, 0, 9, 0]), (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None, 3.0, None, None]], 1, 0, 9, 0]), (StepResult,)),
-    (_frame(Admit.KIND, [1, "r", [1, "2"], _sp(), 0, "", "", 1, True]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 4, [], 0, -1)), 0, "", "", 1, True]),
+    (_admit_frame([1, "2"], _sp()), (Admit,)),
+    (_admit_frame([1], _sp((1.0, 1.0, 0, 0, 4, [], 0, -1))),
      (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp((True, 1.0, 0, 0, 4, [], False, -1)),
-                         0, "", "", 1, True]),
+    (_admit_frame([1], _sp((True, 1.0, 0, 0, 4, [], False, -1))),
      (Admit,)),
-    (_frame(Admit.KIND, [1, "r", 7, _sp(), 0, "", "", 1, True]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", None, 1, True]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, ""]), (Admit,)),
+    (_admit_frame(7, _sp()), (Admit,)),
+    (_admit_frame([1], _sp(), grammar=None), (Admit,)),
+    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, ""]), (Admit,)),  # too few fields
+    # version 11's adapter_strength: out of 0..4, not a number, or on the base model (slot 0)
+    (_admit_frame([1], _sp(), slot=1, key="k", strength=4.5), (Admit,)),
+    (_admit_frame([1], _sp(), slot=1, key="k", strength=-0.5), (Admit,)),
+    (_admit_frame([1], _sp(), slot=1, key="k", strength="2"), (Admit,)),
+    (_admit_frame([1], _sp(), slot=1, key="k", strength=float("nan")), (Admit,)),
+    (_admit_frame([1], _sp(), strength=2.0), (Admit,)),
     (_frame(StepResult.KIND, [1, [["a", [5], 3, 3, None, None]], 1, 0, 9, 0]), (StepResult,)),
     # echo's values out of their bounds, or not a list
     (_frame(StepResult.KIND, [1, [["a", [], None, 3, None, [[-1.0, [1], []]]]], 1, 0, 9, 0]),
      (StepResult,)),
     (_frame(StepResult.KIND, [1, [["a", [], None, 3, None, -1.0]], 1, 0, 9, 0]), (StepResult,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp((1.0, 1.0, 0, 0, 0, [], False, -1),
-                                          prompt_logprobs=21), 0, "", "", 1, True]), (Admit,)),
+    (_admit_frame([1], _sp((1.0, 1.0, 0, 0, 0, [], False, -1), prompt_logprobs=21)),
+     (Admit,)),
     (_frame(StepResult.KIND, [1, [["a", [5], None]], 1, 0, 9, 0]), (StepResult,)),
     (_frame(Ready.KIND, [0, 3, "x", 1, 1, "d", [["weights", "1.5"]]]), (Ready,)),  # str seconds
     (bytes([Cancel.KIND]) + b"\xc1\xc1", (Cancel,)),  # bytes msgpack never produces
     # the version 8 fields' own bounds: a penalty of 0, a bias over 100, unsorted or repeated
     # logit_bias ids, min_tokens over max_tokens, a bias entry that is not a pair
-    (_frame(Admit.KIND, [1, "r", [1], _sp(repetition_penalty=0), 0, "", "", 1, True]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[3, 101.0]]), 0, "", "", 1, True]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[9, 1], [3, 1]]), 0, "", "", 1, True]),
-     (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[[3, 1], [3, 2]]), 0, "", "", 1, True]),
-     (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(min_tokens=5), 0, "", "", 1, True]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(logit_bias=[3]), 0, "", "", 1, True]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(presence_penalty=2.5), 0, "", "", 1, True]), (Admit,)),
-    (_frame(Admit.KIND, [1, "r", [1], _sp(), 0, "", "", 1, 1]), (Admit,)),  # cache_prompt
+    (_admit_frame([1], _sp(repetition_penalty=0)), (Admit,)),
+    (_admit_frame([1], _sp(logit_bias=[[3, 101.0]])), (Admit,)),
+    (_admit_frame([1], _sp(logit_bias=[[9, 1], [3, 1]])), (Admit,)),
+    (_admit_frame([1], _sp(logit_bias=[[3, 1], [3, 2]])), (Admit,)),
+    (_admit_frame([1], _sp(min_tokens=5)), (Admit,)),
+    (_admit_frame([1], _sp(logit_bias=[3])), (Admit,)),
+    (_admit_frame([1], _sp(presence_penalty=2.5)), (Admit,)),
+    (_admit_frame([1], _sp(), cache_prompt=1), (Admit,)),  # cache_prompt
 ])
 def test_rejections(frame, accept):
     with pytest.raises(ProtocolError):

@@ -64,8 +64,9 @@ def test_static_inputs_are_padded(model):
                           num_adapters=3)
     inputs = graphs.inputs
     # A step of 7 first, so that the smaller step after it must overwrite what it left.
-    inputs.fill([([9], 5, [1, 2], True, 1)] * 7, 8)
-    chunks = [([11], 5, [3, 4], True, 2), ([12], 0, [5], True, 0), ([13], 8, [6, 7, 8], True, 3)]
+    inputs.fill([([9], 5, [1, 2], True, 1, 2.5)] * 7, 8)
+    chunks = [([11], 5, [3, 4], True, 2, 0.5), ([12], 0, [5], True, 0),
+              ([13], 8, [6, 7, 8], True, 3, 0.0)]
     inputs.fill(chunks, 4)
     seqs = inputs.seqs(chunks, 4)
     batch = inputs.batch(4, seqs)
@@ -73,6 +74,8 @@ def test_static_inputs_are_padded(model):
     assert batch.positions.tolist() == [5, 0, 8, 0, 0, 0, 0, 0]
     assert batch.slot_mapping.tolist() == [4 * 4 + 1, 5 * 4, 8 * 4, -1, -1, -1, -1, -1]
     assert batch.row_adapter_slots.tolist() == [2, 0, 3, 0, 0, 0, 0, 0]
+    assert batch.row_strengths.tolist() == [0.5, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # pads 1.0
+    assert batch.row_strengths.data_ptr() == inputs.strengths.data_ptr()  # the static tensor
     assert batch.context_lens.tolist() == [6, 1, 9, 0]
     assert batch.block_tables[0, :2].tolist() == [3, 4]
     assert batch.block_tables[1, 0].item() == 5 and batch.block_tables[2].tolist()[:3] == [6, 7, 8]
@@ -83,7 +86,7 @@ def test_static_inputs_are_padded(model):
         [(0, 1, 6, 2), (1, 1, 1, 0), (2, 1, 9, 3), (3, 1, 0, 0)]
     # The real part is exactly what the eager batch of the same step holds.
     plain = ForwardBatch.build(chunks, BLOCK_SIZE, "cpu", min_rows=rows_of(4))
-    for name in ("input_ids", "positions", "slot_mapping", "row_adapter_slots"):
+    for name in ("input_ids", "positions", "slot_mapping", "row_adapter_slots", "row_strengths"):
         assert torch.equal(getattr(batch, name), getattr(plain, name)), name
     assert torch.equal(batch.context_lens[:3], plain.context_lens)
 
@@ -149,7 +152,8 @@ def _kv_snapshot(model) -> list[torch.Tensor]:
 
 def test_padded_step_gives_the_plain_steps_logits(model):
     """Bucket steps (3 sequences in a bucket of 4, 9 in 16) against the plain eager step: the same
-    bits for every real row, with a mixture of adapters, and no KV written for padding."""
+    bits for every real row, with a mixture of adapters at several strengths (rows of one adapter
+    at different ones), and no KV written for padding."""
     graphs = DecodeGraphs(model, max_num_seqs=16, max_model_len=MAX_LEN, block_size=BLOCK_SIZE,
                           num_adapters=3)
     streams = make_streams([0, 1, 2, 3, 1, 0, 3, 2, 2], [5, 9, 3, 7, 4, 6, 2, 8, 5], MAX_LEN,
@@ -158,6 +162,8 @@ def test_padded_step_gives_the_plain_steps_logits(model):
     for num_seqs in (3, 9, 1, 9):
         live = streams[:num_seqs]
         chunks = [s.decode_chunk(7 + i) for i, s in enumerate(live)]
+        chunks = [chunk + ((0.5, 2.0, 1.0, 0.0)[i % 4],) if i % 3 else chunk
+                  for i, chunk in enumerate(chunks)]
         before = _kv_snapshot(model)
         padded = graphs.run(chunks)
         written = [(a != b).flatten(1).any(1) for a, b in zip(before, _kv_snapshot(model))]

@@ -32,8 +32,10 @@ _arrivals = iter(range(1, 10**6))
 
 def admit(p: Planner, rid: str, prompt: list[int], key: str = "", **kw) -> Sequence:
     cache_prompt = kw.pop("cache_prompt", True)
+    strength = kw.pop("strength", 1.0)
     seq = Sequence(rid, list(prompt), params(**kw), adapter_slot=1 if key else 0,
-                   adapter_key=key, arrival=next(_arrivals), cache_prompt=cache_prompt)
+                   adapter_key=key, arrival=next(_arrivals), cache_prompt=cache_prompt,
+                   adapter_strength=strength)
     assert p.admit(seq) is None
     return seq
 
@@ -62,6 +64,26 @@ def test_hashes_chain_from_the_adapter_key():
     assert block_hash(a, [1, 2, 3, 4]) != first  # same tokens, another identity
     assert block_hash(first, [5, 6, 7, 8]) != block_hash(base, [5, 6, 7, 8])  # the chain counts
     assert block_hash(base, [1, 2, 3, 5]) != first
+
+
+def test_a_strength_other_than_one_roots_its_own_chain():
+    key = "a" * 64
+    assert root_hash(key, 1.0) == root_hash(key)  # 1.0: the roots the cache always had
+    roots = {root_hash(key, x) for x in (0.0, 0.5, 1.0, 2.0, 4.0)}
+    assert len(roots) == 5 and root_hash(key, 2) == root_hash(key, 2.0)
+    assert root_hash("", 1.0) == root_hash("")
+
+
+def test_strengths_share_blocks_only_with_their_own_strength():
+    p = planner()
+    key = "k" * 64
+    for rid, strength in (("one", 1.0), ("half", 0.5), ("half-again", 0.5), ("two", 2.0),
+                          ("one-again", 1.0)):
+        admit(p, rid, PROMPT, key, strength=strength)
+        plans = run_all(p)
+        cached = {"half-again": 28, "one-again": 28}.get(rid, 0)
+        chunk = first_chunk(plans, rid)
+        assert chunk.start == cached and chunk.adapter_strength == strength, rid
 
 
 def test_a_repeated_prompt_starts_past_its_cached_blocks():

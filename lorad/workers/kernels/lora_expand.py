@@ -1,4 +1,5 @@
-"""LoRA expand: out[row] += scale[slot] * (t[row, :r] B[slot, :, :r]^T), in fp32, for up to three
+"""LoRA expand: out[row] += (scale[slot] * (t[row, :r] B[slot, :, :r]^T)) * strength[row], in fp32
+(strength: the row's request's multiplier, 1.0 by default, an exact multiply), for up to three
 outputs at once (the tables of projections that share an input), t being the sum of the shrink's
 per-chunk partials, added here as they are read.
 
@@ -54,7 +55,7 @@ def fitting_block_n(block_n: int, rank_pad: int, itemsize: int) -> int:
 @triton.jit
 def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_out, N, b_ptr,
                    ranks_ptr, scales_ptr, max_rank, first_block, num_item_blocks, slot, rows,
-                   in_tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   in_tile, strengths_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    RANK_PAD: tl.constexpr, MAX_CHUNKS: tl.constexpr, B_PARTS: tl.constexpr,
                    NUM_STAGES: tl.constexpr, DELTA: tl.constexpr):
     # Blocks [first_block, first_block + num_item_blocks) of one table, one after another with
@@ -70,6 +71,9 @@ def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_
     # it the expand is faster (docs/performance-log.md: expand without a select on B).
     rank = tl.load(ranks_ptr + slot)
     scale = tl.load(scales_ptr + slot)
+    # Each row's request strength, after the slot's scale: x 1.0 is exact, so a row at 1.0 gets
+    # the bits it got before strengths existed.
+    strength = tl.load(strengths_ptr + rows, mask=in_tile, other=1.0)  # [BLOCK_M] fp32
     chunks = tl.arange(0, MAX_CHUNKS)
     has_c = chunks < num_chunks
     ranks_j = tl.arange(0, RANK_PAD)
@@ -93,7 +97,7 @@ def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_
         # t's fp32 sums split into three bf16 terms (exactly), B into its own: exact products.
         acc = exact_dot(tj, tl.trans(bj), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
                         3, B_PARTS)
-        delta = acc * scale
+        delta = (acc * scale) * strength[:, None]
         if DELTA:
             # The delta alone, in fp32, into a buffer that a later kernel adds to the rounded
             # base output, as the torch path's `(out.float() + delta).to(dtype)` too.
@@ -114,7 +118,7 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                    N0, N1, N2, b0_ptr, b1_ptr, b2_ptr,
                    ranks0_ptr, ranks1_ptr, ranks2_ptr, scales0_ptr, scales1_ptr, scales2_ptr,
                    max_rank0, max_rank1, max_rank2, blocks_end0, blocks_end1, num_blocks,
-                   tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, target_items,
+                   tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, target_items, strengths_ptr,
                    NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    RANK_PAD: tl.constexpr, MAX_CHUNKS: tl.constexpr, B_PARTS: tl.constexpr,
                    NUM_STAGES: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr):
@@ -139,41 +143,44 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
             first = g * group
             _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out0_ptr, stride_out0,
                            N0, b0_ptr, ranks0_ptr, scales0_ptr, max_rank0, first,
-                           tl.minimum(group, blocks0 - first), slot, rows, in_tile, BLOCK_M,
-                           BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS, NUM_STAGES, DELTA)
+                           tl.minimum(group, blocks0 - first), slot, rows, in_tile,
+                           strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
+                           NUM_STAGES, DELTA)
         elif NUM_TABLES == 2:
             first = (g - groups0) * group
             _expand_blocks(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
                            out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr, max_rank1,
                            first, tl.minimum(group, blocks1 - first), slot, rows, in_tile,
-                           BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS, NUM_STAGES, DELTA)
+                           strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
+                           NUM_STAGES, DELTA)
         elif NUM_TABLES == 3:
             if g < groups01:
                 first = (g - groups0) * group
                 _expand_blocks(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
                                out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr,
                                max_rank1, first, tl.minimum(group, blocks1 - first), slot, rows,
-                               in_tile, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
-                               NUM_STAGES, DELTA)
+                               in_tile, strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS,
+                               B_PARTS, NUM_STAGES, DELTA)
             else:
                 first = (g - groups01) * group
                 _expand_blocks(t_ptr + 2 * stride_t_table, stride_t, stride_t_chunk, num_chunks,
                                out2_ptr, stride_out2, N2, b2_ptr, ranks2_ptr, scales2_ptr,
                                max_rank2, first, tl.minimum(group, blocks2 - first), slot, rows,
-                               in_tile, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
-                               NUM_STAGES, DELTA)
+                               in_tile, strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS,
+                               B_PARTS, NUM_STAGES, DELTA)
     pdl.finish(PDL)
 
 
 def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequence[torch.Tensor],
                 rank_tables: Sequence[torch.Tensor], scale_tables: Sequence[torch.Tensor],
-                tiles: LoraTiles, num_programs: int | None = None,
+                tiles: LoraTiles, row_strengths: torch.Tensor | None = None,
+                num_programs: int | None = None,
                 config: ExpandConfig | None = None, deltas: bool = False,
                 num_target_items: int | None = None, steps: ExpandSteps = ExpandSteps(),
                 pdl_rows: int = 0) -> None:
-    """outs[i][row] += scale * (sum_c t[i, row, c, :rank] B_i[slot, :, :rank]^T), in place, for
-    each row whose slot table i edits (rank = rank_tables[i][slot] > 0); no other element is
-    touched.
+    """outs[i][row] += (scale * (sum_c t[i, row, c, :rank] B_i[slot, :, :rank]^T)) * strength[row],
+    in place, for each row whose slot table i edits (rank = rank_tables[i][slot] > 0); no other
+    element is touched.
 
     t: [num_tables, num_rows, num_k_chunks, width] float32 from lora_shrink; outs[i]: [num_rows,
     out_i] float32, or the model dtype (then widened, added to in fp32 and rounded back once; rows
@@ -181,7 +188,8 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     max_rank_i] fp32, bf16 or fp16 (all of one dtype; exact_dot splits them exactly into bf16
     terms), contiguous, finite past each slot's rank (their values there are multiplied by zero,
     so any finite value adds nothing; LoraSlots holds zeros there); rank_tables[i]: [num_slots]
-    int32; scale_tables[i]: [num_slots] float32.
+    int32; scale_tables[i]: [num_slots] float32; row_strengths: [num_rows] float32 (None: all
+    1.0), each row's request strength.
 
     deltas: outs[i] are fp32 buffers that get the delta alone, scale * (t B^T) rounded to fp32,
     at the same elements (nothing else is written): a later kernel adds it to the rounded base
@@ -207,6 +215,9 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         assert b.dtype == b_tables[0].dtype, "tables of one launch share a dtype"
     if tiles.max_tiles == 0:
         return
+    if row_strengths is None:
+        row_strengths = torch.ones(t.shape[1], dtype=torch.float32, device=t.device)
+    assert row_strengths.dtype == torch.float32 and row_strengths.shape == (t.shape[1],)
     rank_pad = max(16, next_power_of_2(max(b.shape[2] for b in b_tables)))
     block_n = fitting_block_n(config.block_n, rank_pad, b_tables[0].element_size())
     blocks_end = table_block_ends([b.shape[1] for b in b_tables], block_n)
@@ -222,7 +233,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         *(b.shape[2] for b in padded_b), blocks_end[1], blocks_end[min(2, num_tables)],
         num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles,
         target_items(steps.items_per_sm, t.device, tiles.programs_per_sm)
-        if num_target_items is None else num_target_items,
+        if num_target_items is None else num_target_items, row_strengths,
         NUM_TABLES=num_tables, NUM_STAGES=config.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, RANK_PAD=rank_pad,
         MAX_CHUNKS=next_power_of_2(t.shape[2]), B_PARTS=bf16_parts(b_tables[0].dtype),

@@ -30,16 +30,21 @@ def lora_shrink_reference(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
 
 def lora_expand_reference(t: Sequence[dict[int, torch.Tensor]], outs: Sequence[torch.Tensor],
                           b_tables: Sequence[torch.Tensor], scale_tables: Sequence[torch.Tensor],
-                          row_slots: torch.Tensor) -> list[torch.Tensor]:
-    """-> copies of outs (fp32) with scale * (t_row B[slot, :, :rank]^T) added to each row of t;
-    rows absent from t keep their bits. t: from lora_shrink_reference with the same row_slots."""
+                          row_slots: torch.Tensor,
+                          row_strengths: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """-> copies of outs (fp32) with (scale * (t_row B[slot, :, :rank]^T)) * strength[row] added
+    to each row of t; rows absent from t keep their bits. t: from lora_shrink_reference with the
+    same row_slots; row_strengths: [num_rows] float32 (None: all 1.0)."""
     results = []
     for t_rows, out, b, scales in zip(t, outs, b_tables, scale_tables):
         result = out.clone()
         for row, t_row in t_rows.items():
             slot = int(row_slots[row])
             rank = t_row.shape[0]
-            result[row] = out[row] + (t_row @ b[slot, :, :rank].float().t()) * scales[slot]
+            delta = (t_row @ b[slot, :, :rank].float().t()) * scales[slot]
+            if row_strengths is not None:
+                delta = delta * row_strengths[row]
+            result[row] = out[row] + delta
         results.append(result)
     return results
 
@@ -47,7 +52,9 @@ def lora_expand_reference(t: Sequence[dict[int, torch.Tensor]], outs: Sequence[t
 def lora_delta_reference(x: torch.Tensor, outs: Sequence[torch.Tensor],
                          a_tables: Sequence[torch.Tensor], b_tables: Sequence[torch.Tensor],
                          rank_tables: Sequence[torch.Tensor], scale_tables: Sequence[torch.Tensor],
-                         row_slots: torch.Tensor) -> list[torch.Tensor]:
-    """-> copies of outs (fp32) with each row's delta added: out[row] + scale * ((x A^T) B^T)."""
+                         row_slots: torch.Tensor,
+                         row_strengths: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """-> copies of outs (fp32) with each row's delta added:
+    out[row] + (scale * ((x A^T) B^T)) * strength[row]."""
     shrunk = lora_shrink_reference(x, a_tables, rank_tables, row_slots)
-    return lora_expand_reference(shrunk, outs, b_tables, scale_tables, row_slots)
+    return lora_expand_reference(shrunk, outs, b_tables, scale_tables, row_slots, row_strengths)
