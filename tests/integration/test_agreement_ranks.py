@@ -47,6 +47,9 @@ RANK_SCRIPT = textwrap.dedent("""
         "spill": [spill.spill_finished, spill.spill_read_failures],
         "entries": [hashes.index(h) for h in agree_entries(tp, held)]}))
     dist.destroy_process_group()
+    sys.stdout.flush()
+    import os
+    os._exit(0)  # no interpreter teardown: gloo's threads sometimes abort it (tests/tp_runner.py)
 """)
 
 
