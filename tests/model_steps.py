@@ -84,3 +84,38 @@ def scenario_steps(streams) -> list[list]:
     for i in range(4):
         steps.append([s.decode_chunk(20 + i) for s in (s3, s2, s1, s0)])
     return [[list(chunk) for chunk in step] for step in steps]
+
+
+def runner_scenarios(scenarios: dict, seqs: dict, block_size: int, num_blocks: int
+                     ) -> tuple[dict, dict]:
+    """tp_runner steps from schedules: scenario -> steps, each a list of (sequence, slot,
+    num_tokens) or (sequence, slot, strength, num_tokens) entries that run the sequence's next
+    num_tokens of `seqs[sequence]` (strength None or absent: no strength in the chunk). Each
+    scenario reuses the pool from scratch, in its own shuffled block order. -> (runner steps per
+    scenario, per step the (slot, strength, sequence, position) of each sampled row, strength
+    1.0 where the chunk carries none)."""
+    steps_of, expected_of = {}, {}
+    for n, (scenario, schedule) in enumerate(scenarios.items()):
+        blocks = list(range(num_blocks))
+        random.Random(n).shuffle(blocks)
+        tables, progress = {}, {}
+        steps, expected = [], []
+        for step in schedule:
+            chunks, rows = [], []
+            for entry in step:
+                seq, slot, num = entry[0], entry[1], entry[-1]
+                strength = entry[2] if len(entry) == 4 else None
+                if seq not in tables:
+                    count = -(-len(seqs[seq]) // block_size)
+                    tables[seq], blocks = blocks[:count], blocks[count:]
+                    progress[seq] = 0
+                start = progress[seq]
+                chunk = [seqs[seq][start:start + num], start, tables[seq], True, slot]
+                chunks.append(chunk if strength is None else chunk + [strength])
+                rows.append((slot, 1.0 if strength is None else strength, seq, start + num - 1))
+                progress[seq] = start + num
+            steps.append(chunks)
+            expected.append(rows)
+        assert all(progress[s] <= len(seqs[s]) for s in progress), scenario
+        steps_of[scenario], expected_of[scenario] = steps, expected
+    return steps_of, expected_of

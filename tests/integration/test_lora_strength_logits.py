@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.model_steps import runner_scenarios
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
 from tests.tp_runner import launch_ranks
@@ -58,30 +59,8 @@ SCENARIOS = {
 
 def build_scenarios() -> tuple[dict, dict]:
     """-> runner steps per scenario, and per step the (slot, strength, sequence, position) of
-    each sampled row."""
-    steps_of, expected_of = {}, {}
-    for n, (scenario, schedule) in enumerate(SCENARIOS.items()):
-        blocks = list(range(NUM_BLOCKS))
-        random.Random(n).shuffle(blocks)
-        tables, progress = {}, {}
-        steps, expected = [], []
-        for step in schedule:
-            chunks, rows = [], []
-            for seq, slot, strength, num in step:
-                if seq not in tables:
-                    count = -(-len(SEQS[seq]) // BLOCK_SIZE)
-                    tables[seq], blocks = blocks[:count], blocks[count:]
-                    progress[seq] = 0
-                start = progress[seq]
-                chunk = [SEQS[seq][start:start + num], start, tables[seq], True, slot]
-                chunks.append(chunk if strength is None else chunk + [strength])
-                rows.append((slot, 1.0 if strength is None else strength, seq, start + num - 1))
-                progress[seq] = start + num
-            steps.append(chunks)
-            expected.append(rows)
-        assert all(progress[s] <= len(SEQS[s]) for s in progress), scenario
-        steps_of[scenario], expected_of[scenario] = steps, expected
-    return steps_of, expected_of
+    each sampled row (tests/model_steps.runner_scenarios)."""
+    return runner_scenarios(SCENARIOS, SEQS, BLOCK_SIZE, NUM_BLOCKS)
 
 
 STEPS, EXPECTED = build_scenarios()
