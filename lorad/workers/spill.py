@@ -33,7 +33,7 @@ _DIGESTS_FILE = "model-digests.json"  # the weight files' content hashes, by siz
 class RankSpill:
     def __init__(self, store: SpillStore, model, num_startup_ops: int) -> None:
         self.store = store
-        self._caches = [layer.self_attn.attn.kv_cache for layer in model.model.layers]
+        self._caches = model.kv_caches()
         self._device = model.device
         self._num_startup_ops = num_startup_ops  # this rank's own deletes before serving
 
@@ -48,7 +48,8 @@ class RankSpill:
             model=model_identity(cfg, Path(cfg.kv_spill_dir)),
             dtype=str(model.dtype).split(".")[-1],
             parallel=tp.world_size, rank=tp.rank, block_size=cfg.block_size,
-            block_bytes=block_payload_bytes(model))
+            block_bytes=model.kv_cache_bytes_per_block(model.config, tp.rank, tp.world_size,
+                                                       cfg.block_size, model.dtype))
         store = SpillStore(Path(cfg.kv_spill_dir) / f"rank-{tp.rank}", identity,
                            cfg.kv_spill_bytes, MAX_PENDING)
         mine = store.entries()
@@ -110,12 +111,6 @@ class RankSpill:
         for cache, layer_values in zip(self._caches, values):
             cache.k[block] = layer_values[0]
             cache.v[block] = layer_values[1]
-
-
-def block_payload_bytes(model) -> int:
-    """One block's payload on this rank: K and V of every layer."""
-    caches = [layer.self_attn.attn.kv_cache for layer in model.model.layers]
-    return sum(2 * c.k[0].numel() * c.k.element_size() for c in caches)
 
 
 def agree_entries(tp, mine: list[bytes]) -> list[bytes]:

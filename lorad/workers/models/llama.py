@@ -250,13 +250,17 @@ class LlamaForCausalLM(nn.Module):
             attn.kv_cache = PagedKVCache(num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
                                          self.dtype, self.device)
 
+    def kv_caches(self) -> list[PagedKVCache]:
+        """Every layer's KV cache, in layer order (allocate_kv_cache() first)."""
+        return [layer.self_attn.kv_cache for layer in self.model.layers]
+
     @torch.inference_mode()
     def copy_kv_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) KV block, K and V, in every layer."""
         src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
-        for layer in self.model.layers:
-            layer.self_attn.attn.kv_cache.copy_blocks(src, dst)
+        for cache in self.kv_caches():
+            cache.copy_blocks(src, dst)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, lora_launch_always: bool = False,
