@@ -49,3 +49,38 @@ def cast_adapter(src_dir, out_dir, dtype) -> Path:
     save_file({name: t.to(dtype) for name, t in load_file(str(weights)).items()}, str(weights),
               metadata={"format": "pt"})
     return out
+
+
+def scaled_peft_model(model, folder, name: str, factor: float):
+    """`model` (transformers) wrapped by peft with the adapter in `folder` as `name`, every LoRA
+    layer's scaling multiplied by `factor` (what lorad's registered and per-request strengths
+    do); unload() gives the base model back. `name`: not an adapter's served name, since peft's
+    adapter names become attributes."""
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(model, folder, adapter_name=name)
+    for module in peft_model.modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, dict) and name in scaling:
+            scaling[name] *= factor
+    return peft_model
+
+
+def make_checkpoint(root: Path, model: dict, folders: dict[str, dict]) -> tuple[Path, dict]:
+    """A tiny Llama (make_tiny_llama's keywords `model`, no tokenizer) in root/base and one peft
+    folder per entry of `folders` (make_peft_adapter's keywords) -> (base, {name: folder})."""
+    from tests.tiny_models import make_tiny_llama
+
+    base = make_tiny_llama(root / "base", with_tokenizer=False, **model)
+    return base, {name: make_peft_adapter(base, root / name, **kwargs)
+                  for name, kwargs in folders.items()}
+
+
+def reference_llama(base: Path):
+    """transformers' fp32 model of `base`, eager attention, in eval mode: the logits tests'
+    reference."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(base, dtype=torch.float32,
+                                            attn_implementation="eager").eval()

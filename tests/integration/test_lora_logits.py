@@ -17,8 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.model_steps import runner_scenarios
-from tests.tiny_adapters import make_peft_adapter
-from tests.tiny_models import make_tiny_llama
+from tests.tiny_adapters import make_checkpoint, reference_llama, scaled_peft_model
 from tests.tp_runner import launch_ranks
 
 # max|lorad - peft| / max|peft| over a step's logits (as for the base model in
@@ -85,10 +84,7 @@ STEPS, EXPECTED = build_scenarios()
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
-    root = tmp_path_factory.mktemp("lora_logits")
-    base = make_tiny_llama(root / "base", with_tokenizer=False, **MODEL)
-    return base, {name: make_peft_adapter(base, root / name, **kwargs)
-                  for name, kwargs in FOLDERS.items()}
+    return make_checkpoint(tmp_path_factory.mktemp("lora_logits"), MODEL, FOLDERS)
 
 
 def adapter_args(folders: dict[str, Path]) -> list[dict]:
@@ -113,22 +109,14 @@ def reference(checkpoint) -> dict[tuple[int, str], torch.Tensor]:
 
 def peft_reference(base: Path, folders: dict[str, Path]) -> dict[tuple[int, str], torch.Tensor]:
     """(slot, sequence) -> peft's fp32 logits [seq_len, vocab] of the full sequence."""
-    from peft import PeftModel
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32,
-                                             attn_implementation="eager").eval()
+    model = reference_llama(base)
     refs = {}
     with torch.no_grad():
         for seq, ids in SEQS.items():
             refs[(0, seq)] = model(torch.tensor([ids])).logits[0]
         for slot, (_, folder, strength) in SLOTS.items():
-            peft_name = f"slot{slot}"  # not the name: peft's adapter names become attributes
-            peft_model = PeftModel.from_pretrained(model, folders[folder], adapter_name=peft_name)
-            for module in peft_model.modules():
-                scaling = getattr(module, "scaling", None)
-                if isinstance(scaling, dict) and peft_name in scaling:
-                    scaling[peft_name] *= strength  # lorad's strength multiplies the scale
+            # lorad's strength multiplies the scale
+            peft_model = scaled_peft_model(model, folders[folder], f"slot{slot}", strength)
             for seq, ids in SEQS.items():
                 refs[(slot, seq)] = peft_model(torch.tensor([ids])).logits[0]
             model = peft_model.unload()  # the base model again, without LoRA layers

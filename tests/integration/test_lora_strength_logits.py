@@ -19,22 +19,17 @@ import torch
 from safetensors.torch import load_file
 
 from tests.model_steps import runner_scenarios
-from tests.tiny_adapters import make_peft_adapter
-from tests.tiny_models import make_tiny_llama
+from tests.integration.test_lora_logits import FOLDERS as LORA_FOLDERS
+from tests.integration.test_lora_logits import MODEL, relative_error
+from tests.tiny_adapters import make_checkpoint, reference_llama, scaled_peft_model
 from tests.tp_runner import launch_ranks
 
 FP32_REL_TOL = 1e-5  # as test_lora_logits.py: lorad vs peft in fp32
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
 WORLDS = (1, 2)
-MODEL = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=100,
-             num_hidden_layers=3, seed=5)
-FOLDERS = {
-    "plain": dict(r=4, lora_alpha=8, seed=11, magnitude=0.1),
-    "patterns": dict(r=8, lora_alpha=16, seed=12, magnitude=0.1,
-                     rank_pattern={"q_proj": 2, "model.layers.1.mlp.down_proj": 5},
-                     alpha_pattern={"v_proj": 3, "gate_proj": 40}),
-}
+# test_lora_logits' model and two of its folders
+FOLDERS = {name: LORA_FOLDERS[name] for name in ("plain", "patterns")}
 SLOTS = {1: ("plain", 1.0), 2: ("patterns", 0.5)}  # slot -> (folder, registered strength)
 
 _rng = random.Random(7)
@@ -68,10 +63,7 @@ STEPS, EXPECTED = build_scenarios()
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
-    root = tmp_path_factory.mktemp("strength_logits")
-    base = make_tiny_llama(root / "base", with_tokenizer=False, **MODEL)
-    return base, {name: make_peft_adapter(base, root / name, **kwargs)
-                  for name, kwargs in FOLDERS.items()}
+    return make_checkpoint(tmp_path_factory.mktemp("strength_logits"), MODEL, FOLDERS)
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +81,8 @@ def runs(checkpoint, tmp_path_factory) -> dict[int, Path]:
 def reference(checkpoint) -> dict[tuple[int, float, str], torch.Tensor]:
     """(slot, request strength, sequence) -> peft's fp32 logits [seq_len, vocab]: peft's own
     per-adapter `scaling` of every LoRA layer multiplied by registered x request strength."""
-    from peft import PeftModel
-    from transformers import LlamaForCausalLM
-
     base, folders = checkpoint
-    model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32,
-                                             attn_implementation="eager").eval()
+    model = reference_llama(base)
     wanted = {(slot, strength, seq) for steps in EXPECTED.values() for rows in steps
               for slot, strength, seq, _ in rows}
     refs = {}
@@ -103,12 +91,8 @@ def reference(checkpoint) -> dict[tuple[int, float, str], torch.Tensor]:
             refs[(0, 1.0, seq)] = model(torch.tensor([ids])).logits[0]
         for slot, (folder, registered) in SLOTS.items():
             for strength in sorted({x for s, x, _ in wanted if s == slot}):
-                name = f"slot{slot}"
-                peft_model = PeftModel.from_pretrained(model, folders[folder], adapter_name=name)
-                for module in peft_model.modules():
-                    scaling = getattr(module, "scaling", None)
-                    if isinstance(scaling, dict) and name in scaling:
-                        scaling[name] *= registered * strength
+                peft_model = scaled_peft_model(model, folders[folder], f"slot{slot}",
+                                               registered * strength)
                 for seq, ids in SEQS.items():
                     refs[(slot, strength, seq)] = peft_model(torch.tensor([ids])).logits[0]
                 model = peft_model.unload()
@@ -117,10 +101,6 @@ def reference(checkpoint) -> dict[tuple[int, float, str], torch.Tensor]:
 
 def read(runs: dict[int, Path], world: int, rank: int = 0) -> dict[str, torch.Tensor]:
     return load_file(str(runs[world] / f"fp32.rank{rank}.safetensors"))
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def test_strengths_move_the_reference(reference):
