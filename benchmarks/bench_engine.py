@@ -166,7 +166,7 @@ def write_adapter(folder: Path, config: ModelConfig, rank: int,
 def load_adapters(model: LlamaForCausalLM, folder: Path, count: int) -> None:
     """The same factors in `count` slots (each its own memory): validated and keyed once."""
     spec = load_adapter(AdapterArg("a1", str(folder)), 1, model.config)
-    model.load_adapters(tuple(dataclasses.replace(spec, name=f"a{slot}", slot=slot)
+    model.load_adapters(tuple(dataclasses.replace(spec, name=f"a{slot}", adapter_id=slot)
                               for slot in range(1, count + 1)))
 
 

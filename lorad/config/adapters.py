@@ -48,7 +48,7 @@ class AdapterSpec:
 
     name: str
     path: str  # the resolved folder
-    slot: int  # 1..K in command-line order; 0 is the base model
+    adapter_id: int  # the registry id: 1..K in command-line order, then one per run-time load
     strength: float
     key: str  # identity key: hex sha256 over factor bytes, module set and final scales
     weights_file: str  # the resolved adapter_model.safetensors
@@ -59,7 +59,8 @@ class AdapterSpec:
 
     def to_worker_dict(self) -> dict:
         """The WorkerConfig.adapters entry; the worker reloads the folder and checks the key."""
-        return {"name": self.name, "path": self.path, "strength": self.strength, "key": self.key}
+        return {"name": self.name, "path": self.path, "strength": self.strength, "key": self.key,
+                "id": self.adapter_id}
 
 
 def check_adapter_args(args: tuple[AdapterArg, ...], reserved_names: tuple[str, ...]) -> None:
@@ -84,21 +85,21 @@ def check_adapter_args(args: tuple[AdapterArg, ...], reserved_names: tuple[str, 
 
 def load_registry(args: tuple[AdapterArg, ...], model: ModelConfig,
                   reserved_names: tuple[str, ...]) -> tuple[AdapterSpec, ...]:
-    """Validate every adapter (slots 1..K in order); names unique and not in reserved_names."""
+    """Validate every adapter (ids 1..K in order); names unique and not in reserved_names."""
     check_adapter_args(args, reserved_names)
-    return tuple(load_adapter(arg, slot, model) for slot, arg in enumerate(args, start=1))
+    return tuple(load_adapter(arg, i, model) for i, arg in enumerate(args, start=1))
 
 
-def load_adapter(arg: AdapterArg, slot: int, model: ModelConfig | None) -> AdapterSpec:
+def load_adapter(arg: AdapterArg, adapter_id: int, model: ModelConfig | None) -> AdapterSpec:
     """Validate one PEFT folder against the base model; ConfigError names the flag, file and
     field. model=None checks what needs no base (check-adapter without --model)."""
     try:
-        return read_adapter(Path(arg.path), arg.name, arg.strength, slot, model)
+        return read_adapter(Path(arg.path), arg.name, arg.strength, adapter_id, model)
     except ConfigError as exc:
         raise ConfigError(f"--adapter {arg.name}={arg.path}: {exc}") from None
 
 
-def read_adapter(folder: Path, name: str, strength: float, slot: int,
+def read_adapter(folder: Path, name: str, strength: float, adapter_id: int,
                  model: ModelConfig | None) -> AdapterSpec:
     """`load_adapter` with errors that name only the file and field."""
     folder = _check_folder(folder)
@@ -118,7 +119,8 @@ def read_adapter(folder: Path, name: str, strength: float, slot: int,
                         pairs.items(), key=lambda kv: (kv[0][0], TARGET_MODULES.index(kv[0][1]))))
     key = identity_key(modules, header.tensors, weights, WEIGHTS_FILE)
     base_model = manifest.base_model if manifest and manifest.base_model else config.base_model
-    return AdapterSpec(name=name, path=str(folder), slot=slot, strength=strength, key=key,
+    return AdapterSpec(name=name, path=str(folder), adapter_id=adapter_id, strength=strength,
+                       key=key,
                        weights_file=str(weights), modules=modules, base_model=base_model,
                        has_manifest=manifest is not None, shapes_checked=model is not None)
 

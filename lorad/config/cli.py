@@ -42,6 +42,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, 0 or more, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer, 0 or more, got {text!r}")
+    return value
+
+
 def positive_int_or_auto(text: str) -> int | str:
     if text == "auto":
         return text
@@ -212,6 +222,25 @@ def _add_adapter_flags(group) -> None:
     group.add_argument("--adapter-strength", type=strength_pair, action="append", default=[],
                        metavar="NAME=NUMBER",
                        help="multiply adapter NAME's scales by NUMBER (default: 1.0)")
+    group.add_argument("--pin-adapter", action="append", default=[], metavar="NAME",
+                       help="keep adapter NAME in its device slot, never evicted (repeatable)")
+    group.add_argument("--adapter-dir", metavar="DIR",
+                       help="serve every valid PEFT folder DIR/NAME as model id NAME, loaded "
+                            "(and validated) on its first request")
+    group.add_argument("--admin-key-file", metavar="FILE",
+                       help="allow loading, reloading and unloading adapters while serving "
+                            "(POST /v1/adapters, DELETE /v1/adapters/NAME) with the key in FILE "
+                            "as 'Authorization: Bearer KEY'; off without it")
+    group.add_argument("--max-gpu-adapters", type=non_negative_int, metavar="N",
+                       help="device slots for adapters; more registered adapters take turns, "
+                            "least recently used first (default: the --adapter count, or at "
+                            "least 8 with --adapter-dir or --admin-key-file)")
+    group.add_argument("--max-cpu-adapters", type=non_negative_int, default=64, metavar="N",
+                       help="adapters whose factors each worker keeps in host memory beyond "
+                            "the device slots (default: %(default)s)")
+    group.add_argument("--max-lora-rank", type=positive_int, metavar="N",
+                       help="the largest rank the slot tables hold for adapters loaded while "
+                            "serving (default: 16, or the largest --adapter rank)")
 
 
 def _adapter_args(pairs: list[tuple[str, str]],
@@ -292,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     try:
         adapters = _adapter_args(args.adapter, args.adapter_strength)
         api_key = _read_api_key(args.api_key_file) if args.api_key_file else args.api_key
+        admin_key = (_read_api_key(args.admin_key_file, "--admin-key-file")
+                     if args.admin_key_file else None)
         return ServeConfig(
             model_dir=args.model, served_name=name, parallel=args.parallel, host=args.host,
             port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
@@ -306,7 +337,10 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
             request_timeout=args.request_timeout, step_timeout=args.step_timeout,
             max_queued_requests=_none_if_auto(args.max_queued_requests), log_level=args.log_level,
             adapters=adapters, api_key=api_key,
-            kernel_cache_dir=resolve_kernel_cache_dir(args.kernel_cache_dir, os.environ))
+            kernel_cache_dir=resolve_kernel_cache_dir(args.kernel_cache_dir, os.environ),
+            admin_key=admin_key, adapter_dir=_adapter_dir(args.adapter_dir),
+            max_gpu_adapters=args.max_gpu_adapters, max_cpu_adapters=args.max_cpu_adapters,
+            max_lora_rank=args.max_lora_rank, pinned_adapters=tuple(args.pin_adapter))
     except ConfigError as exc:
         parser.error(str(exc))
 
@@ -315,9 +349,18 @@ def _none_if_auto(value: int | str) -> int | None:
     return None if value == "auto" else value
 
 
-def _read_api_key(path: str) -> str:
+def _read_api_key(path: str, flag: str = "--api-key-file") -> str:
     try:
         with open(path, encoding="utf-8") as f:
             return f.readline().strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--api-key-file {path}: cannot read it: {exc}") from None
+        raise ConfigError(f"{flag} {path}: cannot read it: {exc}") from None
+
+
+def _adapter_dir(path: str | None) -> str | None:
+    if path is None:
+        return None
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"--adapter-dir {path}: not a folder")
+    return str(folder.resolve())

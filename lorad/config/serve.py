@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import AdapterArg, check_adapter_args
 from lorad.config.errors import ConfigError
 
@@ -71,6 +72,20 @@ class ServeConfig:
     adapters: tuple[AdapterArg, ...] = ()  # command-line order = slots 1..K
     api_key: str | None = field(default=None, repr=False)  # never printed with the config
     kernel_cache_dir: str | None = None  # checked writable by the CLI; None: Triton's default
+    # Adapters while serving: the admin key of the load/unload routes (None: off), the folder
+    # whose subfolders are servable by name, device slots (None: auto, adapter_capacity.py),
+    # adapters kept in host memory per rank, the tables' rank, the names never evicted.
+    admin_key: str | None = field(default=None, repr=False)
+    adapter_dir: str | None = None
+    max_gpu_adapters: int | None = None
+    max_cpu_adapters: int = 64
+    max_lora_rank: int | None = None
+    pinned_adapters: tuple[str, ...] = ()
+
+    @property
+    def runtime_adapters(self) -> bool:
+        """Whether adapters may be registered after the start."""
+        return self.admin_key is not None or self.adapter_dir is not None
 
     def __post_init__(self) -> None:
         if not self.served_name or any(c.isspace() for c in self.served_name):
@@ -115,6 +130,21 @@ class ServeConfig:
             raise ConfigError("--api-key must be at least 16 printable characters without "
                               "spaces")
         check_adapter_args(self.adapters, reserved_names=(self.served_name,))
+        if self.admin_key is not None and (len(self.admin_key) < 16
+                                           or not self.admin_key.isprintable()
+                                           or any(c.isspace() for c in self.admin_key)):
+            raise ConfigError("--admin-key-file must hold a key of at least 16 printable "
+                              "characters without spaces")
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise ConfigError("--admin-key-file holds the API key: the admin key must differ, "
+                              "or every client could change the adapters")
+        names = [a.name for a in self.adapters]
+        for name in self.pinned_adapters:
+            if name not in names:
+                raise ConfigError(f"--pin-adapter {name}: no --adapter is named {name!r}")
+        if self.max_gpu_adapters is not None and len(self.pinned_adapters) > self.max_gpu_adapters:
+            raise ConfigError(f"--pin-adapter: {len(self.pinned_adapters)} pinned adapters do "
+                              f"not fit --max-gpu-adapters {self.max_gpu_adapters}")
 
 
 @dataclass(frozen=True)
@@ -144,13 +174,26 @@ class WorkerConfig:
     kv_spill_bytes: int = 8 << 30
     # Exported to the worker processes as TRITON_CACHE_DIR (supervisor.py); None: not set.
     kernel_cache_dir: str | None = None
-    # One {"name", "path", "strength", "key"} per adapter, slot i + 1; "key" is the identity key
-    # the coordinator computed, which each worker recomputes and must match.
+    # One {"name", "path", "strength", "key", "id"} per start adapter, id i + 1; "key" is the
+    # identity key the coordinator computed, which each worker recomputes and must match.
     adapters: list[dict] = field(default_factory=list)
+    # The slot tables (config.adapter_capacity.LoraCapacity, resolved by the coordinator): device
+    # slots (None: one per start adapter), whether adapters may come at run time, the rank the
+    # tables hold.
+    lora_slots: int | None = None
+    lora_runtime: bool = False
+    lora_max_rank: int = 0
+    max_cpu_adapters: int = 0  # factor shards kept in host memory per rank, by recent use
+    pinned_adapters: list[int] = field(default_factory=list)  # ids never evicted from a slot
 
     @property
     def adapter_args(self) -> tuple[AdapterArg, ...]:
         return tuple(AdapterArg(a["name"], a["path"], a["strength"]) for a in self.adapters)
+
+    @property
+    def lora_capacity(self) -> LoraCapacity:
+        num_slots = len(self.adapters) if self.lora_slots is None else self.lora_slots
+        return LoraCapacity(num_slots, self.lora_runtime, self.lora_max_rank)
 
     @property
     def admit_endpoint(self) -> str:

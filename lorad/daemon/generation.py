@@ -77,7 +77,7 @@ class _Choice:
 
 
 async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: str,
-                   prompts: list[Prompt], stop: tuple[str, ...], adapter_slot: int = 0,
+                   prompts: list[Prompt], stop: tuple[str, ...], adapter_id: int = 0,
                    adapter_key: str = "", grammar: str = "", n: int = 1,
                    cache_prompt: bool = True,
                    adapter_strength: float = 1.0) -> AsyncIterator[Delta]:
@@ -85,7 +85,7 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
     yielded one with a finish reason; raise GenerationError when any choice fails (the others
     are cancelled: one error ends the whole request).
 
-    adapter_slot 0 (key "") is the base model; grammar "" leaves the output unconstrained. Close
+    adapter_id 0 (key "") is the base model; grammar "" leaves the output unconstrained. Close
     it (contextlib.aclosing) when abandoning it early: closing sends Cancel for every choice.
     """
     queue: asyncio.Queue = asyncio.Queue()  # every choice's outputs, in arrival order
@@ -93,7 +93,7 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
     try:
         for i, prompt in enumerate(prompts):
             prompt_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            ids = engine.admit(prompt_id, prompt.token_ids, prompt.sampling, adapter_slot,
+            ids = engine.admit(prompt_id, prompt.token_ids, prompt.sampling, adapter_id,
                                adapter_key, grammar, n, queue, cache_prompt, adapter_strength)
             for j, choice_id in enumerate(ids):
                 # The workers send a prompt's values with its first choice (echo takes n = 1).

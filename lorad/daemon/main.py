@@ -13,6 +13,7 @@ import sys
 import uvloop
 
 from lorad.config import ConfigError, ModelConfig, ServeConfig, check_adapter
+from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import load_registry
 from lorad.config.cli import parse_args
 from lorad.config.partition import check_parallel
@@ -54,10 +55,13 @@ def load_served_model(config: ServeConfig) -> ServedModel:
     stop_ids = model.eos_token_ids
     if tokenizer.eos_token_id is not None:
         stop_ids = tuple(dict.fromkeys(stop_ids + (tokenizer.eos_token_id,)))
+    capacity = LoraCapacity.resolve([a.modules for a in adapters], config.runtime_adapters,
+                                    config.max_gpu_adapters, config.max_lora_rank)
     return ServedModel(name=config.served_name, tokenizer=tokenizer,
                        max_model_len=config.max_model_len or limit,
                        vocab_size=model.vocab_size, stop_token_ids=stop_ids, adapters=adapters,
-                       token_bytes=TokenBytes.from_dir(config.model_dir))
+                       token_bytes=TokenBytes.from_dir(config.model_dir), capacity=capacity,
+                       model_config=model)
 
 
 if __name__ == "__main__":

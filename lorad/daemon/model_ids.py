@@ -18,11 +18,11 @@ class ModelChoice:
     """What one request runs on."""
 
     model_id: str  # the id its responses report: the adapter's name, or the base model's id
-    adapter: AdapterSpec | None  # None: the base model (slot 0)
+    adapter: AdapterSpec | None  # None: the base model (adapter id 0)
 
     @property
-    def adapter_slot(self) -> int:
-        return self.adapter.slot if self.adapter is not None else 0
+    def adapter_id(self) -> int:
+        return self.adapter.adapter_id if self.adapter is not None else 0
 
     @property
     def adapter_key(self) -> str:

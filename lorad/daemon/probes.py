@@ -28,7 +28,7 @@ def probe_body(state) -> dict:
         "prefix_cache": {"enabled": state.prefix_cache,
                          "prompt_tokens": state.metrics.num_prompt_tokens,
                          "cached_tokens": state.metrics.num_cached_prompt_tokens},
-        "adapters": [{"name": a.name, "slot": a.slot, "key": a.key, "strength": a.strength}
+        "adapters": [{"name": a.name, "id": a.adapter_id, "key": a.key, "strength": a.strength}
                      for a in state.model.adapters],
         "startup_s": round(startup.total_s, 3) if startup else None,
         "startup_phases_s": {name: round(seconds, 3) for name, seconds in startup.phases}

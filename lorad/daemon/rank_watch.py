@@ -38,6 +38,15 @@ class RankState:
     spill_reads: int = 0
     spill_read_failures: int = 0
     spill_drops: int = 0
+    # Adapters: registered, device slots, slots holding one; since the start, copies into a
+    # slot, slots taken back, copies from the host cache, copies read from disk
+    adapters_registered: int = 0
+    adapter_slots: int = 0
+    adapter_slots_used: int = 0
+    adapter_loads: int = 0
+    adapter_evictions: int = 0
+    adapter_host_hits: int = 0
+    adapter_disk_reads: int = 0
 
 
 class RankWatch:
@@ -96,7 +105,11 @@ class RankWatch:
                                     report.kv_blocks_free, silence, step_seconds,
                                     report.prefix_cached_blocks, report.prefix_evictions,
                                     report.spill_blocks, report.spill_writes, report.spill_reads,
-                                    report.spill_read_failures, report.spill_drops))
+                                    report.spill_read_failures, report.spill_drops,
+                                    report.adapters_registered, report.adapter_slots,
+                                    report.adapter_slots_used, report.adapter_loads,
+                                    report.adapter_evictions, report.adapter_host_hits,
+                                    report.adapter_disk_reads))
         return states
 
     def stalls(self) -> list[tuple[int, str]]:

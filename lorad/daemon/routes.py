@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import AdapterSpec
+from lorad.config.model import ModelConfig
 from lorad.daemon.admission import RETRY_AFTER_UNAVAILABLE_S, Admission
 from lorad.daemon.engine_client import EngineClient
 from lorad.daemon.auth import auth_middleware
@@ -47,8 +49,11 @@ class ServedModel:
     max_model_len: int
     vocab_size: int  # the model's embedding rows: token-id prompts must be below it
     stop_token_ids: tuple[int, ...]
-    adapters: tuple[AdapterSpec, ...] = ()  # the registry fixed at start, slots 1..K in order
+    adapters: tuple[AdapterSpec, ...] = ()  # the start adapters, ids 1..K in order
     token_bytes: TokenBytes = field(default_factory=lambda: TokenBytes({}))  # logprobs' bytes
+    # The device slots and what adapters fit them; the base config (run-time validation).
+    capacity: LoraCapacity = LoraCapacity(0, False, 0)
+    model_config: ModelConfig | None = None
 
 
 @dataclass
@@ -187,7 +192,7 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
     request[ADMITTED_KEY] = True
     with state.admission.ticket(started, len(prompts) * options.n, choice.model_id) as ticket:
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompts,
-                          options.stop, choice.adapter_slot, choice.adapter_key,
+                          options.stop, choice.adapter_id, choice.adapter_key,
                           constraint.grammar if constraint else "", options.n,
                           options.cache_prompt, strength)
         deltas = state.metrics.observe(state.admission.bounded(deltas, ticket), choice.model_id,

@@ -268,7 +268,11 @@ def _worker_config(config: ServeConfig, model: ServedModel, runtime_dir: Path,
         load_format=config.load_format, enforce_eager=config.enforce_eager,
         prefix_cache=config.prefix_cache, kv_spill_dir=config.kv_spill_dir,
         kv_spill_bytes=config.kv_spill_bytes, kernel_cache_dir=config.kernel_cache_dir,
-        adapters=[spec.to_worker_dict() for spec in model.adapters])
+        adapters=[spec.to_worker_dict() for spec in model.adapters],
+        lora_slots=model.capacity.num_slots, lora_runtime=model.capacity.runtime,
+        lora_max_rank=model.capacity.max_rank, max_cpu_adapters=config.max_cpu_adapters,
+        pinned_adapters=[a.adapter_id for a in model.adapters
+                         if a.name in config.pinned_adapters])
 
 
 def _write_private(path: Path, text: str) -> None:

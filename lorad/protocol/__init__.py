@@ -5,11 +5,12 @@ The only package both processes import besides `lorad.config`; imports neither o
 
 from lorad.protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
 from lorad.protocol.messages import (
-    PROTOCOL_VERSION, Admit, Cancel, Hello, RankStatus, Ready, SamplingParams, SeqOutput, Shutdown,
-    StartupPhase, StepFailed, StepResult, WorkerFailed)
+    PROTOCOL_VERSION, AdapterLoaded, AdapterRefused, Admit, Cancel, Hello, LoadAdapter, RankStatus,
+    Ready, SamplingParams, SeqOutput, Shutdown, StartupPhase, StepFailed, StepResult,
+    UnloadAdapter, WorkerFailed)
 
 __all__ = [
-    "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "Admit", "Cancel",
-    "Hello", "RankStatus", "Ready", "SamplingParams", "SeqOutput", "Shutdown", "StartupPhase",
+    "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "AdapterLoaded",
+    "AdapterRefused", "Admit", "Cancel", "Hello", "LoadAdapter", "RankStatus", "UnloadAdapter", "Ready", "SamplingParams", "SeqOutput", "Shutdown", "StartupPhase",
     "StepFailed", "StepResult", "WorkerFailed",
 ]

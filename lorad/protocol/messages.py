@@ -1,10 +1,11 @@
 """Every message that crosses between the coordinator and the workers.
 
 Frozen dataclasses whose field order is the wire order. Coordinator -> workers (PUB/SUB): Hello
-(unsequenced handshake), then Admit / Cancel / Shutdown, each with a sequence number `seq`
-starting at 1 with no gaps. Workers -> coordinator (PUSH/PULL): Ready from every rank, then
-StepResult / StepFailed / WorkerFailed from the leader (WorkerFailed from any rank), and RankStatus
-from every rank's status thread about twice a second, from start-up on.
+(unsequenced handshake), then Admit / Cancel / Shutdown / LoadAdapter / UnloadAdapter, each with a
+sequence number `seq` starting at 1 with no gaps. Workers -> coordinator (PUSH/PULL): Ready from
+every rank, then StepResult / StepFailed / AdapterLoaded from the leader, WorkerFailed and
+AdapterRefused from any rank, and RankStatus from every rank's status thread about twice a second,
+from start-up on.
 The kind byte of each class is fixed here forever; a new field means a new PROTOCOL_VERSION.
 """
 
@@ -18,7 +19,9 @@ from dataclasses import dataclass, field
 # 9: SamplingParams.prompt_logprobs, SeqOutput.prompt_logprobs (completions' echo);
 # 10: Admit.cache_prompt, SeqOutput.num_cached_tokens, RankStatus' prefix cache and spill counts
 # 11: Admit.adapter_strength (per-request strength)
-PROTOCOL_VERSION = 11
+# 12: Admit.adapter_id (a registry id; the planner places it in a device slot), LoadAdapter,
+# UnloadAdapter, AdapterLoaded, AdapterRefused, RankStatus' adapter slot and cache counts
+PROTOCOL_VERSION = 12
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; keeps a step result's size bounded
 MAX_CHOICES = 16  # n: choices of one prompt, each a live sequence after the shared prefill
 # adapter_strength: 4x the adapter's scales is past any use seen (1..2 is common) and keeps a
@@ -117,8 +120,8 @@ class Admit:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    adapter_slot: int  # 0 = base model
-    adapter_key: str  # identity key of the adapter in that slot, "" for slot 0
+    adapter_id: int  # the adapter's registry id (LoadAdapter, or 1..K at start); 0 = base model
+    adapter_key: str  # that adapter's identity key, "" for the base model
     # The output constraint as llguidance's grammar text (its JSON form or Lark, validated by the
     # coordinator), "" for none. Text, never a pickled object; only the leader builds a matcher.
     grammar: str = ""
@@ -128,7 +131,7 @@ class Admit:
     # Whether this prompt reads and fills the prefix cache (lorad's "cache_prompt" field).
     cache_prompt: bool = True
     # lorad's "adapter_strength": the multiplier of the adapter's scales for this request alone,
-    # 0..MAX_ADAPTER_STRENGTH; 1.0 for slot 0.
+    # 0..MAX_ADAPTER_STRENGTH; 1.0 for the base model.
     adapter_strength: float = 1.0
 
     def __post_init__(self) -> None:
@@ -137,8 +140,8 @@ class Admit:
         if not 0.0 <= self.adapter_strength <= MAX_ADAPTER_STRENGTH:
             raise ValueError(f"Admit.adapter_strength must be 0..{MAX_ADAPTER_STRENGTH}, "
                              f"got {self.adapter_strength}")
-        if self.adapter_slot == 0 and self.adapter_strength != 1.0:
-            raise ValueError("Admit.adapter_strength needs an adapter (slot 0 is the base model)")
+        if self.adapter_id == 0 and self.adapter_strength != 1.0:
+            raise ValueError("Admit.adapter_strength needs an adapter (id 0 is the base model)")
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:
@@ -159,6 +162,36 @@ class Cancel:
 class Shutdown:
     KIND = 4
     seq: int
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    """Register an adapter version under a new registry id (never reused), at the agreed step:
+    every rank validates the folder and must compute `key`; the ranks agree on the outcome and
+    the leader answers AdapterLoaded. A reload is a LoadAdapter of the new version; the old one
+    is unloaded once its last request ended."""
+
+    KIND = 5
+    seq: int
+    adapter_id: int
+    name: str
+    path: str  # the resolved folder
+    strength: float
+    key: str  # the identity key the coordinator computed
+    pinned: bool = False  # never evicted from its device slot
+
+    def __post_init__(self) -> None:
+        if self.adapter_id <= 0:
+            raise ValueError(f"LoadAdapter.adapter_id must be positive, got {self.adapter_id}")
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    """Forget a registry id; sent once no request of it is open (the coordinator drains)."""
+
+    KIND = 6
+    seq: int
+    adapter_id: int
 
 
 # --- workers -> coordinator -------------------------------------------------------------------
@@ -246,6 +279,26 @@ class WorkerFailed:
 
 
 @dataclass(frozen=True)
+class AdapterLoaded:
+    """The leader's answer to a LoadAdapter once every rank's outcome is agreed: registered on
+    every rank (no failed ranks), or on none (each failed rank sent an AdapterRefused)."""
+
+    KIND = 21
+    adapter_id: int
+    failed_ranks: list[int]
+
+
+@dataclass(frozen=True)
+class AdapterRefused:
+    """Why this rank could not register (LoadAdapter) or read back an adapter."""
+
+    KIND = 22
+    rank: int
+    adapter_id: int
+    message: str
+
+
+@dataclass(frozen=True)
 class RankStatus:
     """A rank's heartbeat, sent by its status thread even while the loop is blocked in a step or
     a collective: whether the loop progresses (stall detection, the systemd watchdog) and what
@@ -269,7 +322,18 @@ class RankStatus:
     spill_reads: int = 0
     spill_read_failures: int = 0
     spill_drops: int = 0
+    # Adapters (adapter_slots.py, adapter_store.py): registry ids held, device slots and those
+    # holding an adapter; since the start, adapters copied into a slot, slots taken back for
+    # another adapter, copies served by the host cache and those read from disk.
+    adapters_registered: int = 0
+    adapter_slots: int = 0
+    adapter_slots_used: int = 0
+    adapter_loads: int = 0
+    adapter_evictions: int = 0
+    adapter_host_hits: int = 0
+    adapter_disk_reads: int = 0
 
 
-COORDINATOR_TO_WORKER = (Hello, Admit, Cancel, Shutdown)
-WORKER_TO_COORDINATOR = (Ready, StepResult, StepFailed, WorkerFailed, RankStatus)
+COORDINATOR_TO_WORKER = (Hello, Admit, Cancel, Shutdown, LoadAdapter, UnloadAdapter)
+WORKER_TO_COORDINATOR = (Ready, StepResult, StepFailed, WorkerFailed, RankStatus, AdapterLoaded,
+                         AdapterRefused)

@@ -20,6 +20,7 @@ from typing import Iterable, Protocol
 import torch
 import torch.distributed as dist
 
+from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.model import ModelConfig
 from lorad.workers.sequence import Sequence, SeqStatus
 
@@ -97,16 +98,18 @@ class _PackedTables:
 _TABLES = _PackedTables()
 
 
-def live_digest(live: Iterable[Sequence]) -> int:
+def live_digest(live: Iterable[Sequence], registry: bytes = b"") -> int:
     """sha256 of the live set in arrival order: ids, adapter slot, key and strength, token
     positions and KV blocks (a fork's shared blocks in each holder's table), and the choices
     still to fork. Every step, on every rank: the strings go in length-prefixed, the block table as
     little-endian int64s (a JSON text per sequence cost 7 us each, 0.45 ms a step at 64
     sequences). One buffer hashed once, the tables packed when they change: 30% less than an
     update and an array per sequence, for the same bytes (docs/performance-log.md: live
-    digest packed once)."""
+    digest packed once). `registry`: the adapter registry and slot map as this rank holds them
+    (Worker loop's registry_text), so a registry change or slot choice that one rank made
+    differently fails the step too."""
     live = list(live)
-    parts: list[bytes] = []
+    parts: list[bytes] = [registry]
     for seq, table_bytes in zip(live, _TABLES.packed(live)):
         request_id, key = seq.request_id, seq.adapter_key
         parts.append(f"{len(request_id)}:{request_id}{len(key)}:{key}{seq.arrival},"
@@ -125,23 +128,29 @@ class RegistryDigest:
 
     model: bytes  # the base model's config
     engine: bytes  # the lorad/workers source files
-    adapters: bytes  # each adapter's slot, name, identity key and strength, in order
-    # (what to call it, sha256 of its slot, name, key and strength) per adapter, in slot order
+    # each start adapter's id, name, identity key and strength, in order, and the slot tables'
+    # capacity (device slots, run-time adapters, rank)
+    adapters: bytes
+    # (what to call it, sha256 of its id, name, key and strength) per adapter, in id order
     adapter_parts: tuple[tuple[str, bytes], ...] = ()
 
     PARTS = ("base model config", "engine source (lorad/workers)", "adapter registry")
 
     @classmethod
     def compute(cls, model_config: ModelConfig,
-                adapters: tuple[tuple[int, str, str, float], ...] = ()) -> "RegistryDigest":
-        """adapters: (slot, name, identity key, strength) of each adapter, in slot order."""
+                adapters: tuple[tuple[int, str, str, float], ...] = (),
+                capacity: LoraCapacity | None = None) -> "RegistryDigest":
+        """adapters: (id, name, identity key, strength) of each start adapter, in id order."""
         model = json.dumps(dataclasses.asdict(model_config), sort_keys=True).encode()
-        parts = tuple((f"adapter {name!r} (slot {slot})",
-                       hashlib.sha256(json.dumps([slot, name, key, strength]).encode()).digest())
-                      for slot, name, key, strength in adapters)
+        parts = tuple((f"adapter {name!r} (id {adapter_id})",
+                       hashlib.sha256(json.dumps([adapter_id, name, key, strength]).encode()
+                                      ).digest())
+                      for adapter_id, name, key, strength in adapters)
+        held = [list(a) for a in adapters]
+        if capacity is not None:
+            held.append(dataclasses.astuple(capacity))
         return cls(hashlib.sha256(model).digest(), engine_digest(),
-                   hashlib.sha256(json.dumps([list(a) for a in adapters]).encode()).digest(),
-                   parts)
+                   hashlib.sha256(json.dumps(held).encode()).digest(), parts)
 
     def hex(self) -> str:
         return hashlib.sha256(self.model + self.engine + self.adapters).hexdigest()
@@ -177,17 +186,28 @@ class StepAgreement:
     digests: list[int]  # each rank's live-set digest, by rank
     spill_finished: int = 0  # the disk spill's operations every rank has finished (minimum)
     spill_read_failures: int = 0  # the last plan's spill reads that failed on some rank (OR)
+    # Adapter jobs (adapter_store.py): 1..adapter_settled succeeded on every rank (minimum);
+    # adapter_failed (= adapter_settled + 1, or 0) failed on the ranks adapter_failed_ranks.
+    adapter_settled: int = 0
+    adapter_failed: int = 0
+    adapter_failed_ranks: tuple[int, ...] = ()
 
 
 def agree_step(tp: CpuGroup, watermark: int, digest: int, spill_finished: int = 0,
-               spill_read_failures: int = 0) -> StepAgreement:
-    rows = all_gather_int64(tp, [watermark, digest, spill_finished, spill_read_failures])
+               spill_read_failures: int = 0, adapter_jobs: tuple[int, int] = (0, 0)
+               ) -> StepAgreement:
+    """adapter_jobs: this rank's AdapterStore.report()."""
+    rows = all_gather_int64(tp, [watermark, digest, spill_finished, spill_read_failures,
+                                 *adapter_jobs])
     digests = [row[1] for row in rows]
     failures = 0
     for row in rows:
         failures |= row[3]
+    settled = min(row[4] for row in rows)
+    failed_ranks = tuple(r for r, row in enumerate(rows) if row[5] == settled + 1)
     return StepAgreement(min(row[0] for row in rows), len(set(digests)) == 1, digests,
-                         min(row[2] for row in rows), failures)
+                         min(row[2] for row in rows), failures, settled,
+                         settled + 1 if failed_ranks else 0, failed_ranks)
 
 
 def check_registry(tp: CpuGroup, registry: RegistryDigest) -> str | None:

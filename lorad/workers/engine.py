@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from lorad.config import ConfigError, ModelConfig, WorkerConfig
+from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import AdapterSpec, load_adapter
+from lorad.workers.adapter_store import ADAPTER_PATH_SUFFIX_ENV, AdapterStore
 from lorad.workers.agreement import RegistryDigest, agree_min, check_registry
 from lorad.workers.batch import MIN_ROWS, ForwardBatch
 from lorad.workers.cuda_graph import DecodeGraphs
@@ -80,7 +83,9 @@ class Engine:
     registry: RegistryDigest
     num_kv_blocks: int
     block_size: int
-    adapters: tuple[AdapterSpec, ...]  # slots 1..K in order
+    adapters: tuple[AdapterSpec, ...]  # the start adapters, ids 1..K in order
+    store: AdapterStore  # every registered adapter, their copies into device slots
+    resident: dict[int, int]  # adapter id -> device slot of the start adapters copied at start
     graphs: DecodeGraphs | None = None  # captured decode graphs; None: every step runs eagerly
     max_num_seqs: int = 0  # sequences a step runs at most, agreed by the ranks at start
     startup_phases: list[StartupPhase] = dataclasses.field(default_factory=list)  # for Ready
@@ -102,16 +107,19 @@ class Engine:
         clock.mark("workers up")
         # After joining the group: a rank that refuses here exits, and its peers' next
         # collective fails at once instead of waiting for it to join.
-        adapters = tuple(load_adapter(arg, slot, model_config)
-                         for slot, arg in enumerate(cfg.adapter_args, start=1))
+        adapters = tuple(load_adapter(arg, i, model_config)
+                         for i, arg in enumerate(cfg.adapter_args, start=1))
+        capacity = cfg.lora_capacity
         registry = RegistryDigest.compute(
-            model_config, tuple((a.slot, a.name, a.key, a.strength) for a in adapters))
+            model_config, tuple((a.adapter_id, a.name, a.key, a.strength) for a in adapters),
+            capacity)
         problem = check_registry(tp, registry)  # first, so every rank names an odd rank's adapter
         if problem is not None:
             raise RuntimeError(problem)
         check_coordinator_keys(cfg, adapters)
         clock.mark("adapters")
-        num_weight_bytes = check_weights_fit(cfg.model_dir, model_config, tp, dtype, adapters)
+        num_weight_bytes = check_weights_fit(cfg.model_dir, model_config, tp, dtype, adapters,
+                                             capacity)
         # The product's kernel settings: one Tuning for the server's life (a row's bits depend on
         # some of them).
         model = LlamaForCausalLM(model_config, tp, dtype, device, Tuning())
@@ -121,7 +129,11 @@ class Engine:
         else:
             model.load_weights(cfg.model_dir)
         clock.mark("weights")
-        model.load_adapters(adapters)
+        store = AdapterStore(model.add_lora_tables(adapters, capacity), model_config, capacity,
+                             cfg.max_cpu_adapters, device, _path_suffix(rank))
+        resident = start_slots(adapters, capacity.num_slots, set(cfg.pinned_adapters))
+        for spec in adapters:
+            store.add_started(spec, resident.get(spec.adapter_id))
         clock.mark("adapters")
         own = _own_kv_blocks(cfg, model_config, tp, dtype)
         num_blocks = agree_min(tp, own)  # every rank must address the same block ids
@@ -133,16 +145,17 @@ class Engine:
         num_kv_bytes = check_kv_pool_fits(cfg, model_config, tp, dtype, num_blocks)
         model.allocate_kv_cache(num_blocks, cfg.block_size)
         max_num_seqs = resolve_max_num_seqs(cfg, tp, num_blocks)
-        log.info("weights and %d adapters loaded (%.2f GiB); KV pool of %d blocks of %d tokens "
-                 "(%.2f GiB; this rank could hold %d); at most %d sequences a step%s",
-                 len(adapters), num_weight_bytes / 2**30, num_blocks, cfg.block_size,
+        log.info("weights and %d of %d adapters in %d device slots (%.2f GiB); KV pool of %d "
+                 "blocks of %d tokens (%.2f GiB; this rank could hold %d); at most %d sequences "
+                 "a step%s", len(resident), len(adapters), capacity.num_slots,
+                 num_weight_bytes / 2**30, num_blocks, cfg.block_size,
                  num_kv_bytes / 2**30, own, max_num_seqs,
                  " (--max-num-seqs auto)" if cfg.max_num_seqs is None else "")
         clock.mark("KV pool")
-        graphs = _capture_decode_graphs(cfg, model, tp, len(adapters), max_num_seqs)
+        graphs = _capture_decode_graphs(cfg, model, tp, capacity.num_slots, max_num_seqs)
         clock.mark("graphs")
         engine = cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters,
-                     graphs, max_num_seqs)
+                     store, resident, graphs, max_num_seqs)
         engine.warm_up(cfg)
         clock.mark("warm-up")
         engine.startup_phases = clock.phases()
@@ -159,10 +172,10 @@ class Engine:
         started = time.monotonic()
         if kernel_path(self.tp.device):
             steps = warm_up_steps(cfg.max_num_batched_tokens, self.max_num_seqs,
-                                  cfg.max_model_len, self.block_size, len(self.adapters),
-                                  self.model.tuning)
+                                  cfg.max_model_len, self.block_size,
+                                  self.store.capacity.num_slots, self.model.tuning)
         else:
-            slot = 1 if self.adapters else 0
+            slot = 1 if self.store.capacity.num_slots else 0
             steps = [[([0, 0], 0, [0], True, slot), ([0], 0, [0], True, 0)]]  # prefill, decode
         for chunks in steps:
             batch = ForwardBatch.build(chunks, self.block_size, self.tp.device,
@@ -177,15 +190,16 @@ class Engine:
         log.info("warm-up: %d steps ran in %.0f ms", len(steps),
                  (time.monotonic() - started) * 1000)
 
-    def adapter_refusal(self, slot: int, key: str) -> str | None:
-        """Why this rank cannot serve a request for (slot, key), or None when it holds it."""
-        if slot == 0:
-            return None if key == "" else f"slot 0 is the base model, but key {key!r} was given"
-        if not 0 < slot <= len(self.adapters):
-            return f"adapter slot {slot} is not loaded on this worker ({len(self.adapters)} are)"
-        held = self.adapters[slot - 1]
+    def adapter_refusal(self, adapter_id: int, key: str) -> str | None:
+        """Why this rank cannot serve a request for (adapter id, key), or None when it can."""
+        if adapter_id == 0:
+            return None if key == "" else f"id 0 is the base model, but key {key!r} was given"
+        held = self.store.specs.get(adapter_id)
+        if held is None:
+            return (f"adapter id {adapter_id} is not registered on this worker "
+                    f"({len(self.store.specs)} are)")
         if held.key != key:
-            return (f"adapter slot {slot} holds {held.name!r} with identity key "
+            return (f"adapter id {adapter_id} is {held.name!r} with identity key "
                     f"{held.key[:16]}..., not {key[:16]}...")
         return None
 
@@ -227,6 +241,19 @@ def _capture_decode_graphs(cfg: WorkerConfig, model: LlamaForCausalLM, tp: Tenso
     return graphs
 
 
+def start_slots(adapters: tuple[AdapterSpec, ...], num_slots: int,
+                pinned: set[int]) -> dict[int, int]:
+    """Adapter id -> device slot of the start adapters copied at start: the pinned ones first,
+    then the others in order, while slots last."""
+    ordered = sorted(adapters, key=lambda a: (a.adapter_id not in pinned, a.adapter_id))
+    return {spec.adapter_id: slot for slot, spec in enumerate(ordered[:num_slots], start=1)}
+
+
+def _path_suffix(rank: int) -> str:
+    target, _, suffix = os.environ.get(ADAPTER_PATH_SUFFIX_ENV, "").partition(":")
+    return suffix if target == str(rank) else ""
+
+
 def check_coordinator_keys(cfg: WorkerConfig, adapters: tuple[AdapterSpec, ...]) -> None:
     """Every adapter must have the identity key the coordinator computed from the same folder:
     requests name adapters by slot and key, and prefix caches trust the key."""
@@ -239,12 +266,13 @@ def check_coordinator_keys(cfg: WorkerConfig, adapters: tuple[AdapterSpec, ...])
 
 
 def weight_bytes(model_config: ModelConfig, rank: int, world_size: int, dtype: torch.dtype,
-                 adapters: tuple[AdapterSpec, ...] = ()) -> int:
+                 adapters: tuple[AdapterSpec, ...] = (),
+                 capacity: LoraCapacity | None = None) -> int:
     """The bytes of the model's weights and buffers that `rank` holds, the adapters' slot tables
     included: the model and its tables built on the meta device, which allocates nothing."""
     meta = torch.device("meta")
     model = LlamaForCausalLM(model_config, TensorParallel(rank, world_size, meta), dtype, meta)
-    add_adapter_tables(model.lora_target, adapters)
+    add_adapter_tables(model.lora_target, adapters, capacity, model_config.num_hidden_layers)
     tensors = itertools.chain(model.parameters(), model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -275,16 +303,18 @@ def ranks_sharing_device(tp: TensorParallel) -> list[int]:
 
 
 def check_weights_fit(model_dir: str, model_config: ModelConfig, tp: TensorParallel,
-                      dtype: torch.dtype, adapters: tuple[AdapterSpec, ...]) -> int:
+                      dtype: torch.dtype, adapters: tuple[AdapterSpec, ...],
+                      capacity: LoraCapacity | None = None) -> int:
     """-> the bytes of this rank's weights and adapter tables. Refuses them when, with those of
     the ranks sharing its device, they exceed what is free there, before any rank allocates:
     loading them would end in an out-of-memory error or the OOM killer."""
     need, free, shared = _device_demand(
-        tp, lambda r: weight_bytes(model_config, r, tp.world_size, dtype, adapters))
+        tp, lambda r: weight_bytes(model_config, r, tp.world_size, dtype, adapters, capacity))
     if free is not None:
-        what = f"weights and {len(adapters)} adapters' tables" if adapters else "weights"
+        num_slots = capacity.num_slots if capacity is not None else len(adapters)
+        what = f"weights and {num_slots} adapter slots' tables" if num_slots else "weights"
         hints = (["a smaller --dtype (bfloat16)"] if dtype == torch.float32 else []) + \
-            (["fewer adapters"] if adapters else []) + \
+            (["fewer adapter slots (--max-gpu-adapters)"] if num_slots else []) + \
             (["more GPUs (--parallel)", "a bigger GPU"] if tp.device.type == "cuda"
              else ["a bigger machine"])
         options = f"{', '.join(hints[:-1])} or {hints[-1]}" if len(hints) > 1 else hints[0]

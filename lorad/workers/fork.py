@@ -57,7 +57,8 @@ class Forks:
                                      block_hashes=list(parent.block_hashes),
                                      num_indexed_blocks=parent.num_indexed_blocks,
                                      num_cached_tokens=parent.num_cached_tokens,
-                                     adapter_strength=parent.adapter_strength))
+                                     adapter_strength=parent.adapter_strength,
+                                     adapter_id=parent.adapter_id))
         parent.fork_ids = []
         return children
 

@@ -22,7 +22,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from lorad.config import ConfigError
-from lorad.config.adapters import AdapterSpec
+from lorad.config.adapter_capacity import LoraCapacity
+from lorad.config.adapters import TARGET_MODULES, AdapterSpec
 from lorad.workers.lora import table_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -100,38 +101,71 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: tuple[str, ...] 
 
 
 def add_adapter_tables(target_of: Callable[[int, str], nn.Module],
-                       specs: tuple[AdapterSpec, ...]) -> dict:
-    """Allocate slot tables on every projection some adapter edits (slots 0..K, ranks padded to
-    the largest rank any adapter gives that projection; all in lora.table_dtype of the adapters'
-    stored dtypes) -> {(layer, module): its LoraSlots}.
+                       specs: tuple[AdapterSpec, ...],
+                       capacity: LoraCapacity | None = None, num_layers: int = 0) -> dict:
+    """Allocate slot tables -> {(layer, module): its LoraSlots}. Without a capacity: slots
+    0..K for the K specs, on every projection some adapter edits, ranks padded to the largest
+    rank any adapter gives that projection, all in lora.table_dtype of the stored dtypes. With
+    one: slots 0..capacity.num_slots; with run-time adapters on every projection of the
+    num_layers layers at capacity.max_rank in fp32, else as above.
 
     target_of(layer, module) is the projection; it has `add_lora_slots(num_slots, max_rank,
     dtype)`."""
-    for i, spec in enumerate(specs):
-        if spec.slot != i + 1:
-            raise ConfigError(f"adapter {spec.name!r} has slot {spec.slot}, expected {i + 1}")
     max_rank: dict[tuple[int, str], int] = {}
     for spec in specs:
         for m in spec.modules:
             max_rank[(m.layer, m.module)] = max(max_rank.get((m.layer, m.module), 0), m.rank)
     dtype = table_dtype({m.dtype for spec in specs for m in spec.modules})
-    return {where: target_of(*where).add_lora_slots(len(specs) + 1, rank, dtype)
+    num_slots = len(specs) + 1 if capacity is None else capacity.num_slots + 1
+    if capacity is not None and capacity.runtime:
+        max_rank = {(layer, module): capacity.max_rank for layer in range(num_layers)
+                    for module in TARGET_MODULES}
+        dtype = torch.float32  # holds any adapter's factors exactly, whatever it stores
+    if num_slots == 1:
+        return {}
+    return {where: target_of(*where).add_lora_slots(num_slots, rank, dtype)
             for where, rank in sorted(max_rank.items())}
 
 
 def load_adapter_weights(target_of: Callable[[int, str], nn.Module],
-                         specs: tuple[AdapterSpec, ...]) -> None:
-    """add_adapter_tables, then fill each adapter's slot with this rank's factor shards."""
+                         specs: tuple[AdapterSpec, ...]) -> dict:
+    """add_adapter_tables for specs of ids 1..K, then fill slot i with adapter i's shards."""
+    for i, spec in enumerate(specs):
+        if spec.adapter_id != i + 1:
+            raise ConfigError(f"adapter {spec.name!r} has id {spec.adapter_id}, expected {i + 1}")
     tables = add_adapter_tables(target_of, specs)
     for spec in specs:
+        fill_slot(tables, spec.adapter_id, spec, read_shards(tables, spec))
+    return tables
+
+
+def read_shards(tables: dict, spec: AdapterSpec) -> dict:
+    """This rank's shards of the adapter's factors, read from its weights file:
+    {(layer, module): (A shard, B shard)} (LoraSlots.shard). ConfigError names the file."""
+    shards = {}
+    try:
         with safe_open(spec.weights_file, framework="pt", device="cpu") as f:
             for m in spec.modules:
-                try:
-                    tables[(m.layer, m.module)].load(spec.slot, m, f.get_slice(m.a_tensor),
-                                                     f.get_slice(m.b_tensor))
-                except (ValueError, SafetensorError) as exc:
-                    raise ConfigError(f"adapter {spec.name!r} ({spec.weights_file}): "
-                                      f"{exc}") from None
+                table = tables.get((m.layer, m.module))
+                if table is None:
+                    raise ValueError(f"{m.full_name} has no slot table here")
+                shards[(m.layer, m.module)] = table.shard(m, f.get_slice(m.a_tensor),
+                                                          f.get_slice(m.b_tensor))
+    except (ValueError, SafetensorError, OSError) as exc:
+        raise ConfigError(f"adapter {spec.name!r} ({spec.weights_file}): {exc}") from None
+    return shards
+
+
+def fill_slot(tables: dict, slot: int, spec: AdapterSpec, shards: dict) -> None:
+    """Put an adapter's shards into `slot` of every table; tables it does not edit are cleared
+    (the slot may have held an adapter that edits them)."""
+    by_where = {(m.layer, m.module): m for m in spec.modules}
+    for where, table in tables.items():
+        module = by_where.get(where)
+        if module is None:
+            table.clear(slot)
+        else:
+            table.fill(slot, module, *shards[where])
 
 
 class WholeTensor:

@@ -84,15 +84,28 @@ class LoraSlots(nn.Module):
 
     def load(self, slot: int, module: LoraModule, a_slice, b_slice) -> None:
         """Copy this rank's shard of one adapter's factors (safetensors slices) into `slot`."""
+        self.fill(slot, module, *self.shard(module, a_slice, b_slice))
+
+    def shard(self, module: LoraModule, a_slice, b_slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of one adapter's factors (safetensors slices, or WholeTensor):
+        ([rank, in_end - in_start] of A, [out_end - out_start, rank] of B), as stored."""
         r = module.rank
         check_factor_shape(module.a_tensor, a_slice.get_shape(), (r, self.in_features))
         check_factor_shape(module.b_tensor, b_slice.get_shape(), (self.out_features, r))
         # get_slice reads only the columns (A) or rows (B) this rank holds.
+        return a_slice[:, self.in_start:self.in_end], b_slice[self.out_start:self.out_end]
+
+    def fill(self, slot: int, module: LoraModule, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Put a shard (LoraSlots.shard) into `slot`, with the module's rank and scale."""
+        r = module.rank
+        if r > self.lora_a.shape[1]:
+            raise ValueError(f"{module.full_name} has rank {r}; its table holds "
+                             f"{self.lora_a.shape[1]}")
         # fp32 tables widen any factor dtype exactly; narrower ones were chosen for this dtype
         # (table_dtype), so the copy never rounds.
         assert self.lora_a.dtype in (torch.float32, STORED_DTYPES[module.dtype])
-        self.lora_a[slot, :r].copy_(a_slice[:, self.in_start:self.in_end])
-        self.lora_b[slot, :, :r].copy_(b_slice[self.out_start:self.out_end])
+        self.lora_a[slot, :r].copy_(a)
+        self.lora_b[slot, :, :r].copy_(b)
         # Past the rank: zeros, not what an adapter of a higher rank left in the slot.
         self.lora_a[slot, r:].zero_()
         self.lora_b[slot, :, r:].zero_()
@@ -100,6 +113,13 @@ class LoraSlots(nn.Module):
         self.scales[slot] = module.scale
         self.rank_table[slot] = r
         self.scale_table[slot] = module.scale  # rounded to fp32, as torch's `fp32 * scale` does
+
+    def clear(self, slot: int) -> None:
+        """The slot's adapter does not edit this projection (its rows add no delta here)."""
+        self.ranks[slot] = 0
+        self.scales[slot] = 0.0
+        self.rank_table[slot] = 0
+        self.scale_table[slot] = 0.0
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, rows: LoraRows | None) -> torch.Tensor:
         """out + (scale * (x A^T) B^T) * strength for each row, by its slot (and its request's

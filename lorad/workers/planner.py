@@ -7,7 +7,8 @@ sequences with the sampled ids and returns the events the leader publishes. The 
 prompt share its prefill (fork.py). With prefix caching on, a sequence that starts takes the
 cached blocks of its longest cached prefix (never the block of its last token, which must run to
 be sampled) and prefills from there, and apply() registers every block a step fills
-(prefix_cache.py). Grammar state is not handled here; echo's rows are prompt_logprobs.py's.
+(prefix_cache.py). A sequence with an adapter id starts once its adapter is in a device slot
+(adapter_slots.py): the head of the queue waits for its copy, the next ones' are started with it. Grammar state is not handled here; echo's rows are prompt_logprobs.py's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import bisect
 from dataclasses import dataclass
 
 from lorad.protocol.messages import MAX_PROMPT_LOGPROBS_PER_STEP, SeqOutput
+from lorad.workers.adapter_slots import AdapterSlots
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.fork import Forks
 from lorad.workers.prefix_cache import PrefixReuse
@@ -35,7 +37,8 @@ class PlannerLimits:
 
 class Planner:
     def __init__(self, limits: PlannerLimits, blocks: BlockManager,
-                 prefix_cache: bool = False, spill: SpillIndex | None = None) -> None:
+                 prefix_cache: bool = False, spill: SpillIndex | None = None,
+                 adapters: AdapterSlots | None = None) -> None:
         if blocks.num_blocks < blocks.blocks_for(limits.max_model_len):
             raise ValueError(f"a KV pool of {blocks.num_blocks} blocks of {blocks.block_size} "
                              f"cannot hold one sequence of max_model_len {limits.max_model_len}")
@@ -43,6 +46,8 @@ class Planner:
         self.blocks = blocks
         # Cached and spilled blocks: None without prefix caching.
         self.reuse = PrefixReuse(blocks, spill) if prefix_cache else None
+        # Device slots of adapters by registry id; None: sequences' slots are fixed as admitted.
+        self.adapters = adapters
         self.step = 0
         self.waiting: list[Sequence] = []  # by arrival; no blocks but those its spill reads fill
         self.running: list[Sequence] = []  # by arrival
@@ -142,9 +147,9 @@ class Planner:
             forks = {seq.request_id: list(seq.fork_ids) for seq, num in scheduled
                      if seq.fork_ids and seq.num_computed + num == seq.num_tokens}
         copies, self._copies = self._copies, []
-        if self.reuse is None:
-            return StepPlan(self.step, chunks, preempted, forks, copies)
-        return StepPlan(self.step, chunks, preempted, forks, copies, *self.reuse.end_plan())
+        fetches = self.adapters.take_fetches() if self.adapters is not None else []
+        spill = self.reuse.end_plan() if self.reuse is not None else ([], [], [])
+        return StepPlan(self.step, chunks, preempted, forks, copies, *spill, fetches)
 
     def _schedule_decodes(self, budget: int, scheduled: list, preempted: list[str]) -> int:
         """1. every decode gets its next token; -> the budget left. Runs for every sequence every
@@ -193,6 +198,9 @@ class Planner:
         while (self.waiting and budget > 0 and len(self.running) + num_unforked
                + len(self.waiting[0].fork_ids) < self.limits.max_num_seqs):
             seq = self.waiting[0]
+            if seq.adapter_id and not self.adapters.is_ready(seq.adapter_id):
+                self._place_adapters()
+                break  # it starts once its adapter's copy is agreed, still at the head
             num_blocks = self.blocks.blocks_for(seq.num_tokens)
             hits, on_disk = self.reuse.lookup(seq) if self.reuse is not None else ([], [])
             # Cached blocks nobody holds leave the free pool when taken; held ones cost nothing.
@@ -209,6 +217,8 @@ class Planner:
             if num == 0:  # echo's share of the step is spent
                 break
             self.waiting.pop(0)
+            if seq.adapter_id:
+                seq.adapter_slot = self.adapters.acquire(seq.adapter_id)
             seq.status = SeqStatus.RUNNING
             _insert_by_arrival(self.running, seq)
             self._allocate_for(seq, num)
@@ -217,6 +227,33 @@ class Planner:
             scheduled.append((seq, num))
             budget -= num
         return budget
+
+    def _place_adapters(self) -> None:
+        """Plan the copies of the adapters the waiting sequences need, in queue order, from the
+        head on, while slots can be had without evicting what one ahead needs: the head's first,
+        then the next ones' beside it (their copies overlap)."""
+        keep: set[int] = set()
+        for seq in self.waiting:
+            if len(keep) >= self.adapters.num_slots:
+                return
+            if not seq.adapter_id or seq.adapter_id in keep:
+                continue
+            if not self.adapters.place(seq.adapter_id, keep):
+                return
+            keep.add(seq.adapter_id)
+
+    def adapter_fetched(self, adapter_id: int, slot: int, ok: bool) -> list[str]:
+        """A copy's agreed outcome; when it failed, the waiting sequences of that adapter end
+        (never on another adapter or the base model) -> their request ids."""
+        self.adapters.fetched(adapter_id, slot, ok)
+        if ok:
+            return []
+        failed = [s for s in self.waiting if s.adapter_id == adapter_id]
+        for seq in failed:
+            self._finish(seq, "error")
+            for request_id in seq.fork_ids:  # its choices still to fork end with it
+                self.forks.unforked.pop(request_id, None)
+        return [r for s in failed for r in (s.request_id, *s.fork_ids)]
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         """A prefill chunk's tokens; echo's chunks share MAX_PROMPT_LOGPROBS_PER_STEP a step."""
@@ -271,6 +308,8 @@ class Planner:
     def _preempt(self, seq: Sequence, preempted: list[str]) -> None:
         # Recompute, not swap: the prompt and every generated token run again from position 0.
         self.running.remove(seq)
+        if seq.adapter_id:  # it may find its adapter in another slot when it starts again
+            self.adapters.release(seq.adapter_id)
         self.blocks.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
@@ -330,6 +369,8 @@ class Planner:
     def _fork(self, seq: Sequence) -> list[Sequence]:
         children = self.forks.fork(seq)
         for child in children:
+            if child.adapter_id:
+                self.adapters.acquire(child.adapter_id)
             self._by_id[child.request_id] = child
             _insert_by_arrival(self.running, child)
         return children
@@ -352,6 +393,8 @@ class Planner:
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
             self.blocks.free(seq.block_table)
+            if seq.adapter_id:
+                self.adapters.release(seq.adapter_id)
         else:
             self.waiting.remove(seq)
             if seq.block_table:  # a sequence waiting on its reads from the spill

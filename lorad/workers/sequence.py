@@ -23,8 +23,10 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    adapter_slot: int  # 0 = base model
-    adapter_key: str  # identity key of the adapter in that slot, "" for slot 0
+    # The device slot its rows read (0: the base model). With an adapter id, the planner places
+    # the adapter in a slot when the sequence starts (adapter_slots.py) and sets this.
+    adapter_slot: int
+    adapter_key: str  # the adapter's identity key, "" for the base model
     arrival: int  # the Admit's seq number: orders admission and preemption on every rank
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache (positions 0..num_computed-1)
@@ -48,6 +50,9 @@ class Sequence:
     # The request's multiplier of its adapter's scales (lorad's "adapter_strength"); 1.0 for the
     # base model, whose requests cannot carry one.
     adapter_strength: float = 1.0
+    # The adapter's registry id (0: the base model); None: adapter_slot is fixed as given (a
+    # planner without device slot management, as in unit tests).
+    adapter_id: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

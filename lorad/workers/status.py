@@ -46,17 +46,21 @@ class LoopProgress:
     prefix_cached_blocks: int = 0
     prefix_evictions: int = 0
     spill: tuple[int, ...] = (0, 0, 0, 0, 0)  # RankStatus' spill counts, in its order
+    adapters: tuple[int, ...] = (0,) * 7  # RankStatus' adapter counts, in its order
 
     def begin_round(self) -> None:
         self.step_started = time.monotonic()
 
-    def end_round(self, blocks: BlockManager, spill: RankSpill | None = None) -> None:
+    def end_round(self, blocks: BlockManager, spill: RankSpill | None = None,
+                  adapters: tuple[int, ...] | None = None) -> None:
         self.kv_blocks_free = blocks.num_free_blocks
         self.kv_blocks_used = blocks.num_blocks - self.kv_blocks_free
         self.prefix_cached_blocks = blocks.num_cached_blocks
         self.prefix_evictions = blocks.num_evictions
         if spill is not None:
             self.spill = spill.counts()
+        if adapters is not None:
+            self.adapters = adapters
         self.steps += 1
         self.step_started = None
 
@@ -65,7 +69,7 @@ class LoopProgress:
         seconds = 0.0 if started is None else max(0.0, time.monotonic() - started)
         return RankStatus(rank, self.phase, self.steps, seconds, self.kv_blocks_used,
                           self.kv_blocks_free, self.prefix_cached_blocks, self.prefix_evictions,
-                          *self.spill)
+                          *self.spill, *self.adapters)
 
 
 def coordinator_alive(coordinator_pid: int, parent_pid: int) -> bool:

@@ -1,8 +1,8 @@
 """What one model step runs: the planner's output, which the engine and the sampler read.
 
 A plan is plain data (no tensors): each scheduled chunk of tokens with its block table, the
-preemptions it made, the forks of several choices completing their prefill, and the KV block
-copies to make before the forward. planner.py builds it.
+preemptions it made, the forks of several choices completing their prefill, the KV block copies
+to make before the forward, and the spill's and adapter slots' copies. planner.py builds it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class StepPlan:
     spill_writes: list[tuple[int, bytes]] = field(default_factory=list)
     spill_deletes: list[bytes] = field(default_factory=list)
     spill_reads: list[tuple[int, bytes]] = field(default_factory=list)
+    # (adapter id, device slot): adapters to copy into a slot (adapter_slots.py), in order; each
+    # copy's outcome is agreed at a later step, and only then do its sequences start.
+    adapter_fetches: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def sampled_request_ids(self) -> list[str]:

@@ -78,9 +78,9 @@ def test_models_through_the_client(client):
     assert client.models.retrieve("a").model_extra["parent"] == MODEL
 
 
-def test_health_lists_adapters_with_slots_and_keys(adapter_daemon):
+def test_health_lists_adapters_with_ids_and_keys(adapter_daemon):
     adapters = adapter_daemon.health()["adapters"]
-    assert [(a["name"], a["slot"], a["strength"]) for a in adapters] == [("a", 1, 1.0),
+    assert [(a["name"], a["id"], a["strength"]) for a in adapters] == [("a", 1, 1.0),
                                                                           ("b", 2, 1.0)]
     keys = [a["key"] for a in adapters]
     assert all(re.fullmatch(r"[0-9a-f]{64}", key) for key in keys) and keys[0] != keys[1]

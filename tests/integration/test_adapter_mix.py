@@ -106,3 +106,20 @@ def test_another_model_as_the_reference_is_a_mismatch(chunking_daemon, start_lor
     mismatched = [line for line in result.stdout.splitlines() if line.startswith("MISMATCH")]
     assert len(mismatched) == 8 and all("ids differ from token" in m for m in mismatched)
     assert "8 of 8 streams differ" in result.stderr and "(models: tiny)" in result.stderr
+
+
+def test_adapters_taking_turns_in_one_slot_equal_resident_ones(adapter_daemon, start_lorad,
+                                                              tiny_adapters):
+    """Two adapters sharing one device slot (--max-gpu-adapters 1): a seeded burst over the base
+    model and both equals the solo runs of a daemon where both stay resident, and the slot
+    changed hands (evictions and loads in /metrics)."""
+    turns = start_lorad("--parallel", "2", "--kv-cache-blocks", "512", "--max-num-seqs", "48",
+                        "--max-gpu-adapters", "1", "--max-num-batched-tokens", "32",
+                        *adapter_flags(tiny_adapters))
+    result = run_mix("--url", turns.url, "--reference-url", adapter_daemon.url, "--seeded",
+                     "--prompt-lengths", LENGTHS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    burst = 2 * len(MODELS) * 3 * 2
+    assert f"OK: all {burst} streams equal their solo runs" in result.stdout
+    ranks = turns.health()["ranks"]
+    assert all(r["adapter_slots"] == 1 and r["adapter_evictions"] >= 1 for r in ranks), ranks

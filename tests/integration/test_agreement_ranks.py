@@ -75,6 +75,6 @@ def test_two_gloo_ranks_agree(tmp_path):
         # every rank holds after a restart come in rank 0's order.
         assert out["spill"] == [4, 0b0111] and out["entries"] == [4, 2, 1]
         # An adapter that differs is named; one that agrees is not.
-        assert "adapter 'chat' (slot 2) differs from rank 0 on rank(s) [1]" in out["reg_adapter"]
+        assert "adapter 'chat' (id 2) differs from rank 0 on rank(s) [1]" in out["reg_adapter"]
         assert "'sql'" not in out["reg_adapter"] and "engine" not in out["reg_adapter"]
         assert "number of adapters differs (by rank: [1, 2])" in out["reg_count"]

@@ -133,7 +133,7 @@ def _refusals_fail_only_their_request(coord: FakeCoordinator, prompts, want: lis
     """Admissions no rank can serve end alone; "ok" (stream sql0 again) runs on untouched."""
     admit(coord, "ok", prompts[0], 1, greedy(MAX_TOKENS))
     sql_key = coord.cfg.adapters[0]["key"]
-    coord.send(lambda seq: Admit(seq, "no-slot", prompts[0], greedy(4), 3, sql_key))
+    coord.send(lambda seq: Admit(seq, "no-id", prompts[0], greedy(4), 3, sql_key))
     coord.send(lambda seq: Admit(seq, "wrong-key", prompts[0], greedy(4), 2, sql_key))
     coord.send(lambda seq: Admit(seq, "base-with-key", prompts[0], greedy(4), 0, sql_key))
     failed, tokens = {}, []
@@ -145,9 +145,9 @@ def _refusals_fail_only_their_request(coord: FakeCoordinator, prompts, want: lis
         tokens += [t for o in msg.outputs if o.request_id == "ok" for t in o.token_ids]
         if any(o.request_id == "ok" and o.finish_reason for o in msg.outputs):
             break
-    assert "slot 3 is not loaded" in failed["no-slot"]
-    assert "slot 2 holds 'chat'" in failed["wrong-key"]
-    assert "slot 0 is the base model" in failed["base-with-key"]
+    assert "adapter id 3 is not registered" in failed["no-id"]
+    assert "adapter id 2 is 'chat'" in failed["wrong-key"]
+    assert "id 0 is the base model" in failed["base-with-key"]
     assert tokens == want
 
 
@@ -183,7 +183,7 @@ def test_start_up_refuses_an_adapter_that_differs_on_one_rank(model):
     try:
         failures = coord.start_up_failures()
         for rank, message in failures.items():
-            assert "adapter 'sql' (slot 1) differs from rank 0 on rank(s) [1]" in message, rank
+            assert "adapter 'sql' (id 1) differs from rank 0 on rank(s) [1]" in message, rank
             assert "'chat'" not in message
     finally:
         coord.close()

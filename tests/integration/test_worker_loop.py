@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from lorad.config import WorkerConfig
+from lorad.config.adapter_capacity import LoraCapacity
 from lorad.protocol import (
     PROTOCOL_VERSION, Admit, Cancel, Hello, RankStatus, Ready, SamplingParams, Shutdown,
     StepFailed, StepResult, WorkerFailed, decode, encode)
@@ -29,6 +30,7 @@ from lorad.protocol.messages import choice_ids
 from lorad.protocol.sockets import (
     bind_publisher, bind_puller, connect_pusher, connect_subscriber, make_runtime_dir)
 from lorad.workers import loop as loop_module
+from lorad.workers.adapter_store import AdapterStore
 from lorad.workers.agreement import RegistryDigest, StepAgreement
 from lorad.workers.seq_limit import auto_max_num_seqs
 from tests.tiny_models import make_tiny_llama
@@ -376,9 +378,11 @@ class FakeEngine:
         self.max_num_seqs = 4
         self.registry = RegistryDigest(b"m" * 32, b"e" * 32, b"a" * 32)
         self.startup_phases = []
+        self.store = AdapterStore({}, None, LoraCapacity(0, False, 0), 0, torch.device("cpu"))
+        self.resident = {}
 
-    def adapter_refusal(self, slot: int, key: str) -> str | None:
-        return None if (slot, key) == (0, "") else "no adapters here"
+    def adapter_refusal(self, adapter_id: int, key: str) -> str | None:
+        return None if (adapter_id, key) == (0, "") else "no adapters here"
 
     def forward(self, plan):
         logits = torch.zeros(len(plan.sampled_request_ids), 32)  # [num_sampled, vocab]

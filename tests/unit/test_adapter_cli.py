@@ -83,12 +83,12 @@ def test_registry_reaches_the_worker_config(base_dir, adapters, tmp_path):
     config = parse_args(["--model", str(base_dir), "--adapter", f"a={good}", "--adapter",
                          f"b={good}", "--adapter-strength", "b=0.5"])
     served = load_served_model(config)
-    assert [(s.name, s.slot) for s in served.adapters] == [("a", 1), ("b", 2)]
+    assert [(s.name, s.adapter_id) for s in served.adapters] == [("a", 1), ("b", 2)]
     entries = _worker_config(config, served, tmp_path, "id").adapters
     assert entries == [{"name": "a", "path": str(good.resolve()), "strength": 1.0,
-                        "key": served.adapters[0].key},
+                        "key": served.adapters[0].key, "id": 1},
                        {"name": "b", "path": str(good.resolve()), "strength": 0.5,
-                        "key": served.adapters[1].key}]
+                        "key": served.adapters[1].key, "id": 2}]
     assert entries[0]["key"] != entries[1]["key"]
 
 

@@ -37,7 +37,7 @@ def load(folder: Path, model, strength: float = 1.0, name: str = "sql"):
 
 def test_good_folder_loads(folder, model):
     spec = load(folder, model)
-    assert spec.name == "sql" and spec.slot == 1 and spec.strength == 1.0
+    assert spec.name == "sql" and spec.adapter_id == 1 and spec.strength == 1.0
     assert spec.path == str(folder.resolve()) and spec.weights_file == str(folder / WEIGHTS)
     assert [(m.layer, m.module) for m in spec.modules] == [
         (layer, module) for layer in range(2) for module in TARGET_MODULES]
@@ -50,7 +50,7 @@ def test_good_folder_loads(folder, model):
     assert spec.modules[0].b_tensor == f"{Q0}.lora_B.weight"
     assert len(spec.key) == 64 and spec.shapes_checked and not spec.has_manifest
     assert spec.to_worker_dict() == {"name": "sql", "path": spec.path, "strength": 1.0,
-                                     "key": spec.key}
+                                     "key": spec.key, "id": 1}
 
 
 def test_without_base_the_same_key_and_shapes_unchecked(folder, model):
@@ -114,7 +114,7 @@ def test_key_changes_with_dtype(folder, model):
 def test_registry_slots_in_order(good_dir, model):
     args = (AdapterArg("a", str(good_dir)), AdapterArg("b", str(good_dir), 0.5))
     specs = load_registry(args, model, reserved_names=("base",))
-    assert [(s.name, s.slot) for s in specs] == [("a", 1), ("b", 2)]
+    assert [(s.name, s.adapter_id) for s in specs] == [("a", 1), ("b", 2)]
 
 
 @pytest.mark.parametrize("names,strength,needle", [

@@ -130,7 +130,7 @@ def test_registry_digest_sees_each_adapters_slot_name_key_and_strength():
         changed = RegistryDigest.compute(model, (other,))
         assert changed.adapters != base.adapters and changed.hex() != base.hex(), other
         assert changed.adapter_parts[0][1] != base.adapter_parts[0][1]
-    assert base.adapter_parts[0][0] == "adapter 'sql' (slot 1)"
+    assert base.adapter_parts[0][0] == "adapter 'sql' (id 1)"
     assert RegistryDigest.compute(model).adapters != base.adapters
 
 

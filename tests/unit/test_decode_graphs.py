@@ -185,7 +185,8 @@ def test_engine_sends_decode_steps_to_the_graphs(model):
     ran = []
     real_run = graphs.run
     graphs.run = lambda chunks: ran.append(len(chunks)) or real_run(chunks)
-    engine = Engine(model.tp, model.config, model, None, NUM_BLOCKS, BLOCK_SIZE, (), graphs)
+    engine = Engine(model.tp, model.config, model, None, NUM_BLOCKS, BLOCK_SIZE, (), None, {},
+                    graphs)
     streams = make_streams([1, 2, 0], [4, 3, 5], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=4)
 
     def plan(chunks) -> StepPlan:

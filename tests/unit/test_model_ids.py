@@ -23,7 +23,7 @@ ADAPTERS = tuple(AdapterSpec(name, f"/srv/{name}", slot, 1.0, key * 64, f"/srv/{
 ])
 def test_accepted_choices(model, adapter, used, slot, key):
     choice = choose(BASE, ADAPTERS, model, adapter)
-    assert (choice.model_id, choice.adapter_slot, choice.adapter_key) == (used, slot, key)
+    assert (choice.model_id, choice.adapter_id, choice.adapter_key) == (used, slot, key)
 
 
 @pytest.mark.parametrize("adapters,model,adapter,status,param,code", [

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lorad.config import ModelConfig
+from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import AdapterSpec
 from lorad.config.partition import balanced_split, kv_head_range
 from lorad.workers.attention import AttentionContext
@@ -27,7 +28,8 @@ from lorad.workers.layers import RMSNorm, silu_and_mul
 from lorad.workers.fused_linear import (FusedColumnParallelLinear, FusedPart,
                                         MergedColumnParallelLinear, QKVParallelLinear)
 from lorad.workers.linear import RowParallelLinear
-from lorad.workers.loader import load_adapter_weights, load_random_weights, load_weights
+from lorad.workers.loader import (add_adapter_tables, load_adapter_weights, load_random_weights,
+                                  load_weights)
 from lorad.workers.lora_rows import LoraRows
 from lorad.workers.parallel import TensorParallel
 from lorad.workers.rotary import RotaryEmbedding
@@ -233,8 +235,15 @@ class LlamaForCausalLM(nn.Module):
         return fused.part(module.removesuffix("_proj"))
 
     def load_adapters(self, specs: tuple[AdapterSpec, ...]) -> None:
-        """Give every edited projection its slot tables and load this rank's factor shards."""
+        """Give every edited projection its slot tables and load this rank's factor shards
+        (adapter i in slot i)."""
         load_adapter_weights(self.lora_target, specs)
+
+    def add_lora_tables(self, specs: tuple[AdapterSpec, ...], capacity: LoraCapacity) -> dict:
+        """Empty slot tables for `capacity` (loader.add_adapter_tables) -> {(layer, module):
+        LoraSlots}; adapter_store.py fills their slots."""
+        return add_adapter_tables(self.lora_target, specs, capacity,
+                                  self.config.num_hidden_layers)
 
     @staticmethod
     def kv_cache_bytes_per_block(config: ModelConfig, tp_rank: int, world_size: int,

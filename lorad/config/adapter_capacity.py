@@ -1,0 +1,57 @@
+"""How many adapters the device holds at once and which adapters fit its slot tables.
+
+The coordinator and every worker resolve the same LoraCapacity from the command line and the
+adapters given at start, so an adapter the coordinator accepts at run time fits every rank's
+tables. Without a run-time source of adapters (--admin-key-file, --adapter-dir) the tables cover
+exactly what the start adapters edit, as small as they can be; with one, every projection of every
+layer gets a table of --max-lora-rank, in fp32 (which holds any factor dtype exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lorad.config.errors import ConfigError
+from lorad.config.lora_module import LoraModule
+
+# Device slots when adapters may arrive at run time and --max-gpu-adapters is not given.
+DEFAULT_RUNTIME_SLOTS = 8
+# The rank tables are sized for with run-time adapters and no --max-lora-rank (vLLM's default).
+DEFAULT_RUNTIME_MAX_RANK = 16
+
+
+@dataclass(frozen=True)
+class LoraCapacity:
+    num_slots: int  # device slots for adapters; slot 0, the base model, is not one of them
+    runtime: bool  # adapters may be registered after the start: tables on every projection
+    max_rank: int  # with runtime: the rank every table holds; else the start adapters' largest
+
+    @classmethod
+    def resolve(cls, start_modules: list[tuple[LoraModule, ...]], runtime: bool,
+                max_gpu_adapters: int | None, max_lora_rank: int | None) -> "LoraCapacity":
+        """start_modules: each start adapter's modules. Errors name the flag."""
+        num_start = len(start_modules)
+        largest = max((m.rank for mods in start_modules for m in mods), default=0)
+        if max_lora_rank is not None and largest > max_lora_rank:
+            raise ConfigError(f"--max-lora-rank {max_lora_rank}: an adapter given at start has "
+                              f"rank {largest}")
+        if max_gpu_adapters is not None:
+            num_slots = max_gpu_adapters
+        else:
+            num_slots = max(num_start, DEFAULT_RUNTIME_SLOTS) if runtime else num_start
+        max_rank = max_lora_rank or (max(largest, DEFAULT_RUNTIME_MAX_RANK) if runtime
+                                     else largest)
+        return cls(num_slots, runtime, max_rank)
+
+    def refusal(self, modules: tuple[LoraModule, ...]) -> str | None:
+        """Why a run-time adapter cannot take a slot here, or None."""
+        if not self.runtime:
+            return "adapters cannot be added while serving (no --admin-key-file or --adapter-dir)"
+        if self.num_slots == 0:
+            return "--max-gpu-adapters is 0: no device slot can hold an adapter"
+        over = [m for m in modules if m.rank > self.max_rank]
+        if over:
+            m = over[0]
+            return (f"module {m.full_name} has rank {m.rank}, above the {self.max_rank} the slot "
+                    f"tables hold (--max-lora-rank)")
+        return None

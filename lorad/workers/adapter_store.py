@@ -1,0 +1,202 @@
+"""This rank's adapters: the registry (id -> validated folder), a host cache of factor shards, and
+the jobs that register an adapter (validate, key) or copy one into a device slot.
+
+Jobs run in the order submitted, on one thread beside the step loop (on CUDA the copy runs on its
+own stream, synchronized before the job counts as done). Their outcome is agreed by the ranks
+(`report` -> agreement.agree_step -> `settle`): a job is done once every rank has finished it, and
+failed everywhere if it failed on any rank, so every rank registers the same adapters and starts
+the same sequences. What a job computes never depends on timing, only when it is done does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lorad.config import ConfigError, ModelConfig
+from lorad.config.adapter_capacity import LoraCapacity
+from lorad.config.adapters import AdapterSpec, read_adapter
+from lorad.protocol.messages import LoadAdapter
+from lorad.workers.loader import fill_slot, read_shards
+
+log = logging.getLogger("lorad.worker")
+
+# Test hook, read only when set to "RANK:SUFFIX": that rank reads every run-time adapter folder
+# from PATH + SUFFIX, as a host whose copy of the files differs would (tests/integration).
+ADAPTER_PATH_SUFFIX_ENV = "LORAD_TEST_ADAPTER_PATH_SUFFIX"
+
+
+@dataclass
+class Job:
+    number: int
+    kind: str  # "register" (LoadAdapter) or "fetch" (into a device slot)
+    adapter_id: int
+    slot: int  # fetch: the device slot; register: 0
+    future: Future  # -> an AdapterSpec (register) or None (fetch); raises ConfigError
+    agreed_failed: bool = False
+
+
+@dataclass(frozen=True)
+class Settled:
+    """One job's agreed outcome."""
+
+    kind: str
+    adapter_id: int
+    slot: int
+    ok: bool
+
+
+class AdapterStore:
+    def __init__(self, tables: dict, model_config: ModelConfig, capacity: LoraCapacity,
+                 max_cpu_adapters: int, device: torch.device, path_suffix: str = "") -> None:
+        self.tables = tables  # {(layer, module): LoraSlots}
+        self.model_config = model_config
+        self.capacity = capacity
+        self.max_cpu_adapters = max_cpu_adapters
+        self.specs: dict[int, AdapterSpec] = {}  # registered on every rank
+        self._staged: dict[int, AdapterSpec] = {}  # validated here, outcome not agreed yet
+        self._host: OrderedDict[int, dict] = OrderedDict()  # id -> shards, least recent first
+        self._jobs: dict[int, Job] = {}
+        self._next_number = 1
+        self._num_settled = 0  # jobs 1..this are settled on every rank
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="adapters")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._path_suffix = path_suffix
+        self.num_host_hits = 0
+        self.num_disk_reads = 0
+
+    # --- start-up: synchronous ------------------------------------------------------------------
+
+    def add_started(self, spec: AdapterSpec, slot: int | None) -> None:
+        """An adapter validated at start (agreed by check_registry), copied into `slot` now."""
+        self.specs[spec.adapter_id] = spec
+        if slot is not None:
+            self._copy(spec, slot)
+
+    # --- jobs ---------------------------------------------------------------------------------
+
+    def submit_register(self, msg: LoadAdapter) -> None:
+        self._submit("register", msg.adapter_id, 0, self._register, msg)
+
+    def submit_fetch(self, adapter_id: int, slot: int) -> None:
+        spec = self.specs.get(adapter_id)
+        self._submit("fetch", adapter_id, slot, self._fetch, spec, slot)
+
+    def report(self) -> tuple[int, int]:
+        """(settled, failed) for the step agreement: jobs up to `settled` finished here with
+        success (or were agreed failed), and `failed` = settled + 1 when that job failed here
+        (0 otherwise)."""
+        done = self._num_settled
+        while done + 1 in self._jobs:
+            job = self._jobs[done + 1]
+            if not job.future.done():
+                break
+            if job.future.exception() is not None and not job.agreed_failed:
+                return done, done + 1
+            done += 1
+        return done, 0
+
+    def local_failure(self, number: int) -> tuple[int, str] | None:
+        """(adapter id, why) of a job that failed on this rank."""
+        job = self._jobs.get(number)
+        if job is None or not job.future.done() or job.future.exception() is None:
+            return None
+        return job.adapter_id, str(job.future.exception())
+
+    def settle(self, settled: int, failed: int) -> list[Settled]:
+        """The agreed minimum of every rank's settled count, and a job failed on some rank (or
+        0) -> the outcomes newly agreed, in job order. A job agreed failed that this rank has
+        not finished yet is settled when it finishes (its later jobs wait for it)."""
+        outcomes = []
+        for number in range(self._num_settled + 1, settled + 1):
+            job = self._jobs.pop(number)  # an agreed failure leaves once every rank passed it
+            if not job.agreed_failed:
+                outcomes.append(self._outcome(job, True))
+        if failed:  # settled + 1
+            self._jobs[failed].agreed_failed = True
+            outcomes.append(self._outcome(self._jobs[failed], False))
+        self._num_settled = max(self._num_settled, settled)
+        return outcomes
+
+    def forget(self, adapter_id: int) -> None:
+        """Unloaded: no new request names it; its slot is the planner's to free."""
+        self.specs.pop(adapter_id, None)
+        self._host.pop(adapter_id, None)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=False)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._jobs)
+
+    # --- on the jobs' thread ------------------------------------------------------------------
+
+    def _submit(self, kind: str, adapter_id: int, slot: int, fn, *args) -> None:
+        number = self._next_number
+        self._next_number += 1
+        self._jobs[number] = Job(number, kind, adapter_id, slot, self._executor.submit(fn, *args))
+
+    def _register(self, msg: LoadAdapter) -> AdapterSpec:
+        spec = self._read(msg.path, msg.name, msg.strength, msg.adapter_id)
+        if spec.key != msg.key:
+            raise ConfigError(f"{spec.path}: this rank computes identity key {spec.key[:16]}..., "
+                              f"the coordinator {msg.key[:16]}...: the folder differs on this "
+                              "host, or changed after the coordinator read it")
+        refusal = self.capacity.refusal(spec.modules)
+        if refusal is not None:
+            raise ConfigError(f"{spec.path}: {refusal}")
+        self._staged[msg.adapter_id] = spec
+        return spec
+
+    def _fetch(self, spec: AdapterSpec | None, slot: int) -> None:
+        if spec is None:
+            raise ConfigError("the adapter is not registered on this rank")
+        self._copy(spec, slot)
+
+    def _copy(self, spec: AdapterSpec, slot: int) -> None:
+        shards = self._host.get(spec.adapter_id)
+        if shards is not None:
+            self._host.move_to_end(spec.adapter_id)
+            self.num_host_hits += 1
+        else:
+            shards = self._read_back(spec)
+            self.num_disk_reads += 1
+            if self.max_cpu_adapters:
+                self._host[spec.adapter_id] = shards
+                while len(self._host) > self.max_cpu_adapters:
+                    self._host.popitem(last=False)
+        if self._stream is None:
+            fill_slot(self.tables, slot, spec, shards)
+            return
+        with torch.cuda.stream(self._stream):  # beside the steps; done once synchronized
+            fill_slot(self.tables, slot, spec, shards)
+        self._stream.synchronize()
+
+    def _read_back(self, spec: AdapterSpec) -> dict:
+        """The shards from disk (spec.path: the folder this rank registered), after checking
+        that the files still have the registered key: a folder edited in place since its load
+        must not be served under the old identity. (A file replaced between the check and the
+        read is not caught; replace folders by rename, or reload.)"""
+        again = read_adapter(Path(spec.path), spec.name, spec.strength, spec.adapter_id,
+                             self.model_config)
+        if again.key != spec.key:
+            raise ConfigError(f"{spec.path}: its files changed since it was loaded (identity key "
+                              f"{again.key[:16]}..., registered {spec.key[:16]}...); reload it")
+        return read_shards(self.tables, spec)
+
+    def _read(self, path: str, name: str, strength: float, adapter_id: int) -> AdapterSpec:
+        folder = Path(path + self._path_suffix)
+        return read_adapter(folder, name, strength, adapter_id, self.model_config)
+
+    def _outcome(self, job: Job, ok: bool) -> Settled:
+        if job.kind == "register":
+            spec = self._staged.pop(job.adapter_id, None)
+            if ok:
+                self.specs[job.adapter_id] = spec
+        return Settled(job.kind, job.adapter_id, job.slot, ok)
