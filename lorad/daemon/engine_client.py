@@ -18,9 +18,11 @@ import zmq
 import zmq.asyncio
 
 from lorad.config import WorkerConfig
+from lorad.config.adapters import AdapterSpec
 from lorad.protocol import (
-    PROTOCOL_VERSION, Admit, Cancel, Hello, ProtocolError, RankStatus, Ready, SamplingParams,
-    Shutdown, StartupPhase, StepFailed, StepResult, WorkerFailed, decode, encode)
+    PROTOCOL_VERSION, AdapterLoaded, AdapterRefused, Admit, Cancel, Hello, LoadAdapter,
+    ProtocolError, RankStatus, Ready, SamplingParams, Shutdown, StartupPhase, StepFailed,
+    StepResult, UnloadAdapter, WorkerFailed, decode, encode)
 from lorad.daemon.rank_watch import DEFAULT_STEP_TIMEOUT_S, RankState, RankWatch
 from lorad.daemon.startup import StartupReport, slowest_rank
 from lorad.protocol.messages import choice_ids
@@ -38,6 +40,15 @@ class StartupError(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine failed earlier; nothing more can be admitted."""
+
+
+class AdapterLoadError(RuntimeError):
+    """A LoadAdapter failed on some rank (every rank kept its registry); the message says why."""
+
+
+# How long a failed load waits for the failed ranks' own reasons (sent before the leader's
+# answer, on other sockets, so almost always there already).
+REFUSAL_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,8 @@ class EngineClient:
         self.on_step_result = None  # called with each StepResult (metrics.py times the steps)
         # -> the ranks whose process has ended, (rank, exit code): Supervisor.exited_now.
         self.exited_ranks = lambda: []
+        self._loads: dict[int, asyncio.Future] = {}  # adapter id -> its AdapterLoaded
+        self._refusals: dict[tuple[int, int], str] = {}  # (adapter id, rank) -> why
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -184,6 +197,34 @@ class EngineClient:
             self._queues[choice_id] = queue
         return ids
 
+    async def load_adapter(self, spec: AdapterSpec, pinned: bool = False) -> None:
+        """Register a validated adapter version on every rank (its adapter_id new); raises
+        AdapterLoadError naming each failed rank's reason when any rank refused it."""
+        if self.failure.done():
+            raise EngineDead(self.failure.result())
+        answer = asyncio.get_running_loop().create_future()
+        self._loads[spec.adapter_id] = answer
+        self._publish(LoadAdapter(self._next_seq, spec.adapter_id, spec.name, spec.path,
+                                  spec.strength, spec.key, pinned))
+        try:
+            failed_ranks = await answer
+        finally:
+            self._loads.pop(spec.adapter_id, None)
+        if not failed_ranks:
+            return
+        deadline = time.monotonic() + REFUSAL_WAIT_S
+        while (any((spec.adapter_id, r) not in self._refusals for r in failed_ranks)
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.01)
+        reasons = [f"rank {r}: {self._refusals.pop((spec.adapter_id, r), 'no reason received')}"
+                   for r in failed_ranks]
+        raise AdapterLoadError("; ".join(reasons))
+
+    def unload_adapter(self, adapter_id: int) -> None:
+        """Forget a registry id on every rank; the caller has ended its requests."""
+        if not self.failure.done():
+            self._publish(UnloadAdapter(self._next_seq, adapter_id))
+
     def cancel(self, request_id: str) -> None:
         """Stop a request early (client gone, stop string); its queue gets nothing more."""
         if self._queues.pop(request_id, None) is not None and not self.failure.done():
@@ -201,6 +242,9 @@ class EngineClient:
             self.failure.set_result(message)
         self.num_failed_by_engine += self.num_open_requests
         self.abort_all(message)
+        for answer in self._loads.values():
+            if not answer.done():
+                answer.set_exception(EngineDead(message))
 
     def abort_all(self, message: str) -> None:
         """End every open request with an error (the workers are told separately, if at all)."""
@@ -234,7 +278,8 @@ class EngineClient:
     # --- results -------------------------------------------------------------------------------
 
     async def _read_results(self) -> None:
-        accept = (Ready, StepResult, StepFailed, WorkerFailed, RankStatus)
+        accept = (Ready, StepResult, StepFailed, WorkerFailed, RankStatus, AdapterLoaded,
+                  AdapterRefused)
         while True:
             frame = await self._pull.recv()
             try:
@@ -249,6 +294,15 @@ class EngineClient:
                 pass  # a rank answering a Hello repeated after the others were ready
             elif isinstance(msg, StepResult):
                 self._route(msg)
+            elif isinstance(msg, AdapterLoaded):
+                answer = self._loads.get(msg.adapter_id)
+                if answer is not None and not answer.done():
+                    answer.set_result(msg.failed_ranks)
+            elif isinstance(msg, AdapterRefused):
+                log.error("worker rank %d refused adapter id %d: %s", msg.rank, msg.adapter_id,
+                          msg.message)
+                if msg.adapter_id in self._loads:
+                    self._refusals[(msg.adapter_id, msg.rank)] = msg.message
             elif isinstance(msg, StepFailed):
                 log.error("step %d failed for %d requests: %s", msg.step, len(msg.request_ids),
                           msg.message)
@@ -324,5 +378,5 @@ def _agree(ready: dict[int, Ready]) -> EngineFacts:
                        slowest_rank({rank: msg.startup_phases for rank, msg in ready.items()}))
 
 
-__all__ = ["DEFAULT_STEP_TIMEOUT_S", "EngineClient", "EngineDead", "EngineFacts", "RankState",
-           "RequestFailed", "StartupError"]
+__all__ = ["AdapterLoadError", "DEFAULT_STEP_TIMEOUT_S", "EngineClient", "EngineDead",
+           "EngineFacts", "RankState", "RequestFailed", "StartupError"]

@@ -37,6 +37,24 @@ RANK_COUNTERS = (  # (RankState field, metric, help) of the counts a rank report
      "missing, truncated or failing its checksum (the blocks were recomputed)"),
     ("spill_drops", "lorad_kv_spill_drops", "Spill entries dropped as invalid at start or by a "
      "failed read"),
+    ("adapter_loads", "lorad_adapter_slot_loads", "Adapters copied into a device slot (those "
+     "copied at start included)"),
+    ("adapter_evictions", "lorad_adapter_slot_evictions", "Device slots taken back from an "
+     "unused adapter for another one"),
+    ("adapter_host_hits", "lorad_adapter_host_cache_hits", "Slot copies served from the host "
+     "memory cache (--max-cpu-adapters)"),
+    ("adapter_disk_reads", "lorad_adapter_disk_reads", "Slot copies read from the adapter's "
+     "folder (and checked against its identity key)"),
+)
+RANK_GAUGES = (  # (RankState field, metric, help) of the levels a rank reports
+    ("prefix_cached_blocks", "lorad_prefix_cache_blocks", "Full KV blocks in the prefix cache's "
+     "index (held or evictable)"),
+    ("spill_blocks", "lorad_kv_spill_blocks", "Prefix-cache blocks in the rank's disk spill "
+     "(--kv-spill-dir)"),
+    ("adapters_registered", "lorad_adapters_registered", "Adapter versions registered on the "
+     "rank (served, or draining after a reload or unload)"),
+    ("adapter_slots", "lorad_adapter_slots", "Device slots for adapters (--max-gpu-adapters)"),
+    ("adapter_slots_used", "lorad_adapter_slots_used", "Device slots holding an adapter"),
 )
 
 
@@ -90,15 +108,12 @@ class Metrics:
                              registry=registry)
         self.kv_free = Gauge("lorad_kv_blocks_free", "KV cache blocks free", ["rank"],
                              registry=registry)
-        self.prefix_blocks = Gauge("lorad_prefix_cache_blocks", "Full KV blocks in the prefix "
-                                   "cache's index (held or evictable)", ["rank"],
-                                   registry=registry)
+        self.rank_levels = [(field, Gauge(name, doc, ["rank"], registry=registry))
+                            for field, name, doc in RANK_GAUGES]
         # Counts each rank keeps since its start, exposed as counters: (RankState field, counter)
         self.rank_counts = [(field, Counter(name, doc, ["rank"], registry=registry))
                             for field, name, doc in RANK_COUNTERS]
         self._counts_seen: dict[tuple[str, int], int] = {}  # (field, rank) -> at the last scrape
-        self.spill_blocks = Gauge("lorad_kv_spill_blocks", "Prefix-cache blocks in the rank's "
-                                  "disk spill (--kv-spill-dir)", ["rank"], registry=registry)
         # Totals since the start, for /health.
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
@@ -178,15 +193,15 @@ class Metrics:
         self.open.set(state.admission.num_open)
         self.running.set(state.engine.load.num_running)
         self.waiting.set(state.engine.load.num_waiting)
-        for gauge in (self.kv_used, self.kv_free, self.rank_serving, self.prefix_blocks,
-                      self.spill_blocks):
+        for gauge in (self.kv_used, self.kv_free, self.rank_serving,
+                      *(gauge for _, gauge in self.rank_levels)):
             gauge.clear()
         for rank in state.engine.rank_states():
             label = str(rank.rank)
             self.kv_used.labels(label).set(rank.kv_blocks_used)
             self.kv_free.labels(label).set(rank.kv_blocks_free)
-            self.prefix_blocks.labels(label).set(rank.prefix_cached_blocks)
-            self.spill_blocks.labels(label).set(rank.spill_blocks)
+            for field, gauge in self.rank_levels:
+                gauge.labels(label).set(getattr(rank, field))
             for field, counter in self.rank_counts:
                 value, seen = getattr(rank, field), self._counts_seen.get((field, rank.rank), 0)
                 if value > seen:

@@ -28,8 +28,9 @@ def probe_body(state) -> dict:
         "prefix_cache": {"enabled": state.prefix_cache,
                          "prompt_tokens": state.metrics.num_prompt_tokens,
                          "cached_tokens": state.metrics.num_cached_prompt_tokens},
-        "adapters": [{"name": a.name, "id": a.adapter_id, "key": a.key, "strength": a.strength}
-                     for a in state.model.adapters],
+        "adapters": [{"name": a.name, "id": a.adapter_id, "key": a.key, "strength": a.strength,
+                      "pinned": state.catalog.is_pinned(a)} for a in state.catalog.served()],
+        "adapter_slots": state.catalog.capacity.num_slots,
         "startup_s": round(startup.total_s, 3) if startup else None,
         "startup_phases_s": {name: round(seconds, 3) for name, seconds in startup.phases}
                             if startup else None,

@@ -33,7 +33,8 @@ class RouterMetrics:
         # labels at commas; lorad writes one series per scrape.
         self.lora = Gauge("vllm:lora_requests_info", "Served adapters with running and with "
                           "waiting requests (comma-separated names); max_lora is the number of "
-                          "adapters served, all resident. Value: the scrape's Unix time",
+                          "device slots for adapters (--max-gpu-adapters). Value: the scrape's "
+                          "Unix time",
                           LORA_LABELS, registry=registry)
         self.cache_config = Gauge("vllm:cache_config_info", "KV block size in tokens and KV "
                                   "blocks per rank (always 1)", ["block_size", "num_gpu_blocks"],
@@ -48,9 +49,10 @@ class RouterMetrics:
         self.kv_usage.set(usage)
         self.gpu_cache_usage.set(usage)
         self.lora.clear()
-        names = [spec.name for spec in state.model.adapters]
-        if names:  # as vLLM: no series when LoRA is off
-            self.lora.labels(max_lora=str(len(names)),
+        names = [spec.name for spec in state.catalog.served()]
+        num_slots = state.catalog.capacity.num_slots
+        if names or num_slots:  # as vLLM: no series when LoRA is off
+            self.lora.labels(max_lora=str(num_slots),
                              waiting_lora_adapters=adapter_list(names, admission.queued_by_model),
                              running_lora_adapters=adapter_list(names, admission.running_by_model)
                              ).set(self._clock())

@@ -19,6 +19,8 @@ from aiohttp import web
 from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import AdapterSpec
 from lorad.config.model import ModelConfig
+from lorad.daemon.adapter_catalog import AdapterCatalog
+from lorad.daemon.adapter_routes import ADMIN_PREFIXES, add_admin_routes
 from lorad.daemon.admission import RETRY_AFTER_UNAVAILABLE_S, Admission
 from lorad.daemon.engine_client import EngineClient
 from lorad.daemon.auth import auth_middleware
@@ -68,18 +70,34 @@ class AppState:
     status: str = "serving"
     prefix_cache: bool = True  # --no-prefix-cache turns it off, for /health
     created: int = field(default_factory=lambda: int(time.time()))
+    # The served adapters as they change while serving; None: the start adapters, fixed.
+    catalog: AdapterCatalog | None = None
+
+    def __post_init__(self) -> None:
+        if self.catalog is None:
+            self.catalog = AdapterCatalog(self.model.adapters, self.model.capacity,
+                                          self.model.model_config, self.model.name)
+        self.catalog.engine = self.engine
 
 
 STATE = web.AppKey("lorad_state", AppState)
+ADAPTER_KEY = "lorad_adapter"  # request -> the AdapterSpec version it runs on (None: base)
 
 
-def build_app(state: AppState, api_key: str | None = None) -> web.Application:
+def build_app(state: AppState, api_key: str | None = None,
+              admin_key: str | None = None) -> web.Application:
     # Rejections are counted outermost, so a 401 counts too; the key check runs before any
-    # handler, so an unauthenticated request never reaches one.
+    # handler, so an unauthenticated request never reaches one. With an admin key, the adapter
+    # routes take it instead of the API key.
+    exempt = ADMIN_PREFIXES if admin_key else ()
     middlewares = ([metrics_middleware(lambda app: app[STATE].metrics)]
-                   + ([auth_middleware(api_key)] if api_key else []) + [error_middleware])
+                   + ([auth_middleware(api_key, exempt)] if api_key else [])
+                   + ([auth_middleware(admin_key, only=ADMIN_PREFIXES)] if admin_key else [])
+                   + [error_middleware])
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
+    add_admin_routes(app, state.catalog, enabled=admin_key is not None)
+    app.on_response_prepare.append(_adapter_headers)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_post("/v1/completions", completions)
@@ -90,13 +108,23 @@ def build_app(state: AppState, api_key: str | None = None) -> web.Application:
     return app
 
 
+async def _adapter_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Which adapter version served a generation: its registry id and identity key (a reload
+    changes both), so a client can tell versions apart."""
+    spec = request.get(ADAPTER_KEY)
+    if spec is not None:
+        response.headers["lorad-adapter-id"] = str(spec.adapter_id)
+        response.headers["lorad-adapter-key"] = spec.key
+
+
 async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": _model_cards(request.app[STATE])})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    choice = choose(state.model.name, state.model.adapters, request.match_info["model_id"], None)
+    choice = choose(state.model.name, state.catalog.served(), request.match_info["model_id"],
+                    None)
     card = next(c for c in _model_cards(state) if c["id"] == choice.model_id)
     return web.json_response(card)
 
@@ -120,7 +148,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     state = request.app[STATE]
     body = parse_completion(await read_json(request))
-    choice = _choose(request, state, body.model, body.adapter)
+    choice = await _choose(request, state, body.model, body.adapter)
     _check_n(state, body.options.n)
     state.admission.check(state.status, len(body.prompts) * body.options.n)
     prompts_ids = [state.model.tokenizer.encode(p) if isinstance(p, str)
@@ -137,7 +165,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     state = request.app[STATE]
     body = parse_chat(await read_json(request))
-    choice = _choose(request, state, body.model, body.adapter)
+    choice = await _choose(request, state, body.model, body.adapter)
     _check_n(state, body.options.n)
     state.admission.check(state.status, body.options.n)
     try:
@@ -156,9 +184,11 @@ def _check_n(state: AppState, n: int) -> None:
                           f"one step (--max-num-seqs {max_num_seqs})", "n")
 
 
-def _choose(request: web.Request, state: AppState, model: str,
-            adapter: str | None) -> ModelChoice:
-    choice = choose(state.model.name, state.model.adapters, model, adapter)
+async def _choose(request: web.Request, state: AppState, model: str,
+                  adapter: str | None) -> ModelChoice:
+    """The model id's current version; with --adapter-dir, a name's first request loads it."""
+    await state.catalog.first_use(adapter if adapter is not None else model)
+    choice = choose(state.model.name, state.catalog.served(), model, adapter)
     request[MODEL_KEY] = choice.model_id
     return choice
 
@@ -190,7 +220,9 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
         continuous_usage=options.stream and options.continuous_usage, logprobs=logprobs,
         echo=echo, return_token_ids=options.return_token_ids, **extra)
     request[ADMITTED_KEY] = True
-    with state.admission.ticket(started, len(prompts) * options.n, choice.model_id) as ticket:
+    request[ADAPTER_KEY] = choice.adapter
+    with state.catalog.hold(choice.adapter), \
+            state.admission.ticket(started, len(prompts) * options.n, choice.model_id) as ticket:
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompts,
                           options.stop, choice.adapter_id, choice.adapter_key,
                           constraint.grammar if constraint else "", options.n,
@@ -268,5 +300,5 @@ def _check_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:
 
 
 def _model_cards(state: AppState) -> list[dict]:
-    return model_cards(state.model.name, state.model.adapters, state.created,
+    return model_cards(state.model.name, state.catalog.served(), state.created,
                        state.model.max_model_len)

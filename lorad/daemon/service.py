@@ -28,6 +28,7 @@ from lorad.daemon import systemd
 from lorad.daemon.admission import Admission, queue_bound
 from lorad.daemon.engine_client import EngineClient, EngineFacts, StartupError, exit_message
 from lorad.daemon.metrics import Metrics
+from lorad.daemon.adapter_catalog import AdapterCatalog
 from lorad.daemon.routes import AppState, ServedModel, build_app
 from lorad.daemon.startup import StartupReport, process_started_at
 from lorad.daemon.supervisor import WORKER_COMMAND, Supervisor
@@ -89,8 +90,10 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
         if not isinstance(facts, EngineFacts):
             return facts
         max_queued = queue_bound(config.max_queued_requests, facts.max_num_seqs)
+        catalog = AdapterCatalog(model.adapters, model.capacity, model.model_config, model.name,
+                                 config.adapter_dir, config.pinned_adapters)
         state = AppState(model, engine, Admission(max_queued, config.request_timeout), Metrics(),
-                         prefix_cache=config.prefix_cache)
+                         prefix_cache=config.prefix_cache, catalog=catalog)
         engine.on_step_result = state.metrics.step_result
         engine.start()
         runner = await _start_http(state, config)
@@ -240,7 +243,8 @@ async def _ping_watchdog(engine: EngineClient) -> None:
 async def _start_http(state: AppState, config: ServeConfig) -> web.AppRunner | None:
     # handler_cancellation: a client that hangs up cancels its handler, which cancels the
     # sequence even while it is still waiting for its first token.
-    runner = web.AppRunner(build_app(state, config.api_key), handler_cancellation=True,
+    runner = web.AppRunner(build_app(state, config.api_key, config.admin_key),
+                           handler_cancellation=True,
                            shutdown_timeout=HTTP_DRAIN_S)
     await runner.setup()
     try:

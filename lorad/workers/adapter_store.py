@@ -26,8 +26,9 @@ from lorad.workers.loader import fill_slot, read_shards
 
 log = logging.getLogger("lorad.worker")
 
-# Test hook, read only when set to "RANK:SUFFIX": that rank reads every run-time adapter folder
-# from PATH + SUFFIX, as a host whose copy of the files differs would (tests/integration).
+# Test hook, read only when set to "RANK:SUFFIX": that rank reads a run-time adapter folder PATH
+# from PATH + SUFFIX where that exists, as a host whose copy of the files differs would
+# (tests/integration).
 ADAPTER_PATH_SUFFIX_ENV = "LORAD_TEST_ADAPTER_PATH_SUFFIX"
 
 
@@ -192,6 +193,8 @@ class AdapterStore:
 
     def _read(self, path: str, name: str, strength: float, adapter_id: int) -> AdapterSpec:
         folder = Path(path + self._path_suffix)
+        if not self._path_suffix or not folder.is_dir():
+            folder = Path(path)
         return read_adapter(folder, name, strength, adapter_id, self.model_config)
 
     def _outcome(self, job: Job, ok: bool) -> Settled:

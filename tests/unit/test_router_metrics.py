@@ -26,8 +26,10 @@ def fake_state(adapters=("a", "b", "c"), queued=None, running=None, used=30, fre
     engine = SimpleNamespace(rank_states=lambda: ranks, load=EngineLoad(),
                              facts=SimpleNamespace(block_size=16, num_kv_blocks=used + free),
                              startup=None)
-    model = SimpleNamespace(name="tiny", adapters=tuple(SimpleNamespace(name=n) for n in adapters))
-    return SimpleNamespace(admission=admission, engine=engine, model=model)
+    served = tuple(SimpleNamespace(name=n) for n in adapters)
+    catalog = SimpleNamespace(served=lambda: served,
+                              capacity=SimpleNamespace(num_slots=len(adapters)))
+    return SimpleNamespace(admission=admission, engine=engine, catalog=catalog)
 
 
 def rendered(state) -> list[str]:
