@@ -1,4 +1,5 @@
-"""Random PEFT LoRA adapters for the tiny checkpoints, made by `peft` itself (no downloads).
+"""Random PEFT LoRA adapters for the tiny checkpoints, made by `peft` itself (no downloads), and
+clones of one with other random factors (clone_adapter) where a test needs hundreds.
 
 Both factors are random (PEFT's default zero B would make every adapter a no-op), scaled so an
 adapter visibly moves the logits. Same arguments, same files.
@@ -9,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def make_peft_adapter(base_dir, out_dir, *, r: int = 4, lora_alpha: float = 8,
@@ -84,3 +86,21 @@ def reference_llama(base: Path):
 
     return LlamaForCausalLM.from_pretrained(base, dtype=torch.float32,
                                             attn_implementation="eager").eval()
+
+
+def clone_adapter(template, out_dir, seed: int, magnitude: float = 0.2) -> Path:
+    """A PEFT folder with the template's adapter_config.json and tensor names and shapes, and
+    other random factors (seed): many distinct adapters at the cost of one file write each."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True)
+    shutil.copy(Path(template) / "adapter_config.json", out / "adapter_config.json")
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {name: torch.randn(t.shape, generator=generator) * magnitude
+               for name, t in sorted(load_file(Path(template) / WEIGHTS_FILE).items())}
+    save_file(tensors, out / WEIGHTS_FILE)
+    return out
