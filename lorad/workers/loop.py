@@ -18,9 +18,10 @@ import zmq
 
 from lorad.config import WorkerConfig
 from lorad.protocol import (
-    PROTOCOL_VERSION, AdapterLoaded, AdapterRefused, Admit, Cancel, Hello, LoadAdapter,
-    ProtocolError, Ready, Shutdown, StepFailed, StepResult, UnloadAdapter, decode, encode)
+    PROTOCOL_VERSION, Admit, Cancel, Hello, LoadAdapter, ProtocolError, Ready, Shutdown,
+    StepFailed, StepResult, UnloadAdapter, decode, encode)
 from lorad.protocol.messages import SeqOutput, choice_ids
+from lorad.workers.adapter_jobs import AdapterJobs
 from lorad.workers.adapter_slots import AdapterSlots
 from lorad.workers.agreement import Inbox, StepAgreement, agree_step, broadcast_ids, live_digest
 from lorad.workers.block_manager import BlockManager
@@ -62,13 +63,11 @@ class WorkerLoop:
         limits = PlannerLimits(engine.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
         opened = RankSpill.open(cfg, engine)
         self.spill, spill_index = opened if opened is not None else (None, None)
-        self.store = engine.store
         slots = AdapterSlots(engine.store.capacity.num_slots, engine.resident,
                              set(cfg.pinned_adapters))
         self.planner = Planner(limits, BlockManager(engine.num_kv_blocks, cfg.block_size),
                                prefix_cache=cfg.prefix_cache, spill=spill_index, adapters=slots)
-        self._pinned_loads: set[int] = set()  # LoadAdapter ids to pin once registered
-        self._refusals_sent: set[int] = set()  # adapter jobs whose failure this rank reported
+        self.adapter_jobs = AdapterJobs(engine.store, slots, rank, push)
         self._spill_read_failures = 0  # this rank's, of the last plan's reads
         self.sampler = Sampler() if self.is_leader else None
         # Followers never build matchers: the mask only changes what the leader samples.
@@ -100,12 +99,12 @@ class WorkerLoop:
         while self.coordinator_alive():
             # 1. receive
             idle = (not self.planner.running and not self.planner.waiting
-                    and not len(self.inbox) and not self.store.pending)
+                    and not len(self.inbox) and not self.adapter_jobs.store.pending)
             self._receive(IDLE_POLL_MS if idle else 0)
             self.progress.begin_round()  # from here on a blocked rank counts as stalled
             if self._step():
                 return 0
-            self.progress.end_round(self.planner.blocks, self.spill, self._adapter_counts())
+            self.progress.end_round(self.planner.blocks, self.spill, self.adapter_jobs.counts())
         log.error("the coordinator (pid %d) is gone; exiting", self.cfg.coordinator_pid)
         return 1
 
@@ -117,14 +116,12 @@ class WorkerLoop:
         if self._apply_messages(self._agreed_watermark):
             return True
         # A lone rank has no one to disagree with: no digest to compute.
-        digest = (live_digest(self.planner.live(), self._registry_text())
+        digest = (live_digest(self.planner.live(), self.adapter_jobs.registry_text())
                   if self.engine.tp.world_size > 1 else 0)
         spill = self.spill
-        jobs = self.store.report()
-        if jobs[1]:
-            self._send_refusal(jobs[1])
         agreed = agree_step(self.engine.tp, self.inbox.watermark, digest,
-                            spill.num_finished if spill else 0, self._spill_read_failures, jobs)
+                            spill.num_finished if spill else 0, self._spill_read_failures,
+                            self.adapter_jobs.report())
         self._agreed_watermark = agreed.watermark
         if not agreed.digests_agree:
             self._fail_step(agreed)
@@ -134,7 +131,7 @@ class WorkerLoop:
         self._settle_adapter_jobs(agreed)
         plan = self.planner.plan()
         for adapter_id, slot in plan.adapter_fetches:  # beside this step and the next ones
-            self.store.submit_fetch(adapter_id, slot)
+            self.adapter_jobs.store.submit_fetch(adapter_id, slot)
         if spill is not None:  # blocks out of the pool before this step writes into them
             self._spill_read_failures = spill.run(plan)
         # 4. run; the leader fills the step's grammar masks meanwhile (joined in 5)
@@ -162,7 +159,7 @@ class WorkerLoop:
         """Finish what outlives the loop: the disk spill's queued writes, the adapter jobs."""
         if self.spill is not None:
             self.spill.close()
-        self.store.close()
+        self.adapter_jobs.store.close()
 
     def coordinator_alive(self) -> bool:
         return coordinator_alive(self.cfg.coordinator_pid, self._parent_pid)
@@ -232,64 +229,19 @@ class WorkerLoop:
                 return True
             if isinstance(msg, Cancel):
                 self.planner.cancel(msg.request_id)
-            elif isinstance(msg, LoadAdapter):
-                self.store.submit_register(msg)  # registered once every rank's outcome is agreed
-                if msg.pinned:
-                    self._pinned_loads.add(msg.adapter_id)
-            elif isinstance(msg, UnloadAdapter):
-                log.info("adapter id %d unloaded", msg.adapter_id)
-                self.store.forget(msg.adapter_id)
-                self.planner.adapters.forget(msg.adapter_id)
+            elif isinstance(msg, (LoadAdapter, UnloadAdapter)):
+                self.adapter_jobs.apply(msg)
             else:
                 self._admit(msg)
         return False
 
     def _settle_adapter_jobs(self, agreed: StepAgreement) -> None:
-        """Apply the adapter jobs' agreed outcomes: registrations, and copies into slots (whose
-        sequences may start now, or end when the copy failed)."""
-        for done in self.store.settle(agreed.adapter_settled, agreed.adapter_failed):
-            if done.kind == "fetch":
-                failed = self.planner.adapter_fetched(done.adapter_id, done.slot, done.ok)
-                if failed and self.is_leader:
-                    for request_id in failed:
-                        self._forget_request(request_id)
-                    self.push.send(encode(StepFailed(
-                        self.planner.step, failed, f"adapter id {done.adapter_id} could not be "
-                        f"read back into a device slot on rank(s) {agreed.adapter_failed_ranks} "
-                        "(its files changed since it was loaded?)")))
-                continue
-            pinned = done.adapter_id in self._pinned_loads
-            self._pinned_loads.discard(done.adapter_id)
-            if done.ok:
-                log.info("adapter id %d registered", done.adapter_id)
-                if pinned:
-                    self.planner.adapters.pin(done.adapter_id)
+        """Apply the adapter jobs' agreed outcomes; the sequences of a failed copy end."""
+        for request_ids, message in self.adapter_jobs.settle(agreed, self.planner):
             if self.is_leader:
-                failed_ranks = [] if done.ok else list(agreed.adapter_failed_ranks)
-                self.push.send(encode(AdapterLoaded(done.adapter_id, failed_ranks)))
-
-    def _send_refusal(self, number: int) -> None:
-        """This rank's own reason for a failed adapter job, once (the leader reports the
-        agreed outcome)."""
-        failure = self.store.local_failure(number)
-        if failure is None or number in self._refusals_sent:
-            return
-        self._refusals_sent.add(number)
-        adapter_id, why = failure
-        log.error("adapter id %d: %s", adapter_id, why)
-        self.push.send(encode(AdapterRefused(self.rank, adapter_id, why)))
-
-    def _registry_text(self) -> bytes:
-        """The registry and the slot map as this rank holds them, for the live-set digest."""
-        slots = self.planner.adapters
-        ids = ",".join(f"{i}:{spec.key[:16]}" for i, spec in sorted(self.store.specs.items()))
-        return f"{ids}|{slots.digest_text()}|{sorted(slots.fetching)};".encode()
-
-    def _adapter_counts(self) -> tuple[int, ...]:
-        """RankStatus' adapter counts, in its order."""
-        slots = self.planner.adapters
-        return (len(self.store.specs), slots.num_slots, slots.num_used, slots.num_loads,
-                slots.num_evictions, self.store.num_host_hits, self.store.num_disk_reads)
+                for request_id in request_ids:
+                    self._forget_request(request_id)
+                self.push.send(encode(StepFailed(self.planner.step, request_ids, message)))
 
     def _forget_request(self, request_id: str) -> None:
         """The leader's per-request state of a request that ended without a terminal event."""
