@@ -21,7 +21,7 @@ from pathlib import Path
 from lorad.config import ConfigError, ModelConfig
 from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import ADAPTER_NAME, AdapterSpec, read_adapter
-from lorad.daemon.engine_client import AdapterLoadError, EngineClient
+from lorad.daemon.engine_client import AdapterLoadError, EngineClient, EngineDead
 from lorad.daemon.errors import ApiError, bad_request
 
 log = logging.getLogger("lorad.adapters")
@@ -138,6 +138,8 @@ class AdapterCatalog:
             raise ApiError(503, "the workers are not up yet", None, "not_ready")
         try:
             await self.engine.load_adapter(spec, pinned)
+        except EngineDead as exc:
+            raise ApiError(503, f"the engine is down: {exc}", None, "engine_down") from None
         except AdapterLoadError as exc:
             raise bad_request(f"adapter `{name}` ({spec.path}) was not loaded, and every rank "
                               f"keeps the adapters it had: {exc}", field, "adapter_load_failed")

@@ -42,6 +42,16 @@ def main(argv: list[str] | None = None,
         return 130
 
 
+def check_slots(capacity: LoraCapacity, num_adapters: int, num_pinned: int) -> None:
+    """Every adapter must be able to run: a slot at least, one not pinned for the others."""
+    if capacity.num_slots == 0 and (num_adapters or capacity.runtime):
+        raise ConfigError("--max-gpu-adapters 0: adapters need at least one device slot")
+    if num_pinned >= capacity.num_slots and (num_adapters > num_pinned or capacity.runtime):
+        raise ConfigError(f"--pin-adapter: {num_pinned} pinned adapters fill all "
+                          f"{capacity.num_slots} device slots (--max-gpu-adapters), and the "
+                          "other adapters could never run")
+
+
 def load_served_model(config: ServeConfig) -> ServedModel:
     model = ModelConfig.from_dir(config.model_dir)
     check_parallel(model, config.parallel)
@@ -57,6 +67,7 @@ def load_served_model(config: ServeConfig) -> ServedModel:
         stop_ids = tuple(dict.fromkeys(stop_ids + (tokenizer.eos_token_id,)))
     capacity = LoraCapacity.resolve([a.modules for a in adapters], config.runtime_adapters,
                                     config.max_gpu_adapters, config.max_lora_rank)
+    check_slots(capacity, len(adapters), len(config.pinned_adapters))
     return ServedModel(name=config.served_name, tokenizer=tokenizer,
                        max_model_len=config.max_model_len or limit,
                        vocab_size=model.vocab_size, stop_token_ids=stop_ids, adapters=adapters,

@@ -125,9 +125,10 @@ class AdapterStore:
         return outcomes
 
     def forget(self, adapter_id: int) -> None:
-        """Unloaded: no new request names it; its slot is the planner's to free."""
+        """Unloaded: no new request names it; its slot is the planner's to free. The host
+        cache is the jobs' thread's: its entry goes in job order."""
         self.specs.pop(adapter_id, None)
-        self._host.pop(adapter_id, None)
+        self._executor.submit(self._host.pop, adapter_id, None)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=False)
@@ -172,6 +173,9 @@ class AdapterStore:
                 self._host[spec.adapter_id] = shards
                 while len(self._host) > self.max_cpu_adapters:
                     self._host.popitem(last=False)
+        # The slot's previous adapter has no sequence left: its last step's reads are done, on
+        # every rank (they precede that step's last all-reduce, which precedes the leader's
+        # sampling, which precedes this rank planning the step that evicted it).
         if self._stream is None:
             fill_slot(self.tables, slot, spec, shards)
             return

@@ -19,7 +19,8 @@ from tests.tiny_adapters import make_peft_adapter
 
 ADMIN_KEY = "admin-key-0123456789"
 MAX_TOKENS = 12
-PROMPTS = [[1, 17, 42, 9, 300, 11], [5, 6, 7, 8], [250, 3, 99, 4, 4, 61, 2, 7, 8, 12], [2, 2]]
+PROMPTS = [[1, 17, 42, 9, 300, 11], [5, 6, 7, 8], [250, 3, 99, 4, 4, 61, 2, 7, 8, 12], [2, 2],
+           [(7 * i + 3) % 390 + 1 for i in range(40)]]  # the last: two full KV blocks of 16
 
 
 def call(url: str, path: str, body=None, method: str = "POST", key: str | None = ADMIN_KEY
@@ -42,8 +43,10 @@ def call(url: str, path: str, body=None, method: str = "POST", key: str | None =
         return status, text, got
 
 
-def complete(url: str, model: str, prompt: list[int]) -> tuple[int, list[int] | dict, str]:
-    """A greedy completion -> (status, its token ids or the error body, adapter id header)."""
+def complete(url: str, model: str, prompt: list[int], cached: list | None = None
+             ) -> tuple[int, list[int] | dict, str]:
+    """A greedy completion -> (status, its token ids or the error body, adapter id header);
+    its prompt tokens found in the prefix cache are appended to `cached`."""
     status, body, headers = call(url, "/v1/completions", {
         "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
         "ignore_eos": True, "return_token_ids": True}, key=None)
@@ -51,6 +54,8 @@ def complete(url: str, model: str, prompt: list[int]) -> tuple[int, list[int] | 
         return status, body, ""
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length", body
+    if cached is not None:
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
     return status, choice["token_ids"], headers.get("lorad-adapter-id", "")
 
 
@@ -156,10 +161,16 @@ def test_load_reload_unload_and_the_vllm_bodies(admin_daemon, folders, solo):
     assert status == 200 and card["replaced_id"] is None, card
     status, ids, served_by = complete(url, "x", PROMPTS[1])
     assert (status, ids, served_by) == (200, solo["b", 1], str(card["id"]))
+    cached = []
+    assert complete(url, "x", PROMPTS[4], cached)[1] == solo["b", 4]
     status, again, _ = call(url, "/v1/adapters", {"name": "x", "path": str(folders["a"]),
                                                   "replace": True})
     assert status == 200 and again["replaced_id"] == card["id"] and again["key"] != card["key"]
     assert complete(url, "x", PROMPTS[1])[1:] == (solo["a", 1], str(again["id"]))
+    # The new version finds none of the old one's cached blocks, then its own.
+    assert complete(url, "x", PROMPTS[4], cached)[1] == solo["a", 4]
+    assert complete(url, "x", PROMPTS[4], cached)[1] == solo["a", 4]
+    assert cached == [0, 0, 32]
     status, body, _ = call(url, "/v1/adapters/x", method="DELETE")
     assert (status, body["unloaded"]) == (200, True)
     assert complete(url, "x", PROMPTS[1])[0] == 404
@@ -229,3 +240,21 @@ def test_a_burst_through_loads_reloads_and_unloads(admin_daemon, folders, solo):
     assert len(versions_of_x) == 2  # both versions served streams in the burst
     for name in ("x", "y"):
         call(url, f"/v1/adapters/{name}", method="DELETE")
+
+
+def test_pins_keep_a_slot_for_the_others(admin_daemon, folders):
+    """With 3 slots: two pins are allowed, a third would leave no slot for the others."""
+    url = admin_daemon.url
+    for name in ("p", "q"):
+        status, card, _ = call(url, "/v1/adapters", {"name": name, "path": str(folders["b"]),
+                                                     "pinned": True})
+        assert status == 200 and card["pinned"] is True, card
+    status, body, _ = call(url, "/v1/adapters", {"name": "r", "path": str(folders["b"]),
+                                                 "pinned": True})
+    assert status == 400 and body["error"]["param"] == "pinned", body
+    assert "leave no device slot" in body["error"]["message"]
+    health = admin_daemon.health()
+    assert {a["name"]: a["pinned"] for a in health["adapters"]}["p"] is True
+    assert health["adapter_slots"] == 3
+    for name in ("p", "q"):
+        assert call(url, f"/v1/adapters/{name}", method="DELETE")[0] == 200

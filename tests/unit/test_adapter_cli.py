@@ -158,3 +158,46 @@ def test_memory_follows_the_placement_on_uneven_splits():
     assert bytes_per_rank(spec, model, 1) == [total_bytes(spec)]
     with pytest.raises(ConfigError, match="--parallel 4"):
         bytes_per_rank(spec, model, 4)
+
+
+def test_slot_flags_resolve_the_capacity_the_workers_get(base_dir, adapters, tmp_path):
+    from lorad.daemon.main import load_served_model
+    from lorad.daemon.service import _worker_config
+
+    good, _ = adapters
+    key_file = tmp_path / "admin"
+    key_file.write_text("k" * 20 + "\n")
+    config = parse_args(["--model", str(base_dir), "--adapter", f"a={good}", "--adapter",
+                         f"b={good}", "--pin-adapter", "b", "--admin-key-file", str(key_file),
+                         "--max-cpu-adapters", "3"])
+    served = load_served_model(config)
+    assert (served.capacity.num_slots, served.capacity.runtime, served.capacity.max_rank) == \
+        (8, True, 16)
+    worker = _worker_config(config, served, tmp_path, "id")
+    assert (worker.lora_slots, worker.lora_runtime, worker.lora_max_rank) == (8, True, 16)
+    assert (worker.max_cpu_adapters, worker.pinned_adapters) == (3, [2])
+    plain = load_served_model(parse_args(["--model", str(base_dir), "--adapter", f"a={good}"]))
+    assert (plain.capacity.num_slots, plain.capacity.runtime) == (1, False)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-gpu-adapters", "0"], "adapters need at least one device slot"),
+    (["--pin-adapter", "a", "--max-gpu-adapters", "1", "--adapter", "b=GOOD"],
+     "could never run"),
+    (["--pin-adapter", "zz"], "--pin-adapter zz: no --adapter is named 'zz'"),
+    (["--max-lora-rank", "2"], "--max-lora-rank 2: an adapter given at start has rank 4"),
+    (["--adapter-dir", "/nonexistent"], "--adapter-dir /nonexistent: not a folder"),
+    (["--admin-key-file", "SHORT"], "--admin-key-file must hold a key of at least 16"),
+])
+def test_slot_flag_errors_name_the_flag(base_dir, adapters, tmp_path, capsys, flags, message):
+    from lorad.daemon.main import load_served_model
+
+    good, _ = adapters
+    (tmp_path / "short").write_text("abc\n")
+    flags = [f.replace("GOOD", str(good)).replace("SHORT", str(tmp_path / "short"))
+             for f in flags]
+    argv = ["--model", str(base_dir), "--adapter", f"a={good}", *flags]
+    with pytest.raises((SystemExit, ConfigError)) as raised:
+        load_served_model(parse_args(argv))
+    text = str(raised.value) if raised.type is ConfigError else capsys.readouterr().err
+    assert message in text
