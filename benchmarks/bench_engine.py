@@ -140,16 +140,16 @@ def build_lorad(config: ModelConfig, max_batch: int, blocks_per_seq: int,
 
 
 def write_adapter(folder: Path, config: ModelConfig, rank: int,
-                  dtype: torch.dtype = torch.bfloat16) -> Path:
-    """A PEFT LoRA folder with random factors stored as `dtype` (bf16: LoRA tables of bf16, as
-    adapters saved in bf16 get; fp32: tables of fp32) on all seven projections of every
-    layer."""
+                  dtype: torch.dtype = torch.bfloat16, seed: int = 1) -> Path:
+    """A PEFT LoRA folder with random factors (drawn from `seed`) stored as `dtype` (bf16: LoRA
+    tables of bf16, as adapters saved in bf16 get; fp32: tables of fp32) on all seven
+    projections of every layer."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
     LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGET_MODULES),
                lora_dropout=0.0, bias="none", task_type="CAUSAL_LM").save_pretrained(folder)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_hidden_layers):
         for module in TARGET_MODULES:

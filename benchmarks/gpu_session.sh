@@ -14,6 +14,8 @@
 #   prefill   profile_prefill (prefill steps' kernels by group, base and LoRA) and
 #             probe_matmul_rows (which row counts change a row's bits in cuBLAS and the GEMV);
 #   ncu       ncu_decode_kernels (CSVs in $OUT/ncu)
+#   paging    bench_adapter_paging: a Zipf(1.0) burst over 1,000 adapters of rank 16 (64 distinct
+#             files) in 64 device slots against the same burst all resident (8B shape, bf16)
 # Environment: OUT (default /tmp/lorad-gpu-session); LORAD_TEST_ARGS (default tests/gpu);
 # LORAD_BENCH_ARGS_<module>, e.g. LORAD_BENCH_ARGS_bench_engine="--quick", options for one
 # benchmark. Everything at once is more than 10 minutes: ask for parts.
@@ -86,6 +88,9 @@ for part in "${parts[@]}"; do
       bench matmul-rows.log 90 probe_matmul_rows ;;
     graph) bench graph-profile.log 150 profile_graph --trace-out "$OUT/traces" ;;
     ncu) bench ncu.log 120 ncu_decode_kernels --csv-out "$OUT/ncu" ;;
+    paging) bench bench-paging.log 560 bench_adapter_paging --model scripts/configs/llama3-8b \
+              --load-format random --lorad-flag=--dtype=bfloat16 --adapters 1000 --distinct 64 \
+              --rank 16 --slots 64 --zipf 1.0 --requests 512 --concurrency 64 ;;
     *) echo "gpu_session: unknown part $part (see the header of $0)" >&2; status[$part]=2 ;;
   esac
 done

@@ -158,6 +158,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "SmolLM2-135M-Instruct,pirate,uppercase for a mixed-adapter burst")
     models.add_argument("--models-from-file", metavar="FILE",
                         help="model ids to spread the requests over, one per line")
+    parser.add_argument("--no-model-check", action="store_true",
+                        help="send model ids the server does not list (lorad --adapter-dir "
+                        "loads them on their first request)")
     parser.add_argument("--zipf", type=float, metavar="S",
                         help="pick each request's model id by a Zipf law of exponent S over the "
                         "list's order (seeded by --seed; 0 is uniform); default: round-robin")
@@ -197,7 +200,8 @@ async def main_async(args: argparse.Namespace) -> int:
         models = [m for m in args.model.split(",") if m]
     else:
         models = served[:1]
-    check_served(models, served, args.url)
+    if not args.no_model_check:
+        check_served(models, served, args.url)
     args.picker = ModelPicker(models, args.zipf, args.seed)
     if args.workload != "independent":
         run = await (run_chat_turns if args.workload == "chat-turns" else run_few_shot)(args)

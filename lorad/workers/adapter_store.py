@@ -11,6 +11,7 @@ the same sequences. What a job computes never depends on timing, only when it is
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ import torch
 
 from lorad.config import ConfigError, ModelConfig
 from lorad.config.adapter_capacity import LoraCapacity
-from lorad.config.adapters import AdapterSpec, read_adapter
+from lorad.config.adapters import WEIGHTS_FILE, AdapterSpec, read_adapter
+from lorad.config.peft_config import CONFIG_FILE
 from lorad.protocol.messages import LoadAdapter
 from lorad.workers.loader import fill_slot, read_shards
 
@@ -30,6 +32,7 @@ log = logging.getLogger("lorad.worker")
 # from PATH + SUFFIX where that exists, as a host whose copy of the files differs would
 # (tests/integration).
 ADAPTER_PATH_SUFFIX_ENV = "LORAD_TEST_ADAPTER_PATH_SUFFIX"
+STAMPED_FILES = (WEIGHTS_FILE, CONFIG_FILE)  # what the identity key and scales come from
 
 
 @dataclass
@@ -62,6 +65,8 @@ class AdapterStore:
         self.specs: dict[int, AdapterSpec] = {}  # registered on every rank
         self._staged: dict[int, AdapterSpec] = {}  # validated here, outcome not agreed yet
         self._host: OrderedDict[int, dict] = OrderedDict()  # id -> shards, least recent first
+        # id -> (size, inode, mtime) of its files when their key was last computed
+        self._checked: dict[int, tuple] = {}
         self._jobs: dict[int, Job] = {}
         self._next_number = 1
         self._num_settled = 0  # jobs 1..this are settled on every rank
@@ -145,7 +150,10 @@ class AdapterStore:
         self._jobs[number] = Job(number, kind, adapter_id, slot, self._executor.submit(fn, *args))
 
     def _register(self, msg: LoadAdapter) -> AdapterSpec:
+        stamp_before = _stamp_of(Path(msg.path + self._path_suffix), Path(msg.path))
         spec = self._read(msg.path, msg.name, msg.strength, msg.adapter_id)
+        if _stamp(spec) == stamp_before:  # unchanged while it was read: the key holds for it
+            self._checked[msg.adapter_id] = stamp_before
         if spec.key != msg.key:
             raise ConfigError(f"{spec.path}: this rank computes identity key {spec.key[:16]}..., "
                               f"the coordinator {msg.key[:16]}...: the folder differs on this "
@@ -186,13 +194,18 @@ class AdapterStore:
     def _read_back(self, spec: AdapterSpec) -> dict:
         """The shards from disk (spec.path: the folder this rank registered), after checking
         that the files still have the registered key: a folder edited in place since its load
-        must not be served under the old identity. (A file replaced between the check and the
-        read is not caught; replace folders by rename, or reload.)"""
-        again = read_adapter(Path(spec.path), spec.name, spec.strength, spec.adapter_id,
-                             self.model_config)
-        if again.key != spec.key:
-            raise ConfigError(f"{spec.path}: its files changed since it was loaded (identity key "
-                              f"{again.key[:16]}..., registered {spec.key[:16]}...); reload it")
+        must not be served under the old identity. The key is computed again only when a file's
+        size, inode or modification time moved since it was last checked. (A file replaced
+        between the check and the read is not caught; replace folders by rename, or reload.)"""
+        stamp = _stamp(spec)
+        if self._checked.get(spec.adapter_id) != stamp:
+            again = read_adapter(Path(spec.path), spec.name, spec.strength, spec.adapter_id,
+                                 self.model_config)
+            if again.key != spec.key:
+                raise ConfigError(f"{spec.path}: its files changed since it was loaded (identity "
+                                  f"key {again.key[:16]}..., registered {spec.key[:16]}...); "
+                                  "reload it")
+            self._checked[spec.adapter_id] = stamp
         return read_shards(self.tables, spec)
 
     def _read(self, path: str, name: str, strength: float, adapter_id: int) -> AdapterSpec:
@@ -207,3 +220,17 @@ class AdapterStore:
             if ok:
                 self.specs[job.adapter_id] = spec
         return Settled(job.kind, job.adapter_id, job.slot, ok)
+
+
+def _stamp(spec: AdapterSpec) -> tuple:
+    """What identifies the folder's files' contents cheaply: size, inode, modification time."""
+    return _stamp_of(Path(spec.path), Path(spec.path))
+
+
+def _stamp_of(preferred: Path, fallback: Path) -> tuple:
+    folder = preferred if preferred.is_dir() else fallback
+    try:
+        return tuple((st.st_size, st.st_ino, st.st_mtime_ns)
+                     for st in (os.stat(folder / name) for name in STAMPED_FILES))
+    except OSError:
+        return ()

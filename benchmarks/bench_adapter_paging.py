@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""More adapters than device slots, through HTTP: a Zipf burst over N adapters under
+--adapter-dir with S device slots, against the same burst with every adapter it uses resident;
+and the time one adapter takes to come in (first use: register and copy; evicted: copy back from
+the host cache or disk). Prints a markdown table with the conditions.
+
+    python -m benchmarks.bench_adapter_paging --model scripts/configs/llama3-8b \\
+        --load-format random --adapters 1000 --distinct 200 --rank 16 --slots 64 --zipf 1.0
+    python -m benchmarks.bench_adapter_paging --model ~/.cache/lorad/SmolLM2-135M-Instruct \\
+        --adapters 1000 --distinct 50 --rank 8 --slots 8 --requests 128 --concurrency 8 \\
+        --max-tokens 32 --prompt-len 64                      (the CPU run of docs/benchmarks.md)
+
+Adapters are random PEFT folders of `--rank` on all seven projections (bf16), `--distinct` of
+them written and the others hard links to those files (each still its own name, registry id
+and slot: 1,000 8B-shape adapters of rank 16 would need 84 GB of disk). Each burst runs twice
+with the same seed: the first registers every adapter it names, the second is measured. Run it
+from the repository root; it starts and stops the daemons itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks.common import conditions
+
+REPO = Path(__file__).resolve().parent.parent
+PORT = 8013
+
+
+def write_library(root: Path, model: str, num: int, distinct: int, rank: int) -> Path:
+    """root/a0000..: `distinct` random adapters, the rest hard links to their files."""
+    from benchmarks.bench_engine import write_adapter
+    from lorad.config import ModelConfig
+
+    config = ModelConfig.from_dir(model)
+    for i in range(num):
+        folder = root / f"a{i:04d}"
+        if folder.exists():
+            continue
+        if i < distinct:
+            write_adapter(folder, config, rank, seed=1 + i)
+            continue
+        folder.mkdir(parents=True)
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            os.link(root / f"a{i % distinct:04d}" / name, folder / name)
+    return root
+
+
+def start(args, library: Path, slots: int, log: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "lorad.daemon", "--model", args.model, "--port", str(PORT),
+            "--adapter-dir", str(library), "--max-gpu-adapters", str(slots),
+            "--max-cpu-adapters", str(args.host_cache), "--max-lora-rank", str(args.rank),
+            "--load-format", args.load_format, "--parallel", str(args.parallel),
+            *args.lorad_flag]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"lorad exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/ready", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"lorad did not get ready; see {log}")
+
+
+def bench(args, models: Path, out: Path, **overrides) -> dict:
+    """scripts/bench.py once -> its --json record, plus its printed table."""
+    flags = {"requests": args.requests, "concurrency": args.concurrency,
+             "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, **overrides}
+    argv = [sys.executable, str(REPO / "scripts" / "bench.py"), "--url",
+            f"http://127.0.0.1:{PORT}", "--no-model-check", "--warmup", "0", "--json", str(out),
+            "--seed", str(args.seed)]
+    if "model" in overrides:
+        argv += ["--model", overrides.pop("model")]
+        flags.pop("model", None)
+    else:
+        argv += ["--models-from-file", str(models), "--zipf", str(args.zipf)]
+    for name, value in flags.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench.py failed:\n{done.stdout}\n{done.stderr}")
+    record = json.loads(out.read_text())
+    record["table"] = done.stdout
+    return record
+
+
+def figures(record: dict) -> dict:
+    """Throughput and TTFT percentiles from a bench.py table and record."""
+    rows = {}
+    for line in record["table"].splitlines():
+        parts = [p.strip() for p in line.strip("|").split("|")]
+        if len(parts) == 2:
+            rows[parts[0]] = parts[1]
+    ttft = sorted(r["ttft_ms"] for r in record["requests"] if r["ttft_ms"] is not None)
+    p99 = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else float("nan")
+    return {"tokens_s": float(rows["output tokens/s"]), "ttft_p99": p99,
+            "ttft": rows["time to first token p50 / p99 (ms)"],
+            "itl": rows["inter-token latency p50 / p99 (ms)"],
+            "used": sorted({r["model"] for r in record["requests"]})}
+
+
+def run_daemon(args, library: Path, models: Path, slots: int, work: Path, tag: str) -> dict:
+    proc = start(args, library, slots, work / f"{tag}.log")
+    try:
+        bench(args, models, work / f"{tag}-first.json")  # registers every adapter it names
+        result = figures(bench(args, models, work / f"{tag}.json"))
+        if tag == "paged":
+            result["load"] = load_times(args, models, work)
+        return result
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def load_times(args, models: Path, work: Path) -> dict:
+    """TTFT (max_tokens 1, alone) of an adapter never used, then resident, then evicted."""
+    names = models.read_text().split()
+    fresh = names[-1]
+
+    def ttft(name: str, tag: str) -> float:
+        record = bench(args, models, work / f"load-{tag}.json", model=name, requests=1,
+                       concurrency=1, max_tokens=1)
+        return record["requests"][0]["ttft_ms"]
+
+    first = ttft(fresh, "first")
+    resident = ttft(fresh, "resident")
+    for i, name in enumerate(names[:args.slots + 1]):  # push `fresh` out of its slot
+        ttft(name, f"evict{i}")
+    return {"first use": first, "resident": resident, "evicted": ttft(fresh, "evicted")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--adapters", type=int, default=1000)
+    parser.add_argument("--distinct", type=int, default=200)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--slots", type=int, default=64)
+    parser.add_argument("--host-cache", type=int, default=64)
+    parser.add_argument("--zipf", type=float, default=1.0)
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--library", type=Path, help="where the adapters go (kept for reuse)")
+    parser.add_argument("--lorad-flag", action="append", default=[],
+                        help="another flag for both daemons, e.g. --lorad-flag=--dtype=bfloat16")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="lorad-paging-"))
+    library = args.library or Path(tempfile.gettempdir()) / (
+        f"lorad-paging-{Path(args.model).name}-r{args.rank}-{args.distinct}")
+    library.mkdir(parents=True, exist_ok=True)
+    write_library(library, args.model, args.adapters, args.distinct, args.rank)
+    models = work / "models.txt"
+    models.write_text("".join(f"a{i:04d}\n" for i in range(args.adapters)))
+    paged = run_daemon(args, library, models, args.slots, work, "paged")
+    resident = run_daemon(args, library, models, max(args.slots, len(paged["used"])), work,
+                          "resident")
+    print(f"{conditions()}\nworkload: {args.requests} requests at concurrency "
+          f"{args.concurrency}, Zipf {args.zipf:g} over {args.adapters} adapters "
+          f"({args.distinct} distinct files) of rank {args.rank}; {len(paged['used'])} used; "
+          f"{args.prompt_len} in / {args.max_tokens} out; logs in {work}\n")
+    print("| run | slots | output tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |")
+    print("|---|---|---|---|---|")
+    for tag, result, slots in (("paged", paged, args.slots),
+                               ("all used resident", resident, len(paged["used"]))):
+        print(f"| {tag} | {slots} | {result['tokens_s']:.1f} | {result['ttft']} | "
+              f"{result['itl']} |")
+    print(f"\npaged / resident throughput: {paged['tokens_s'] / resident['tokens_s']:.2f}; "
+          f"TTFT p99 {paged['ttft_p99']:.0f} vs {resident['ttft_p99']:.0f} ms")
+    load = paged["load"]
+    print(f"one adapter alone, TTFT with max_tokens 1 (ms): first use {load['first use']:.1f}, "
+          f"evicted then back {load['evicted']:.1f}, resident {load['resident']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
