@@ -13,6 +13,8 @@ loads DIR/NAME this way.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +53,13 @@ class AdapterCatalog:
     def served(self) -> tuple[AdapterSpec, ...]:
         """The current version of every served name, by registry id."""
         return tuple(sorted(self._current.values(), key=lambda s: s.adapter_id))
+
+    def digest(self) -> str:
+        """sha256 over the served versions (name, id, identity key, strength, pinned): moves
+        with every load, reload and unload."""
+        parts = [[s.name, s.adapter_id, s.key, s.strength, self.is_pinned(s)]
+                 for s in self.served()]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
     def is_pinned(self, spec: AdapterSpec) -> bool:
         return spec.adapter_id in self._pinned

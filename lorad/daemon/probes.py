@@ -31,6 +31,8 @@ def probe_body(state) -> dict:
         "adapters": [{"name": a.name, "id": a.adapter_id, "key": a.key, "strength": a.strength,
                       "pinned": state.catalog.is_pinned(a)} for a in state.catalog.served()],
         "adapter_slots": state.catalog.capacity.num_slots,
+        "adapter_registry": {"digest": state.catalog.digest(), "loads": state.catalog.num_loads,
+                             "unloads": state.catalog.num_unloads},
         "startup_s": round(startup.total_s, 3) if startup else None,
         "startup_phases_s": {name: round(seconds, 3) for name, seconds in startup.phases}
                             if startup else None,

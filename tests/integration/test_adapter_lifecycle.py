@@ -145,20 +145,24 @@ def test_a_load_that_fails_on_one_rank_keeps_the_old_registry(admin_daemon, fold
     and what was served before is served as before."""
     url = admin_daemon.url
     before = call(url, "/v1/adapters", method="GET")[1]["data"]
+    digest = admin_daemon.health()["adapter_registry"]["digest"]
     status, body, _ = call(url, "/v1/adapters", {"name": "c", "path": str(folders["c"])})
     assert status == 400, body
     message = body["error"]["message"]
     assert "rank 1:" in message and "identity key" in message and "rank 0" not in message
     assert "every rank keeps the adapters it had" in message
     assert call(url, "/v1/adapters", method="GET")[1]["data"] == before
+    assert admin_daemon.health()["adapter_registry"]["digest"] == digest
     assert complete(url, "c", PROMPTS[0])[0] == 404
     assert complete(url, "a", PROMPTS[0])[1] == solo["a", 0]
 
 
 def test_load_reload_unload_and_the_vllm_bodies(admin_daemon, folders, solo):
     url = admin_daemon.url
+    digest = admin_daemon.health()["adapter_registry"]["digest"]
     status, card, _ = call(url, "/v1/adapters", {"name": "x", "path": str(folders["b"])})
     assert status == 200 and card["replaced_id"] is None, card
+    assert admin_daemon.health()["adapter_registry"]["digest"] != digest
     status, ids, served_by = complete(url, "x", PROMPTS[1])
     assert (status, ids, served_by) == (200, solo["b", 1], str(card["id"]))
     cached = []
