@@ -217,8 +217,8 @@ def strength_pair(text: str) -> tuple[str, float]:
 def _add_adapter_flags(group) -> None:
     group.add_argument("--adapter", type=adapter_pair, action="append", default=[],
                        metavar="NAME=DIR",
-                       help="serve the PEFT LoRA folder DIR as model id NAME (repeatable; slots "
-                            "follow the order given)")
+                       help="serve the PEFT LoRA folder DIR as model id NAME (repeatable; "
+                            "registry ids 1..K follow the order given)")
     group.add_argument("--adapter-strength", type=strength_pair, action="append", default=[],
                        metavar="NAME=NUMBER",
                        help="multiply adapter NAME's scales by NUMBER (default: 1.0)")

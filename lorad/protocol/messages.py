@@ -4,7 +4,7 @@ Frozen dataclasses whose field order is the wire order. Coordinator -> workers (
 (unsequenced handshake), then Admit / Cancel / Shutdown / LoadAdapter / UnloadAdapter, each with a
 sequence number `seq` starting at 1 with no gaps. Workers -> coordinator (PUSH/PULL): Ready from
 every rank, then StepResult / StepFailed / AdapterLoaded from the leader, WorkerFailed and
-AdapterRefused from any rank, and RankStatus from every rank's status thread about twice a second,
+AdapterRefused from any rank, and RankStatus from every rank's status thread four times a second,
 from start-up on.
 The kind byte of each class is fixed here forever; a new field means a new PROTOCOL_VERSION.
 """
