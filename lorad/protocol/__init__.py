@@ -11,6 +11,7 @@ from lorad.protocol.messages import (
 
 __all__ = [
     "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "AdapterLoaded",
-    "AdapterRefused", "Admit", "Cancel", "Hello", "LoadAdapter", "RankStatus", "UnloadAdapter", "Ready", "SamplingParams", "SeqOutput", "Shutdown", "StartupPhase",
-    "StepFailed", "StepResult", "WorkerFailed",
+    "AdapterRefused", "Admit", "Cancel", "Hello", "LoadAdapter", "RankStatus", "Ready",
+    "SamplingParams", "SeqOutput", "Shutdown", "StartupPhase", "StepFailed", "StepResult",
+    "UnloadAdapter", "WorkerFailed",
 ]

@@ -8,7 +8,8 @@ prompt share its prefill (fork.py). With prefix caching on, a sequence that star
 cached blocks of its longest cached prefix (never the block of its last token, which must run to
 be sampled) and prefills from there, and apply() registers every block a step fills
 (prefix_cache.py). A sequence with an adapter id starts once its adapter is in a device slot
-(adapter_slots.py): the head of the queue waits for its copy, the next ones' are started with it. Grammar state is not handled here; echo's rows are prompt_logprobs.py's.
+(adapter_slots.py): the head of the queue waits for its copy, the next ones' are started with it.
+Grammar state is not handled here; echo's rows are prompt_logprobs.py's.
 """
 
 from __future__ import annotations
