@@ -96,7 +96,8 @@ def build_app(state: AppState, api_key: str | None = None,
                    + [error_middleware])
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
-    add_admin_routes(app, state.catalog, enabled=admin_key is not None)
+    add_admin_routes(app, state.catalog if state is not None else None,
+                     enabled=admin_key is not None)
     app.on_response_prepare.append(_adapter_headers)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)

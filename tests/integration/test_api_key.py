@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 
 from lorad.daemon.auth import OPEN_PATHS
+from lorad.daemon.adapter_routes import ADMIN_PREFIXES
 from lorad.daemon.routes import build_app
 
 KEY = "test-key-0123456789abcdef"
@@ -23,7 +24,8 @@ def _routes() -> list[tuple[str, str]]:
         if route.method == "HEAD":
             continue
         info = route.resource.get_info()
-        path = info.get("path") or info["formatter"].replace("{model_id}", "tiny")
+        path = info.get("path") or info["formatter"].replace("{model_id}", "tiny").replace(
+            "{name}", "x")
         routes.append((route.method, path))
     assert ("POST", "/v1/chat/completions") in routes and ("GET", "/health") in routes
     return routes
@@ -73,6 +75,9 @@ def test_every_route_needs_the_key_except_the_probes(keyed_daemon, method, path)
         assert status == 401, (path, key, status, body)
         assert body["error"]["code"] == "invalid_api_key"
     status, body = _call(keyed_daemon, method, path, KEY)
+    if path.startswith(ADMIN_PREFIXES):  # behind the API key too when there is no admin key
+        assert status == 403 and body["error"]["code"] == "adapter_admin_off", (path, body)
+        return
     assert status == 200, (path, status, body)
 
 
@@ -87,3 +92,23 @@ def test_a_short_key_is_refused_on_the_command_line():
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--model", "/tmp", "--api-key", "short"])
     assert exit_.value.code == 2
+
+
+def test_the_admin_key_and_the_api_key_each_open_only_their_routes(tiny_model, tmp_path):
+    """With both keys: the admin routes take the admin key alone, every other route the API
+    key alone."""
+    from tests.daemons import start_daemon
+
+    admin = "admin-key-0123456789abcdef"
+    (tmp_path / "api").write_text(KEY + "\n")
+    (tmp_path / "admin").write_text(admin + "\n")
+    daemon = start_daemon(tiny_model, "--api-key-file", str(tmp_path / "api"),
+                          "--admin-key-file", str(tmp_path / "admin"))
+    try:
+        assert _call(daemon, "GET", "/v1/adapters", KEY)[0] == 401
+        status, body = _call(daemon, "GET", "/v1/adapters", admin)
+        assert status == 200 and body["data"] == []
+        assert _call(daemon, "GET", "/v1/models", admin)[0] == 401
+        assert _call(daemon, "GET", "/v1/models", KEY)[0] == 200
+    finally:
+        assert daemon.stop() == 0
