@@ -26,6 +26,7 @@ class AdapterSlots:
         self._fetches: list[tuple[int, int]] = []  # this plan's (id, slot)
         self.num_loads = 0  # copies agreed, since the start (the start's own included)
         self.num_evictions = 0  # slots taken back for another adapter
+        self.version = 0  # moves whenever digest_text would change
         for adapter_id, slot in (resident or {}).items():
             self._assign(adapter_id, slot)
             self.num_loads += 1
@@ -55,6 +56,7 @@ class AdapterSlots:
         self._assign(adapter_id, slot)
         self.fetching.add(adapter_id)
         self._fetches.append((adapter_id, slot))
+        self.version += 1
         return True
 
     def take_fetches(self) -> list[tuple[int, int]]:
@@ -67,6 +69,7 @@ class AdapterSlots:
         if self.slot_of.get(adapter_id) != slot or adapter_id not in self.fetching:
             raise RuntimeError(f"adapter {adapter_id}: no copy into slot {slot} is pending")
         self.fetching.discard(adapter_id)
+        self.version += 1
         if ok:
             self.num_loads += 1
         if not ok or adapter_id in self.unloading:
@@ -104,8 +107,10 @@ class AdapterSlots:
         self.pinned.add(adapter_id)
 
     def digest_text(self) -> str:
-        """The slot map, for the live-set digest: "slot:id,..." of the held slots."""
-        return ",".join(f"{s}:{a}" for s, a in enumerate(self.holder) if a)
+        """The slot map, for the live-set digest: "slot:id,..." of the held slots, then the
+        ids being copied."""
+        held = ",".join(f"{s}:{a}" for s, a in enumerate(self.holder) if a)
+        return f"{held}|{sorted(self.fetching)}"
 
     def _free_slot(self) -> int | None:
         return next((s for s in range(1, self.num_slots + 1) if not self.holder[s]), None)
@@ -116,6 +121,7 @@ class AdapterSlots:
         self._recent[adapter_id] = None
 
     def _drop(self, adapter_id: int) -> int:
+        self.version += 1
         slot = self.slot_of.pop(adapter_id)
         self.holder[slot] = 0
         self._recent.pop(adapter_id, None)

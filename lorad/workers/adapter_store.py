@@ -75,12 +75,14 @@ class AdapterStore:
         self._path_suffix = path_suffix
         self.num_host_hits = 0
         self.num_disk_reads = 0
+        self.version = 0  # moves whenever `specs` changes
 
     # --- start-up: synchronous ------------------------------------------------------------------
 
     def add_started(self, spec: AdapterSpec, slot: int | None) -> None:
         """An adapter validated at start (agreed by check_registry), copied into `slot` now."""
         self.specs[spec.adapter_id] = spec
+        self.version += 1
         if slot is not None:
             self._copy(spec, slot)
 
@@ -133,6 +135,7 @@ class AdapterStore:
         """Unloaded: no new request names it; its slot is the planner's to free. The host
         cache is the jobs' thread's: its entry goes in job order."""
         self.specs.pop(adapter_id, None)
+        self.version += 1
         self._executor.submit(self._host.pop, adapter_id, None)
 
     def close(self) -> None:
@@ -219,6 +222,7 @@ class AdapterStore:
             spec = self._staged.pop(job.adapter_id, None)
             if ok:
                 self.specs[job.adapter_id] = spec
+                self.version += 1
         return Settled(job.kind, job.adapter_id, job.slot, ok)
 
 

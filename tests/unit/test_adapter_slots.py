@@ -52,7 +52,7 @@ def test_an_unloaded_adapter_leaves_once_its_readers_end():
     slots.forget(4)
     assert slots.slot_of == {4: 1}
     slots.release(4)
-    assert slots.slot_of == {} and slots.digest_text() == ""
+    assert slots.slot_of == {} and slots.digest_text() == "|[]"
 
 
 def _seq(rid: str, arrival: int, adapter_id: int) -> Sequence:
