@@ -140,6 +140,24 @@ def test_refusals_name_the_field_and_file(admin_daemon, folders, tmp_path):
     assert status == 404
 
 
+@pytest.mark.parametrize("path", ["/v1/adapters", "/v1/load_lora_adapter",
+                                  "/v1/unload_lora_adapter"])
+def test_hostile_admin_bodies_are_4xx(admin_daemon, path):
+    for raw in (b"", b"[1]", b'{"name": ', b'{"name": "x", "path": 5}', b'{"lora_name": 7}',
+                b'{"extra": 1}', b'{"name": "x", "path": "/tmp", "pinned": "yes"}',
+                b'{"name": "x", "path": "/tmp", "strength": NaN}',
+                b'{"name": "x", "path": "' + b"a" * (40 << 20) + b'"}'):
+        request = urllib.request.Request(admin_daemon.url + path, data=raw, method="POST",
+                                         headers={"Authorization": f"Bearer {ADMIN_KEY}",
+                                                  "Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(request, timeout=60)
+        assert 400 <= raised.value.code < 500, (raw[:40], raised.value.code)
+        assert set(json.loads(raised.value.read())["error"]) == {"message", "type", "param",
+                                                                 "code"}
+    assert admin_daemon.health()["status"] == "serving"
+
+
 def test_a_load_that_fails_on_one_rank_keeps_the_old_registry(admin_daemon, folders, solo):
     """Rank 1 reads c.rank1 (other weights) for c: the load fails on every rank, says why,
     and what was served before is served as before."""

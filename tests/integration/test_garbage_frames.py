@@ -20,7 +20,7 @@ GARBAGE = [
     b"",  # too short
     bytes([StepResult.KIND]) + b"not msgpack at all \xc1",
     encode(StepResult(1, [SeqOutput("x", [5], None, 3)], 1, 0, 9))[:-3],  # truncated
-    bytes([RankStatus.KIND]) + msgpack.packb([0, "serving", "many", 0.0] + [0] * 9),  # str for int
+    bytes([RankStatus.KIND]) + msgpack.packb([0, "serving", "many", 0.0] + [0] * 16),  # str: int
     encode(Hello(2, "someone")),  # a coordinator's message, not a worker's
     bytes([200]) + msgpack.packb([1]),  # no such kind
     bytes([RankStatus.KIND]) + b"\x00" * MAX_FRAME_BYTES,  # one byte over the limit
