@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from lorad.config.adapters import AdapterArg, check_adapter_args
+from lorad.config.cluster import ADMIT_PORT_OFFSET, RESULTS_PORT_OFFSET, ClusterConfig
 from lorad.config.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -71,6 +72,7 @@ class ServeConfig:
     adapters: tuple[AdapterArg, ...] = ()  # command-line order = slots 1..K
     api_key: str | None = field(default=None, repr=False)  # never printed with the config
     kernel_cache_dir: str | None = None  # checked writable by the CLI; None: Triton's default
+    cluster: ClusterConfig = ClusterConfig()  # several hosts (cluster.py); one by default
 
     def __post_init__(self) -> None:
         if not self.served_name or any(c.isspace() for c in self.served_name):
@@ -115,6 +117,7 @@ class ServeConfig:
             raise ConfigError("--api-key must be at least 16 printable characters without "
                               "spaces")
         check_adapter_args(self.adapters, reserved_names=(self.served_name,))
+        self.cluster.check_parallel(self.parallel)
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,22 @@ class WorkerConfig:
     # One {"name", "path", "strength", "key"} per adapter, slot i + 1; "key" is the identity key
     # the coordinator computed, which each worker recomputes and must match.
     adapters: list[dict] = field(default_factory=list)
+    # Several hosts (cluster.py): TCP endpoints with CURVE keys from cluster_key_dir, a TCP store
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    cluster_key_dir: str | None = None
+
+    @property
+    def cluster(self) -> ClusterConfig:
+        return ClusterConfig(self.nnodes, self.node_rank, self.master_addr, self.master_port,
+                             self.cluster_key_dir)
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks this host's processes run: all of them on one host."""
+        return self.cluster.local_ranks(self.parallel)
 
     @property
     def adapter_args(self) -> tuple[AdapterArg, ...]:
@@ -154,14 +173,20 @@ class WorkerConfig:
 
     @property
     def admit_endpoint(self) -> str:
+        if self.nnodes > 1:
+            return self.cluster.endpoint(ADMIT_PORT_OFFSET)
         return f"ipc://{self.runtime_dir}/admit.sock"
 
     @property
     def results_endpoint(self) -> str:
+        if self.nnodes > 1:
+            return self.cluster.endpoint(RESULTS_PORT_OFFSET)
         return f"ipc://{self.runtime_dir}/results.sock"
 
     @property
     def dist_init_method(self) -> str:
+        if self.nnodes > 1:
+            return self.cluster.endpoint(0)  # tcp://ADDR:PORT, a store only rank 0 binds
         return f"file://{self.runtime_dir}/dist.store"
 
     @property
