@@ -2,8 +2,8 @@
 
 Everything that can be refused without starting a worker (flags, config.json, adapter folders,
 tokenizer, chat template, --max-model-len) is refused here with one line and exit status 2.
-`lorad check-adapter ...` is handed to lorad.config.check_adapter, `lorad keys` to
-keys_command.py.
+`lorad check-adapter ...` is handed to lorad.config.check_adapter, `lorad keys` and `lorad node`
+(several hosts) to keys_command.py and node.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lorad.config import ConfigError, ModelConfig, ServeConfig, check_adapter
 from lorad.config.adapters import load_registry
 from lorad.config.cli import parse_args
 from lorad.config.partition import check_parallel
-from lorad.daemon import keys_command
+from lorad.daemon import keys_command, node
 from lorad.daemon.routes import ServedModel
 from lorad.daemon.service import serve
 from lorad.daemon.supervisor import WORKER_COMMAND
@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None,
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["check-adapter"]:
         return check_adapter.main(argv[1:])
-    if argv[:1] == ["keys"]:  # several hosts: the CURVE key files
-        return keys_command.main(argv[1:])
+    if argv[:1] in (["keys"], ["node"]):  # several hosts: key files, another host's agent
+        return (keys_command if argv[0] == "keys" else node).main(argv[1:])
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

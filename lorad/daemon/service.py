@@ -257,10 +257,21 @@ async def _start_http(state: AppState, config: ServeConfig) -> web.AppRunner | N
 
 def _worker_config(config: ServeConfig, model: ServedModel, runtime_dir: Path,
                    instance_id: str) -> WorkerConfig:
+    adapters = [spec.to_worker_dict() for spec in model.adapters]
+    return worker_config_of(config, model.max_model_len, adapters, runtime_dir, instance_id)
+
+
+def worker_config_of(config: ServeConfig, max_model_len: int, adapters: list[dict],
+                     runtime_dir: Path, instance_id: str) -> WorkerConfig:
+    """What this host's workers start with; this process is the one they watch (the coordinator,
+    or on another host its node agent, node.py)."""
+    cluster = config.cluster
+    if cluster.multi_host:  # every host must name the same instance without talking first
+        instance_id = cluster.instance_id
     return WorkerConfig(
         model_dir=str(Path(config.model_dir).resolve()), parallel=config.parallel,
         dtype=config.dtype, device=config.device, dist_backend=config.dist_backend,
-        max_model_len=model.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
         kv_cache_blocks=config.kv_cache_blocks, kv_cache_memory=config.kv_cache_memory,
         num_threads=config.num_threads, runtime_dir=str(runtime_dir), instance_id=instance_id,
@@ -268,7 +279,9 @@ def _worker_config(config: ServeConfig, model: ServedModel, runtime_dir: Path,
         load_format=config.load_format, enforce_eager=config.enforce_eager,
         prefix_cache=config.prefix_cache, kv_spill_dir=config.kv_spill_dir,
         kv_spill_bytes=config.kv_spill_bytes, kernel_cache_dir=config.kernel_cache_dir,
-        adapters=[spec.to_worker_dict() for spec in model.adapters])
+        adapters=adapters, nnodes=cluster.nnodes, node_rank=cluster.node_rank,
+        master_addr=cluster.master_addr, master_port=cluster.master_port,
+        cluster_key_dir=cluster.key_dir)
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lorad.workers.cluster_store import tcp_store
+
 
 class TensorParallel:
     """This rank's place in the tensor-parallel group and the collectives the model uses."""
@@ -84,8 +86,8 @@ class TensorParallel:
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
                          device: torch.device, timeout_s: float = 600) -> TensorParallel:
-    """Join the group through a FileStore (`file://<path>`: no ports). World 1 needs no
-    torch.distributed at all."""
+    """Join the group through a FileStore (`file://<path>`: no ports), or between hosts a TCP
+    store (`tcp://ADDR:PORT`, cluster_store.py). World 1 needs no torch.distributed at all."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
     if not 0 <= rank < world_size:
@@ -96,12 +98,16 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
     if world_size == 1:
         return TensorParallel(0, 1, device, backend=backend)
     timeout = timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        dist.init_process_group("nccl", init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=timeout, device_id=device)
+    if init_method.startswith("tcp://"):  # between hosts (--nnodes)
+        where = {"store": tcp_store(init_method, rank, world_size, timeout)}
     else:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=timeout)
+        where = {"init_method": init_method}
+    if backend == "nccl":
+        dist.init_process_group("nccl", **where, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", **where, rank=rank, world_size=world_size,
+                                timeout=timeout)
     # A separate gloo group for control, so step agreement and the sampled-id broadcast never
     # queue behind (or interleave with) the model's collectives on the same communicator.
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)

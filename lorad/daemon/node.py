@@ -1,0 +1,120 @@
+"""`lorad node --nnodes N --node-rank R ...`: the agent of a host other than node 0.
+
+Takes the same flags as `lorad`, checks the model and adapter folders as it does, and starts this
+host's ranks, which join node 0's store and coordinator over TCP with this host's CURVE keys. It
+exits, its workers stopped, when one of them exits, when the coordinator is lost, or on a signal:
+0 after the coordinator's orderly Shutdown or a signal, 1 on a failure. It serves no HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import signal
+import sys
+
+import uvloop
+
+from lorad.config import ConfigError, ModelConfig, ServeConfig, WorkerConfig
+from lorad.config.adapters import load_registry
+from lorad.config.cli import parse_args
+from lorad.config.partition import check_parallel
+from lorad.daemon.coordinator_watch import CoordinatorWatch
+from lorad.daemon.service import WORKER_EXIT_GRACE_S, _write_private, worker_config_of
+from lorad.daemon.supervisor import Supervisor
+from lorad.protocol.curve import client_keys
+from lorad.protocol.sockets import make_runtime_dir, remove_stale_runtime_dirs
+
+log = logging.getLogger("lorad.node")
+
+SHUTDOWN_WAIT_S = 2.0  # coordinator lost: how long its orderly Shutdown may take to show here
+
+
+def main(argv: list[str]) -> int:
+    config = parse_args(argv, node=True)
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        max_model_len, adapters = check_model(config)
+        client_keys(config.cluster.key_dir)  # refused here, before any worker starts
+        return uvloop.run(run_node(config, max_model_len, adapters))
+    except ConfigError as exc:
+        print(f"lorad node: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def check_model(config: ServeConfig) -> tuple[int, list[dict]]:
+    """What the coordinator checks before its workers start, as this host sees its files:
+    -> (max model length, the adapters as WorkerConfig lists them)."""
+    model = ModelConfig.from_dir(config.model_dir)
+    check_parallel(model, config.parallel)
+    adapters = load_registry(config.adapters, model, reserved_names=(config.served_name,))
+    limit = model.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ConfigError(f"--max-model-len {config.max_model_len} exceeds the model's "
+                          f"max_position_embeddings ({limit})")
+    return config.max_model_len or limit, [spec.to_worker_dict() for spec in adapters]
+
+
+async def run_node(config: ServeConfig, max_model_len: int, adapters: list[dict]) -> int:
+    for stale in remove_stale_runtime_dirs(config.runtime_dir):
+        log.warning("removed the runtime directory %s left by an agent that no longer runs",
+                    stale)
+    runtime_dir, instance_id = make_runtime_dir(config.runtime_dir,
+                                                f"node{config.cluster.node_rank}")
+    try:
+        worker_config = worker_config_of(config, max_model_len, adapters, runtime_dir,
+                                         instance_id)
+        _write_private(worker_config.path, worker_config.to_json())
+        return await _supervise(worker_config, config.startup_timeout)
+    finally:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+async def _supervise(cfg: WorkerConfig, startup_timeout: float) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    supervisor = Supervisor(cfg)
+    watch = CoordinatorWatch(cfg)
+    tasks: list[asyncio.Task] = []
+    try:
+        await supervisor.start()
+        log.info("node %d: ranks %s started; waiting for the coordinator at %s", cfg.node_rank,
+                 list(cfg.local_ranks), cfg.admit_endpoint)
+        exited = asyncio.create_task(supervisor.first_exit())
+        lost = asyncio.create_task(watch.lost(startup_timeout))
+        tasks = [exited, lost, asyncio.create_task(stop.wait())]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if lost.done() and not exited.done():  # an orderly stop closes the coordinator last
+            await asyncio.wait([exited], timeout=SHUTDOWN_WAIT_S)
+        return await _stop(supervisor, exited, lost)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await supervisor.stop(grace_s=0.0)
+        watch.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def _stop(supervisor: Supervisor, exited: asyncio.Task, lost: asyncio.Task) -> int:
+    if exited.done() and exited.result()[1] == 0:
+        log.info("worker rank %d exited after the coordinator's shutdown; waiting for the "
+                 "others", exited.result()[0])
+        await supervisor.stop(grace_s=WORKER_EXIT_GRACE_S)
+        return 0
+    if exited.done():
+        log.error("worker rank %d exited with code %s; stopping this host's workers",
+                  *exited.result())
+        await supervisor.stop(grace_s=2.0)
+        return 1
+    if lost.done():
+        log.error("%s; stopping this host's workers", lost.result())
+        await supervisor.kill()  # they may be blocked in a collective with no peer left
+        return 1
+    log.info("signal received: stopping this host's workers")
+    await supervisor.stop(grace_s=0.0)
+    return 0

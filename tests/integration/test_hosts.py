@@ -1,0 +1,89 @@
+"""Tensor parallel across two "hosts" on this machine (cluster_hosts.py): node 0 runs `lorad` on
+127.0.0.2, node 1 runs `lorad node`; their ranks join one gloo group and the coordinator's
+CURVE sockets over TCP. Output equals one host's; the store and sockets listen on the given
+address only; an orderly stop ends both hosts with 0 and leaves no process.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.daemons import _running, post
+from tests.integration.cluster_hosts import MASTER_ADDR, start_cluster
+
+PROMPTS = ("hello", "the quick brown fox", "0 1 2 3")
+
+
+def _greedy_texts(url: str, model: str = "tiny") -> list[str]:
+    texts = []
+    for prompt in PROMPTS:
+        status, body = post(f"{url}/v1/completions",
+                            {"model": model, "prompt": prompt, "max_tokens": 12,
+                             "temperature": 0, "ignore_eos": True})
+        assert status == 200, body
+        texts.append(body["choices"][0]["text"])
+    return texts
+
+
+def _listeners(port: int) -> set[str]:
+    """The local addresses listening on `port` (IPv4), from /proc/net/tcp."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr_hex, port_hex = local.split(":")
+        if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+            found.add(".".join(str(b) for b in reversed(bytes.fromhex(addr_hex))))
+    return found
+
+
+def _wait_exit(proc, timeout_s: float, what: str, log: str) -> int:
+    try:
+        return proc.wait(timeout_s)
+    except Exception:
+        pytest.fail(f"{what} did not exit within {timeout_s}s:\n{log[-3000:]}", pytrace=False)
+
+
+def test_two_hosts_serve_as_one_host(tmp_path, tiny_model, start_lorad):
+    one_host = start_lorad("--parallel", "2")
+    expected = _greedy_texts(one_host.url)
+    assert one_host.stop() == 0
+
+    cluster = start_cluster(tmp_path, tiny_model)
+    try:
+        coordinator, node = cluster.coordinator, cluster.node
+        health = coordinator.health()
+        assert [r["state"] for r in health["ranks"]] == ["serving", "serving"]
+        assert _greedy_texts(coordinator.url) == expected
+        for port in (cluster.port, cluster.port + 1, cluster.port + 2):
+            assert _listeners(port) == {MASTER_ADDR}, port
+        pids = coordinator.worker_pids() + node.worker_pids()
+        assert len(pids) == 2
+        assert "reached the coordinator at tcp://127.0.0.2" in node.log()
+        assert coordinator.stop() == 0, coordinator.log()[-3000:]
+        assert _wait_exit(node.proc, 30, "lorad node", node.log()) == 0, node.log()[-3000:]
+        coordinator.assert_cleaned_up(pids)
+        assert not list(node.runtime_parent.iterdir())
+    finally:
+        cluster.kill()
+
+
+def test_a_lost_coordinator_stops_the_other_host(tmp_path, tiny_model):
+    cluster = start_cluster(tmp_path, tiny_model)
+    try:
+        pids = cluster.coordinator.worker_pids() + cluster.node.worker_pids()
+        cluster.coordinator.proc.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = _wait_exit(cluster.node.proc, 30, "lorad node", cluster.node.log())
+        assert code == 1, cluster.node.log()[-3000:]
+        assert time.monotonic() - killed_at < 15
+        deadline = time.monotonic() + 10
+        while [pid for pid in pids if _running(pid)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _running(pid)]
+        assert not list(cluster.node.runtime_parent.iterdir())
+    finally:
+        cluster.kill()
