@@ -72,6 +72,15 @@ class ClusterConfig:
     def node_of(self, rank: int, parallel: int) -> int:
         return rank // (parallel // self.nnodes)
 
+    def hosts_of_ranks(self, parallel: int) -> str:
+        """Where each rank runs, for a message that names ranks: '' on one host."""
+        if not self.multi_host:
+            return ""
+        per_node = parallel // self.nnodes
+        nodes = [f"node {n} ({'coordinator' if n == 0 else 'lorad node'}): ranks "
+                 f"{n * per_node}..{(n + 1) * per_node - 1}" for n in range(self.nnodes)]
+        return f" [{'; '.join(nodes)}]"
+
     @property
     def instance_id(self) -> str:
         """The instance's name on every host (Hello and Ready carry it)."""

@@ -108,7 +108,7 @@ class Engine:
             model_config, tuple((a.slot, a.name, a.key, a.strength) for a in adapters))
         problem = check_registry(tp, registry)  # first, so every rank names an odd rank's adapter
         if problem is not None:
-            raise RuntimeError(problem)
+            raise RuntimeError(problem + cfg.cluster.hosts_of_ranks(cfg.parallel))
         check_coordinator_keys(cfg, adapters)
         clock.mark("adapters")
         num_weight_bytes = check_weights_fit(cfg.model_dir, model_config, tp, dtype, adapters)

@@ -1,7 +1,8 @@
 """Tensor parallel across two "hosts" on this machine (cluster_hosts.py): node 0 runs `lorad` on
 127.0.0.2, node 1 runs `lorad node`; their ranks join one gloo group and the coordinator's
 CURVE sockets over TCP. Output equals one host's; the store and sockets listen on the given
-address only; an orderly stop ends both hosts with 0 and leaves no process.
+address only; an orderly stop ends both hosts with 0 and leaves no process; a lost coordinator
+stops the other host; a host whose adapter files differ is refused, naming its node.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemons import _running, post
-from tests.integration.cluster_hosts import MASTER_ADDR, start_cluster
+from tests.daemons import _running, post, start_daemon
+from tests.integration.cluster_hosts import (
+    MASTER_ADDR, cluster_flags, make_keys, master_port, start_cluster, start_node)
 
 PROMPTS = ("hello", "the quick brown fox", "0 1 2 3")
 
@@ -87,3 +89,26 @@ def test_a_lost_coordinator_stops_the_other_host(tmp_path, tiny_model):
         assert not list(cluster.node.runtime_parent.iterdir())
     finally:
         cluster.kill()
+
+
+def test_a_host_with_other_adapter_files_is_refused_by_name(tmp_path, tiny_model,
+                                                           tiny_adapters):
+    keys0, keys1 = make_keys(tmp_path)
+    port = master_port()
+    coordinator = start_daemon(tiny_model, *cluster_flags(2, port, keys0), "--adapter",
+                               f"a={tiny_adapters['a']}", wait=False)
+    node = start_node(tiny_model, *cluster_flags(2, port, keys1, node_rank=1), "--adapter",
+                      f"a={tiny_adapters['b']}")  # the same name, other files on this host
+    try:
+        assert _wait_exit(coordinator.proc, 120, "lorad", coordinator.log()) == 1
+        assert _wait_exit(node.proc, 60, "lorad node", node.log()) == 1, node.log()[-3000:]
+        failure = [line for line in coordinator.log().splitlines() if "start-up failed" in line]
+        assert failure, coordinator.log()[-3000:]
+        assert "registry mismatch" in failure[0] and "on rank(s) [1]" in failure[0]
+        assert "node 1 (lorad node): ranks 1..1" in failure[0], failure[0]
+    finally:
+        for proc in (coordinator.proc, node.proc):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    coordinator.assert_cleaned_up([])

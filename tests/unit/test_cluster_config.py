@@ -116,3 +116,10 @@ def test_the_key_check_admits_listed_keys_and_logs_a_refusal_once(caplog):
     assert not check.callback("lorad", b"b" * 40)
     refusals = [r for r in caplog.records if "refused a connection" in r.message]
     assert len(refusals) == 1 and "b" * 40 in refusals[0].message
+
+
+def test_messages_that_name_ranks_can_name_their_hosts():
+    assert ClusterConfig().hosts_of_ranks(2) == ""
+    cluster = ClusterConfig(2, 0, "10.0.0.1", 4000, "/k")
+    assert cluster.hosts_of_ranks(4) == \
+        " [node 0 (coordinator): ranks 0..1; node 1 (lorad node): ranks 2..3]"
