@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from lorad.config import ConfigError
+from lorad.config import ConfigError, WorkerConfig
 from lorad.config.cli import parse_args
 from lorad.config.cluster import ClusterConfig
 from lorad.daemon import keys_command
@@ -123,3 +123,32 @@ def test_messages_that_name_ranks_can_name_their_hosts():
     cluster = ClusterConfig(2, 0, "10.0.0.1", 4000, "/k")
     assert cluster.hosts_of_ranks(4) == \
         " [node 0 (coordinator): ranks 0..1; node 1 (lorad node): ranks 2..3]"
+
+
+def _worker_config(**cluster) -> WorkerConfig:
+    return WorkerConfig("/m", 4, "auto", "cpu", "gloo", 64, None, 512, 16, None, None, 1,
+                        "/run/x", "id", 1, **cluster)
+
+
+def test_one_host_keeps_ipc_and_a_file_store_several_use_tcp_on_the_master_addr():
+    one = _worker_config()
+    assert (one.admit_endpoint, one.results_endpoint, one.dist_init_method) == (
+        "ipc:///run/x/admit.sock", "ipc:///run/x/results.sock", "file:///run/x/dist.store")
+    assert list(one.local_ranks) == [0, 1, 2, 3]
+    node1 = _worker_config(nnodes=2, node_rank=1, master_addr="fd00::1", master_port=4000,
+                           cluster_key_dir="/k")
+    assert (node1.admit_endpoint, node1.results_endpoint, node1.dist_init_method) == (
+        "tcp://[fd00::1]:4001", "tcp://[fd00::1]:4002", "tcp://[fd00::1]:4000")
+    assert list(node1.local_ranks) == [2, 3]
+    assert WorkerConfig.from_json(node1.to_json()) == node1
+
+
+@pytest.mark.parametrize("argv", [["node", "--model", "/m"],
+                                  ["node", "--model", "/m", *CLUSTER, "--node-rank", "0"]])
+def test_lorad_node_without_a_node_rank_is_refused(capsys, argv):
+    from lorad.daemon.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("lorad node: error: lorad node needs --nnodes 2")
