@@ -139,7 +139,6 @@ def start_authenticator(ctx: zmq.Context, keys: ServerKeys) -> ThreadAuthenticat
 
 def make_server(sock: zmq.Socket, keys: ServerKeys) -> None:
     """Before bind: the socket speaks CURVE as the server, its peers checked by the ZAP handler."""
-    sock.setsockopt(zmq.IPV6, 1)  # --master-addr may be an IPv6 address (IPv4 works as well)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
@@ -147,7 +146,7 @@ def make_server(sock: zmq.Socket, keys: ServerKeys) -> None:
 
 def make_clients(ctx: zmq.Context, keys: ClientKeys) -> None:
     """Every socket `ctx` makes from here on is a CURVE client of the coordinator."""
-    ctx.setsockopt(zmq.IPV6, 1)
+    ctx.setsockopt(zmq.IPV6, 1)  # --master-addr may be an IPv6 address (IPv4 works as well)
     ctx.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
     ctx.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     ctx.setsockopt(zmq.CURVE_SERVERKEY, keys.server)

@@ -92,11 +92,17 @@ def bind_publisher(ctx: zmq.Context, endpoint: str, keys: ServerKeys | None = No
     """keys: CURVE (tcp:// between hosts); None on ipc://."""
     sock = ctx.socket(zmq.PUB)
     if keys is not None:
-        make_server(sock, keys)
+        _make_tcp_server(sock, endpoint, keys)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)  # never drop an admission: the sequence must stay gapless
     sock.bind(endpoint)
     return sock
+
+
+def _make_tcp_server(sock: zmq.Socket, endpoint: str, keys: ServerKeys) -> None:
+    if endpoint.startswith("tcp://["):  # an IPv6 address; an IPv4 one keeps an IPv4 socket
+        sock.setsockopt(zmq.IPV6, 1)
+    make_server(sock, keys)
 
 
 def connect_subscriber(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
@@ -112,7 +118,7 @@ def connect_subscriber(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
 def bind_puller(ctx: zmq.Context, endpoint: str, keys: ServerKeys | None = None) -> zmq.Socket:
     sock = ctx.socket(zmq.PULL)
     if keys is not None:
-        make_server(sock, keys)
+        _make_tcp_server(sock, endpoint, keys)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_MSG_BYTES)
