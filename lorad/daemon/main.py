@@ -23,6 +23,7 @@ from lorad.daemon.service import serve
 from lorad.daemon.supervisor import WORKER_COMMAND
 from lorad.daemon.token_bytes import TokenBytes
 from lorad.daemon.tokenizer import ModelTokenizer
+from lorad.protocol.curve import client_keys, server_keys
 
 
 def main(argv: list[str] | None = None,
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None,
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if config.cluster.multi_host:  # node 0 needs both: the coordinator's and its workers'
+            server_keys(config.cluster.key_dir)
+            client_keys(config.cluster.key_dir)
         model = load_served_model(config)
         return uvloop.run(serve(config, model, worker_command))
     except ConfigError as exc:  # a bad model folder, or no runtime directory could be made

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.daemons import REPO, LOW_PORT, Daemon, start_daemon
+from tests.daemons import REPO, LOW_PORT, Daemon, start_daemon, wait_healthy
 
 MASTER_ADDR = "127.0.0.2"  # node 0's address; Linux routes all of 127/8 to loopback
 LORAD = [sys.executable, "-m", "lorad.daemon"]
@@ -105,8 +105,6 @@ class Cluster:
 
 def start_cluster(tmp_path: Path, model_dir: Path, *flags: str, parallel: int = 2) -> Cluster:
     """Node 0 (coordinator, ranks 0..P/2-1) and node 1 (the rest), serving once both joined."""
-    from tests.daemons import wait_healthy
-
     keys = make_keys(tmp_path)
     port = master_port()
     coordinator = start_daemon(model_dir, *cluster_flags(parallel, port, keys[0]), *flags,

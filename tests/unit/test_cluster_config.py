@@ -152,3 +152,16 @@ def test_lorad_node_without_a_node_rank_is_refused(capsys, argv):
         main(argv)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("lorad node: error: lorad node needs --nnodes 2")
+
+
+def test_node_0_without_its_key_files_is_refused_before_anything_starts(tmp_path, capsys):
+    from lorad.daemon.main import main
+
+    keys_command.main([str(tmp_path / "k")])  # a node pair only: no coordinator.secret
+    capsys.readouterr()
+    code = main(["--model", str(tmp_path / "no-model"), "--parallel", "2", "--nnodes", "2",
+                 "--master-addr", "127.0.0.2", "--cluster-key-dir", str(tmp_path / "k")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lorad: error: --cluster-key-dir: cannot read ") and \
+        "coordinator.secret" in err
