@@ -335,6 +335,7 @@ def parse_args(argv: list[str] | None = None, node: bool = False) -> ServeConfig
         api_key = _read_api_key(args.api_key_file) if args.api_key_file else args.api_key
         return ServeConfig(
             model_dir=args.model, served_name=name, parallel=args.parallel, host=args.host,
+            cluster=cluster_config(args, node),
             port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
             dist_backend=args.dist_backend, enforce_eager=args.enforce_eager,
             prefix_cache=args.prefix_cache, kv_spill_dir=_spill_dir(args),
@@ -347,8 +348,7 @@ def parse_args(argv: list[str] | None = None, node: bool = False) -> ServeConfig
             request_timeout=args.request_timeout, step_timeout=args.step_timeout,
             max_queued_requests=_none_if_auto(args.max_queued_requests), log_level=args.log_level,
             adapters=adapters, api_key=api_key,
-            kernel_cache_dir=resolve_kernel_cache_dir(args.kernel_cache_dir, os.environ),
-            cluster=cluster_config(args, node))
+            kernel_cache_dir=resolve_kernel_cache_dir(args.kernel_cache_dir, os.environ))
     except ConfigError as exc:
         parser.error(str(exc))
 

@@ -43,7 +43,8 @@ class ServeConfig:
 
     model_dir: str
     served_name: str
-    parallel: int = 1
+    parallel: int = 1  # ranks on every host together
+    cluster: ClusterConfig = ClusterConfig()  # several hosts (cluster.py); one by default
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"
@@ -72,13 +73,13 @@ class ServeConfig:
     adapters: tuple[AdapterArg, ...] = ()  # command-line order = slots 1..K
     api_key: str | None = field(default=None, repr=False)  # never printed with the config
     kernel_cache_dir: str | None = None  # checked writable by the CLI; None: Triton's default
-    cluster: ClusterConfig = ClusterConfig()  # several hosts (cluster.py); one by default
 
     def __post_init__(self) -> None:
         if not self.served_name or any(c.isspace() for c in self.served_name):
             raise ConfigError(f"--name must be a non-empty name without spaces, "
                               f"got {self.served_name!r}")
         _positive("--parallel", self.parallel)
+        self.cluster.check_parallel(self.parallel)
         if not 0 < self.port < 65536 or isinstance(self.port, bool):
             raise ConfigError(f"--port must be between 1 and 65535, got {self.port!r}")
         _choice("--dtype", self.dtype, DTYPES)
@@ -117,7 +118,6 @@ class ServeConfig:
             raise ConfigError("--api-key must be at least 16 printable characters without "
                               "spaces")
         check_adapter_args(self.adapters, reserved_names=(self.served_name,))
-        self.cluster.check_parallel(self.parallel)
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,13 @@ class WorkerConfig:
     num_threads: int
     runtime_dir: str
     instance_id: str
-    coordinator_pid: int
+    coordinator_pid: int  # the process the workers watch (on another host: its node agent)
+    # Several hosts (cluster.py): TCP endpoints with CURVE keys from cluster_key_dir, a TCP store
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    cluster_key_dir: str | None = None
     log_level: str = "info"
     load_format: str = "auto"
     enforce_eager: bool = False
@@ -150,22 +156,6 @@ class WorkerConfig:
     # One {"name", "path", "strength", "key"} per adapter, slot i + 1; "key" is the identity key
     # the coordinator computed, which each worker recomputes and must match.
     adapters: list[dict] = field(default_factory=list)
-    # Several hosts (cluster.py): TCP endpoints with CURVE keys from cluster_key_dir, a TCP store
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int | None = None
-    cluster_key_dir: str | None = None
-
-    @property
-    def cluster(self) -> ClusterConfig:
-        return ClusterConfig(self.nnodes, self.node_rank, self.master_addr, self.master_port,
-                             self.cluster_key_dir)
-
-    @property
-    def local_ranks(self) -> range:
-        """The ranks this host's processes run: all of them on one host."""
-        return self.cluster.local_ranks(self.parallel)
 
     @property
     def adapter_args(self) -> tuple[AdapterArg, ...]:
@@ -188,6 +178,16 @@ class WorkerConfig:
         if self.nnodes > 1:
             return self.cluster.endpoint(0)  # tcp://ADDR:PORT, a store only rank 0 binds
         return f"file://{self.runtime_dir}/dist.store"
+
+    @property
+    def cluster(self) -> ClusterConfig:
+        return ClusterConfig(self.nnodes, self.node_rank, self.master_addr, self.master_port,
+                             self.cluster_key_dir)
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks this host's processes run: all of them on one host."""
+        return self.cluster.local_ranks(self.parallel)
 
     @property
     def path(self) -> Path:

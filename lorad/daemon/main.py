@@ -31,8 +31,10 @@ def main(argv: list[str] | None = None,
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["check-adapter"]:
         return check_adapter.main(argv[1:])
-    if argv[:1] in (["keys"], ["node"]):  # several hosts: key files, another host's agent
-        return (keys_command if argv[0] == "keys" else node).main(argv[1:])
+    if argv[:1] == ["keys"]:  # several hosts: the CURVE key files
+        return keys_command.main(argv[1:])
+    if argv[:1] == ["node"]:  # several hosts: another host's agent
+        return node.main(argv[1:], load_served_model)
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

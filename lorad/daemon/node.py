@@ -13,15 +13,16 @@ import logging
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 
 import uvloop
 
-from lorad.config import ConfigError, ModelConfig, ServeConfig, WorkerConfig
-from lorad.config.adapters import load_registry
+from lorad.config import ConfigError, ServeConfig, WorkerConfig
 from lorad.config.cli import parse_args
-from lorad.config.partition import check_parallel
 from lorad.daemon.coordinator_watch import CoordinatorWatch
-from lorad.daemon.service import WORKER_EXIT_GRACE_S, _write_private, worker_config_of
+from lorad.daemon.routes import ServedModel
+from lorad.daemon.service import (
+    WORKER_EXIT_GRACE_S, _worker_config, _write_private, with_cluster)
 from lorad.daemon.supervisor import Supervisor
 from lorad.protocol.curve import client_keys
 from lorad.protocol.sockets import make_runtime_dir, remove_stale_runtime_dirs
@@ -31,41 +32,30 @@ log = logging.getLogger("lorad.node")
 SHUTDOWN_WAIT_S = 2.0  # coordinator lost: how long its orderly Shutdown may take to show here
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], load_model: Callable[[ServeConfig], ServedModel]) -> int:
+    """load_model: the coordinator's own checks and registry (main.load_served_model), so that
+    this host's workers start with what node 0's would from the same files."""
     config = parse_args(argv, node=True)
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        max_model_len, adapters = check_model(config)
-        client_keys(config.cluster.key_dir)  # refused here, before any worker starts
-        return uvloop.run(run_node(config, max_model_len, adapters))
+        client_keys(config.cluster.key_dir)  # refused here, before anything loads
+        model = load_model(config)
+        return uvloop.run(run_node(config, model))
     except ConfigError as exc:
         print(f"lorad node: error: {exc}", file=sys.stderr)
         return 2
 
 
-def check_model(config: ServeConfig) -> tuple[int, list[dict]]:
-    """What the coordinator checks before its workers start, as this host sees its files:
-    -> (max model length, the adapters as WorkerConfig lists them)."""
-    model = ModelConfig.from_dir(config.model_dir)
-    check_parallel(model, config.parallel)
-    adapters = load_registry(config.adapters, model, reserved_names=(config.served_name,))
-    limit = model.max_position_embeddings
-    if config.max_model_len is not None and config.max_model_len > limit:
-        raise ConfigError(f"--max-model-len {config.max_model_len} exceeds the model's "
-                          f"max_position_embeddings ({limit})")
-    return config.max_model_len or limit, [spec.to_worker_dict() for spec in adapters]
-
-
-async def run_node(config: ServeConfig, max_model_len: int, adapters: list[dict]) -> int:
+async def run_node(config: ServeConfig, model: ServedModel) -> int:
     for stale in remove_stale_runtime_dirs(config.runtime_dir):
         log.warning("removed the runtime directory %s left by an agent that no longer runs",
                     stale)
     runtime_dir, instance_id = make_runtime_dir(config.runtime_dir,
                                                 f"node{config.cluster.node_rank}")
     try:
-        worker_config = worker_config_of(config, max_model_len, adapters, runtime_dir,
-                                         instance_id)
+        worker_config = with_cluster(_worker_config(config, model, runtime_dir, instance_id),
+                                     config)
         _write_private(worker_config.path, worker_config.to_json())
         return await _supervise(worker_config, config.startup_timeout)
     finally:

@@ -13,6 +13,7 @@ watchdog while the ranks' steps progress, and says STOPPING=1 when a drain or a 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -51,7 +52,8 @@ async def serve(config: ServeConfig, model: ServedModel,
                     "runs", stale)
     runtime_dir, instance_id = make_runtime_dir(config.runtime_dir, dir_name)
     try:
-        worker_config = _worker_config(config, model, runtime_dir, instance_id)
+        worker_config = with_cluster(_worker_config(config, model, runtime_dir, instance_id),
+                                     config)
         _write_private(worker_config.path, worker_config.to_json())
         return await _run(config, model, worker_config, worker_command)
     finally:
@@ -257,21 +259,10 @@ async def _start_http(state: AppState, config: ServeConfig) -> web.AppRunner | N
 
 def _worker_config(config: ServeConfig, model: ServedModel, runtime_dir: Path,
                    instance_id: str) -> WorkerConfig:
-    adapters = [spec.to_worker_dict() for spec in model.adapters]
-    return worker_config_of(config, model.max_model_len, adapters, runtime_dir, instance_id)
-
-
-def worker_config_of(config: ServeConfig, max_model_len: int, adapters: list[dict],
-                     runtime_dir: Path, instance_id: str) -> WorkerConfig:
-    """What this host's workers start with; this process is the one they watch (the coordinator,
-    or on another host its node agent, node.py)."""
-    cluster = config.cluster
-    if cluster.multi_host:  # every host must name the same instance without talking first
-        instance_id = cluster.instance_id
     return WorkerConfig(
         model_dir=str(Path(config.model_dir).resolve()), parallel=config.parallel,
         dtype=config.dtype, device=config.device, dist_backend=config.dist_backend,
-        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+        max_model_len=model.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
         kv_cache_blocks=config.kv_cache_blocks, kv_cache_memory=config.kv_cache_memory,
         num_threads=config.num_threads, runtime_dir=str(runtime_dir), instance_id=instance_id,
@@ -279,9 +270,7 @@ def worker_config_of(config: ServeConfig, max_model_len: int, adapters: list[dic
         load_format=config.load_format, enforce_eager=config.enforce_eager,
         prefix_cache=config.prefix_cache, kv_spill_dir=config.kv_spill_dir,
         kv_spill_bytes=config.kv_spill_bytes, kernel_cache_dir=config.kernel_cache_dir,
-        adapters=adapters, nnodes=cluster.nnodes, node_rank=cluster.node_rank,
-        master_addr=cluster.master_addr, master_port=cluster.master_port,
-        cluster_key_dir=cluster.key_dir)
+        adapters=[spec.to_worker_dict() for spec in model.adapters])
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -301,3 +290,16 @@ def _is_loopback(host: str) -> bool:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def with_cluster(worker_config: WorkerConfig, config: ServeConfig) -> WorkerConfig:
+    """The worker config with the several-hosts settings (unchanged on one host). Every host
+    names the instance alike without talking first; the workers watch the process that wrote
+    it (the coordinator, or on another host its node agent, node.py)."""
+    cluster = config.cluster
+    if not cluster.multi_host:
+        return worker_config
+    return dataclasses.replace(
+        worker_config, instance_id=cluster.instance_id, nnodes=cluster.nnodes,
+        node_rank=cluster.node_rank, master_addr=cluster.master_addr,
+        master_port=cluster.master_port, cluster_key_dir=cluster.key_dir)
