@@ -92,13 +92,14 @@ class Engine:
         model_config = ModelConfig.from_dir(cfg.model_dir)
         dtype = resolve_dtype(cfg.dtype, model_config, device)
         backend = resolve_backend(cfg.dist_backend, device)
-        if backend == "nccl" and cfg.parallel > max(1, torch.cuda.device_count()):
+        if backend == "nccl" and len(cfg.local_ranks) > max(1, torch.cuda.device_count()):
             raise ConfigError(f"--parallel {cfg.parallel} with nccl needs a GPU per rank, and "
                               f"{torch.cuda.device_count()} are visible; --dist-backend gloo "
                               "lets ranks share GPUs")
         log.info("device %s, dtype %s, backend %s, world size %d", device, dtype, backend,
                  cfg.parallel)
-        tp = init_tensor_parallel(rank, cfg.parallel, cfg.dist_init_method, backend, device)
+        tp = init_tensor_parallel(rank, cfg.parallel, cfg.dist_init_method, backend, device,
+                                  host_ranks=cfg.local_ranks)
         clock.mark("workers up")
         # After joining the group: a rank that refuses here exits, and its peers' next
         # collective fails at once instead of waiting for it to join.
@@ -265,13 +266,13 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def ranks_sharing_device(tp: TensorParallel) -> list[int]:
-    """The ranks whose memory comes from the same pool as this rank's: every rank on the CPU
-    (the workers run on one host), the ranks placed on this rank's GPU on CUDA (resolve_device
-    places rank r on GPU r % the device count)."""
+    """The ranks whose memory comes from the same pool as this rank's: every rank of this host
+    on the CPU, the ranks placed on this rank's GPU on CUDA (resolve_device places rank r on
+    GPU r % the device count)."""
     if tp.device.type != "cuda":
-        return list(range(tp.world_size))
+        return list(tp.host_ranks)
     num_gpus = torch.cuda.device_count()
-    return [r for r in range(tp.world_size) if r % num_gpus == tp.rank % num_gpus]
+    return [r for r in tp.host_ranks if r % num_gpus == tp.rank % num_gpus]
 
 
 def check_weights_fit(model_dir: str, model_config: ModelConfig, tp: TensorParallel,

@@ -20,13 +20,16 @@ class TensorParallel:
     """This rank's place in the tensor-parallel group and the collectives the model uses."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, group=None,
-                 cpu_group=None, backend: str = "gloo") -> None:
+                 cpu_group=None, backend: str = "gloo", host_ranks: range | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.group = group  # model collectives: NCCL on CUDA, gloo on CPU; None at world 1
         self.cpu_group = cpu_group  # gloo, for control; None at world 1
         self.backend = backend
+        # The ranks on this rank's host, sharing its memory: all of them, unless several hosts
+        # (--nnodes) each run a contiguous range.
+        self.host_ranks = range(world_size) if host_ranks is None else host_ranks
         # Set while a CUDA graph is captured in segments (cuda_graph.SegmentedGraph): each
         # collective then ends a segment and runs eagerly between the replays of two.
         self.segmenter = None
@@ -85,7 +88,8 @@ class TensorParallel:
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
-                         device: torch.device, timeout_s: float = 600) -> TensorParallel:
+                         device: torch.device, timeout_s: float = 600,
+                         host_ranks: range | None = None) -> TensorParallel:
     """Join the group through a FileStore (`file://<path>`: no ports), or between hosts a TCP
     store (`tcp://ADDR:PORT`, cluster_store.py). World 1 needs no torch.distributed at all."""
     if backend not in ("gloo", "nccl"):
@@ -96,7 +100,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
         # Whatever the backend: Triton launches on the current device, not the tensors'.
         torch.cuda.set_device(device)
     if world_size == 1:
-        return TensorParallel(0, 1, device, backend=backend)
+        return TensorParallel(0, 1, device, backend=backend, host_ranks=host_ranks)
     timeout = timedelta(seconds=timeout_s)
     if init_method.startswith("tcp://"):  # between hosts (--nnodes)
         where = {"store": tcp_store(init_method, rank, world_size, timeout)}
@@ -112,4 +116,4 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
     # queue behind (or interleave with) the model's collectives on the same communicator.
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     return TensorParallel(rank, world_size, device, group=dist.group.WORLD,
-                          cpu_group=cpu_group, backend=backend)
+                          cpu_group=cpu_group, backend=backend, host_ranks=host_ranks)
