@@ -95,8 +95,18 @@ def bind_publisher(ctx: zmq.Context, endpoint: str, keys: ServerKeys | None = No
         _make_tcp_server(sock, endpoint, keys)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)  # never drop an admission: the sequence must stay gapless
-    sock.bind(endpoint)
+    _bind(sock, endpoint)
     return sock
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> None:
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        flags = " (--master-addr, --master-port + 1 and + 2)" if endpoint.startswith("tcp") else ""
+        raise ConfigError(f"cannot listen on {endpoint}{flags}: {zmq.strerror(exc.errno)}") \
+            from None
 
 
 def _make_tcp_server(sock: zmq.Socket, endpoint: str, keys: ServerKeys) -> None:
@@ -122,7 +132,7 @@ def bind_puller(ctx: zmq.Context, endpoint: str, keys: ServerKeys | None = None)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_MSG_BYTES)
-    sock.bind(endpoint)
+    _bind(sock, endpoint)
     return sock
 
 

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
+from lorad.config.errors import ConfigError
+
 LISTEN_BACKLOG = 128
 
 
@@ -25,7 +27,12 @@ def tcp_store(init_method: str, rank: int, world_size: int,
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart within TIME_WAIT
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--master-port {port}: cannot listen on {where.netloc} for "
+                          f"torch.distributed's store: {exc.strerror}") from None
     sock.listen(LISTEN_BACKLOG)
     # detach(): the store owns the descriptor from here on (closing it would stop the server).
     return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,

@@ -8,6 +8,7 @@ stops the other host; a host whose adapter files differ is refused, naming its n
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -111,4 +112,22 @@ def test_a_host_with_other_adapter_files_is_refused_by_name(tmp_path, tiny_model
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    coordinator.assert_cleaned_up([])
+
+
+@pytest.mark.parametrize("taken, code, wanted", [
+    (1, 2, "lorad: error: cannot listen on tcp://127.0.0.2:{port} (--master-addr, "
+           "--master-port + 1 and + 2): Address already in use"),
+    (0, 1, "worker rank 0 failed to start: --master-port {port}: cannot listen on "
+           "127.0.0.2:{port} for torch.distributed's store: Address already in use"),
+])
+def test_a_taken_port_is_named(tmp_path, tiny_model, taken, code, wanted):
+    keys0, _ = make_keys(tmp_path)
+    port = master_port()
+    with socket.socket() as holder:
+        holder.bind((MASTER_ADDR, port + taken))
+        holder.listen()
+        coordinator = start_daemon(tiny_model, *cluster_flags(2, port, keys0), wait=False)
+        assert _wait_exit(coordinator.proc, 60, "lorad", coordinator.log()) == code
+    assert wanted.format(port=port + taken) in coordinator.log(), coordinator.log()[-3000:]
     coordinator.assert_cleaned_up([])
