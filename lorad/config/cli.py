@@ -285,6 +285,10 @@ def _add_cluster_flags(group) -> None:
     group.add_argument("--master-port", type=port_number, metavar="PORT",
                        help=f"the store's port; the coordinator's two sockets take the next two "
                             f"(default with --nnodes: {DEFAULT_MASTER_PORT})")
+    group.add_argument("--node-addr", metavar="IP",
+                       help="this host's IP address, where its ranks' gloo collectives listen "
+                            "(default: --master-addr on node 0; elsewhere GLOO_SOCKET_IFNAME's "
+                            "interface, or the host name's address)")
     group.add_argument("--cluster-key-dir", metavar="DIR",
                        help="this host's CURVE keys (`lorad keys DIR`): the control plane "
                             "between hosts is authenticated and encrypted")
@@ -305,7 +309,7 @@ def cluster_config(args, node: bool) -> ClusterConfig:
     key_dir = args.cluster_key_dir
     if key_dir is not None:
         key_dir = str(Path(key_dir).expanduser().absolute())
-    return ClusterConfig(args.nnodes, rank or 0, args.master_addr, port, key_dir)
+    return ClusterConfig(args.nnodes, rank or 0, args.master_addr, port, key_dir, args.node_addr)
 
 
 def _spill_dir(args) -> str | None:

@@ -26,6 +26,7 @@ class ClusterConfig:
     master_addr: str | None = None  # node 0's IP address: the store and the coordinator bind it
     master_port: int | None = None
     key_dir: str | None = None  # --cluster-key-dir: this host's CURVE keys
+    node_addr: str | None = None  # --node-addr: this host's IP for its ranks' collectives
 
     def __post_init__(self) -> None:
         if not isinstance(self.nnodes, int) or isinstance(self.nnodes, bool) or self.nnodes < 1:
@@ -38,7 +39,9 @@ class ClusterConfig:
                               f"{self.nnodes}, got {self.node_rank!r}")
         if not self.master_addr:
             raise ConfigError(f"--nnodes {self.nnodes} needs --master-addr (node 0's address)")
-        _check_address(self.master_addr)
+        _check_address(self.master_addr, "--master-addr")
+        if self.node_addr is not None:
+            _check_address(self.node_addr, "--node-addr")
         port = self.master_port
         if not isinstance(port, int) or not 0 < port <= 65535 - RESULTS_PORT_OFFSET:
             raise ConfigError(f"--master-port must be 1..{65535 - RESULTS_PORT_OFFSET} (the two "
@@ -51,9 +54,18 @@ class ClusterConfig:
         for flag, value in (("--node-rank", self.node_rank or None),
                             ("--master-addr", self.master_addr),
                             ("--master-port", self.master_port),
-                            ("--cluster-key-dir", self.key_dir)):
+                            ("--cluster-key-dir", self.key_dir),
+                            ("--node-addr", self.node_addr)):
             if value is not None:
                 raise ConfigError(f"{flag} {value} needs --nnodes 2 or more")
+
+    @property
+    def gloo_addr(self) -> str | None:
+        """Where this host's gloo pairs listen: --node-addr, on node 0 --master-addr; None:
+        torch's choice (GLOO_SOCKET_IFNAME's interface, or what the host name resolves to)."""
+        if self.node_addr is not None or not self.multi_host:
+            return self.node_addr
+        return self.master_addr if self.node_rank == 0 else None
 
     @property
     def multi_host(self) -> bool:
@@ -90,15 +102,15 @@ class ClusterConfig:
         return f"tcp://{_url_host(self.master_addr)}:{self.master_port + offset}"
 
 
-def _check_address(addr: str) -> None:
-    """An IP address (ZeroMQ binds addresses, not names), never a wildcard: node 0 listens on
-    that one address only."""
+def _check_address(addr: str, flag: str) -> None:
+    """An IP address (ZeroMQ and gloo bind addresses, not names), never a wildcard: a host
+    listens on that one address only."""
     try:
         ip = ipaddress.ip_address(addr)
     except ValueError:
-        raise ConfigError(f"--master-addr must be node 0's IP address, got {addr!r}") from None
+        raise ConfigError(f"{flag} must be an IP address of the host, got {addr!r}") from None
     if ip.is_unspecified:
-        raise ConfigError(f"--master-addr must be node 0's own address, not the wildcard {addr}")
+        raise ConfigError(f"{flag} must be an address of the host, not the wildcard {addr}")
 
 
 def _url_host(host: str) -> str:

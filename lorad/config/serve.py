@@ -145,6 +145,7 @@ class WorkerConfig:
     master_addr: str | None = None
     master_port: int | None = None
     cluster_key_dir: str | None = None
+    node_addr: str | None = None  # where this host's gloo pairs listen (cluster.gloo_addr)
     log_level: str = "info"
     load_format: str = "auto"
     enforce_eager: bool = False
@@ -182,7 +183,7 @@ class WorkerConfig:
     @property
     def cluster(self) -> ClusterConfig:
         return ClusterConfig(self.nnodes, self.node_rank, self.master_addr, self.master_port,
-                             self.cluster_key_dir)
+                             self.cluster_key_dir, self.node_addr)
 
     @property
     def local_ranks(self) -> range:

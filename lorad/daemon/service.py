@@ -302,4 +302,5 @@ def with_cluster(worker_config: WorkerConfig, config: ServeConfig) -> WorkerConf
     return dataclasses.replace(
         worker_config, instance_id=cluster.instance_id, nnodes=cluster.nnodes,
         node_rank=cluster.node_rank, master_addr=cluster.master_addr,
-        master_port=cluster.master_port, cluster_key_dir=cluster.key_dir)
+        master_port=cluster.master_port, cluster_key_dir=cluster.key_dir,
+        node_addr=cluster.node_addr)

@@ -1,7 +1,9 @@
-"""torch.distributed's store between hosts: rank 0 serves it on --master-addr only.
+"""torch.distributed between hosts: the store, which rank 0 serves on --master-addr only, and a
+gloo backend whose pairs listen on one given address of this host.
 
 torch's own TCPStore server listens on every interface; rank 0 binds a socket to the one address
-instead and hands it over, the other ranks connect. One host keeps its FileStore (no port).
+instead and hands it over, the other ranks connect. torch's gloo binds what the host name
+resolves to (or GLOO_SOCKET_IFNAME's interface). One host keeps its FileStore and plain gloo.
 """
 
 from __future__ import annotations
@@ -37,3 +39,22 @@ def tcp_store(init_method: str, rank: int, world_size: int,
     # detach(): the store owns the descriptor from here on (closing it would stop the server).
     return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
                          master_listen_fd=sock.detach())
+
+
+BOUND_GLOO = "lorad_gloo"
+
+
+def bound_gloo_backend(addr: str) -> str:
+    """The name of a gloo backend whose pairs listen on `addr` alone, registered once per
+    process (torch.distributed keeps one registry; this process serves one rank)."""
+    def create(store, rank: int, size: int, timeout: timedelta):
+        # _Options and _devices are torch's private spelling of ProcessGroupGloo's devices;
+        # tests/integration/test_hosts.py checks where the pairs listen.
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
+        return dist.ProcessGroupGloo(store, rank, size, options)
+
+    if BOUND_GLOO not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BOUND_GLOO, create, devices=["cpu"])
+    return BOUND_GLOO

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lorad.workers.cluster_store import tcp_store
+from lorad.workers.cluster_store import bound_gloo_backend, tcp_store
 
 
 class TensorParallel:
@@ -89,7 +89,8 @@ class TensorParallel:
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
                          device: torch.device, timeout_s: float = 600,
-                         host_ranks: range | None = None) -> TensorParallel:
+                         host_ranks: range | None = None,
+                         gloo_addr: str | None = None) -> TensorParallel:
     """Join the group through a FileStore (`file://<path>`: no ports), or between hosts a TCP
     store (`tcp://ADDR:PORT`, cluster_store.py). World 1 needs no torch.distributed at all."""
     if backend not in ("gloo", "nccl"):
@@ -106,14 +107,15 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
         where = {"store": tcp_store(init_method, rank, world_size, timeout)}
     else:
         where = {"init_method": init_method}
+    gloo = bound_gloo_backend(gloo_addr) if gloo_addr else "gloo"  # gloo_addr: between hosts
     if backend == "nccl":
         dist.init_process_group("nccl", **where, rank=rank, world_size=world_size,
                                 timeout=timeout, device_id=device)
     else:
-        dist.init_process_group("gloo", **where, rank=rank, world_size=world_size,
+        dist.init_process_group(gloo, **where, rank=rank, world_size=world_size,
                                 timeout=timeout)
     # A separate gloo group for control, so step agreement and the sampled-id broadcast never
     # queue behind (or interleave with) the model's collectives on the same communicator.
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    cpu_group = dist.new_group(backend=gloo, timeout=timeout)
     return TensorParallel(rank, world_size, device, group=dist.group.WORLD,
                           cpu_group=cpu_group, backend=backend, host_ranks=host_ranks)

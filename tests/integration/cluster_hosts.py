@@ -1,6 +1,7 @@
 """Two "hosts" on this machine for the several-hosts tests: node 0 (the coordinator, `lorad`) and
 node 1 (`lorad node`), each with its own key folder written by `lorad keys` and its own runtime
-folder; node 0 listens on 127.0.0.2, a loopback address of its own. Real processes, real sockets.
+folder; node 0 listens on 127.0.0.2, node 1's ranks on 127.0.0.1 (--node-addr), two loopback
+addresses. Real processes, real sockets.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from tests.daemons import REPO, LOW_PORT, Daemon, start_daemon, wait_healthy
 
 MASTER_ADDR = "127.0.0.2"  # node 0's address; Linux routes all of 127/8 to loopback
+NODE1_ADDR = "127.0.0.1"  # node 1's (--node-addr): where its ranks' gloo pairs listen
 LORAD = [sys.executable, "-m", "lorad.daemon"]
 
 
@@ -75,7 +77,9 @@ def _free(port: int) -> bool:
 def cluster_flags(parallel: int, port: int, key_dir: Path, node_rank: int | None = None):
     flags = ["--parallel", str(parallel), "--nnodes", "2", "--master-addr", MASTER_ADDR,
              "--master-port", str(port), "--cluster-key-dir", str(key_dir)]
-    return flags + (["--node-rank", str(node_rank)] if node_rank is not None else [])
+    if node_rank is None:
+        return flags
+    return flags + ["--node-rank", str(node_rank), "--node-addr", NODE1_ADDR]
 
 
 def start_node(model_dir: Path, *flags: str, env: dict[str, str] | None = None) -> Node:

@@ -7,6 +7,7 @@ stops the other host; a host whose adapter files differ is refused, naming its n
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
@@ -16,7 +17,7 @@ import pytest
 
 from tests.daemons import _running, post, start_daemon
 from tests.integration.cluster_hosts import (
-    MASTER_ADDR, cluster_flags, make_keys, master_port, start_cluster, start_node)
+    MASTER_ADDR, NODE1_ADDR, cluster_flags, make_keys, master_port, start_cluster, start_node)
 
 PROMPTS = ("hello", "the quick brown fox", "0 1 2 3")
 
@@ -43,6 +44,25 @@ def _listeners(port: int) -> set[str]:
     return found
 
 
+def _pid_listeners(pid: int) -> set[str]:
+    """The local addresses of the TCP sockets that process `pid` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:
+            addr_hex = fields[1].split(":")[0]
+            found.add(".".join(str(b) for b in reversed(bytes.fromhex(addr_hex))))
+    return found
+
+
 def _wait_exit(proc, timeout_s: float, what: str, log: str) -> int:
     try:
         return proc.wait(timeout_s)
@@ -65,6 +85,10 @@ def test_two_hosts_serve_as_one_host(tmp_path, tiny_model, start_lorad):
             assert _listeners(port) == {MASTER_ADDR}, port
         pids = coordinator.worker_pids() + node.worker_pids()
         assert len(pids) == 2
+        # Each host's processes listen on its own address only (the HTTP port is --host's).
+        assert _pid_listeners(pids[0]) == {MASTER_ADDR}
+        assert _pid_listeners(pids[1]) == {NODE1_ADDR}
+        assert _pid_listeners(coordinator.proc.pid) == {MASTER_ADDR, "127.0.0.1"}
         assert "reached the coordinator at tcp://127.0.0.2" in node.log()
         assert coordinator.stop() == 0, coordinator.log()[-3000:]
         assert _wait_exit(node.proc, 30, "lorad node", node.log()) == 0, node.log()[-3000:]

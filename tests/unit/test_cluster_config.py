@@ -35,12 +35,15 @@ def _refusal(capsys, argv: list[str], node: bool = False) -> str:
     ([*CLUSTER, "--parallel", "3"], False, "--parallel 3 does not split evenly over --nnodes 2"),
     ([*CLUSTER[:2], "--master-addr", "0.0.0.0", *CLUSTER[4:]], False, "not the wildcard"),
     ([*CLUSTER[:2], "--master-addr", "node0.lan", *CLUSTER[4:]], False,
-     "--master-addr must be node 0's IP address, got 'node0.lan'"),
+     "--master-addr must be an IP address of the host, got 'node0.lan'"),
     ([*CLUSTER, "--parallel", "2", "--node-rank", "1"], False,
      "run `lorad node --node-rank 1 ...` on that host"),
     ([*CLUSTER, "--parallel", "2", "--node-rank", "2"], True, "--node-rank must be 0..1"),
     ([*CLUSTER, "--parallel", "2"], True, "lorad node needs --nnodes 2 or more and --node-rank"),
     ([*CLUSTER, "--parallel", "2", "--master-port", "65534"], False, "--master-port must be"),
+    (["--node-addr", "10.0.0.2"], False, "--node-addr 10.0.0.2 needs --nnodes 2"),
+    ([*CLUSTER, "--parallel", "2", "--node-addr", "::"], False, "--node-addr must be an "
+     "address of the host, not the wildcard ::"),
 ])
 def test_bad_cluster_flags_are_refused_naming_the_flag(capsys, argv, node, wanted):
     assert wanted in _refusal(capsys, argv, node)
@@ -64,6 +67,12 @@ def test_ranks_and_endpoints_of_each_node():
     assert cluster.instance_id == "cluster@10.0.0.1:4000"
     default = parse_args(["--model", "/m", *CLUSTER, "--parallel", "2"]).cluster
     assert default.master_port == 29500 and default.node_rank == 0
+    # gloo's pairs: node 0 on --master-addr, another node where torch puts them unless told
+    assert default.gloo_addr == "10.0.0.1" and cluster.gloo_addr is None
+    told = parse_args(["--model", "/m", *CLUSTER, "--parallel", "4", "--node-rank", "1",
+                       "--node-addr", "10.0.0.2"], node=True).cluster
+    assert told.gloo_addr == "10.0.0.2"
+    assert ClusterConfig().gloo_addr is None
 
 
 def test_lorad_keys_writes_pairs_with_private_secrets(tmp_path, capsys):
