@@ -84,6 +84,10 @@ class ClusterConfig:
     def node_of(self, rank: int, parallel: int) -> int:
         return rank // (parallel // self.nnodes)
 
+    def flags(self, parallel: int) -> str:
+        """What every host must be started with alike, as flags (checked in the store)."""
+        return f"--parallel {parallel} --nnodes {self.nnodes}"
+
     def hosts_of_ranks(self, parallel: int) -> str:
         """Where each rank runs, for a message that names ranks: '' on one host."""
         if not self.multi_host:

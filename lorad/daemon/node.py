@@ -1,9 +1,8 @@
 """`lorad node --nnodes N --node-rank R ...`: the agent of a host other than node 0.
 
-Takes the same flags as `lorad`, checks the model and adapter folders as it does, and starts this
-host's ranks, which join node 0's store and coordinator over TCP with this host's CURVE keys. It
-exits, its workers stopped, when one of them exits, when the coordinator is lost, or on a signal:
-0 after the coordinator's orderly Shutdown or a signal, 1 on a failure. It serves no HTTP.
+Same flags and checks as `lorad`; starts this host's ranks (TCP + CURVE to node 0) and stops them
+when one exits, the coordinator is lost, or on a signal: exit 0 after the coordinator's orderly
+Shutdown or a signal, 1 on a failure. Serves no HTTP.
 """
 
 from __future__ import annotations

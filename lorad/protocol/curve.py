@@ -1,9 +1,8 @@
 """CURVE keys of a cluster's control plane, as files in --cluster-key-dir, and who may connect.
 
-Each file holds one Z85 key on one line: coordinator.key / coordinator.secret (node 0 only),
-node.key / node.secret (every host's workers), authorized_keys (node 0: the node keys allowed,
-one a line). Secrets must be 0600. The ZAP handler that admits only listed keys
-runs on the coordinator's context. Nothing here opens a socket to a peer (sockets.py does).
+One Z85 key a file: coordinator.key/.secret (node 0), node.key/.secret (every host), and node 0's
+authorized_keys; secrets 0600. The coordinator's ZAP handler admits only listed keys. Opens no
+socket to a peer (sockets.py does).
 """
 
 from __future__ import annotations

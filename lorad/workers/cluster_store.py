@@ -1,9 +1,6 @@
-"""torch.distributed between hosts: the store, which rank 0 serves on --master-addr only, and a
-gloo backend whose pairs listen on one given address of this host.
-
-torch's own TCPStore server listens on every interface; rank 0 binds a socket to the one address
-instead and hands it over, the other ranks connect. torch's gloo binds what the host name
-resolves to (or GLOO_SOCKET_IFNAME's interface). One host keeps its FileStore and plain gloo.
+"""torch.distributed between hosts: the TCP store, served by rank 0 on --master-addr alone (torch's
+own listens everywhere), where every host's flags are compared first; and a gloo backend whose
+pairs listen on one address of this host. One host keeps its FileStore and plain gloo.
 """
 
 from __future__ import annotations
@@ -19,13 +16,23 @@ from lorad.config.errors import ConfigError
 LISTEN_BACKLOG = 128
 
 
-def tcp_store(init_method: str, rank: int, world_size: int,
-              timeout: timedelta) -> dist.TCPStore:
-    """The store at `tcp://ADDR:PORT`: served by rank 0, bound to ADDR alone."""
+FLAGS_KEY = "lorad/cluster-flags"
+
+
+def tcp_store(init_method: str, rank: int, world_size: int, timeout: timedelta,
+              flags: str = "") -> dist.TCPStore:
+    """The store at `tcp://ADDR:PORT`: served by rank 0, bound to ADDR alone. `flags`: what
+    every host must be started with alike (--parallel, --nnodes); rank 0 posts its own, the
+    others refuse to join with different ones, before any rank counts on them."""
     where = urlsplit(init_method)
     host, port = where.hostname, where.port
     if rank != 0:
-        return dist.TCPStore(host, port, world_size, False, timeout)
+        store = dist.TCPStore(host, port, world_size, False, timeout)
+        node0 = store.get(FLAGS_KEY).decode()
+        if node0 != flags:
+            raise ConfigError(f"this host was started with {flags}, node 0 with {node0}: give "
+                              "every host the same")
+        return store
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart within TIME_WAIT
@@ -37,8 +44,10 @@ def tcp_store(init_method: str, rank: int, world_size: int,
                           f"torch.distributed's store: {exc.strerror}") from None
     sock.listen(LISTEN_BACKLOG)
     # detach(): the store owns the descriptor from here on (closing it would stop the server).
-    return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
-                         master_listen_fd=sock.detach())
+    store = dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
+                          master_listen_fd=sock.detach())
+    store.set(FLAGS_KEY, flags)
+    return store
 
 
 BOUND_GLOO = "lorad_gloo"

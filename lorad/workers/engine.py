@@ -99,7 +99,8 @@ class Engine:
         log.info("device %s, dtype %s, backend %s, world size %d", device, dtype, backend,
                  cfg.parallel)
         tp = init_tensor_parallel(rank, cfg.parallel, cfg.dist_init_method, backend, device,
-                                  host_ranks=cfg.local_ranks, gloo_addr=cfg.cluster.gloo_addr)
+                                  host_ranks=cfg.local_ranks, gloo_addr=cfg.cluster.gloo_addr,
+                                  cluster_flags=cfg.cluster.flags(cfg.parallel))
         clock.mark("workers up")
         # After joining the group: a rank that refuses here exits, and its peers' next
         # collective fails at once instead of waiting for it to join.

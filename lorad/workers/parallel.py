@@ -90,7 +90,7 @@ class TensorParallel:
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
                          device: torch.device, timeout_s: float = 600,
                          host_ranks: range | None = None,
-                         gloo_addr: str | None = None) -> TensorParallel:
+                         gloo_addr: str | None = None, cluster_flags: str = "") -> TensorParallel:
     """Join the group through a FileStore (`file://<path>`: no ports), or between hosts a TCP
     store (`tcp://ADDR:PORT`, cluster_store.py). World 1 needs no torch.distributed at all."""
     if backend not in ("gloo", "nccl"):
@@ -104,7 +104,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
         return TensorParallel(0, 1, device, backend=backend, host_ranks=host_ranks)
     timeout = timedelta(seconds=timeout_s)
     if init_method.startswith("tcp://"):  # between hosts (--nnodes)
-        where = {"store": tcp_store(init_method, rank, world_size, timeout)}
+        where = {"store": tcp_store(init_method, rank, world_size, timeout, cluster_flags)}
     else:
         where = {"init_method": init_method}
     gloo = bound_gloo_backend(gloo_addr) if gloo_addr else "gloo"  # gloo_addr: between hosts

@@ -1,8 +1,6 @@
-"""Tensor parallel across two "hosts" on this machine (cluster_hosts.py): node 0 runs `lorad` on
-127.0.0.2, node 1 runs `lorad node`; their ranks join one gloo group and the coordinator's
-CURVE sockets over TCP. Output equals one host's; the store and sockets listen on the given
-address only; an orderly stop ends both hosts with 0 and leaves no process; a lost coordinator
-stops the other host; a host whose adapter files differ is refused, naming its node.
+"""Tensor parallel across two "hosts" (cluster_hosts.py): output equal to one host's, each host
+listening on its own address only, clean stops, a lost coordinator that stops the other host,
+and refusals by name (other adapter files or flags on a host, a taken port).
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemons import _running, post, start_daemon
+from tests.tiny_models import make_tiny_llama
 from tests.integration.cluster_hosts import (
     MASTER_ADDR, NODE1_ADDR, cluster_flags, make_keys, master_port, start_cluster, start_node)
 
@@ -154,4 +153,24 @@ def test_a_taken_port_is_named(tmp_path, tiny_model, taken, code, wanted):
         coordinator = start_daemon(tiny_model, *cluster_flags(2, port, keys0), wait=False)
         assert _wait_exit(coordinator.proc, 60, "lorad", coordinator.log()) == code
     assert wanted.format(port=port + taken) in coordinator.log(), coordinator.log()[-3000:]
+    coordinator.assert_cleaned_up([])
+
+
+def test_a_host_started_with_other_flags_is_refused_by_name(tmp_path):
+    model = make_tiny_llama(tmp_path / "four-heads", num_key_value_heads=4)  # --parallel 4 fits
+    keys0, keys1 = make_keys(tmp_path)
+    port = master_port()
+    coordinator = start_daemon(model, *cluster_flags(2, port, keys0), wait=False)
+    node = start_node(model, *cluster_flags(4, port, keys1, node_rank=1))  # ranks 2 and 3
+    try:
+        assert _wait_exit(coordinator.proc, 120, "lorad", coordinator.log()) == 1
+        assert _wait_exit(node.proc, 60, "lorad node", node.log()) == 1, node.log()[-3000:]
+        assert "failed to start: this host was started with --parallel 4 --nnodes 2, node 0 " \
+               "with --parallel 2 --nnodes 2: give every host the same" in coordinator.log(), \
+            coordinator.log()[-3000:]
+    finally:
+        for proc in (coordinator.proc, node.proc):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     coordinator.assert_cleaned_up([])
