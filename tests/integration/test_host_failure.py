@@ -1,7 +1,6 @@
-"""Failure of a host at --parallel 2 over two "hosts": node 1's agent killed, or node 1 frozen
-(agent and workers stopped). Every open stream must end with one error event, the coordinator
-must exit 1, and no process of either host may be left (node 1's workers die with their agent;
-a frozen host, once thawed, finds the coordinator gone and exits 1).
+"""Failure of a host at --parallel 2 over two "hosts": node 1's agent killed, stopped (SIGTERM)
+or frozen with its workers. Every open stream ends with one error event, the coordinator exits 1,
+and no process of either host is left (a thawed host finds the coordinator gone, exits 1).
 """
 
 from __future__ import annotations
@@ -76,6 +75,25 @@ def test_a_frozen_second_host_fails_every_stream_and_exits_when_thawed(tmp_path,
         for pid in node_pids:
             os.kill(pid, signal.SIGCONT)
         assert node.proc.wait(30) == 1, node.log()[-3000:]
+        _wait_gone(pids)
+        assert not list(node.runtime_parent.iterdir())
+    finally:
+        cluster.kill()
+
+
+def test_stopping_the_second_hosts_agent_stops_its_workers_and_fails_the_cluster(
+        tmp_path, tiny_model):
+    cluster = start_cluster(tmp_path, tiny_model)
+    coordinator, node = cluster.coordinator, cluster.node
+    try:
+        pids = coordinator.worker_pids() + node.worker_pids()
+        streams = _open_streams(coordinator.url)
+        stopped_at = time.monotonic()
+        node.proc.send_signal(signal.SIGTERM)  # systemctl stop lorad-node
+        assert node.proc.wait(30) == 0, node.log()[-3000:]
+        assert "signal received: stopping this host's workers" in node.log()
+        _assert_streams_failed(streams, stopped_at, coordinator.log())
+        assert coordinator.proc.wait(30) == 1, coordinator.log()[-3000:]
         _wait_gone(pids)
         assert not list(node.runtime_parent.iterdir())
     finally:
