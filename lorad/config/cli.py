@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from lorad.config.adapters import AdapterArg
+from lorad.config.cluster import DEFAULT_MASTER_PORT, ClusterConfig
 from lorad.config.errors import ConfigError
 from lorad.config.kernel_cache import check_writable, resolve_kernel_cache_dir
 from lorad.config.serve import DIST_BACKENDS, DTYPES, DEVICES, LOAD_FORMATS, ServeConfig
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_adapter_flags(parser.add_argument_group("LoRA adapters"))
     _add_parallel_flags(parser.add_argument_group("parallelism and devices"))
     _add_scheduler_flags(parser.add_argument_group("scheduler and KV cache"))
+    _add_cluster_flags(parser.add_argument_group("several hosts"))
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default="127.0.0.1",
                       help="address to listen on; anything but loopback exposes the API: give "
@@ -299,6 +301,46 @@ def _add_scheduler_flags(group) -> None:
                        metavar="SIZE", help="most bytes each rank spills (default: 8GiB)")
 
 
+def _add_cluster_flags(group) -> None:
+    group.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
+                       help="hosts the --parallel ranks are split over, evenly; the coordinator "
+                            "runs on node 0, every other host runs `lorad node` (default: "
+                            "%(default)s: one host, nothing listens off loopback)")
+    group.add_argument("--node-rank", type=int, metavar="R",
+                       help="this host's place, 0..N-1: node R runs ranks R*P/N .. (R+1)*P/N-1")
+    group.add_argument("--master-addr", metavar="IP",
+                       help="node 0's IP address: its coordinator and torch.distributed store "
+                            "listen there only")
+    group.add_argument("--master-port", type=port_number, metavar="PORT",
+                       help=f"the store's port; the coordinator's two sockets take the next two "
+                            f"(default with --nnodes: {DEFAULT_MASTER_PORT})")
+    group.add_argument("--node-addr", metavar="IP",
+                       help="this host's IP address, where its ranks' gloo collectives listen "
+                            "(default: --master-addr on node 0; elsewhere GLOO_SOCKET_IFNAME's "
+                            "interface, or the host name's address)")
+    group.add_argument("--cluster-key-dir", metavar="DIR",
+                       help="this host's CURVE keys (`lorad keys DIR`): the control plane "
+                            "between hosts is authenticated and encrypted")
+
+
+def cluster_config(args, node: bool) -> ClusterConfig:
+    """The several-hosts flags checked for the command: `lorad` is node 0, `lorad node` any
+    other node."""
+    multi = args.nnodes > 1
+    port = args.master_port if args.master_port or not multi else DEFAULT_MASTER_PORT
+    rank = args.node_rank if args.node_rank is not None else (None if node else 0)
+    if node and (not multi or rank is None or rank == 0):
+        raise ConfigError(f"lorad node needs --nnodes 2 or more and --node-rank 1.. (node 0 "
+                          f"runs the coordinator, `lorad`), got --node-rank {rank}")
+    if not node and rank:
+        raise ConfigError(f"--node-rank {rank}: the coordinator (`lorad`) runs on node 0; run "
+                          f"`lorad node --node-rank {rank} ...` on that host")
+    key_dir = args.cluster_key_dir
+    if key_dir is not None:
+        key_dir = str(Path(key_dir).expanduser().absolute())
+    return ClusterConfig(args.nnodes, rank or 0, args.master_addr, port, key_dir, args.node_addr)
+
+
 def _spill_dir(args) -> str | None:
     """--kv-spill-dir made absolute, created and checked writable; None without it."""
     if args.kv_spill_dir is None:
@@ -313,9 +355,12 @@ def _spill_dir(args) -> str | None:
     return str(path)
 
 
-def parse_args(argv: list[str] | None = None) -> ServeConfig:
-    """Parse flags into a ServeConfig; on a bad value print one line and exit 2."""
+def parse_args(argv: list[str] | None = None, node: bool = False) -> ServeConfig:
+    """Parse flags into a ServeConfig; on a bad value print one line and exit 2. node: for
+    `lorad node` (the same flags; the HTTP ones go unused)."""
     parser = build_parser()
+    if node:
+        parser.prog = "lorad node"
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     name = args.name if args.name is not None else Path(args.model).resolve().name
     try:
@@ -325,6 +370,7 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
                      if args.admin_key_file else None)
         return ServeConfig(
             model_dir=args.model, served_name=name, parallel=args.parallel, host=args.host,
+            cluster=cluster_config(args, node),
             port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
             dist_backend=args.dist_backend, enforce_eager=args.enforce_eager,
             prefix_cache=args.prefix_cache, kv_spill_dir=_spill_dir(args),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import AdapterArg, check_adapter_args
+from lorad.config.cluster import ADMIT_PORT_OFFSET, RESULTS_PORT_OFFSET, ClusterConfig
 from lorad.config.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -43,7 +44,8 @@ class ServeConfig:
 
     model_dir: str
     served_name: str
-    parallel: int = 1
+    parallel: int = 1  # ranks on every host together
+    cluster: ClusterConfig = ClusterConfig()  # several hosts (cluster.py); one by default
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"
@@ -92,6 +94,7 @@ class ServeConfig:
             raise ConfigError(f"--name must be a non-empty name without spaces, "
                               f"got {self.served_name!r}")
         _positive("--parallel", self.parallel)
+        self.cluster.check_parallel(self.parallel)
         if not 0 < self.port < 65536 or isinstance(self.port, bool):
             raise ConfigError(f"--port must be between 1 and 65535, got {self.port!r}")
         _choice("--dtype", self.dtype, DTYPES)
@@ -165,7 +168,14 @@ class WorkerConfig:
     num_threads: int
     runtime_dir: str
     instance_id: str
-    coordinator_pid: int
+    coordinator_pid: int  # the process the workers watch (on another host: its node agent)
+    # Several hosts (cluster.py): TCP endpoints with CURVE keys from cluster_key_dir, a TCP store
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    cluster_key_dir: str | None = None
+    node_addr: str | None = None  # where this host's gloo pairs listen (cluster.gloo_addr)
     log_level: str = "info"
     load_format: str = "auto"
     enforce_eager: bool = False
@@ -197,15 +207,31 @@ class WorkerConfig:
 
     @property
     def admit_endpoint(self) -> str:
+        if self.nnodes > 1:
+            return self.cluster.endpoint(ADMIT_PORT_OFFSET)
         return f"ipc://{self.runtime_dir}/admit.sock"
 
     @property
     def results_endpoint(self) -> str:
+        if self.nnodes > 1:
+            return self.cluster.endpoint(RESULTS_PORT_OFFSET)
         return f"ipc://{self.runtime_dir}/results.sock"
 
     @property
     def dist_init_method(self) -> str:
+        if self.nnodes > 1:
+            return self.cluster.endpoint(0)  # tcp://ADDR:PORT, a store only rank 0 binds
         return f"file://{self.runtime_dir}/dist.store"
+
+    @property
+    def cluster(self) -> ClusterConfig:
+        return ClusterConfig(self.nnodes, self.node_rank, self.master_addr, self.master_port,
+                             self.cluster_key_dir, self.node_addr)
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks this host's processes run: all of them on one host."""
+        return self.cluster.local_ranks(self.parallel)
 
     @property
     def path(self) -> Path:

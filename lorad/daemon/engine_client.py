@@ -25,6 +25,7 @@ from lorad.protocol import (
     StepResult, UnloadAdapter, WorkerFailed, decode, encode)
 from lorad.daemon.rank_watch import DEFAULT_STEP_TIMEOUT_S, RankState, RankWatch
 from lorad.daemon.startup import StartupReport, slowest_rank
+from lorad.protocol.curve import server_keys, start_authenticator
 from lorad.protocol.messages import choice_ids
 from lorad.protocol.sockets import bind_publisher, bind_puller
 
@@ -98,8 +99,11 @@ class EngineClient:
         # send keeps `seq` order without awaiting between numbering and sending.
         self._sync_ctx = zmq.Context()
         self._ctx = zmq.asyncio.Context.shadow(self._sync_ctx.underlying)
-        self._pub = bind_publisher(self._sync_ctx, config.admit_endpoint)
-        self._pull = bind_puller(self._ctx, config.results_endpoint)
+        keys = server_keys(config.cluster_key_dir) if config.nnodes > 1 else None
+        # Between hosts only listed worker keys connect (curve.py); None on one host.
+        self._auth = start_authenticator(self._sync_ctx, keys) if keys is not None else None
+        self._pub = bind_publisher(self._sync_ctx, config.admit_endpoint, keys)
+        self._pull = bind_puller(self._ctx, config.results_endpoint, keys)
         self._next_seq = 1
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
@@ -256,6 +260,8 @@ class EngineClient:
                 task.cancel()
         self._pub.close(linger=0)
         self._pull.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._sync_ctx.term()
 
     def rank_states(self) -> list[RankState]:

@@ -2,7 +2,8 @@
 
 Everything that can be refused without starting a worker (flags, config.json, adapter folders,
 tokenizer, chat template, --max-model-len) is refused here with one line and exit status 2.
-`lorad check-adapter ...` is handed to lorad.config.check_adapter.
+`lorad check-adapter ...` is handed to lorad.config.check_adapter, `lorad keys` and `lorad node`
+(several hosts) to keys_command.py and node.py.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import load_registry
 from lorad.config.cli import parse_args
 from lorad.config.partition import check_parallel
+from lorad.daemon import keys_command, node
 from lorad.daemon.routes import ServedModel
 from lorad.daemon.service import serve
 from lorad.daemon.supervisor import WORKER_COMMAND
 from lorad.daemon.token_bytes import TokenBytes
 from lorad.daemon.tokenizer import ModelTokenizer
+from lorad.protocol.curve import client_keys, server_keys
 
 
 def main(argv: list[str] | None = None,
@@ -29,10 +32,17 @@ def main(argv: list[str] | None = None,
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["check-adapter"]:
         return check_adapter.main(argv[1:])
+    if argv[:1] == ["keys"]:  # several hosts: the CURVE key files
+        return keys_command.main(argv[1:])
+    if argv[:1] == ["node"]:  # several hosts: another host's agent
+        return node.main(argv[1:], load_served_model)
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if config.cluster.multi_host:  # node 0 needs both: the coordinator's and its workers'
+            server_keys(config.cluster.key_dir)
+            client_keys(config.cluster.key_dir)
         model = load_served_model(config)
         return uvloop.run(serve(config, model, worker_command))
     except ConfigError as exc:  # a bad model folder, or no runtime directory could be made

@@ -13,6 +13,7 @@ watchdog while the ranks' steps progress, and says STOPPING=1 when a drain or a 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -52,7 +53,8 @@ async def serve(config: ServeConfig, model: ServedModel,
                     "runs", stale)
     runtime_dir, instance_id = make_runtime_dir(config.runtime_dir, dir_name)
     try:
-        worker_config = _worker_config(config, model, runtime_dir, instance_id)
+        worker_config = with_cluster(_worker_config(config, model, runtime_dir, instance_id),
+                                     config)
         _write_private(worker_config.path, worker_config.to_json())
         return await _run(config, model, worker_config, worker_command)
     finally:
@@ -296,3 +298,17 @@ def _is_loopback(host: str) -> bool:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def with_cluster(worker_config: WorkerConfig, config: ServeConfig) -> WorkerConfig:
+    """The worker config with the several-hosts settings (unchanged on one host). Every host
+    names the instance alike without talking first; the workers watch the process that wrote
+    it (the coordinator, or on another host its node agent, node.py)."""
+    cluster = config.cluster
+    if not cluster.multi_host:
+        return worker_config
+    return dataclasses.replace(
+        worker_config, instance_id=cluster.instance_id, nnodes=cluster.nnodes,
+        node_rank=cluster.node_rank, master_addr=cluster.master_addr,
+        master_port=cluster.master_port, cluster_key_dir=cluster.key_dir,
+        node_addr=cluster.node_addr)

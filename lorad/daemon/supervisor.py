@@ -41,6 +41,10 @@ def _ended_code(pid: int) -> tuple[bool, int | None]:
 
 
 class Supervisor:
+    # This host's ranks are contiguous (lorad/config/cluster.py); process i runs rank
+    # _first_rank + i. 0 unless another host runs the first ranks.
+    _first_rank = 0
+
     def __init__(self, config: WorkerConfig, command: tuple[str, ...] = WORKER_COMMAND) -> None:
         self._config = config
         self._command = command
@@ -54,7 +58,8 @@ class Supervisor:
         if self._config.kernel_cache_dir is not None:
             env[TRITON_ENV] = self._config.kernel_cache_dir
         self.started_at = time.monotonic()
-        for rank in range(self._config.parallel):
+        self._first_rank = self._config.local_ranks.start
+        for rank in self._config.local_ranks:
             # --spawned-at: CLOCK_MONOTONIC is one clock for every process of the host, so the
             # worker's "workers up" phase counts its exec and imports too.
             proc = await asyncio.create_subprocess_exec(
@@ -74,8 +79,8 @@ class Supervisor:
         if not self._waiters:
             await asyncio.Future()  # nothing started: never returns
         done, _ = await asyncio.wait(self._waiters, return_when=asyncio.FIRST_COMPLETED)
-        rank = min(self._waiters.index(t) for t in done)
-        return rank, self._procs[rank].returncode
+        index = min(self._waiters.index(t) for t in done)
+        return self._first_rank + index, self._procs[index].returncode
 
     def exited_now(self) -> list[tuple[int, int | None]]:
         """The ranks whose process has ended by now, as (rank, exit code; negative = killed by
@@ -83,7 +88,7 @@ class Supervisor:
         yet: when a rank is killed, its peers' reports of the broken connection can reach the
         coordinator before first_exit() sees the death."""
         ended = []
-        for rank, proc in enumerate(self._procs):
+        for rank, proc in enumerate(self._procs, start=self._first_rank):
             if proc.returncode is not None:
                 ended.append((rank, proc.returncode))
                 continue
@@ -106,7 +111,7 @@ class Supervisor:
                 for proc in running:
                     _signal(proc, sig)
             await asyncio.wait(self._waiters, timeout=wait_s)
-        for rank, proc in enumerate(self._procs):
+        for rank, proc in enumerate(self._procs, start=self._first_rank):
             if proc.returncode not in (0, None):
                 log.info("worker rank %d exited with code %s", rank, proc.returncode)
 

@@ -1,7 +1,8 @@
 """ZeroMQ sockets of one lorad instance and the private runtime directory that holds them.
 
 Sockets are `ipc://` files inside a 0700 directory unique to the instance, so two daemons on one
-host never collide and no other user can connect. The coordinator binds; workers connect. A folder
+host never collide and no other user can connect. Between hosts (--nnodes) they are tcp:// on
+--master-addr with CURVE (curve.py). The coordinator binds; workers connect. A folder
 left behind by a coordinator that was killed (its pid is in the name) is removed by the next one.
 """
 
@@ -19,6 +20,7 @@ import zmq
 
 from lorad.config.errors import ConfigError
 from lorad.protocol.codec import SOCKET_MAX_MSG_BYTES
+from lorad.protocol.curve import ServerKeys, make_server
 
 
 _RUNTIME_DIR_NAME = re.compile(r"lorad-.+-(\d+)-[0-9a-f]{8}")  # lorad-NAME-PID-RANDOM
@@ -86,12 +88,31 @@ def make_runtime_dir(parent: str | None, name: str) -> tuple[Path, str]:
     return path, instance_id
 
 
-def bind_publisher(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def bind_publisher(ctx: zmq.Context, endpoint: str, keys: ServerKeys | None = None) -> zmq.Socket:
+    """keys: CURVE (tcp:// between hosts); None on ipc://."""
     sock = ctx.socket(zmq.PUB)
+    if keys is not None:
+        _make_tcp_server(sock, endpoint, keys)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)  # never drop an admission: the sequence must stay gapless
-    sock.bind(endpoint)
+    _bind(sock, endpoint)
     return sock
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> None:
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        flags = " (--master-addr, --master-port + 1 and + 2)" if endpoint.startswith("tcp") else ""
+        raise ConfigError(f"cannot listen on {endpoint}{flags}: {zmq.strerror(exc.errno)}") \
+            from None
+
+
+def _make_tcp_server(sock: zmq.Socket, endpoint: str, keys: ServerKeys) -> None:
+    if endpoint.startswith("tcp://["):  # an IPv6 address; an IPv4 one keeps an IPv4 socket
+        sock.setsockopt(zmq.IPV6, 1)
+    make_server(sock, keys)
 
 
 def connect_subscriber(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
@@ -104,12 +125,14 @@ def connect_subscriber(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     return sock
 
 
-def bind_puller(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def bind_puller(ctx: zmq.Context, endpoint: str, keys: ServerKeys | None = None) -> zmq.Socket:
     sock = ctx.socket(zmq.PULL)
+    if keys is not None:
+        _make_tcp_server(sock, endpoint, keys)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, SOCKET_MAX_MSG_BYTES)
-    sock.bind(endpoint)
+    _bind(sock, endpoint)
     return sock
 
 

@@ -22,6 +22,7 @@ import zmq
 
 from lorad.config import ConfigError, WorkerConfig
 from lorad.protocol import WorkerFailed, encode
+from lorad.protocol.curve import client_keys, make_clients
 from lorad.protocol.sockets import connect_pusher, connect_subscriber
 from lorad.workers.startup_clock import StartupClock
 from lorad.workers.status import LoopProgress, StatusThread
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_interop_threads(1)
     _die_with_parent()
     ctx = zmq.Context()
+    if cfg.nnodes > 1:  # tcp:// to another host: every socket a CURVE client
+        make_clients(ctx, client_keys(cfg.cluster_key_dir))
     push = connect_pusher(ctx, cfg.results_endpoint)
     sub = connect_subscriber(ctx, cfg.admit_endpoint)
     status = StatusThread(ctx, cfg.results_endpoint, args.rank, cfg.coordinator_pid,

@@ -97,13 +97,15 @@ class Engine:
         model_config = ModelConfig.from_dir(cfg.model_dir)
         dtype = resolve_dtype(cfg.dtype, model_config, device)
         backend = resolve_backend(cfg.dist_backend, device)
-        if backend == "nccl" and cfg.parallel > max(1, torch.cuda.device_count()):
+        if backend == "nccl" and len(cfg.local_ranks) > max(1, torch.cuda.device_count()):
             raise ConfigError(f"--parallel {cfg.parallel} with nccl needs a GPU per rank, and "
                               f"{torch.cuda.device_count()} are visible; --dist-backend gloo "
                               "lets ranks share GPUs")
         log.info("device %s, dtype %s, backend %s, world size %d", device, dtype, backend,
                  cfg.parallel)
-        tp = init_tensor_parallel(rank, cfg.parallel, cfg.dist_init_method, backend, device)
+        tp = init_tensor_parallel(rank, cfg.parallel, cfg.dist_init_method, backend, device,
+                                  host_ranks=cfg.local_ranks, gloo_addr=cfg.cluster.gloo_addr,
+                                  cluster_flags=cfg.cluster.flags(cfg.parallel))
         clock.mark("workers up")
         # After joining the group: a rank that refuses here exits, and its peers' next
         # collective fails at once instead of waiting for it to join.
@@ -115,7 +117,7 @@ class Engine:
             capacity)
         problem = check_registry(tp, registry)  # first, so every rank names an odd rank's adapter
         if problem is not None:
-            raise RuntimeError(problem)
+            raise RuntimeError(problem + cfg.cluster.hosts_of_ranks(cfg.parallel))
         check_coordinator_keys(cfg, adapters)
         clock.mark("adapters")
         num_weight_bytes = check_weights_fit(cfg.model_dir, model_config, tp, dtype, adapters,
@@ -293,13 +295,13 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def ranks_sharing_device(tp: TensorParallel) -> list[int]:
-    """The ranks whose memory comes from the same pool as this rank's: every rank on the CPU
-    (the workers run on one host), the ranks placed on this rank's GPU on CUDA (resolve_device
-    places rank r on GPU r % the device count)."""
+    """The ranks whose memory comes from the same pool as this rank's: every rank of this host
+    on the CPU, the ranks placed on this rank's GPU on CUDA (resolve_device places rank r on
+    GPU r % the device count)."""
     if tp.device.type != "cuda":
-        return list(range(tp.world_size))
+        return list(tp.host_ranks)
     num_gpus = torch.cuda.device_count()
-    return [r for r in range(tp.world_size) if r % num_gpus == tp.rank % num_gpus]
+    return [r for r in tp.host_ranks if r % num_gpus == tp.rank % num_gpus]
 
 
 def check_weights_fit(model_dir: str, model_config: ModelConfig, tp: TensorParallel,

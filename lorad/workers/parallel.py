@@ -13,18 +13,23 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lorad.workers.cluster_store import bound_gloo_backend, tcp_store
+
 
 class TensorParallel:
     """This rank's place in the tensor-parallel group and the collectives the model uses."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, group=None,
-                 cpu_group=None, backend: str = "gloo") -> None:
+                 cpu_group=None, backend: str = "gloo", host_ranks: range | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.group = group  # model collectives: NCCL on CUDA, gloo on CPU; None at world 1
         self.cpu_group = cpu_group  # gloo, for control; None at world 1
         self.backend = backend
+        # The ranks on this rank's host, sharing its memory: all of them, unless several hosts
+        # (--nnodes) each run a contiguous range.
+        self.host_ranks = range(world_size) if host_ranks is None else host_ranks
         # Set while a CUDA graph is captured in segments (cuda_graph.SegmentedGraph): each
         # collective then ends a segment and runs eagerly between the replays of two.
         self.segmenter = None
@@ -83,9 +88,11 @@ class TensorParallel:
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
-                         device: torch.device, timeout_s: float = 600) -> TensorParallel:
-    """Join the group through a FileStore (`file://<path>`: no ports). World 1 needs no
-    torch.distributed at all."""
+                         device: torch.device, timeout_s: float = 600,
+                         host_ranks: range | None = None,
+                         gloo_addr: str | None = None, cluster_flags: str = "") -> TensorParallel:
+    """Join the group through a FileStore (`file://<path>`: no ports), or between hosts a TCP
+    store (`tcp://ADDR:PORT`, cluster_store.py). World 1 needs no torch.distributed at all."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
     if not 0 <= rank < world_size:
@@ -94,16 +101,21 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
         # Whatever the backend: Triton launches on the current device, not the tensors'.
         torch.cuda.set_device(device)
     if world_size == 1:
-        return TensorParallel(0, 1, device, backend=backend)
+        return TensorParallel(0, 1, device, backend=backend, host_ranks=host_ranks)
     timeout = timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        dist.init_process_group("nccl", init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=timeout, device_id=device)
+    if init_method.startswith("tcp://"):  # between hosts (--nnodes)
+        where = {"store": tcp_store(init_method, rank, world_size, timeout, cluster_flags)}
     else:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=timeout)
+        where = {"init_method": init_method}
+    gloo = bound_gloo_backend(gloo_addr) if gloo_addr else "gloo"  # gloo_addr: between hosts
+    if backend == "nccl":
+        dist.init_process_group("nccl", **where, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group(gloo, **where, rank=rank, world_size=world_size,
+                                timeout=timeout)
     # A separate gloo group for control, so step agreement and the sampled-id broadcast never
     # queue behind (or interleave with) the model's collectives on the same communicator.
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    cpu_group = dist.new_group(backend=gloo, timeout=timeout)
     return TensorParallel(rank, world_size, device, group=dist.group.WORLD,
-                          cpu_group=cpu_group, backend=backend)
+                          cpu_group=cpu_group, backend=backend, host_ranks=host_ranks)
