@@ -1,0 +1,70 @@
+"""The Qwen2-MoE model's pieces in-process: its checkpoint names and shapes are transformers',
+its expert stacks split along the intermediate size and join back, and a row's bits through the
+MoE block do not depend on which rows share the step or its experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from lorad.config import ModelConfig
+from lorad.workers.lora_rows import LoraRows
+from lorad.workers.models import Qwen2MoeForCausalLM, model_class
+from lorad.workers.parallel import TensorParallel
+from tests.tiny_models import make_tiny_qwen2_moe
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_qwen2_moe(tmp_path_factory.mktemp("moe") / "model", with_tokenizer=False,
+                               seed=1)
+
+
+def build(checkpoint, rank: int = 0, world: int = 1) -> Qwen2MoeForCausalLM:
+    config = ModelConfig.from_dir(checkpoint)
+    model = model_class(config)(config, TensorParallel(rank, world, CPU), torch.float32, CPU)
+    model.load_weights(checkpoint)
+    return model
+
+
+def test_checkpoint_names_and_shapes_are_transformers(checkpoint):
+    model = build(checkpoint)
+    assert isinstance(model, Qwen2MoeForCausalLM)
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert model.checkpoint_shapes() == saved
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in saved  # sparse layer 0
+    assert "model.layers.1.mlp.gate_proj.weight" in saved  # dense layer 1
+    assert "model.layers.2.self_attn.q_proj.bias" in saved
+
+
+def test_expert_shards_join_to_the_checkpoint(checkpoint):
+    """At world 3 each rank holds 7, 7 and 6 of every expert's 20 intermediate rows."""
+    ranks = [build(checkpoint, rank, 3).checkpoint_tensors() for rank in range(3)]
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        for name in ("model.layers.2.mlp.experts.5.gate_proj.weight",
+                     "model.layers.2.mlp.experts.5.up_proj.weight",
+                     "model.layers.0.self_attn.k_proj.bias"):
+            assert torch.equal(torch.cat([r[name] for r in ranks]), f.get_tensor(name)), name
+        down = "model.layers.0.mlp.experts.3.down_proj.weight"
+        assert torch.equal(torch.cat([r[down] for r in ranks], dim=1), f.get_tensor(down))
+        router = "model.layers.0.mlp.gate.weight"
+        assert all(torch.equal(r[router], f.get_tensor(router)) for r in ranks)
+
+
+def test_a_rows_bits_do_not_depend_on_its_neighbours(checkpoint):
+    """The block's output for each row is the same bits alone (padded to 8 rows, as every step
+    is) and among 8 to 40 rows routed to the same and other experts."""
+    torch.set_num_threads(1)
+    block = build(checkpoint).model.layers[0].mlp
+    rows = torch.randn(40, 72, generator=torch.Generator().manual_seed(0))
+    lora = LoraRows(slots=(), groups=[])  # base rows only
+    alone = [block(torch.cat([rows[i:i + 1], torch.zeros(7, 72)]), lora)[0][0]
+             for i in range(40)]
+    for n in (8, 9, 13, 40):
+        out, _ = block(rows[:n], lora)
+        for i in range(n):
+            assert torch.equal(out[i], alone[i]), (n, i)
