@@ -14,7 +14,7 @@ from itertools import groupby
 from pathlib import Path
 
 from lorad.config.adapter_memory import bytes_per_rank, total_bytes
-from lorad.config.adapters import TARGET_MODULES, AdapterSpec, read_adapter
+from lorad.config.adapters import MODULE_ORDER, AdapterSpec, read_adapter
 from lorad.config.cli import OneLineParser, positive_int
 from lorad.config.errors import ConfigError
 from lorad.config.partition import check_parallel
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
 def describe(spec: AdapterSpec, folder: str, model: ModelConfig | None, model_dir: str | None,
              parallel: int) -> list[str]:
     layers = sorted({m.layer for m in spec.modules})
-    kinds = [k for k in TARGET_MODULES if any(m.module == k for m in spec.modules)]
+    kinds = [k for k in MODULE_ORDER if any(m.module == k for m in spec.modules)]
     dtypes = sorted({m.dtype for m in spec.modules})
     lines = [f"{folder}: ok", f"  key       {spec.key}"]
     if model is not None:
@@ -94,7 +94,7 @@ def _manifest_line(spec: AdapterSpec) -> str:
 
 def _module_rows(spec: AdapterSpec) -> list[str]:
     def group_key(m):
-        return (TARGET_MODULES.index(m.module), m.rank, m.scale, m.in_features,
+        return (MODULE_ORDER.index(m.module), m.rank, m.scale, m.in_features,
                 m.out_features)
 
     rows = []

@@ -55,10 +55,9 @@ def test_expert_shards_join_to_the_checkpoint(checkpoint):
         assert all(torch.equal(r[router], f.get_tensor(router)) for r in ranks)
 
 
-def test_a_rows_bits_do_not_depend_on_its_neighbours(checkpoint):
+def test_a_rows_bits_do_not_depend_on_its_neighbours(checkpoint, one_thread):
     """The block's output for each row is the same bits alone (padded to 8 rows, as every step
     is) and among 8 to 40 rows routed to the same and other experts."""
-    torch.set_num_threads(1)
     block = build(checkpoint).model.layers[0].mlp
     rows = torch.randn(40, 72, generator=torch.Generator().manual_seed(0))
     lora = LoraRows(slots=(), groups=[])  # base rows only
