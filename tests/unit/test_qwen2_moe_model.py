@@ -4,6 +4,8 @@ MoE block do not depend on which rows share the step or its experts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -15,6 +17,7 @@ from lorad.workers.parallel import TensorParallel
 from tests.tiny_models import make_tiny_qwen2_moe
 
 CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +70,30 @@ def test_a_rows_bits_do_not_depend_on_its_neighbours(checkpoint, one_thread):
         out, _ = block(rows[:n], lora)
         for i in range(n):
             assert torch.equal(out[i], alone[i]), (n, i)
+
+
+def test_qwen15_moe_a27b_shapes_folder():
+    """scripts/configs' MoE shape: transformers' parameter count, built on the meta device."""
+    from transformers import AutoConfig, Qwen2MoeForCausalLM as HFQwen2Moe
+
+    folder = REPO / "scripts" / "configs" / "qwen1.5-moe-a2.7b"
+    config = ModelConfig.from_dir(folder)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.shared_expert_intermediate_size, config.qkv_bias) == \
+        (2048, 24, 16, 60, 4, 1408, 5632, True)
+    assert all(config.is_moe_layer(i) for i in range(24))
+    meta = torch.device("meta")
+    shapes = model_class(config)(config, TensorParallel(0, 1, meta), torch.bfloat16,
+                                 meta).checkpoint_shapes()
+    with meta:
+        reference = HFQwen2Moe(AutoConfig.from_pretrained(folder))
+    total = sum(torch.Size(s).numel() for s in shapes.values())
+    assert total == sum(p.numel() for p in reference.parameters())
+    assert 14.3e9 < total < 14.4e9
+    # The coordinator starts on it: config.json, tokenizer and limits are accepted.
+    from lorad.config import ServeConfig
+    from lorad.daemon.main import load_served_model
+    served = load_served_model(ServeConfig(model_dir=str(folder), served_name="qwen-moe",
+                                           load_format="random"))
+    assert served.max_model_len == 8192 and served.vocab_size == 151936
