@@ -97,3 +97,19 @@ def test_qwen15_moe_a27b_shapes_folder():
     served = load_served_model(ServeConfig(model_dir=str(folder), served_name="qwen-moe",
                                            load_format="random"))
     assert served.max_model_len == 8192 and served.vocab_size == 151936
+
+
+def test_random_weights_are_the_same_model_at_every_world_size(checkpoint):
+    """--load-format random fills the expert stacks by checkpoint name: 3 ranks' shards join to
+    the whole of world 1."""
+    config = ModelConfig.from_dir(checkpoint)
+
+    def random_model(rank: int, world: int):
+        model = model_class(config)(config, TensorParallel(rank, world, CPU), torch.float32, CPU)
+        model.load_random_weights(seed=5)
+        return model.checkpoint_tensors()
+    whole, shards = random_model(0, 1), [random_model(rank, 3) for rank in range(3)]
+    assert set(whole) == set(build(checkpoint).checkpoint_shapes())
+    name = "model.layers.2.mlp.experts.6.up_proj.weight"
+    assert torch.equal(torch.cat([s[name] for s in shards]), whole[name])
+    assert whole[name].std() > 0.01
