@@ -2,9 +2,9 @@
 top-k router, routed experts split along their intermediate dimension, a shared expert (a dense
 MLP, LoRA slots on its projections) scaled by its sigmoid gate, and one all-reduce for it all.
 
-Each row's arithmetic is its own (per-row products), so its bits never depend on which other rows
-share the step or an expert. No fused kernel yet: CUDA runs this torch path too. Not here: LoRA on
-the router, the gate or routed experts (lorad.config.adapters refuses those by name).
+Each row's arithmetic is its own (per-row products on the CPU, kernels/fused_moe.py's tiles on
+the kernel path), so its bits never depend on which other rows share the step or an expert. Not
+here: LoRA on the router, the gate or routed experts (lorad.config.adapters refuses them by name).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import nn
 from lorad.config import ModelConfig
 from lorad.config.partition import balanced_split
 from lorad.workers.fused_linear import MergedColumnParallelLinear
+from lorad.workers.kernel_path import kernel_path
 from lorad.workers.layers import silu_and_mul
 from lorad.workers.linear import RowParallelLinear, check_shape, load_replicated
 from lorad.workers.lora_rows import LoraRows
@@ -120,19 +121,32 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 experts: torch.Tensor) -> torch.Tensor:
         """x: [num_rows, hidden]; weights, experts: [num_rows, top_k] (the router's) ->
-        [num_rows, hidden] float32: this rank's partial sum of every row's weighted experts,
-        added expert by expert in ascending order, as transformers adds them."""
-        num_local = self.inter_end - self.inter_start
-        out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32, device=x.device)
-        for e in torch.unique(experts).tolist():  # sorted
-            rows, slots = torch.nonzero(experts == e, as_tuple=True)  # each row at most once
-            gate_up = rowwise_linear(x[rows], self.gate_up[e])  # [num_expert_rows, 2 * local]
-            h = silu_and_mul(gate_up[:, :num_local], gate_up[:, num_local:])
-            down = self.down[e]
-            if h.dtype != torch.float32:  # the partial sum unrounded, as RowParallelLinear's
-                h, down = h.float(), down.float()
-            out.index_add_(0, rows, rowwise_linear(h, down) * weights[rows, slots, None].float())
-        return out
+        [num_rows, hidden] float32: this rank's partial sum of every row's weighted experts.
+        On the kernel path the fused kernel (kernels/fused_moe.py), else the torch path."""
+        if kernel_path(x.device):
+            from lorad.workers.kernels.fused_moe import fused_moe  # the CPU never imports triton
+            return fused_moe(x, self.gate_up, self.down, weights, experts)
+        return routed_experts_torch(x, self.gate_up, self.down, weights, experts)
+
+
+def routed_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                         weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The CPU path of RoutedExperts.forward, and the reference fused_moe is checked against:
+    gate_up [num_experts, 2 * local, hidden], down [num_experts, hidden, local] -> [num_rows,
+    hidden] float32, each row's experts added in ascending order, as transformers adds them."""
+    num_local = gate_up.shape[1] // 2
+    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(experts).tolist():  # sorted
+        rows, slots = torch.nonzero(experts == e, as_tuple=True)  # each row at most once
+        products = rowwise_linear(x[rows], gate_up[e])  # [num_expert_rows, 2 * local]
+        # layers.silu_and_mul's torch path, spelt out: this is the reference on CUDA too.
+        gate = products[:, :num_local].float()
+        h = (gate / (1 + torch.exp(-gate))).to(x.dtype) * products[:, num_local:]
+        w_down = down[e]
+        if h.dtype != torch.float32:  # the partial sum unrounded, as RowParallelLinear's
+            h, w_down = h.float(), w_down.float()
+        out.index_add_(0, rows, rowwise_linear(h, w_down) * weights[rows, slots, None].float())
+    return out
 
 
 class SharedExpert(nn.Module):
