@@ -48,7 +48,23 @@ class ReplicatedLinear(nn.Module):
         self.weight.weight_loader = load_replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rowwise_linear(x, self.weight)  # [num_rows, out_features]
+        """x: [num_rows, in_features] -> [num_rows, out_features] in x's dtype."""
+        if kernel_path(x.device):
+            return gemv_rows(x, self.weight)
+        return rowwise_linear(x, self.weight)
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x weight^T on the kernel path through the decode GEMV, block_m rows a launch: one tile
+    shape and no split of K whatever the row count, so a row's bits are its own (cuBLAS picks
+    kernels by shape). A launch per block_m rows: cheap at decode, slow for a long prefill."""
+    from lorad.workers.kernels.configs import GemvConfig
+    from lorad.workers.kernels.decode_gemv import decode_matmul  # the CPU never imports triton
+    config = GemvConfig(block_k=128 if weight.element_size() > 2 else 256)  # fp32: half the k
+    step = config.block_m
+    parts = [decode_matmul(x[i:i + step], weight, config=config)
+             for i in range(0, x.shape[0], step)]
+    return torch.cat(parts) if parts else x.new_empty(0, weight.shape[0])
 
 
 class TopKRouter(ReplicatedLinear):

@@ -109,27 +109,56 @@ def check_expert_tiles(device: str, num_rows: int = 37, num_experts: int = 5, to
         raise AssertionError("the tiles do not cover every pair exactly once")
 
 
+def _tiny_moe_models(dtype: torch.dtype, count: int) -> list:
+    """`count` models of one tiny Qwen2-MoE (head_dim 16: the kernels want a power of two) with
+    adapters on every servable projection (slot 1) and on o_proj + shared expert down (slot 2),
+    each with its own KV pool."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.kernels.model_kernel_checks import BLOCK_SIZE, NUM_BLOCKS
+    from tests.model_steps import build_model
+    from tests.tiny_adapters import make_peft_adapter
+    from tests.tiny_models import make_tiny_qwen2_moe
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        base = make_tiny_qwen2_moe(root / "moe", with_tokenizer=False, seed=9, hidden_size=96)
+        adapters = [make_peft_adapter(base, root / "a", r=4, seed=41),
+                    make_peft_adapter(base, root / "b", r=2, seed=42,
+                                      target_modules=("o_proj", "shared_expert.down_proj"))]
+        return [build_model(base, adapters, dtype, torch.device("cpu"), NUM_BLOCKS, BLOCK_SIZE)
+                for _ in range(count)]
+
+
+def check_decode_graph_inputs(device: str, dtype: torch.dtype) -> None:
+    """On the kernel path, an MoE decode step through the decode graphs' static inputs (run
+    eagerly, as on the CPU) gives the same bits as the plain step (model_kernel_checks.py's
+    check, on the MoE family)."""
+    from lorad.workers.cuda_graph import DecodeGraphs
+    from tests.kernels.model_kernel_checks import (BLOCK_SIZE, MAX_LEN, NUM_BLOCKS, _forward,
+                                                   _kernel_path)
+    from tests.model_steps import make_streams
+    assert device == "cpu"
+    model, = _tiny_moe_models(dtype, 1)
+    streams = make_streams([1, 2, 0, 1], [5, 3, 6, 4], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=7)
+    graphs = DecodeGraphs(model, max_num_seqs=8, max_model_len=16, block_size=BLOCK_SIZE,
+                          num_adapters=2)
+    _forward(model, [s.prefill_chunk() for s in streams], kernels=True)
+    chunks = [stream.decode_chunk(11) for stream in streams]
+    with _kernel_path():
+        via_inputs = graphs.run(chunks)
+    if not torch.equal(via_inputs, _forward(model, chunks, kernels=True)):
+        raise AssertionError(f"{dtype}: the MoE step through the graphs' inputs gave other bits")
+
+
 def check_model_kernel_path(device: str, dtype: torch.dtype) -> None:
     """A tiny Qwen2-MoE with two adapters (every servable projection; o_proj and the shared
     expert's down_proj) on the kernel path (fused MoE, LoRA kernels, fused ops) against its
     torch path, step by step; and a decode row alone against the row in its batch there."""
-    import tempfile
-    from pathlib import Path
-
     from tests.kernels.model_kernel_checks import BLOCK_SIZE, MAX_LEN, NUM_BLOCKS, _forward
-    from tests.model_steps import build_model, make_streams, scenario_steps
-    from tests.tiny_adapters import make_peft_adapter
-    from tests.tiny_models import make_tiny_qwen2_moe
+    from tests.model_steps import make_streams, scenario_steps
     assert device == "cpu"
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        base = make_tiny_qwen2_moe(root / "moe", with_tokenizer=False, seed=9,
-                                   hidden_size=96)  # head_dim 16: the kernels want a power of 2
-        adapters = [make_peft_adapter(base, root / "a", r=4, seed=41),
-                    make_peft_adapter(base, root / "b", r=2, seed=42,
-                                      target_modules=("o_proj", "shared_expert.down_proj"))]
-        models = {path: build_model(base, adapters, dtype, torch.device("cpu"), NUM_BLOCKS,
-                                    BLOCK_SIZE) for path in ("torch", "kernels")}
+    models = dict(zip(("torch", "kernels"), _tiny_moe_models(dtype, 2)))
     steps = {path: scenario_steps(make_streams([1, 0, 2, 1], [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE,
                                                NUM_BLOCKS, seed=5)) for path in models}
     for i, chunks in enumerate(steps["torch"]):
@@ -155,6 +184,7 @@ CHECKS = {
     "expert_tiles": (check_expert_tiles, {}),
     "moe_model_kernel_path_fp32": (check_model_kernel_path, dict(dtype=torch.float32)),
     "moe_model_kernel_path_bf16": (check_model_kernel_path, dict(dtype=torch.bfloat16)),
+    "moe_decode_graph_inputs_fp32": (check_decode_graph_inputs, dict(dtype=torch.float32)),
 }
 
 

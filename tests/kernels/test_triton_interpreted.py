@@ -24,7 +24,7 @@ Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3
   and rows draw what they draw alone.
 - moe_kernel_checks.py: the fused MoE kernel against the torch path (poisoned buffers), a row's
   bits alone and among rows of the same experts, the expert tiles; a tiny Qwen2-MoE's kernel
-  path with two adapters against its torch path.
+  path with two adapters against its torch path, and through the decode graphs' inputs.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ MODULES = {module.__name__: module.CHECKS for module in (
     lora_kernel_checks, paged_attention_checks, fused_ops_checks, decode_gemv_checks,
     model_kernel_checks, token_draw_checks, sampler_min_p_checks, moe_kernel_checks)}
 # The modules' interpreter run times on a 2-core machine, longest first (2026-12-02: 118, 107,
-# 54, 39, 22, 11 s; moe_kernel_checks 2026-12-05: 53 s): two runners finish together when the
+# 54, 39, 22, 11 s; moe_kernel_checks 2026-12-05: 75 s): two runners finish together when the
 # long runs start first.
 SLOWEST_FIRST = ("tests.kernels.model_kernel_checks", "tests.kernels.lora_kernel_checks",
-                 "tests.kernels.decode_gemv_checks", "tests.kernels.moe_kernel_checks",
+                 "tests.kernels.moe_kernel_checks", "tests.kernels.decode_gemv_checks",
                  "tests.kernels.paged_attention_checks", "tests.kernels.fused_ops_checks",
                  "tests.kernels.token_draw_checks")
 
