@@ -72,7 +72,8 @@ def describe(spec: AdapterSpec, folder: str, model: ModelConfig | None, model_di
     lines.append(f"  manifest  {_manifest_line(spec)}")
     lines.append(f"  edits     {len(spec.modules)} projections: layers {_ranges(layers)} "
                  f"({len(layers)}) x {', '.join(kinds)}; factors {', '.join(dtypes)}")
-    lines.append(f"    {'module':<10} {'layers':<12} {'rank':>4} {'scale':>10}  "
+    width = _module_width(spec)
+    lines.append(f"    {'module':<{width}} {'layers':<12} {'rank':>4} {'scale':>10}  "
                  f"{'A [r, in]':<14} B [out, r]")
     for row in _module_rows(spec):
         lines.append("    " + row)
@@ -92,6 +93,11 @@ def _manifest_line(spec: AdapterSpec) -> str:
     return f"lorad-adapter.json agrees with the files; {base}"
 
 
+def _module_width(spec: AdapterSpec) -> int:
+    """The module column's width: 10, or a Qwen2-MoE shared expert's longer names."""
+    return max(10, *(len(m.module) for m in spec.modules))
+
+
 def _module_rows(spec: AdapterSpec) -> list[str]:
     def group_key(m):
         return (MODULE_ORDER.index(m.module), m.rank, m.scale, m.in_features,
@@ -102,7 +108,7 @@ def _module_rows(spec: AdapterSpec) -> list[str]:
             sorted(spec.modules, key=lambda m: (group_key(m), m.layer)), key=group_key):
         group = list(group)
         layers = _ranges([m.layer for m in group])
-        rows.append(f"{group[0].module:<10} {layers:<12} {rank:>4} {scale:>10.6g}  "
+        rows.append(f"{group[0].module:<{_module_width(spec)}} {layers:<12} {rank:>4} {scale:>10.6g}  "
                     f"{json.dumps([rank, in_f]):<14} {json.dumps([out_f, rank])}")
     return rows
 

@@ -142,3 +142,15 @@ def test_a_moe_adapter_on_a_llama_base_and_without_a_base(good_dir, tmp_path):
     refused(good_dir, llama, "the base model (llama) has no shared expert")
     spec = load(good_dir, None)  # check-adapter without --model: names and pairs only
     assert not spec.shapes_checked and len(spec.modules) == 2 * 7 + 7
+
+
+def test_check_adapter_describes_the_shared_expert(good_dir, model):
+    from lorad.config.check_adapter import describe
+    lines = describe(load(good_dir, model), str(good_dir), model, "base", 3)
+    table = [line for line in lines if line.startswith("    ")]
+    assert table[0].split() == ["module", "layers", "rank", "scale", "A", "[r,", "in]", "B",
+                                "[out,", "r]"]
+    shared_down = next(line for line in table if "shared_expert.down_proj" in line)
+    assert shared_down.split()[1:3] == ["0,2", "4"] and "[4, 36]" in shared_down
+    starts = {line.index(line.split()[1]) for line in table[1:]}
+    assert len(starts) == 1  # one column for the layers whatever the module's name
