@@ -16,10 +16,12 @@ from lorad.config import ModelConfig
 from lorad.config.partition import balanced_split
 from lorad.workers.fused_linear import MergedColumnParallelLinear
 from lorad.workers.kernel_path import kernel_path
+from lorad.workers.kernels.configs import GemvConfig, MoeConfig
 from lorad.workers.layers import silu_and_mul
 from lorad.workers.linear import RowParallelLinear, check_shape, load_replicated
 from lorad.workers.lora_rows import LoraRows
 from lorad.workers.parallel import TensorParallel
+from lorad.workers.tuning import Tuning
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,6 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x weight^T on the kernel path through the decode GEMV, block_m rows a launch: one tile
     shape and no split of K whatever the row count, so a row's bits are its own (cuBLAS picks
     kernels by shape). A launch per block_m rows: cheap at decode, slow for a long prefill."""
-    from lorad.workers.kernels.configs import GemvConfig
     from lorad.workers.kernels.decode_gemv import decode_matmul  # the CPU never imports triton
     config = GemvConfig(block_k=128 if weight.element_size() > 2 else 256)  # fp32: half the k
     step = config.block_m
@@ -104,6 +105,7 @@ class RoutedExperts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden, num_local, dtype=dtype,
                                              device=device), requires_grad=False)
         self.gate_up.weight_loader = self.down.weight_loader = self.weight_loader
+        self.config = MoeConfig()  # the fused kernel's tiles (the block's tune())
 
     def checkpoint_parts(self, prefix: str) -> dict[str, tuple[nn.Parameter, tuple, tuple]]:
         """Checkpoint name -> (parameter, shard id (projection, expert), full shape), for every
@@ -141,7 +143,7 @@ class RoutedExperts(nn.Module):
         On the kernel path the fused kernel (kernels/fused_moe.py), else the torch path."""
         if kernel_path(x.device):
             from lorad.workers.kernels.fused_moe import fused_moe  # the CPU never imports triton
-            return fused_moe(x, self.gate_up, self.down, weights, experts)
+            return fused_moe(x, self.gate_up, self.down, weights, experts, self.config)
         return routed_experts_torch(x, self.gate_up, self.down, weights, experts)
 
 
@@ -187,7 +189,7 @@ class SparseMoeBlock(nn.Module):
     """Qwen2-MoE's sparse block: routed experts + sigmoid(gate(x)) * shared expert(x)."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tuning: Tuning) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.tp = tp
@@ -197,9 +199,15 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SharedExpert(hidden, config.shared_expert_intermediate_size, tp,
                                           dtype, device)
         self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype, device)
+        self.tune(tuning)
 
-    def tune(self, tuning) -> None:
-        """No decode GEMV tiles for the MoE family yet: cuBLAS for the shared expert."""
+    def tune(self, tuning: Tuning) -> None:
+        """Hand each layer its part of the kernels' settings: the shared expert the dense
+        MLP's decode GEMV tiles, the routed experts the fused kernel's."""
+        dtype = self.shared_expert.gate_up_proj.weight.dtype
+        self.shared_expert.gate_up_proj.gemv = tuning.gemv.config("gate_up", dtype)
+        self.shared_expert.down_proj.gemv = tuning.gemv.config("down", dtype)
+        self.experts.config = tuning.moe
 
     def forward(self, x: torch.Tensor, lora: LoraRows) -> tuple[torch.Tensor, None]:
         """x: [num_rows, hidden] -> ([num_rows, hidden] float32 sum over ranks, before its

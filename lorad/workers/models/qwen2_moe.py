@@ -25,7 +25,7 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         """The MoE block in sparse layers; None (the dense MLP) in the others."""
         if not self.config.is_moe_layer(layer):
             return None
-        return SparseMoeBlock(self.config, self.tp, self.dtype, self.device)
+        return SparseMoeBlock(self.config, self.tp, self.dtype, self.device, self.tuning)
 
     def _experts(self) -> list[tuple[str, RoutedExperts]]:
         return [(name, m) for name, m in self.named_modules() if isinstance(m, RoutedExperts)]
