@@ -32,11 +32,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from lorad.workers.kernels import (decode_gemv, fused_ops, lora_expand,  # noqa: E402
-                                   lora_shrink, paged_attention, token_draw)
+from lorad.workers.kernels import (decode_gemv, fused_moe, fused_ops,  # noqa: E402
+                                   lora_expand, lora_shrink, paged_attention, token_draw)
 from lorad.workers.kernels.configs import (DecodeAttentionConfig, ExpandConfig,  # noqa: E402
-                                           ExpandSteps, GemvModelTiles, ShrinkConfig,
-                                           TileConfig)
+                                           ExpandSteps, GemvModelTiles, MoeConfig,
+                                           ShrinkConfig, TileConfig)
 
 FLOAT_SCALARS = {"scale", "eps"}
 REGISTERS_PER_SM = 65536
@@ -185,6 +185,23 @@ def model_specs() -> list[Spec]:
     ]
 
 
+def moe_specs() -> list[Spec]:
+    """The fused MoE kernels at Qwen1.5-MoE-A2.7B's shape (scripts/configs/qwen1.5-moe-a2.7b:
+    hidden 2048, experts of intermediate 1408, top 4, bf16)."""
+    config = MoeConfig()
+    tiles = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
+    tables = {"pair_order_ptr": "i64", "tile_expert_ptr": "i32", "tile_start_ptr": "i32",
+              "tile_count_ptr": "i32"}
+    return [
+        Spec(f"fused MoE, gate/up + silu * up, {config}", fused_moe._gate_up_kernel,
+             {**tiles, "TOP_K": 4}, config.num_warps, 3,
+             {"x_ptr": "bf16", "w_ptr": "bf16", "h_ptr": "bf16", **tables}, ("N", "K")),
+        Spec(f"fused MoE, down x routing weight, {config}", fused_moe._down_kernel, tiles,
+             config.num_warps, 3,
+             {"h_ptr": "bf16", "w_ptr": "bf16", "weight_ptr": "bf16", **tables}, ("H", "N")),
+    ]
+
+
 def gemv_spec(config, k: int) -> Spec:
     """The decode GEMV of the model's base projections, K = k."""
     return Spec(f"decode GEMV, K {k}, {config}", decode_gemv._decode_gemv_kernel,
@@ -225,7 +242,7 @@ def main() -> int:
     shrinks = [ShrinkConfig()] + parse_configs(args.shrink, ShrinkConfig, 5)
     expands = [steps.large, steps.small] + parse_configs(
         args.expand, lambda n, w: ExpandConfig(n, w), 2)
-    specs = lora_specs(shrinks, expands, args.block_m) + model_specs()
+    specs = lora_specs(shrinks, expands, args.block_m) + model_specs() + moe_specs()
     print(f"# triton {triton.__version__}, sm_{args.arch}, LoRA tiles of {args.block_m} rows; "
           f"registers per thread, spill bytes per thread (stack), shared bytes per program, "
           f"programs/SM that registers allow")

@@ -12,15 +12,17 @@ import torch
 
 from lorad.config import ModelConfig
 from lorad.config.adapters import AdapterArg, load_adapter
+from lorad.workers.models import model_class
 from lorad.workers.models.llama import LlamaForCausalLM
 from lorad.workers.parallel import TensorParallel
 
 
 def build_model(checkpoint, adapter_dirs: list, dtype: torch.dtype, device: torch.device,
                 num_blocks: int, block_size: int) -> LlamaForCausalLM:
-    """lorad's model at world size 1 with adapters in slots 1..K (in list order) and a KV pool."""
+    """lorad's model (its family's, by config.json) at world size 1 with adapters in slots
+    1..K (in list order) and a KV pool."""
     config = ModelConfig.from_dir(checkpoint)
-    model = LlamaForCausalLM(config, TensorParallel(0, 1, device), dtype, device)
+    model = model_class(config)(config, TensorParallel(0, 1, device), dtype, device)
     model.load_weights(checkpoint)
     model.load_adapters(tuple(load_adapter(AdapterArg(f"a{slot}", str(path)), slot, config)
                               for slot, path in enumerate(adapter_dirs, start=1)))

@@ -20,12 +20,13 @@ def make_peft_adapter(base_dir, out_dir, *, r: int = 4, lora_alpha: float = 8,
     """Save a LoRA adapter for the model in base_dir as PEFT does; returns out_dir."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM  # a Llama or a Qwen2-MoE
 
     torch.manual_seed(seed)
-    base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(
-        r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
+        r=r, lora_alpha=lora_alpha, lora_dropout=0.0,
+        target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
         bias="none", rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}),
         use_rslora=use_rslora, layers_to_transform=layers_to_transform, task_type="CAUSAL_LM")
     model = get_peft_model(base, config)

@@ -121,3 +121,47 @@ def make_tiny_llama(path, *, hidden_size: int = 64, intermediate_size: int = 128
                 param.add_(0.2 * torch.randn(param.shape))
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def make_tiny_qwen2_moe(path, *, hidden_size: int = 72, intermediate_size: int = 40,
+                        num_hidden_layers: int = 3, num_attention_heads: int = 6,
+                        num_key_value_heads: int = 3, num_experts: int = 8,
+                        num_experts_per_tok: int = 3, moe_intermediate_size: int = 20,
+                        shared_expert_intermediate_size: int = 36, norm_topk_prob: bool = False,
+                        decoder_sparse_step: int = 1, mlp_only_layers: tuple[int, ...] = (1,),
+                        vocab_size: int = DEFAULT_VOCAB_SIZE, tie_word_embeddings: bool = False,
+                        max_position_embeddings: int = 256, seed: int = 0,
+                        with_tokenizer: bool = True) -> Path:
+    """Build a random fp32 Qwen2-MoE checkpoint in `path` (created if needed) and return it:
+    routed experts uneven over 3 ranks (20 = 7 + 7 + 6), a dense layer among the sparse ones, and
+    every bias, norm and gate perturbed so that one computed in the wrong place shows."""
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if with_tokenizer and write_tokenizer(path) > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's")
+    config = Qwen2MoeConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
+        shared_expert_intermediate_size=shared_expert_intermediate_size,
+        norm_topk_prob=norm_topk_prob, decoder_sparse_step=decoder_sparse_step,
+        mlp_only_layers=list(mlp_only_layers), max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=SPECIAL_TOKENS.index("<|im_start|>"),
+        eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"), pad_token_id=None,
+        initializer_range=0.1)  # wide, as make_tiny_llama's: a wrong route moves the logits
+    torch.manual_seed(seed)
+    model = Qwen2MoeForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.2 * torch.randn(param.shape))
+            elif name.endswith(".bias"):  # transformers starts biases at zero
+                param.copy_(0.1 * torch.randn(param.shape))
+    model.save_pretrained(path, safe_serialization=True)
+    return path

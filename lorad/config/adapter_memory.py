@@ -14,8 +14,9 @@ from lorad.config.model import ModelConfig
 from lorad.config.partition import check_parallel, projection_range
 from lorad.config.safetensors_header import DTYPE_SIZES
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
+                   "shared_expert.gate_proj", "shared_expert.up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj", "shared_expert.down_proj")
 
 
 def module_bytes(model: ModelConfig, m: LoraModule, parallel: int, rank: int) -> int:

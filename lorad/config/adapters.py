@@ -17,12 +17,12 @@ from pathlib import Path
 from lorad.config.adapter_key import identity_key
 from lorad.config.adapter_manifest import read_manifest
 from lorad.config.errors import ConfigError
-from lorad.config.lora_module import PARENTS, TARGET_MODULES, LoraModule, module_name  # noqa: F401
+from lorad.config.lora_module import (MODULE_ORDER, PARENTS, SHARED_EXPERT_MODULES,  # noqa: F401
+                                      TARGET_MODULES, LoraModule, module_name)
 from lorad.config.model import ModelConfig
 from lorad.config.peft_config import PeftLoraConfig, read_peft_config
 from lorad.config.safetensors_header import TensorEntry, read_safetensors_header
 
-# The Llama family's linear projections, in the order the identity key and tables use.
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 FACTOR_DTYPES = ("F32", "BF16", "F16")
@@ -30,7 +30,14 @@ MAX_LAYERS = 10_000
 # A model id in requests: no spaces or slashes, short enough for logs and metric labels.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _FACTOR_NAME = re.compile(r"base_model\.model\.model\.layers\.(0|[1-9][0-9]*)\."
-                          r"(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight")
+                          r"(self_attn|mlp)\.((?:shared_expert\.)?\w+)\.lora_(A|B)\.weight")
+# Modules of a Qwen2-MoE sparse layer that are not served projections, and what they are.
+_MOE_OTHERS = {"mlp.gate": "the MoE router", "mlp.experts": "the routed experts",
+               "mlp.shared_expert_gate": "the shared expert's gate",
+               "mlp.shared_expert": "the shared expert as a whole",
+               "mlp.shared_expert.act_fn": "an activation"}
+_MOE_EDITS = ("Qwen2-MoE adapters may edit q/k/v/o_proj, the shared expert's gate/up/down_proj "
+              "and a dense layer's gate/up/down_proj")
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,7 @@ class AdapterSpec:
     strength: float
     key: str  # identity key: hex sha256 over factor bytes, module set and final scales
     weights_file: str  # the resolved adapter_model.safetensors
-    modules: tuple[LoraModule, ...]  # sorted by (layer, TARGET_MODULES order)
+    modules: tuple[LoraModule, ...]  # sorted by (layer, MODULE_ORDER)
     base_model: str | None = None  # the manifest's base_model, else PEFT's base_model_name_or_path
     has_manifest: bool = False  # a lorad-adapter.json was present and agreed with the files
     shapes_checked: bool = True  # False when read without a base model (check-adapter alone)
@@ -116,7 +123,7 @@ def read_adapter(folder: Path, name: str, strength: float, adapter_id: int,
     _check_targets(config, pairs, model)
     modules = tuple(_module(config, layer, module, a, b, strength, model)
                     for (layer, module), (a, b) in sorted(
-                        pairs.items(), key=lambda kv: (kv[0][0], TARGET_MODULES.index(kv[0][1]))))
+                        pairs.items(), key=lambda kv: (kv[0][0], MODULE_ORDER.index(kv[0][1]))))
     key = identity_key(modules, header.tensors, weights, WEIGHTS_FILE)
     base_model = manifest.base_model if manifest and manifest.base_model else config.base_model
     return AdapterSpec(name=name, path=str(folder), adapter_id=adapter_id, strength=strength,
@@ -147,6 +154,8 @@ def _factor_pairs(tensors: dict[str, TensorEntry], model: ModelConfig | None
         if model is not None and layer >= model.num_hidden_layers:
             raise ConfigError(f"{WEIGHTS_FILE}: tensor {name!r}: layer {layer} is out of range "
                               f"(the base model has {model.num_hidden_layers} layers)")
+        if model is not None and found.group(3) not in layer_modules(model, layer):
+            raise ConfigError(f"{WEIGHTS_FILE}: tensor {name!r}: {_absent_reason(model, layer)}")
         if layer >= MAX_LAYERS:  # without a base, the layer count comes from the names
             raise ConfigError(f"{WEIGHTS_FILE}: tensor {name!r}: layer {layer} is out of any "
                               f"plausible range (at most {MAX_LAYERS} layers)")
@@ -164,7 +173,29 @@ def _factor_pairs(tensors: dict[str, TensorEntry], model: ModelConfig | None
     return pairs
 
 
+def layer_modules(model: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The projections an adapter may edit in decoder layer `layer` of `model`: a Qwen2-MoE
+    sparse layer has the shared expert's in place of the dense MLP's."""
+    if model.is_moe_layer(layer):
+        return TARGET_MODULES[:4] + SHARED_EXPERT_MODULES
+    return TARGET_MODULES
+
+
+def _absent_reason(model: ModelConfig, layer: int) -> str:
+    if model.is_moe_layer(layer):
+        return (f"layer {layer} of the base model is a sparse (MoE) layer, which has no dense "
+                f"MLP; {_MOE_EDITS}")
+    if model.model_type == "qwen2_moe":
+        return f"layer {layer} of the base model is a dense layer, which has no shared expert"
+    return f"the base model ({model.model_type}) has no shared expert"
+
+
 def _unknown_reason(name: str) -> str:
+    moe = re.search(r"\.mlp\.(experts\.\d+|gate|shared_expert_gate)\.", name)
+    if moe:
+        what = "a routed expert" if moe.group(1).startswith("experts") else \
+            _MOE_OTHERS["mlp." + moe.group(1)]
+        return f"a LoRA on {what} (mlp.{moe.group(1)}), which lorad does not serve; {_MOE_EDITS}"
     if "lora_magnitude_vector" in name:
         return "a DoRA magnitude (use_dora), which lorad does not serve"
     if re.search(r"\.lora_[AB]\.bias$", name):
@@ -178,8 +209,11 @@ def _unknown_reason(name: str) -> str:
 
 
 def projection_features(model: ModelConfig, module: str) -> tuple[int, int]:
-    """(in_features, out_features) of one Llama projection."""
+    """(in_features, out_features) of one projection (a shared expert's: over its own
+    intermediate size)."""
     hidden, inter = model.hidden_size, model.intermediate_size
+    if module.startswith("shared_expert."):
+        module, inter = module.removeprefix("shared_expert."), model.shared_expert_intermediate_size
     q_width = model.num_attention_heads * model.head_dim
     kv_width = model.num_key_value_heads * model.head_dim
     return {"q_proj": (hidden, q_width), "k_proj": (hidden, kv_width),
@@ -191,12 +225,17 @@ def projection_features(model: ModelConfig, module: str) -> tuple[int, int]:
 def _check_targets(config: PeftLoraConfig, pairs: dict, model: ModelConfig | None) -> None:
     """The modules with factors must be exactly those PEFT would have made from the config."""
     num_layers = model.num_hidden_layers if model else max(layer for layer, _ in pairs) + 1
-    for name in _other_module_names(num_layers):
+    sparse = _sparse_layers(model, pairs, num_layers)
+    for name in _other_module_names(num_layers, sparse):
         if config.is_targeted(name):
-            raise ConfigError(f"adapter_config.json: target_modules matches {name}, which is not "
-                              f"one of the projections lorad serves ({', '.join(TARGET_MODULES)})")
+            what = _MOE_OTHERS.get(name.split(".", 3)[-1])
+            raise ConfigError(f"adapter_config.json: target_modules matches {name}"
+                              + (f" ({what}), which lorad does not serve; {_MOE_EDITS}" if what
+                                 else ", which is not one of the projections lorad serves "
+                                 f"({', '.join(TARGET_MODULES)})"))
     for layer in range(num_layers):
-        for module in TARGET_MODULES:
+        modules = TARGET_MODULES[:4] + SHARED_EXPERT_MODULES if layer in sparse else TARGET_MODULES
+        for module in modules:
             full = module_name(layer, module)
             targeted, present = config.is_targeted(full), (layer, module) in pairs
             if targeted and not present:
@@ -208,14 +247,23 @@ def _check_targets(config: PeftLoraConfig, pairs: dict, model: ModelConfig | Non
                                   "layers_to_transform)")
 
 
-def _other_module_names(num_layers: int) -> list[str]:
-    """Every module of LlamaForCausalLM that is not a projection."""
+def _sparse_layers(model: ModelConfig | None, pairs: dict, num_layers: int) -> set[int]:
+    """The Qwen2-MoE sparse layers; without a base, the layers with shared-expert factors."""
+    if model is None:
+        return {layer for layer, module in pairs if module in SHARED_EXPERT_MODULES}
+    return {layer for layer in range(num_layers) if model.is_moe_layer(layer)}
+
+
+def _other_module_names(num_layers: int, sparse: set[int]) -> list[str]:
+    """Every module of the transformers model that is not a projection (a sparse layer's
+    router, routed experts and shared expert gate among them)."""
     names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb",
              "lm_head"]
     for i in range(num_layers):
         names += [f"model.layers.{i}{suffix}" for suffix in (
-            "", ".self_attn", ".mlp", ".mlp.act_fn", ".input_layernorm",
-            ".post_attention_layernorm")]
+            "", ".self_attn", ".mlp", ".input_layernorm", ".post_attention_layernorm")]
+        names += [f"model.layers.{i}.{other}" for other in _MOE_OTHERS] if i in sparse else \
+            [f"model.layers.{i}.mlp.act_fn"]
     return names
 
 

@@ -14,7 +14,7 @@ from itertools import groupby
 from pathlib import Path
 
 from lorad.config.adapter_memory import bytes_per_rank, total_bytes
-from lorad.config.adapters import TARGET_MODULES, AdapterSpec, read_adapter
+from lorad.config.adapters import MODULE_ORDER, AdapterSpec, read_adapter
 from lorad.config.cli import OneLineParser, positive_int
 from lorad.config.errors import ConfigError
 from lorad.config.partition import check_parallel
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
 def describe(spec: AdapterSpec, folder: str, model: ModelConfig | None, model_dir: str | None,
              parallel: int) -> list[str]:
     layers = sorted({m.layer for m in spec.modules})
-    kinds = [k for k in TARGET_MODULES if any(m.module == k for m in spec.modules)]
+    kinds = [k for k in MODULE_ORDER if any(m.module == k for m in spec.modules)]
     dtypes = sorted({m.dtype for m in spec.modules})
     lines = [f"{folder}: ok", f"  key       {spec.key}"]
     if model is not None:
@@ -72,7 +72,8 @@ def describe(spec: AdapterSpec, folder: str, model: ModelConfig | None, model_di
     lines.append(f"  manifest  {_manifest_line(spec)}")
     lines.append(f"  edits     {len(spec.modules)} projections: layers {_ranges(layers)} "
                  f"({len(layers)}) x {', '.join(kinds)}; factors {', '.join(dtypes)}")
-    lines.append(f"    {'module':<10} {'layers':<12} {'rank':>4} {'scale':>10}  "
+    width = _module_width(spec)
+    lines.append(f"    {'module':<{width}} {'layers':<12} {'rank':>4} {'scale':>10}  "
                  f"{'A [r, in]':<14} B [out, r]")
     for row in _module_rows(spec):
         lines.append("    " + row)
@@ -92,9 +93,14 @@ def _manifest_line(spec: AdapterSpec) -> str:
     return f"lorad-adapter.json agrees with the files; {base}"
 
 
+def _module_width(spec: AdapterSpec) -> int:
+    """The module column's width: 10, or a Qwen2-MoE shared expert's longer names."""
+    return max(10, *(len(m.module) for m in spec.modules))
+
+
 def _module_rows(spec: AdapterSpec) -> list[str]:
     def group_key(m):
-        return (TARGET_MODULES.index(m.module), m.rank, m.scale, m.in_features,
+        return (MODULE_ORDER.index(m.module), m.rank, m.scale, m.in_features,
                 m.out_features)
 
     rows = []
@@ -102,7 +108,7 @@ def _module_rows(spec: AdapterSpec) -> list[str]:
             sorted(spec.modules, key=lambda m: (group_key(m), m.layer)), key=group_key):
         group = list(group)
         layers = _ranges([m.layer for m in group])
-        rows.append(f"{group[0].module:<10} {layers:<12} {rank:>4} {scale:>10.6g}  "
+        rows.append(f"{group[0].module:<{_module_width(spec)}} {layers:<12} {rank:>4} {scale:>10.6g}  "
                     f"{json.dumps([rank, in_f]):<14} {json.dumps([out_f, rank])}")
     return rows
 

@@ -1,7 +1,7 @@
 """The base model's architecture, read from a Hugging Face `config.json`.
 
-Only what the Llama family needs is kept; anything lorad cannot compute exactly is refused here,
-before any weight is read.
+Only what the Llama and Qwen2-MoE families need is kept; anything lorad cannot compute exactly is
+refused here, before any weight is read.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lorad.config.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,16 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's dtype name, e.g. "float32", "bfloat16"
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    qkv_bias: bool = False  # q, k and v have biases (Qwen2)
+    # Qwen2-MoE (0 experts: every layer dense): routed experts, top-k routing, a shared expert
+    # with a sigmoid gate; layers listed in mlp_only_layers, or off decoder_sparse_step, are dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each routed expert's
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -64,6 +74,12 @@ class ModelConfig:
     @property
     def queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has the MoE block (else the dense MLP), as
+        transformers' Qwen2MoeDecoderLayer decides."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -92,6 +108,7 @@ class ModelConfig:
         for flag in ("attention_bias", "mlp_bias"):
             if raw.get(flag):
                 raise ConfigError(f"{source}: {flag}=true is not supported yet")
+        moe = _read_moe(raw, source) if model_type == "qwen2_moe" else {}
         if raw.get("quantization_config"):
             raise ConfigError(f"{source}: quantized checkpoints are not supported "
                               "(quantization_config is set)")
@@ -119,6 +136,7 @@ class ModelConfig:
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+            **moe,
         )
 
 
@@ -127,6 +145,35 @@ def _get_int(raw: dict, key: str, source: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
     return value
+
+
+def _read_moe(raw: dict, source: str) -> dict:
+    """Qwen2-MoE's fields (transformers' defaults where absent); sliding-window attention, which
+    lorad does not compute, is refused by name."""
+    if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or ()):
+        raise ConfigError(f"{source}: use_sliding_window=true (sliding-window attention) is not "
+                          "supported")
+    fields = {"qkv_bias": raw.get("qkv_bias", True),
+              "norm_topk_prob": raw.get("norm_topk_prob", False)}
+    for name in fields:
+        if not isinstance(fields[name], bool):
+            raise ConfigError(f"{source}: {name} must be true or false, got {fields[name]!r}")
+    for name, default in (("num_experts", 60), ("num_experts_per_tok", 4),
+                          ("moe_intermediate_size", 1408),
+                          ("shared_expert_intermediate_size", 5632), ("decoder_sparse_step", 1)):
+        fields[name] = _get_int({name: default, **raw}, name, source)
+        if fields[name] < (0 if name == "num_experts" else 1):
+            raise ConfigError(f"{source}: {name} must be positive, got {fields[name]}")
+    if fields["num_experts"] and fields["num_experts_per_tok"] > fields["num_experts"]:
+        raise ConfigError(f"{source}: num_experts_per_tok ({fields['num_experts_per_tok']}) is "
+                          f"more than num_experts ({fields['num_experts']})")
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in dense):
+        raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, "
+                          f"got {dense!r}")
+    fields["mlp_only_layers"] = tuple(sorted(set(dense)))
+    return fields
 
 
 def _read_rope(raw: dict, source: str) -> tuple[float, RopeScaling | None]:

@@ -40,9 +40,12 @@ def kv_head_range(model: ModelConfig, rank: int, parallel: int) -> tuple[int, in
 
 
 def projection_range(model: ModelConfig, module: str, rank: int, parallel: int) -> tuple[int, int]:
-    """The output rows (q, k, v, gate, up) or input columns (o, down) of `module` at `rank`."""
+    """The output rows (q, k, v, gate, up) or input columns (o, down) of `module` at `rank`
+    (a shared expert's gate, up and down as the dense MLP's, over its own intermediate size)."""
     if module in ("gate_proj", "up_proj", "down_proj"):
         return balanced_split(model.intermediate_size, parallel)[rank]
+    if module.startswith("shared_expert."):
+        return balanced_split(model.shared_expert_intermediate_size, parallel)[rank]
     kv_start, kv_end = kv_head_range(model, rank, parallel)
     width = model.head_dim if module in ("k_proj", "v_proj") else \
         model.head_dim * model.queries_per_kv  # q_proj's outputs and o_proj's inputs

@@ -41,8 +41,11 @@ _BOOL_FLAGS = ("use_dora", "lora_bias", "fan_in_fan_out", "use_qalora")
 # init_lora_weights values that rewrite the base weights at creation: the factors only reproduce
 # the fine-tune on that rewritten base (unless PEFT converted them, which resets this to true).
 _BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
-# What "all-linear" expands to in a Llama: every nn.Linear but the output head.
-_LLAMA_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
+# What "all-linear" expands to in a Llama or a Qwen2-MoE: every nn.Linear but the output head
+# (in a Qwen2-MoE's sparse layers the shared expert's and its gate's; transformers 5's router and
+# routed experts are not nn.Linear).
+_ALL_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
+                         r"mlp\.(shared_expert\.)?(gate|up|down)_proj|mlp\.shared_expert_gate)")
 
 
 @dataclass(frozen=True)
@@ -59,14 +62,15 @@ class PeftLoraConfig:
     base_model: str | None  # base_model_name_or_path, for display only
 
     def is_targeted(self, name: str) -> bool:
-        """Whether PEFT would put LoRA on the module `name` (full name in LlamaForCausalLM)."""
+        """Whether PEFT would put LoRA on the module `name` (full name in the transformers
+        model)."""
         if isinstance(self.exclude_modules, str):
             if re.fullmatch(self.exclude_modules, name):
                 return False
         elif any(name == k or name.endswith("." + k) for k in self.exclude_modules):
             return False
         if self.target_modules == "all-linear":
-            return _LLAMA_LINEAR.fullmatch(name) is not None
+            return _ALL_LINEAR.fullmatch(name) is not None
         if isinstance(self.target_modules, str):
             return re.fullmatch(self.target_modules, name) is not None
         if name in self.target_modules:

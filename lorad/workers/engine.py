@@ -30,6 +30,7 @@ from lorad.workers.batch import MIN_ROWS, ForwardBatch
 from lorad.workers.cuda_graph import DecodeGraphs
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.loader import add_adapter_tables
+from lorad.workers.models import model_class
 from lorad.workers.models.llama import LlamaForCausalLM
 from lorad.workers.tuning import Tuning
 from lorad.workers.parallel import TensorParallel, init_tensor_parallel
@@ -124,7 +125,7 @@ class Engine:
                                              capacity)
         # The product's kernel settings: one Tuning for the server's life (a row's bits depend on
         # some of them).
-        model = LlamaForCausalLM(model_config, tp, dtype, device, Tuning())
+        model = model_class(model_config)(model_config, tp, dtype, device, Tuning())
         if cfg.load_format == "random":
             model.load_random_weights(RANDOM_WEIGHTS_SEED)
             log.info("random weights (seed %d): no checkpoint read", RANDOM_WEIGHTS_SEED)
@@ -273,8 +274,9 @@ def weight_bytes(model_config: ModelConfig, rank: int, world_size: int, dtype: t
     """The bytes of the model's weights and buffers that `rank` holds, the adapters' slot tables
     included: the model and its tables built on the meta device, which allocates nothing."""
     meta = torch.device("meta")
-    model = LlamaForCausalLM(model_config, TensorParallel(rank, world_size, meta), dtype, meta)
-    add_adapter_tables(model.lora_target, adapters, capacity, model_config.num_hidden_layers)
+    model = model_class(model_config)(model_config, TensorParallel(rank, world_size, meta), dtype,
+                                      meta)
+    add_adapter_tables(model.lora_target, adapters, capacity, model_config)
     tensors = itertools.chain(model.parameters(), model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
 

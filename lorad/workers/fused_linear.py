@@ -6,7 +6,8 @@ this rank's rows of one part's checkpoint tensor into that part (shard_id: "q", 
 "gate", "up"), one LoraSlots per part (an adapter may edit only some of them), and the choice of
 path: on the kernel path one matmul (the decode GEMV or cuBLAS) with one LoRA shrink and expand
 beside it, the deltas left to the next kernel (LoraDelta); on the torch path one product per part,
-each adding its own delta. Not here: the split into heads, rotary, the activation.
+each adding its own delta. An optional bias per part (Qwen2's q/k/v), added before any delta. Not
+here: the split into heads, rotary, the activation.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ class FusedColumnParallelLinear(nn.Module):
     matrix whose rows are the parts' local rows in order."""
 
     def __init__(self, in_features: int, parts: dict[str, tuple[int, tuple[int, int]]],
-                 dtype: torch.dtype, device: torch.device) -> None:
-        """parts: shard_id -> (its full output size, the output range this rank holds)."""
+                 dtype: torch.dtype, device: torch.device, bias: bool = False) -> None:
+        """parts: shard_id -> (its full output size, the output range this rank holds); bias:
+        each part has one (its checkpoint's `<part>_proj.bias`)."""
         super().__init__()
         self.in_features = in_features
         self.parts = dict(parts)
@@ -57,6 +59,11 @@ class FusedColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features, dtype=dtype,
                                                device=device), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.bias: nn.Parameter | None = None
+        if bias:  # [sum of local rows]: the parts' biases, in the weight's row order
+            self.bias = nn.Parameter(torch.zeros(sum(self.sizes), dtype=dtype, device=device),
+                                     requires_grad=False)
+            self.bias.weight_loader = self.bias_loader
         # The parts some adapter edits, by shard_id: submodules, so the model's buffers (and
         # the engine's count of its bytes) include their tables.
         self.loras = nn.ModuleDict()
@@ -67,6 +74,18 @@ class FusedColumnParallelLinear(nn.Module):
         index = list(self.parts).index(shard_id)
         start = sum(self.sizes[:index])
         return self.weight.data[start:start + self.sizes[index]]
+
+    def part_bias(self, shard_id: str) -> torch.Tensor:
+        """[end - start]: a view of this part's entries of the fused bias."""
+        index = list(self.parts).index(shard_id)
+        start = sum(self.sizes[:index])
+        return self.bias.data[start:start + self.sizes[index]]
+
+    def bias_loader(self, param: nn.Parameter, name: str, tensor_slice, shard_id: str) -> None:
+        """Copy this rank's entries of part `shard_id`'s bias `name` into its part."""
+        full, (start, end) = self.parts[shard_id]
+        check_shape(name, tensor_slice.get_shape(), (full,))
+        self.part_bias(shard_id).copy_(tensor_slice[start:end])
 
     def weight_loader(self, param: nn.Parameter, name: str, tensor_slice, shard_id: str) -> None:
         """Copy this rank's rows of part `shard_id`'s checkpoint tensor `name` into its part."""
@@ -101,10 +120,17 @@ class FusedColumnParallelLinear(nn.Module):
         added here (one rounding of base + delta each, as peft does) and the deltas are None."""
         loras = [self.lora(shard_id) for shard_id in self.parts]
         if kernel_path(x.device):
-            return projection_with_deltas(x, self.weight, self.sizes, loras, lora_rows,
-                                          self.gemv)
-        # One product per part, as each part's weight alone would give (the CPU's bits).
+            outs, deltas = projection_with_deltas(x, self.weight, self.sizes, loras, lora_rows,
+                                                  self.gemv)
+            if self.bias is not None:  # into the rounded product: peft adds its delta after
+                for out, shard_id in zip(outs, self.parts):
+                    out.add_(self.part_bias(shard_id))
+            return outs, deltas
+        # One product per part, as each part's weight alone would give (the CPU's bits); the
+        # bias added after it, so a row's bits are the product's plus its own bias.
         outs = [F.linear(x, self.part_weight(shard_id)) for shard_id in self.parts]
+        if self.bias is not None:
+            outs = [out + self.part_bias(shard_id) for out, shard_id in zip(outs, self.parts)]
         return add_lora_deltas(loras, outs, x, lora_rows), (None,) * len(outs)
 
 
@@ -128,14 +154,15 @@ class QKVParallelLinear(FusedColumnParallelLinear):
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  kv_head_range: tuple[int, int], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, bias: bool = False) -> None:
         group = num_heads // num_kv_heads
         kv_start, kv_end = kv_head_range
         q_range = (kv_start * group * head_dim, kv_end * group * head_dim)
         kv_range = (kv_start * head_dim, kv_end * head_dim)
         super().__init__(hidden, {"q": (num_heads * head_dim, q_range),
                                   "k": (num_kv_heads * head_dim, kv_range),
-                                  "v": (num_kv_heads * head_dim, kv_range)}, dtype, device)
+                                  "v": (num_kv_heads * head_dim, kv_range)}, dtype, device,
+                         bias)
 
 
 class MergedColumnParallelLinear(FusedColumnParallelLinear):

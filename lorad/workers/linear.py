@@ -3,7 +3,7 @@
 The model decides which input columns a rank holds, so attention can split by whole KV-head
 groups; the layer slices its checkpoint tensor to that range and all-reduces its output. It owns
 its LoRA slots (lora.py), sharded the same way as its weight, and adds the per-row delta. The
-column-parallel projections, fused q/k/v and gate/up, are fused_linear.py's; no bias anywhere.
+column-parallel projections, fused q/k/v and gate/up, are fused_linear.py's; no bias here.
 """
 
 from __future__ import annotations
@@ -92,17 +92,24 @@ class RowParallelLinear(nn.Module):
         fp32 sum itself (its fp32-output kernels split K and add the parts in another kernel);
         the LoRA delta is then added as peft adds it, to the rounded base output, with one more
         rounding."""
-        rounded = self._rounds_here(x)
+        if not self._rounds_here(x):
+            # The delta in fp32, before the reduce.
+            return self.tp.all_reduce(self.partial_sum(x, lora_rows))
         pdl_rows = 0 if lora_rows is None else lora_rows.pdl_rows
-        if rounded:  # [num_rows, out_features], the model dtype
-            matmul = lambda: base_matmul(x, self.weight, self.gemv, pdl_rows=pdl_rows)  # noqa: E731
-        else:  # [num_rows, out_features] float32
-            matmul = lambda: self._partial_fp32(x, pdl_rows)  # noqa: E731
+        # [num_rows, out_features], the model dtype
+        matmul = lambda: base_matmul(x, self.weight, self.gemv, pdl_rows=pdl_rows)  # noqa: E731
         # On the kernel path the shrink runs beside the matmul (a side stream); None otherwise.
         out, pending = matmul_and_shrink([self.lora], x, lora_rows, matmul)
-        out = self._plus_delta(out, x, lora_rows, pending)
-        # The delta in fp32, before the reduce.
-        return out if rounded else self.tp.all_reduce(out)
+        return self._plus_delta(out, x, lora_rows, pending)
+
+    def partial_sum(self, x: torch.Tensor, lora_rows: LoraRows | None = None) -> torch.Tensor:
+        """x: [num_rows, in_end - in_start] -> [num_rows, out_features] float32: this rank's
+        x_r W_r^T plus its share of the LoRA delta, not reduced: forward() before its
+        all-reduce, for a block that adds more to it and reduces once (moe.py)."""
+        pdl_rows = 0 if lora_rows is None else lora_rows.pdl_rows
+        out, pending = matmul_and_shrink([self.lora], x, lora_rows,
+                                         lambda: self._partial_fp32(x, pdl_rows))
+        return self._plus_delta(out, x, lora_rows, pending)
 
     def forward_with_delta(self, x: torch.Tensor, lora_rows: LoraRows | None
                            ) -> tuple[torch.Tensor, LoraDelta | None]:

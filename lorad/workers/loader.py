@@ -21,9 +21,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from lorad.config import ConfigError
+from lorad.config import ConfigError, ModelConfig
 from lorad.config.adapter_capacity import LoraCapacity
-from lorad.config.adapters import TARGET_MODULES, AdapterSpec
+from lorad.config.adapters import AdapterSpec, layer_modules
 from lorad.workers.lora import table_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -102,12 +102,14 @@ def load_weights(model: nn.Module, model_dir: str | Path, skip: tuple[str, ...] 
 
 def add_adapter_tables(target_of: Callable[[int, str], nn.Module],
                        specs: tuple[AdapterSpec, ...],
-                       capacity: LoraCapacity | None = None, num_layers: int = 0) -> dict:
+                       capacity: LoraCapacity | None = None,
+                       model_config: ModelConfig | None = None) -> dict:
     """Allocate slot tables -> {(layer, module): its LoraSlots}. Without a capacity: slots
     0..K for the K specs, on every projection some adapter edits, ranks padded to the largest
     rank any adapter gives that projection, all in lora.table_dtype of the stored dtypes. With
-    one: slots 0..capacity.num_slots; with run-time adapters on every projection of the
-    num_layers layers at capacity.max_rank in fp32, else as above.
+    one: slots 0..capacity.num_slots; with run-time adapters on every projection an adapter
+    may edit in each layer of model_config (adapters.layer_modules) at capacity.max_rank in
+    fp32, else as above.
 
     target_of(layer, module) is the projection; it has `add_lora_slots(num_slots, max_rank,
     dtype)`."""
@@ -118,8 +120,9 @@ def add_adapter_tables(target_of: Callable[[int, str], nn.Module],
     dtype = table_dtype({m.dtype for spec in specs for m in spec.modules})
     num_slots = len(specs) + 1 if capacity is None else capacity.num_slots + 1
     if capacity is not None and capacity.runtime:
-        max_rank = {(layer, module): capacity.max_rank for layer in range(num_layers)
-                    for module in TARGET_MODULES}
+        max_rank = {(layer, module): capacity.max_rank
+                    for layer in range(model_config.num_hidden_layers)
+                    for module in layer_modules(model_config, layer)}
         dtype = torch.float32  # holds any adapter's factors exactly, whatever it stores
     if num_slots == 1:
         return {}

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from lorad.workers.kernels.configs import (DecodeAttentionConfig, ExpandSteps, GemvModelTiles,
-                                           PdlConfig, ShrinkConfig, TileConfig)
+                                           MoeConfig, PdlConfig, ShrinkConfig, TileConfig)
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Tuning:
     expand: ExpandSteps = ExpandSteps()
     gemv: GemvModelTiles = GemvModelTiles()  # the base projections' decode GEMV
     attention: DecodeAttentionConfig = DecodeAttentionConfig()  # decode attention
+    moe: MoeConfig = MoeConfig()  # the fused MoE kernel's tiles (Qwen2-MoE's routed experts)
 
 
 def replaced(tuning: Tuning, settings: str) -> Tuning:

@@ -22,6 +22,9 @@ Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3
   across batches, removed tokens, the distribution, and the sampler's use of it.
 - sampler_min_p_checks.py: min_p on the sampler's kernel path keeps what its definition keeps,
   and rows draw what they draw alone.
+- moe_kernel_checks.py: the fused MoE kernel against the torch path (poisoned buffers), a row's
+  bits alone and among rows of the same experts, the expert tiles; a tiny Qwen2-MoE's kernel
+  path with two adapters against its torch path, and through the decode graphs' inputs.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 from tests.kernels import (decode_gemv_checks, fused_ops_checks, lora_kernel_checks,
-                           model_kernel_checks, paged_attention_checks, sampler_min_p_checks,
-                           token_draw_checks)
+                           model_kernel_checks, moe_kernel_checks, paged_attention_checks,
+                           sampler_min_p_checks, token_draw_checks)
 from tests.kernels.triton_interpreter import interpret_in_subprocess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -43,12 +46,14 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 MODULES = {module.__name__: module.CHECKS for module in (
     lora_kernel_checks, paged_attention_checks, fused_ops_checks, decode_gemv_checks,
-    model_kernel_checks, token_draw_checks, sampler_min_p_checks)}
+    model_kernel_checks, token_draw_checks, sampler_min_p_checks, moe_kernel_checks)}
 # The modules' interpreter run times on a 2-core machine, longest first (2026-12-02: 118, 107,
-# 54, 39, 22, 11 s): two runners finish together when the long runs start first.
+# 54, 39, 22, 11 s; moe_kernel_checks 2026-12-05: 75 s): two runners finish together when the
+# long runs start first.
 SLOWEST_FIRST = ("tests.kernels.model_kernel_checks", "tests.kernels.lora_kernel_checks",
-                 "tests.kernels.decode_gemv_checks", "tests.kernels.paged_attention_checks",
-                 "tests.kernels.fused_ops_checks", "tests.kernels.token_draw_checks")
+                 "tests.kernels.moe_kernel_checks", "tests.kernels.decode_gemv_checks",
+                 "tests.kernels.paged_attention_checks", "tests.kernels.fused_ops_checks",
+                 "tests.kernels.token_draw_checks")
 
 
 # module -> its run: its results, or why it failed. Started by the first test of any module.

@@ -56,3 +56,36 @@ def test_missing_or_bad_config_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read config.json"):
         ModelConfig.from_dir(tmp_path)
+
+
+MOE = {**BASE, "model_type": "qwen2_moe", "num_experts": 8, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+       "mlp_only_layers": [0], "use_sliding_window": False}
+
+
+def test_qwen2_moe_fields_and_sparse_layers():
+    cfg = ModelConfig.from_dict({**MOE, "num_hidden_layers": 4, "decoder_sparse_step": 1})
+    assert cfg.qkv_bias and not cfg.norm_topk_prob  # transformers' defaults
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size) == (8, 2, 32, 48)
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    step2 = ModelConfig.from_dict({**MOE, "num_hidden_layers": 4, "decoder_sparse_step": 2,
+                                   "mlp_only_layers": []})
+    assert [step2.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert not ModelConfig.from_dict(dict(BASE)).is_moe_layer(0)  # Llama: dense, no biases
+    assert not ModelConfig.from_dict(dict(BASE)).qkv_bias
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"use_sliding_window": True}, "sliding-window"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
+    ({"num_experts_per_tok": 9}, "more than num_experts"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ({"mlp_only_layers": ["1"]}, "mlp_only_layers"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_qwen2_moe_refusals_name_the_field(change, words):
+    with pytest.raises(ConfigError, match=words):
+        ModelConfig.from_dict({**MOE, **change})

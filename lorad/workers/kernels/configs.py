@@ -197,3 +197,19 @@ class DecodeAttentionConfig:
     # (check_decode_preload_same_bits; docs/performance-log.md: attention block ids read early
     # at one sequence).
     preload_max_seqs: int = 1
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """fused_moe.py's tiles: block_m (pair, expert) rows of one expert per tile, block_n outputs
+    and block_k inputs per MMA step (powers of two of at least 16, as tl.dot takes them). A
+    row's bits depend on block_k (the order of its sums), so a server keeps one. Untuned: chosen
+    on the CPU interpreter, to be measured on the H200 (docs/moe.md)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        _check_powers_of_two(self, ("block_m", "block_n", "block_k"), 16, " (tl.dot's sides)")

@@ -10,6 +10,7 @@ and handed to every layer; the layers choose between the kernel and the torch pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,7 +55,7 @@ class LlamaAttention(nn.Module):
         num_kv_heads = kv_end - kv_start
         self.qkv_proj = QKVParallelLinear(hidden, d, config.num_attention_heads,
                                           config.num_key_value_heads, (kv_start, kv_end), dtype,
-                                          device)
+                                          device, bias=config.qkv_bias)
         self.attn = RotaryPagedAttention(num_kv_heads * config.queries_per_kv, num_kv_heads, d)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, hidden,
                                         self.qkv_proj.parts["q"][1], tp, dtype, device)
@@ -108,13 +109,15 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
-                 device: torch.device, tuning: Tuning) -> None:
+                 device: torch.device, tuning: Tuning, mlp: nn.Module | None = None) -> None:
+        """mlp: another family's block in place of the dense MLP (Qwen2-MoE's sparse block);
+        its forward(x, lora) returns what LlamaMLP's does."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(config, tp, dtype, device, tuning)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
                                                 device)
-        self.mlp = LlamaMLP(config, tp, dtype, device, tuning)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, tp, dtype, device, tuning)
 
     def forward(self, hidden: torch.Tensor | None, delta: torch.Tensor,
                 delta_lora: LoraDelta | None, rotary: "RotaryInputs", ctx: AttentionContext,
@@ -132,12 +135,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
-                 device: torch.device, tuning: Tuning) -> None:
+                 device: torch.device, tuning: Tuning,
+                 mlp_of: Callable[[int], nn.Module | None] = lambda layer: None) -> None:
+        """mlp_of(layer): that decoder layer's block in place of the dense MLP, or None."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
                                                    dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, dtype, device, tuning)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, dtype, device, tuning, mlp_of(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                           config.max_position_embeddings, dtype, device)
@@ -154,10 +159,15 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         self.tuning = tuning
-        self.model = LlamaModel(config, tp, dtype, device, tuning)
+        self.model = LlamaModel(config, tp, dtype, device, tuning, self.layer_mlp)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, config.tie_word_embeddings, dtype,
                                       device)
         self.block_size: int | None = None
+
+    def layer_mlp(self, layer: int) -> nn.Module | None:
+        """Decoder layer `layer`'s block in place of the dense MLP: none in the Llama family (a
+        family's model file overrides this)."""
+        return None
 
     def tune(self, tuning: Tuning) -> None:
         """Hand every layer its part of `tuning` (the constructor's; benchmarks compare
@@ -184,9 +194,11 @@ class LlamaForCausalLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, FusedColumnParallelLinear):
                 parent = name.rpartition(".")[0]
-                fused.add(f"{name}.weight")
+                fused.update({f"{name}.weight", f"{name}.bias"})
                 for shard_id in module.parts:
                     targets[f"{parent}.{shard_id}_proj.weight"] = (module.weight, shard_id)
+                    if module.bias is not None:
+                        targets[f"{parent}.{shard_id}_proj.bias"] = (module.bias, shard_id)
         for name, param in self.named_parameters():
             if name not in fused:
                 targets[name] = (param, None)
@@ -195,12 +207,15 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> this rank's shard of it: the parameter, or a view of its
         part of a fused weight (what the loader filled)."""
-        tensors = {}
-        for name, (param, shard_id) in self.weight_targets().items():
-            owner = self.get_submodule(name.rpartition(".")[0].rpartition(".")[0])
-            tensors[name] = param if shard_id is None else \
-                getattr(owner, FUSED_OF[shard_id]).part_weight(shard_id)
-        return tensors
+        return {name: param if shard_id is None else self.shard_view(name, shard_id)
+                for name, (param, shard_id) in self.weight_targets().items()}
+
+    def shard_view(self, name: str, shard_id) -> torch.Tensor:
+        """The view of a fused parameter that checkpoint tensor `name` fills (its part)."""
+        owner = self.get_submodule(name.rpartition(".")[0].rpartition(".")[0])
+        fused = getattr(owner, FUSED_OF[shard_id])
+        return fused.part_bias(shard_id) if name.endswith(".bias") else \
+            fused.part_weight(shard_id)
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint tensor's full (unsharded) shape, by name."""
@@ -211,6 +226,8 @@ class LlamaForCausalLM(nn.Module):
                 parent = name.rpartition(".")[0]
                 for shard_id, (full, _) in module.parts.items():
                     shapes[f"{parent}.{shard_id}_proj.weight"] = (full, module.in_features)
+                    if module.bias is not None:
+                        shapes[f"{parent}.{shard_id}_proj.bias"] = (full,)
                 continue
             if isinstance(module, RowParallelLinear):
                 shape = (module.out_features, module.in_features)
@@ -242,8 +259,7 @@ class LlamaForCausalLM(nn.Module):
     def add_lora_tables(self, specs: tuple[AdapterSpec, ...], capacity: LoraCapacity) -> dict:
         """Empty slot tables for `capacity` (loader.add_adapter_tables) -> {(layer, module):
         LoraSlots}; adapter_store.py fills their slots."""
-        return add_adapter_tables(self.lora_target, specs, capacity,
-                                  self.config.num_hidden_layers)
+        return add_adapter_tables(self.lora_target, specs, capacity, self.config)
 
     @staticmethod
     def kv_cache_bytes_per_block(config: ModelConfig, tp_rank: int, world_size: int,

@@ -1,0 +1,164 @@
+"""Fused MoE: every routed expert of a layer in two launches, rows grouped by expert in tiles
+of block_m (row, expert) pairs built on the device (no host sync, so a CUDA graph can hold it):
+gate/up with silu(gate) * up in its epilogue, then down times the routing weight, in fp32.
+
+Row invariance: a tile holds pairs of one expert, one tile shape and one compiled variant serve
+every batch (the pair count is not specialized), each tile sweeps all of K in block_k steps (no
+split of K), and an MMA computes each output element from its own row alone: a row's bits never
+depend on which other rows picked the same expert. A row's experts are then added in ascending
+expert order, one after another (add_experts), as the torch path (moe.py) and transformers do.
+Not here: the router, the shared expert, LoRA on experts, expert parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lorad.workers.kernels.configs import MoeConfig
+from lorad.workers.kernels.launch_math import cdiv
+
+
+def expert_tiles(experts: torch.Tensor, num_experts: int, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """experts: [num_rows, top_k] int64, each row's ascending -> (pair_order [num_pairs] int64:
+    the flat pair index row * top_k + j of each pair, grouped by expert, rows in order within
+    one; tile_expert, tile_start, tile_count [num_tiles] int32: each tile's expert (-1 for a
+    spare tile), its first position in pair_order and its pair count). num_tiles is a bound
+    fixed by the shapes (num_pairs / block_m + num_experts), so nothing waits for the device."""
+    flat = experts.reshape(-1)
+    device = flat.device
+    pair_order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # integer adds: any order, same counts
+    tiles = (counts + block_m - 1) // block_m
+    tiles_end = torch.cumsum(tiles, 0)
+    num_tiles = cdiv(flat.numel(), block_m) + num_experts
+    t = torch.arange(num_tiles, device=device)
+    expert = torch.searchsorted(tiles_end, t, right=True)  # num_experts past the last tile
+    e = expert.clamp(max=num_experts - 1)
+    within = t - (tiles_end[e] - tiles[e])  # the tile's index among its expert's
+    start = torch.cumsum(counts, 0)[e] - counts[e] + within * block_m
+    count = (counts[e] - within * block_m).clamp(0, block_m)
+    spare = expert >= num_experts
+    return (pair_order, torch.where(spare, -1, expert).to(torch.int32),
+            torch.where(spare, 0, start).to(torch.int32),
+            torch.where(spare, 0, count).to(torch.int32))
+
+
+# No argument holds the batch's size (the pair count reaches the kernels only as table entries
+# and the grid): one compiled variant, so one order of sums, for every batch.
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, pair_order_ptr, tile_expert_ptr, tile_start_ptr,
+                    tile_count_ptr, N, K, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[p] = silu(x[row] W_gate^T) * (x[row] W_up^T) for the tile's pairs p of one expert;
+    w: [num_experts, 2N, K] (gate rows, then up rows); h: [num_pairs, N] by pair position."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e < 0:
+        return
+    start = tl.load(tile_start_ptr + tile)
+    count = tl.load(tile_count_ptr + tile)
+    m = tl.arange(0, BLOCK_M)
+    valid = m < count
+    rows = tl.load(pair_order_ptr + start + m, mask=valid, other=0) // TOP_K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_cols = tl.minimum(cols, N - 1).to(tl.int64)  # past N: row N - 1 again, never stored
+    ks = tl.arange(0, BLOCK_K)
+    w_e = w_ptr + e.to(tl.int64) * 2 * N * K
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        in_k = (k0 + ks) < K
+        xk = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + (k0 + ks)[None, :],
+                     mask=valid[:, None] & in_k[None, :], other=0.0)
+        gate = tl.load(w_e + w_cols[:, None] * K + (k0 + ks)[None, :], mask=in_k[None, :],
+                       other=0.0)
+        up = tl.load(w_e + (w_cols + N)[:, None] * K + (k0 + ks)[None, :], mask=in_k[None, :],
+                     other=0.0)
+        acc_gate = tl.dot(xk, tl.trans(gate), acc_gate, input_precision="ieee")
+        acc_up = tl.dot(xk, tl.trans(up), acc_up, input_precision="ieee")
+    # Rounded where the torch path rounds: each product, silu in fp32, the product of the two.
+    dtype = h_ptr.dtype.element_ty
+    g = acc_gate.to(dtype).to(tl.float32)
+    silu = (g / (1 + tl.exp(-g))).to(dtype)
+    h = (silu.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(h_ptr + (start + m)[:, None].to(tl.int64) * N + cols[None, :], h,
+             mask=valid[:, None] & (cols[None, :] < N))
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, pair_order_ptr, tile_expert_ptr,
+                 tile_start_ptr, tile_count_ptr, H, N, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[pair] = (h[p] W_down^T) * weight[pair] in fp32 for the tile's pairs; w: [num_experts,
+    H, N]; out: [num_pairs, H] by flat pair index (row * top_k + j)."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e < 0:
+        return
+    start = tl.load(tile_start_ptr + tile)
+    count = tl.load(tile_count_ptr + tile)
+    m = tl.arange(0, BLOCK_M)
+    valid = m < count
+    pairs = tl.load(pair_order_ptr + start + m, mask=valid, other=0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_cols = tl.minimum(cols, H - 1).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    w_e = w_ptr + e.to(tl.int64) * H * N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, N, BLOCK_K):
+        in_k = (k0 + ks) < N
+        hk = tl.load(h_ptr + (start + m)[:, None].to(tl.int64) * N + (k0 + ks)[None, :],
+                     mask=valid[:, None] & in_k[None, :], other=0.0)
+        wk = tl.load(w_e + w_cols[:, None] * N + (k0 + ks)[None, :], mask=in_k[None, :],
+                     other=0.0)
+        acc = tl.dot(hk, tl.trans(wk), acc, input_precision="ieee")
+    weight = tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pairs[:, None].to(tl.int64) * H + cols[None, :], acc * weight[:, None],
+             mask=valid[:, None] & (cols[None, :] < H))
+
+
+def add_experts(pairs: torch.Tensor) -> torch.Tensor:
+    """pairs: [num_rows, top_k, H] float32, each row's experts in ascending order -> their sum,
+    added one expert after another (transformers' order), each row on its own."""
+    total = pairs[:, 0]
+    for j in range(1, pairs.shape[1]):
+        total = total + pairs[:, j]
+    return total
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+              experts: torch.Tensor, config: MoeConfig = MoeConfig(),
+              buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """-> [num_rows, H] float32: every row's routed experts, weighted and summed, as moe.py's
+    torch path computes them (routed_experts_torch). x: [num_rows, K]; gate_up: [num_experts, 2N,
+    K] (each expert's gate rows then up rows); down: [num_experts, H, N]; weights, experts:
+    [num_rows, top_k] (the router's). buffers: (h [num_pairs, N] of x's dtype, pairs
+    [num_pairs, H] float32) to write into (tests poison them); None: allocated."""
+    num_rows, top_k = experts.shape
+    num_experts, two_n, num_in = gate_up.shape
+    num_inter, hidden = two_n // 2, down.shape[1]
+    if num_inter == 0 or num_rows == 0:  # a rank with none of the intermediate size
+        return torch.zeros(num_rows, hidden, dtype=torch.float32, device=x.device)
+    experts, order = torch.sort(experts, dim=1)  # ascending: the order the sum takes
+    weights = weights.gather(1, order).reshape(-1)
+    pair_order, tile_expert, tile_start, tile_count = expert_tiles(experts, num_experts,
+                                                                   config.block_m)
+    num_pairs = num_rows * top_k
+    h, pairs = buffers or (
+        torch.empty(num_pairs, num_inter, dtype=x.dtype, device=x.device),
+        torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device))
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    tiles = tile_expert.shape[0]
+    _gate_up_kernel[(tiles, cdiv(num_inter, config.block_n))](
+        x, gate_up, h, pair_order, tile_expert, tile_start, tile_count, num_inter, num_in,
+        TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps)
+    _down_kernel[(tiles, cdiv(hidden, config.block_n))](
+        h, down, weights.contiguous(), pairs, pair_order, tile_expert, tile_start, tile_count,
+        hidden, num_inter, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps)
+    return add_experts(pairs.view(num_rows, top_k, hidden))

@@ -1,0 +1,221 @@
+"""The mixture-of-experts block with a shared expert (Qwen2-MoE), tensor-parallel: a replicated
+top-k router, routed experts split along their intermediate dimension, a shared expert (a dense
+MLP, LoRA slots on its projections) scaled by its sigmoid gate, and one all-reduce for it all.
+
+Each row's arithmetic is its own (per-row products on the CPU, kernels/fused_moe.py's tiles on
+the kernel path), so its bits never depend on which other rows share the step or an expert. Not
+here: LoRA on the router, the gate or routed experts (lorad.config.adapters refuses them by name).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lorad.config import ModelConfig
+from lorad.config.partition import balanced_split
+from lorad.workers.fused_linear import MergedColumnParallelLinear
+from lorad.workers.kernel_path import kernel_path
+from lorad.workers.kernels.configs import GemvConfig, MoeConfig
+from lorad.workers.layers import silu_and_mul
+from lorad.workers.linear import RowParallelLinear, check_shape, load_replicated
+from lorad.workers.lora_rows import LoraRows
+from lorad.workers.parallel import TensorParallel
+from lorad.workers.tuning import Tuning
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [num_rows, in], weight: [out, in] -> x weight^T [num_rows, out], each row its own
+    [1, in] x [in, out] product: a plain matmul gives a row other bits with the row count for a
+    narrow output (the router's experts, the gate's 1; MKL), and an expert's rows vary by step."""
+    w_t = weight.t().unsqueeze(0).expand(x.shape[0], -1, -1)  # [num_rows, in, out]
+    return torch.bmm(x.unsqueeze(1), w_t).squeeze(1)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) in x's dtype: torch.sigmoid's vector and scalar paths give an element
+    other bits by its place in the tensor on the CPU; exp, add and divide do not (as silu)."""
+    return 1 / (1 + torch.exp(-x))
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with W whole on every rank (the router, the shared expert's gate): no bias."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        # [out_features, in_features], the same on every rank
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype,
+                                               device=device), requires_grad=False)
+        self.weight.weight_loader = load_replicated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_rows, in_features] -> [num_rows, out_features] in x's dtype."""
+        if kernel_path(x.device):
+            return gemv_rows(x, self.weight)
+        return rowwise_linear(x, self.weight)
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x weight^T on the kernel path through the decode GEMV, block_m rows a launch: one tile
+    shape and no split of K whatever the row count, so a row's bits are its own (cuBLAS picks
+    kernels by shape). A launch per block_m rows: cheap at decode, slow for a long prefill."""
+    from lorad.workers.kernels.decode_gemv import decode_matmul  # the CPU never imports triton
+    config = GemvConfig(block_k=128 if weight.element_size() > 2 else 256)  # fp32: half the k
+    step = config.block_m
+    parts = [decode_matmul(x[i:i + step], weight, config=config)
+             for i in range(0, x.shape[0], step)]
+    return torch.cat(parts) if parts else x.new_empty(0, weight.shape[0])
+
+
+class TopKRouter(ReplicatedLinear):
+    """Each row's top-k experts and their weights, as transformers' Qwen2MoeTopKRouter: softmax
+    in fp32 over the experts, top k, optionally renormalised, rounded to the model dtype."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(config.hidden_size, config.num_experts, dtype, device)
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [num_rows, hidden] -> (weights [num_rows, top_k] in x's dtype, experts
+        [num_rows, top_k] int64). Every rank computes the same bits from the same x."""
+        probs = torch.softmax(self(x), dim=-1, dtype=torch.float32)  # [num_rows, num_experts]
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+
+class RoutedExperts(nn.Module):
+    """Every routed expert's gate/up rows and down columns in this rank's range of the expert
+    intermediate size: like the dense MLP's split, so each rank's down output is a partial sum
+    and the block all-reduces once (expert parallelism: docs/moe.md)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int,
+                 inter_range: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.inter_start, self.inter_end = inter_range
+        num_local = self.inter_end - self.inter_start
+        # [num_experts, 2 * num_local, hidden]: each expert's gate rows, then its up rows
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * num_local, hidden, dtype=dtype,
+                                                device=device), requires_grad=False)
+        # [num_experts, hidden, num_local]
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, num_local, dtype=dtype,
+                                             device=device), requires_grad=False)
+        self.gate_up.weight_loader = self.down.weight_loader = self.weight_loader
+        self.config = MoeConfig()  # the fused kernel's tiles (the block's tune())
+
+    def checkpoint_parts(self, prefix: str) -> dict[str, tuple[nn.Parameter, tuple, tuple]]:
+        """Checkpoint name -> (parameter, shard id (projection, expert), full shape), for every
+        expert's gate_proj, up_proj and down_proj under `prefix` (the block's `experts`)."""
+        parts = {}
+        for e in range(self.num_experts):
+            for proj, param, shape in (("gate", self.gate_up, (self.intermediate, self.hidden)),
+                                       ("up", self.gate_up, (self.intermediate, self.hidden)),
+                                       ("down", self.down, (self.hidden, self.intermediate))):
+                parts[f"{prefix}.{e}.{proj}_proj.weight"] = (param, (proj, e), shape)
+        return parts
+
+    def shard_view(self, shard_id: tuple[str, int]) -> torch.Tensor:
+        """This rank's slice of one expert's projection, as the loader fills it."""
+        proj, e = shard_id
+        num_local = self.inter_end - self.inter_start
+        if proj == "down":
+            return self.down.data[e]
+        return self.gate_up.data[e, (0 if proj == "gate" else num_local):][:num_local]
+
+    def weight_loader(self, param: nn.Parameter, name: str, tensor_slice,
+                      shard_id: tuple[str, int]) -> None:
+        proj, _ = shard_id
+        if proj == "down":
+            check_shape(name, tensor_slice.get_shape(), (self.hidden, self.intermediate))
+            self.shard_view(shard_id).copy_(tensor_slice[:, self.inter_start:self.inter_end])
+        else:
+            check_shape(name, tensor_slice.get_shape(), (self.intermediate, self.hidden))
+            self.shard_view(shard_id).copy_(tensor_slice[self.inter_start:self.inter_end])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        """x: [num_rows, hidden]; weights, experts: [num_rows, top_k] (the router's) ->
+        [num_rows, hidden] float32: this rank's partial sum of every row's weighted experts.
+        On the kernel path the fused kernel (kernels/fused_moe.py), else the torch path."""
+        if kernel_path(x.device):
+            from lorad.workers.kernels.fused_moe import fused_moe  # the CPU never imports triton
+            return fused_moe(x, self.gate_up, self.down, weights, experts, self.config)
+        return routed_experts_torch(x, self.gate_up, self.down, weights, experts)
+
+
+def routed_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                         weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The CPU path of RoutedExperts.forward, and the reference fused_moe is checked against:
+    gate_up [num_experts, 2 * local, hidden], down [num_experts, hidden, local] -> [num_rows,
+    hidden] float32, each row's experts added in ascending order, as transformers adds them."""
+    num_local = gate_up.shape[1] // 2
+    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(experts).tolist():  # sorted
+        rows, slots = torch.nonzero(experts == e, as_tuple=True)  # each row at most once
+        products = rowwise_linear(x[rows], gate_up[e])  # [num_expert_rows, 2 * local]
+        # layers.silu_and_mul's torch path, spelt out: this is the reference on CUDA too.
+        gate = products[:, :num_local].float()
+        h = (gate / (1 + torch.exp(-gate))).to(x.dtype) * products[:, num_local:]
+        w_down = down[e]
+        if h.dtype != torch.float32:  # the partial sum unrounded, as RowParallelLinear's
+            h, w_down = h.float(), w_down.float()
+        out.index_add_(0, rows, rowwise_linear(h, w_down) * weights[rows, slots, None].float())
+    return out
+
+
+class SharedExpert(nn.Module):
+    """The dense MLP every row goes through, split over ranks as the dense family's (LoRA slots
+    on gate, up and down); its output is left unreduced for the block's one all-reduce."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        inter_range = balanced_split(intermediate, tp.world_size)[tp.rank]
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, intermediate, inter_range, dtype,
+                                                       device)
+        self.down_proj = RowParallelLinear(intermediate, hidden, inter_range, tp, dtype, device)
+
+    def partial_sum(self, x: torch.Tensor, lora: LoraRows) -> torch.Tensor:
+        """x: [num_rows, hidden] -> [num_rows, hidden] float32, this rank's share, deltas in."""
+        (gate, up), deltas = self.gate_up_proj(x, lora)
+        return self.down_proj.partial_sum(silu_and_mul(gate, up, deltas, lora.pdl_rows), lora)
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen2-MoE's sparse block: routed experts + sigmoid(gate(x)) * shared expert(x)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
+                 device: torch.device, tuning: Tuning) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        self.tp = tp
+        self.gate = TopKRouter(config, dtype, device)
+        self.experts = RoutedExperts(config.num_experts, hidden, inter,
+                                     balanced_split(inter, tp.world_size)[tp.rank], dtype, device)
+        self.shared_expert = SharedExpert(hidden, config.shared_expert_intermediate_size, tp,
+                                          dtype, device)
+        self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype, device)
+        self.tune(tuning)
+
+    def tune(self, tuning: Tuning) -> None:
+        """Hand each layer its part of the kernels' settings: the shared expert the dense
+        MLP's decode GEMV tiles, the routed experts the fused kernel's."""
+        dtype = self.shared_expert.gate_up_proj.weight.dtype
+        self.shared_expert.gate_up_proj.gemv = tuning.gemv.config("gate_up", dtype)
+        self.shared_expert.down_proj.gemv = tuning.gemv.config("down", dtype)
+        self.experts.config = tuning.moe
+
+    def forward(self, x: torch.Tensor, lora: LoraRows) -> tuple[torch.Tensor, None]:
+        """x: [num_rows, hidden] -> ([num_rows, hidden] float32 sum over ranks, before its
+        rounding to the model dtype (the residual add does it), None: no delta left over)."""
+        weights, experts = self.gate.route(x)
+        routed = self.experts(x, weights, experts)
+        # The gate scales the shared expert's sum over ranks; scaling each rank's share first
+        # is the same sum, so one all-reduce carries both.
+        shared = self.shared_expert.partial_sum(x, lora)
+        scale = sigmoid(self.shared_expert_gate(x)).float()  # [num_rows, 1]
+        return self.tp.all_reduce(routed + scale * shared), None

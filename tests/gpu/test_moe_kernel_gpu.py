@@ -1,0 +1,39 @@
+"""The fused MoE kernel on CUDA at Qwen1.5-MoE-A2.7B's expert shapes (hidden 2048, 60 experts
+of intermediate 1408, top 4; and one rank's 704 of them at --parallel 2): against the torch
+path with poisoned buffers, a row alone equal to the row in a batch, the expert tiles. The
+checks are tests/kernels/moe_kernel_checks.py's, which the CPU interpreter runs on tiny shapes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.kernels.moe_kernel_checks import check_expert_tiles, check_fused_moe, check_rows_alone
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                 reason="triton is not installed (the `gpu` extra)")]
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SHAPE = dict(hidden=2048, num_experts=60, top_k=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1408, 704])
+@pytest.mark.parametrize("num_rows", [1, 33, 256])
+def test_fused_moe(dtype, inter, num_rows):
+    check_fused_moe("cuda", DTYPES[dtype], num_rows=num_rows, inter=inter, **SHAPE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_alone(dtype):
+    check_rows_alone("cuda", DTYPES[dtype], num_rows=24, inter=1408, hidden=2048,
+                     num_experts=4, top_k=2)
+
+
+def test_expert_tiles():
+    check_expert_tiles("cuda", num_rows=257, num_experts=60, top_k=4)
