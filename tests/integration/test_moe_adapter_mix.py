@@ -21,12 +21,18 @@ MODELS = ("tiny-moe", "a", "b")
 
 
 @pytest.fixture(scope="module")
-def moe_daemon(tmp_path_factory):
+def moe_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_mix")
     base = make_tiny_qwen2_moe(root / "tiny-moe", seed=8)
     adapters = {"a": make_peft_adapter(base, root / "a", r=4, seed=31),
                 "b": make_peft_adapter(base, root / "b", r=8, lora_alpha=8, seed=32,
                                        target_modules=("o_proj", "shared_expert.down_proj"))}
+    return base, adapters
+
+
+@pytest.fixture(scope="module")
+def moe_daemon(moe_files):
+    base, adapters = moe_files
     daemon = start_daemon(base, "--name", "tiny-moe", "--parallel", "2",
                           "--kv-cache-blocks", "512", "--max-num-seqs", "48",
                           "--max-num-batched-tokens", "32", *adapter_flags(adapters))
@@ -48,3 +54,25 @@ def test_a_mixed_moe_burst_equals_every_solo_run(moe_daemon):
                                             for m in MODELS for mode in ("greedy", "seeded")}
     assert "compared by token ids" in result.stdout
     assert f"OK: all {burst} streams equal their solo runs" in result.stdout
+
+
+def test_moe_adapters_from_a_folder_in_one_slot_equal_them_given_at_start(moe_files, moe_daemon):
+    """The same adapters served by name from --adapter-dir in one device slot (slot tables on
+    the projections each MoE layer has): the burst equals the start-adapter daemon's solo
+    runs."""
+    base, adapters = moe_files
+    library = adapters["a"].parent
+    daemon = start_daemon(base, "--name", "tiny-moe", "--parallel", "2",
+                          "--kv-cache-blocks", "512", "--max-num-seqs", "48",
+                          "--max-num-batched-tokens", "32", "--adapter-dir", str(library),
+                          "--max-gpu-adapters", "1")
+    try:
+        result = subprocess.run([sys.executable, str(SCRIPT), "--url", daemon.url,
+                                 "--reference-url", moe_daemon.url, "--models",
+                                 ",".join(MODELS), "--max-tokens", "16", "--ignore-eos",
+                                 "--prompt-lengths", "8,60"],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "streams equal their solo runs" in result.stdout
+    finally:
+        assert daemon.stop() == 0, daemon.log()[-4000:]
