@@ -88,7 +88,7 @@ def test_probes_while_serving(served, tiny_model, tiny_adapters):
         assert [(r["rank"], r["state"]) for r in body["ranks"]] == [(0, "serving")]
         assert body["ranks"][0]["kv_blocks_free"] + body["ranks"][0]["kv_blocks_used"] == 256
         assert re.fullmatch(r"[0-9a-f]{16,}", body["registry_digest"]), body["registry_digest"]
-        assert [(a["name"], a["slot"], a["key"]) for a in body["adapters"]] == \
+        assert [(a["name"], a["id"], a["key"]) for a in body["adapters"]] == \
             [(s.name, s.adapter_id, s.key) for s in specs]
         assert body["kv_blocks"] == {"used": 0, "free": 256, "total": 256}
         assert (body["queued"], body["open_requests"]) == (0, 0)
