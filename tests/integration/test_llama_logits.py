@@ -165,14 +165,19 @@ def test_logits_match_transformers(runs, reference, world, model):
 
 def check_logits(runs, reference, world: int, model: str) -> None:
     tol = BF16_REL_TOL if MODELS[model][2] == "bfloat16" else FP32_REL_TOL
-    logits = read(runs, world, model)
+    check_scenarios(read(runs, world, model), reference, model, tol)
+
+
+def check_scenarios(logits: dict[str, torch.Tensor], reference, source: str, tol: float) -> None:
+    """Every sampled row of every scripted step against the reference's fp32 logits of
+    checkpoint `source` at the same position of the full sequence."""
     for scenario, steps in EXPECTED.items():
         for i, rows in enumerate(steps):
             got = logits[f"{scenario}.{i}"]  # [num_sampled, vocab]
             if not rows:
-                assert got.shape == (0, want_vocab(reference, model))
+                assert got.shape == (0, want_vocab(reference, source))
                 continue
-            want = torch.stack([reference[(model, seq)][pos] for seq, pos in rows])
+            want = torch.stack([reference[(source, seq)][pos] for seq, pos in rows])
             rel = ((got - want).abs().max() / want.abs().max()).item()
             assert rel < tol, f"{scenario} step {i}: relative error {rel:.2e} >= {tol:.0e}"
 
@@ -180,9 +185,17 @@ def check_logits(runs, reference, world: int, model: str) -> None:
 @pytest.mark.parametrize("world, model", [c for c in CASES if c[0] > 1],
                          ids=[f"world{w}-{m}" for w, m in CASES if w > 1])
 def test_every_rank_returns_the_same_logits(runs, world, model):
-    leader = read(runs, world, model)
-    for rank in range(1, world):
-        follower = read(runs, world, model, rank)
+    check_ranks_agree(runs, world, model)
+
+
+def check_ranks_agree(runs, world: int, model: str) -> None:
+    check_same_on_every_rank([read(runs, world, model, rank) for rank in range(world)])
+
+
+def check_same_on_every_rank(by_rank: list[dict[str, torch.Tensor]]) -> None:
+    """Each rank's logits files hold the same steps with the same bits as rank 0's."""
+    leader = by_rank[0]
+    for rank, follower in enumerate(by_rank[1:], start=1):
         assert leader.keys() == follower.keys()
         for key in leader:
             assert torch.equal(leader[key], follower[key]), f"rank {rank} differs at {key}"
@@ -191,9 +204,13 @@ def test_every_rank_returns_the_same_logits(runs, world, model):
 @pytest.mark.parametrize("world, model", CASES, ids=[f"world{w}-{m}" for w, m in CASES])
 def test_row_bits_do_not_depend_on_the_batch(runs, world, model):
     """X's logits are the same bits alone and batched with P and Q (first, last, padded)."""
-    logits = read(runs, world, model)
-    for i, (solo_rows, batched_rows) in enumerate(zip(EXPECTED["solo"], EXPECTED["batched"])):
-        assert solo_rows[0][0] == "X" and solo_rows[0] in batched_rows
+    check_row_bits(read(runs, world, model))
+
+
+def check_row_bits(logits: dict[str, torch.Tensor], expected: dict = EXPECTED) -> None:
+    """The row of X in each "solo" step has the bits of its row in the "batched" step."""
+    for i, (solo_rows, batched_rows) in enumerate(zip(expected["solo"], expected["batched"])):
+        assert solo_rows[0] in batched_rows
         solo = logits[f"solo.{i}"][0]
         batched = logits[f"batched.{i}"][batched_rows.index(solo_rows[0])]
         assert torch.equal(solo, batched), f"step {i}: X's logits differ when batched"

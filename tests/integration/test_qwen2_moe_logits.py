@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.integration.test_llama_logits import (BF16_REL_TOL, BLOCK_SIZE, EXPECTED,
-                                                 FP32_REL_TOL, NUM_BLOCKS, SEQS, STEPS)
+from tests.integration.test_llama_logits import (BF16_REL_TOL, BLOCK_SIZE, FP32_REL_TOL,
+                                                 NUM_BLOCKS, SEQS, STEPS, check_ranks_agree,
+                                                 check_row_bits, check_scenarios, read)
 from tests.tiny_models import make_tiny_qwen2_moe
 from tests.tp_runner import launch_ranks
 
@@ -66,42 +66,19 @@ def reference(checkpoints) -> dict[tuple[str, str], torch.Tensor]:
     return refs
 
 
-def read(runs: dict[int, Path], world: int, model: str, rank: int = 0) -> dict[str, torch.Tensor]:
-    return load_file(str(runs[world] / f"{model}.rank{rank}.safetensors"))
-
-
 @pytest.mark.parametrize("world, model", CASES, ids=[f"world{w}-{m}" for w, m in CASES])
 def test_logits_match_transformers(runs, reference, world, model):
     tol = BF16_REL_TOL if MODELS[model][2] == "bfloat16" else FP32_REL_TOL
-    source = CHECKPOINT_OF.get(model, model)
-    logits = read(runs, world, model)
-    for scenario, steps in EXPECTED.items():
-        for i, rows in enumerate(steps):
-            got = logits[f"{scenario}.{i}"]  # [num_sampled, vocab]
-            if not rows:
-                assert got.shape[0] == 0
-                continue
-            want = torch.stack([reference[(source, seq)][pos] for seq, pos in rows])
-            rel = ((got - want).abs().max() / want.abs().max()).item()
-            assert rel < tol, f"{scenario} step {i}: relative error {rel:.2e} >= {tol:.0e}"
+    check_scenarios(read(runs, world, model), reference, CHECKPOINT_OF.get(model, model), tol)
 
 
 @pytest.mark.parametrize("world, model", [c for c in CASES if c[0] > 1],
                          ids=[f"world{w}-{m}" for w, m in CASES if w > 1])
 def test_every_rank_returns_the_same_logits(runs, world, model):
-    leader = read(runs, world, model)
-    for rank in range(1, world):
-        follower = read(runs, world, model, rank)
-        assert leader.keys() == follower.keys()
-        for key in leader:
-            assert torch.equal(leader[key], follower[key]), f"rank {rank} differs at {key}"
+    check_ranks_agree(runs, world, model)
 
 
 @pytest.mark.parametrize("world, model", CASES, ids=[f"world{w}-{m}" for w, m in CASES])
 def test_row_bits_do_not_depend_on_the_batch(runs, world, model):
     """X's logits are the same bits alone and batched with P and Q, whose rows share experts."""
-    logits = read(runs, world, model)
-    for i, (solo_rows, batched_rows) in enumerate(zip(EXPECTED["solo"], EXPECTED["batched"])):
-        solo = logits[f"solo.{i}"][0]
-        batched = logits[f"batched.{i}"][batched_rows.index(solo_rows[0])]
-        assert torch.equal(solo, batched), f"step {i}: X's logits differ when batched"
+    check_row_bits(read(runs, world, model))

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.integration.test_llama_logits import check_row_bits, check_same_on_every_rank
 from tests.integration.test_lora_logits import FP32_REL_TOL, relative_error
 from tests.model_steps import runner_scenarios
 from tests.tiny_adapters import make_peft_adapter, scaled_peft_model
@@ -128,18 +129,10 @@ def test_logits_match_peft(runs, reference, world):
 
 @pytest.mark.parametrize("world", WORLDS[1:])
 def test_every_rank_returns_the_same_logits(runs, world):
-    leader = read(runs, world)
-    for rank in range(1, world):
-        follower = read(runs, world, rank)
-        for key in leader:
-            assert torch.equal(leader[key], follower[key]), f"rank {rank} differs at {key}"
+    check_same_on_every_rank([read(runs, world, rank) for rank in range(world)])
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_row_bits_do_not_depend_on_the_batch(runs, world):
     """X with slot 2: the same bits alone, sharing its slot with R, and among other slots."""
-    logits = read(runs, world)
-    for i, (solo_rows, batched_rows) in enumerate(zip(EXPECTED["solo"], EXPECTED["batched"])):
-        solo = logits[f"solo.{i}"][0]
-        batched = logits[f"batched.{i}"][batched_rows.index(solo_rows[0])]
-        assert torch.equal(solo, batched), f"step {i}: X's logits differ when batched"
+    check_row_bits(read(runs, world), EXPECTED)
