@@ -14,6 +14,7 @@ import logging
 import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,21 @@ class AdapterStore:
         self.version += 1
         if slot is not None:
             self._copy(spec, slot)
+
+    @contextmanager
+    def lit_slot(self, slot: int):
+        """Within the block, every table where `slot` edits nothing counts it at the table's
+        full rank with scale 0 (its factors are zeros or another adapter's: a delta of 0 either
+        way), so a warm-up step through `slot` runs every LoRA kernel."""
+        lit = [t for t in self.tables.values() if t.ranks[slot] == 0] if slot else []
+        for table in lit:
+            rank = table.lora_a.shape[1]
+            table.ranks[slot], table.rank_table[slot] = rank, rank
+        try:
+            yield
+        finally:
+            for table in lit:
+                table.clear(slot)
 
     # --- jobs ---------------------------------------------------------------------------------
 

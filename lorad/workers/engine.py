@@ -180,12 +180,15 @@ class Engine:
         else:
             slot = 1 if self.store.capacity.num_slots else 0
             steps = [[([0, 0], 0, [0], True, slot), ([0], 0, [0], True, 0)]]  # prefill, decode
-        for chunks in steps:
-            batch = ForwardBatch.build(chunks, self.block_size, self.tp.device,
-                                       min_rows=MIN_ROWS)
-            batch = dataclasses.replace(batch,
-                                        slot_mapping=torch.full_like(batch.slot_mapping, -1))
-            logits = self.model.forward(batch)  # [num_sampled, vocab]
+        # Slot 1's tables take part even when no adapter is in it yet (run-time adapters), so
+        # the LoRA kernels of every step size compile now too.
+        with self.store.lit_slot(1):
+            for chunks in steps:
+                batch = ForwardBatch.build(chunks, self.block_size, self.tp.device,
+                                           min_rows=MIN_ROWS)
+                batch = dataclasses.replace(batch,
+                                            slot_mapping=torch.full_like(batch.slot_mapping, -1))
+                logits = self.model.forward(batch)  # [num_sampled, vocab]
         if self.tp.rank == 0:  # the leader samples: its draw kernels compile now too
             warm_up_sampler(torch.zeros(2, logits.shape[1], device=logits.device))
         if self.tp.device.type == "cuda":

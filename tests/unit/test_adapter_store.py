@@ -108,3 +108,13 @@ def _agree(rows):
         return agreement.agree_step(SimpleNamespace(world_size=len(rows)), 0, 0)
     finally:
         agreement.all_gather_int64 = original
+
+
+def test_a_lit_slot_takes_part_at_full_rank_with_scale_0_and_goes_dark_again(tmp_path):
+    base = make_tiny_llama(tmp_path / "base")
+    store = _store(base, LoraCapacity(2, True, 16))
+    table = next(iter(store.tables.values()))
+    with store.lit_slot(1):
+        assert table.ranks[1] == 16 and int(table.rank_table[1]) == 16
+        assert table.scales[1] == 0.0 and float(table.scale_table[1]) == 0.0
+    assert table.ranks[1] == 0 and int(table.rank_table[1]) == 0
