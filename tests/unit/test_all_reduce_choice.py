@@ -123,3 +123,10 @@ def test_buffer_layout_puts_the_partials_after_aligned_flags():
     assert flag_bytes == 1024 and flag_bytes % 256 == 0  # 32 programs x 8 ranks x 4 bytes
     assert num_elements == 256 + 2 * 64 * 8192
     assert buffer_layout(OneshotConfig(num_programs=3), 3)[0] == 256
+
+
+def test_the_benchmark_runs_world_one_once_and_each_world_under_each_all_reduce():
+    from benchmarks.bench_multi_gpu import runs_of
+    assert runs_of([1, 2, 4], ["nccl", "oneshot"]) == [
+        ("nccl", 1), ("nccl", 2), ("oneshot", 2), ("nccl", 4), ("oneshot", 4)]
+    assert runs_of([2], ["oneshot"]) == [("oneshot", 2)]
