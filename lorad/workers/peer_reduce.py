@@ -1,10 +1,6 @@
-"""One rank's one-shot all-reduce (--all-reduce): whether it runs, the peer buffers it reads, and
-the calls into its kernels (kernels/oneshot_reduce.py). NCCL stays for tensors past
-OneshotConfig's size and wherever this cannot run; the CPU path never maps anything.
-
-The buffers are torch's symmetric memory (CUDA IPC under the hood, NVLink multicast off): one
-allocation a rank, [flags | two halves of partials], whose addresses every rank learns at the
-rendezvous. docs/multi-gpu.md has the protocol and what has run where.
+"""One rank's one-shot all-reduce (--all-reduce): whether it runs, its peer buffers (torch's
+symmetric memory, CUDA IPC, no NVLink multicast: [flags | two halves]) and the calls into its
+kernels. NCCL stays for larger tensors and wherever this cannot run (docs/multi-gpu.md).
 """
 
 from __future__ import annotations

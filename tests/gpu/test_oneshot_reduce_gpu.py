@@ -1,7 +1,6 @@
-"""The one-shot all-reduce kernels on one CUDA device at Llama-3-8B's hidden size (4096): the
-"ranks" are buffers on that device, which tests the arithmetic, the halves and the flags, not
-NVLink. The checks are tests/kernels/oneshot_reduce_checks.py's, which the CPU interpreter runs
-on tiny shapes; the multi-GPU tests (ranks in processes) are tests/gpu/test_multi_gpu_*.py.
+"""The one-shot all-reduce kernels on one CUDA device at Llama-3-8B's hidden size (4096), the
+checks of tests/kernels/oneshot_reduce_checks.py: the "ranks" are buffers on that device, which
+tests the arithmetic, the halves and the flags, not NVLink or processes meeting.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Checks of the one-shot all-reduce kernels (lorad/workers/kernels/oneshot_reduce.py) against
-the plain-torch rank-ordered sum and add + RMSNorm (oneshot_reduce_reference.py), on any device.
-
-test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1 in a subprocess;
-tests/gpu/test_oneshot_reduce_gpu.py calls them on one CUDA device at Llama-3-8B's hidden size.
-The "ranks" are buffers of one process: the arithmetic, the halves and the barrier's flags are
-the kernel's own, but no peer runs at the same time, so each check sets the flags the peers
-would have published (and their partials) before a rank's launch. Outputs are poisoned.
+"""Checks of kernels/oneshot_reduce.py against its plain-torch reference, poisoned outputs, on
+any device (the interpreter: test_triton_interpreted.py; CUDA: tests/gpu). Its "ranks" are buffers
+of one process, so the peers' partials and flags are written before each rank's launch.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""The one-shot all-reduce over peer memory: every rank reads every rank's fp32 partial sums and
-adds them in rank order 0..N-1, so each element's bits are the same on every rank and for any
-batch; alone, or fused with the residual add and the next RMSNorm. No NCCL, no buffer setup.
-
-The buffers (peer_memory.py maps them) are reached through a device table of addresses, one per
-rank. With a signal table too, each program first copies its share of this rank's partial into
-this rank's buffer, then meets its peers at a flag barrier (the protocol: docs/multi-gpu.md):
-  - rank r's program p publishes epoch e (its own counter + 1) into every peer's
-    signal[p, r] with a release store at system scope, after a CTA barrier;
-  - it spins on acquire loads of its own signal[p, q] until every q has reached e, then reads.
-A program meets only the same program of its peers, so the grid is one fixed size on every call
-(num_programs, every program resident at once); the partials alternate between two halves by
-the epoch's parity, so a rank may write epoch e's partial while a slow peer still reads e-1's,
-and e+1's only after every peer has arrived at e (and so has finished reading e-1).
+"""The one-shot all-reduce over peer memory: the world's fp32 partials added in rank order 0..N-1
+(the same bits on every rank, for any batch), alone or fused with the residual add and RMSNorm,
+behind a per-program flag barrier (docs/multi-gpu.md). No buffer setup (workers/peer_reduce.py).
 """
 
 from __future__ import annotations
@@ -30,8 +19,8 @@ SUM_BLOCK = 1024  # columns per tile of the plain sum; a row's bits do not depen
 
 @dataclass(frozen=True)
 class PeerBuffers:
-    """One rank's view of the world's one-shot buffers (peer_memory.py builds it on CUDA; the
-    checks build one over plain tensors of one process)."""
+    """One rank's view of the world's one-shot buffers (workers/peer_reduce.py builds it on
+    CUDA; the checks build one over plain tensors of one process)."""
 
     rank: int
     world_size: int
@@ -60,6 +49,13 @@ def _part(data_ptr, r, half):
     return tl.load(data_ptr + r).to(tl.pointer_type(tl.float32)) + half
 
 
+# The barrier (docs/multi-gpu.md, "The flag protocol"): program p of rank r publishes epoch e
+# (its counter + 1) into every peer's flags[p, r], releasing at system scope after a CTA barrier,
+# then acquires its own flags[p, q] until every q has reached e. A program meets only the same
+# program of its peers, so the grid is one fixed size on every call, every program resident at
+# once. The partials alternate between two halves by the epoch's parity: a rank writes e's while
+# a slow peer may still read e-1's, and e+1's only once every peer has arrived at e (and so has
+# finished reading e-1, in the kernel before).
 @triton.jit
 def _meet_peers(signal_table_ptr, counters_ptr, rank, pid, WORLD: tl.constexpr):
     """The flag barrier of one program: publish this rank's next epoch to every peer, wait until
