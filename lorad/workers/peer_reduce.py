@@ -107,6 +107,8 @@ def map_peer_buffers(rank: int, world_size: int, device: torch.device, group, cp
     flag_bytes, num_elements = buffer_layout(config, world_size)
     buffer = handle = None
     try:
+        if symm_mem.get_backend(device) != "CUDA":
+            symm_mem.set_backend("CUDA")  # CUDA IPC between the GPUs of one host, not NVSHMEM
         buffer = symm_mem.empty(num_elements, dtype=torch.float32, device=device)
         buffer[:flag_bytes // 4].view(torch.int32).zero_()
         torch.cuda.synchronize(device)  # zeroed before any peer can publish into it

@@ -1,6 +1,6 @@
-"""TensorParallel.all_reduce on real gloo ranks (processes over a FileStore) at worlds 3 and 4
-gives the bits of the one-shot kernels' reference (kernels/oneshot_reduce_reference.py) on every
-rank, and a row alone the bits it has in a batch: the path --all-reduce oneshot must agree with.
+"""TensorParallel.all_reduce on real gloo ranks (processes over a FileStore) at worlds 3 and 4:
+the bits of the one-shot kernels' reference on every rank, a row alone as in a batch (the path
+--all-reduce oneshot must agree with); peer buffers that no rank can map give None on every rank.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ ROWS, HIDDEN = 5, 40
 RANK_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch
+    from lorad.workers.kernels.configs import OneshotConfig
     from lorad.workers.parallel import init_tensor_parallel
+    from lorad.workers.peer_reduce import map_peer_buffers
     from tests.integration.test_rank_ordered_gloo import partial
 
     rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -30,7 +32,9 @@ RANK_SCRIPT = textwrap.dedent("""
     x = partial(world, rank)
     batch = tp.all_reduce(x.clone())
     alone = tp.all_reduce(x[-1:].clone())
-    print(json.dumps({"oneshot": tp.oneshot is not None,
+    # The CPU has no symmetric memory: every rank fails to allocate, and all agree on None.
+    mapped = map_peer_buffers(rank, world, tp.device, tp.group, tp.cpu_group, OneshotConfig())
+    print(json.dumps({"oneshot": tp.oneshot is not None, "mapped": mapped is not None,
                       "batch": batch.view(torch.int32).tolist(),
                       "alone": alone.view(torch.int32).tolist()}))
     sys.stdout.flush()
@@ -60,6 +64,6 @@ def test_gloo_ranks_sum_in_rank_order_like_the_kernel_reference(tmp_path, world)
     reverse = rank_ordered_sum([partial(world, r) for r in reversed(range(world))])
     assert not torch.equal(reverse.view(torch.int32), want)
     for rank, out in enumerate(outs):
-        assert not out["oneshot"]  # auto on the CPU: gloo
+        assert not out["oneshot"] and not out["mapped"]  # auto on the CPU: gloo
         assert torch.equal(torch.tensor(out["batch"], dtype=torch.int32), want), rank
         assert torch.equal(torch.tensor(out["alone"], dtype=torch.int32), want[-1:]), rank
