@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """lorad's decode step at world 1, 2 and 4 (those the GPU count allows) over NCCL: the 8B shape
-(scripts/configs/llama3-8b, random weights, bf16) at batch 1 and 32, through the decode CUDA
+(scripts/configs/llama3-8b, random weights, bf16) at batch 1, 32 and 64, through the decode CUDA
 graphs and eagerly, and the step's collectives alone (in a loop, and captured in a graph) for
-their share of the step. Prints a markdown table with the conditions; one process per rank.
+their share of the step; with --all-reduce nccl,oneshot both all-reduces in one run (world 1
+once). Prints a markdown table with the conditions; one process per rank.
 
-    python -m benchmarks.bench_multi_gpu [--worlds 1,2,4] [--batches 1,32] [--table-out FILE]
+    python -m benchmarks.bench_multi_gpu [--worlds 1,2,4] [--batches 1,32,64]
+        [--all-reduce nccl,oneshot] [--table-out FILE]
     python -m benchmarks.bench_multi_gpu --device cpu --backend gloo --dtype float32 \
         --config TINY_MODEL_DIR --worlds 1,2 --eager-only     (the CPU path, for a smoke run)
 
@@ -38,13 +40,15 @@ def cmd_rank(args) -> int:
     from lorad.workers.batch import MIN_ROWS, ForwardBatch
     from lorad.workers.models.llama import LlamaForCausalLM
     from lorad.workers.parallel import init_tensor_parallel
+    from lorad.workers.tuning import Tuning
 
     torch.set_num_threads(1 if args.device == "cpu" else 4)
     cuda = args.device == "cuda"
     device = torch.device("cuda", args.rank) if cuda else torch.device("cpu")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     tp = init_tensor_parallel(args.rank, args.world, f"file://{args.init_file}", args.backend,
-                              device, timeout_s=120)
+                              device, timeout_s=120, all_reduce=args.all_reduce,
+                              oneshot_config=Tuning().oneshot)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     config = ModelConfig.from_dir(args.config)
     t0 = time.monotonic()
@@ -59,6 +63,7 @@ def cmd_rank(args) -> int:
     sync()
     load_s = time.monotonic() - t0
     out = {"world": args.world, "rank": args.rank, "load_s": load_s, "rows": [],
+           "all_reduce": "oneshot" if tp.oneshot is not None else tp.backend,
            "layers": config.num_hidden_layers}
     graphs = None
     if cuda and not args.eager_only:
@@ -184,6 +189,13 @@ def time_collectives_graph(tp, rows: int, hidden: int, layers: int, dtype, batch
     return statistics.median(times[args.warmup:])
 
 
+def runs_of(worlds: list[int], modes: list[str]) -> list[tuple[str, int]]:
+    """(all-reduce, world) pairs to run: world 1 once (nothing to reduce), then each world of
+    2 or more under each all-reduce."""
+    runs = [(modes[0], 1)] if 1 in worlds else []
+    return runs + [(mode, w) for w in worlds if w > 1 for mode in modes]
+
+
 def cmd_bench(args) -> int:
     root = Path(args.work)
     rows, failed = {}, []
@@ -191,15 +203,17 @@ def cmd_bench(args) -> int:
     if max(worlds) > 1 and args.device == "cuda" and args.backend == "nccl":
         import torch
         worlds = [w for w in worlds if w <= torch.cuda.device_count()]
-    for world in worlds:
+    for mode, world in runs_of(worlds, args.all_reduce.split(",")):
+        name = f"{mode}{world}"
         procs = []
         env = {**os.environ, "OMP_NUM_THREADS": "4"}
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         for rank in range(world):
             cmd = [sys.executable, "-m", "benchmarks.bench_multi_gpu", "rank", "--rank",
                    str(rank), "--world", str(world),
-                   "--init-file", str(root / f"store{world}"), "--out",
-                   str(root / f"bench{world}.rank{rank}.json"), "--config", args.config,
+                   "--init-file", str(root / f"store{name}"), "--out",
+                   str(root / f"bench{name}.rank{rank}.json"), "--config", args.config,
+                   "--all-reduce", "nccl" if world == 1 else mode,
                    "--device", args.device, "--backend", args.backend, "--dtype", args.dtype,
                    "--batches", args.batches, "--context", str(args.context),
                    "--steps", str(args.steps), "--warmup", str(args.warmup)] + (
@@ -215,28 +229,32 @@ def cmd_bench(args) -> int:
                     p.kill()
                 output, _ = proc.communicate()
                 output += "\n(timed out)"
-            print(f"--- bench world {world} rank {rank} (exit {proc.returncode}):\n"
+            print(f"--- bench {mode} world {world} rank {rank} (exit {proc.returncode}):\n"
                   + "\n".join(output.splitlines()[-15:]), flush=True)
-            ok &= proc.returncode == 0 or (root / f"bench{world}.rank{rank}.json").exists()
+            ok &= proc.returncode == 0 or (root / f"bench{name}.rank{rank}.json").exists()
         if ok:
-            rows[world] = json.loads((root / f"bench{world}.rank0.json").read_text())
+            rows[(mode, world)] = json.loads((root / f"bench{name}.rank0.json").read_text())
         else:
-            failed.append(world)
+            failed.append(name)
     if not rows:
         print(f"bench_multi_gpu: no world size ran ({failed})", file=sys.stderr)
         return 1
     print(f"\n# {conditions(args.device)}; backend {args.backend}")
     print(f"{Path(args.config).name} decode, {args.dtype}, random weights, context "
           f"{args.context}, median of {args.steps} steps (rank 0, host-synced step incl. batch build + argmax); "
-          f"collectives alone: {2 * rows[max(rows)]['layers'] + 1} all-reduces of "
+          f"collectives alone: {2 * next(iter(rows.values()))['layers'] + 1} all-reduces of "
           "[max(batch, 8), hidden] + the logits "
           "all-gather, timed in a loop on the same ranks.\n")
-    table = ["| world | batch | eager step ms | graph step ms | graph tok/s | collectives "
+    table = ["| all-reduce | world | batch | eager step ms | graph step ms | graph tok/s | "
+             "collectives "
              "alone ms (eager) | all-reduce share of eager step | collectives in a graph ms | "
              "their share of the graph step | scaling efficiency |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    base = {r["batch"]: r for r in rows.get(1, {"rows": []})["rows"]}
-    for world, data in sorted(rows.items()):
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    solo = [data for (_, world), data in rows.items() if world == 1]
+    base = {r["batch"]: r for r in (solo[0]["rows"] if solo else [])}
+    for (mode, world), data in sorted(rows.items(), key=lambda item: (item[0][1], item[0][0])):
+        ran = data["all_reduce"] + ("" if data["all_reduce"] == mode or world == 1
+                                    else f" ({mode})")
         for r in data["rows"]:
             comm = r.get("ar_model_dtype")
             share = f"{100 * comm / r['step_s']:.0f}%" if comm else "-"
@@ -248,7 +266,8 @@ def cmd_bench(args) -> int:
             eff = f"{one_best / best / world:.2f}" if one_best and world > 1 else "-"
             in_graph = r.get("graph_collectives")
             graph_share = f"{100 * in_graph / graph:.0f}%" if in_graph and graph else "-"
-            table.append(f"| {world} | {r['batch']} | {1e3 * r['step_s']:.2f} | "
+            # The path the ranks ran (auto/oneshot falls back to NCCL where it cannot run).
+            table.append(f"| {ran} | {world} | {r['batch']} | {1e3 * r['step_s']:.2f} | "
                          f"{f'{1e3 * graph:.2f}' if graph else '-'} | "
                          f"{r['batch'] / best:.0f} | "
                          f"{f'{1e3 * comm:.2f}' if comm else '-'} | {share} | "
@@ -274,10 +293,14 @@ def main() -> int:
         sp.add_argument("--eager-only", action="store_true", help="no CUDA graphs")
         sp.add_argument("--config", default=str(REPO / "scripts/configs/llama3-8b"))
         sp.add_argument("--dtype", default="bfloat16")
-        sp.add_argument("--batches", default="1,32")
+        sp.add_argument("--batches", default="1,32,64")
         sp.add_argument("--context", type=int, default=512)
         sp.add_argument("--steps", type=int, default=30)
         sp.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--all-reduce", default="nccl",
+                   help="comma-separated --all-reduce values to compare (nccl,oneshot): each "
+                        "world of 2 or more runs under each; world 1 once")
+    rp.add_argument("--all-reduce", default="nccl")
     p.add_argument("--worlds", default="1,2,4",
                    help="world sizes to run (NCCL: those above the GPU count are skipped)")
     p.add_argument("--world-timeout", type=float, default=150)

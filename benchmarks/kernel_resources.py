@@ -33,7 +33,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from lorad.workers.kernels import (decode_gemv, fused_moe, fused_ops,  # noqa: E402
-                                   lora_expand, lora_shrink, paged_attention, token_draw)
+                                   lora_expand, lora_shrink, oneshot_reduce, paged_attention,
+                                   token_draw)
 from lorad.workers.kernels.configs import (DecodeAttentionConfig, ExpandConfig,  # noqa: E402
                                            ExpandSteps, GemvModelTiles, MoeConfig,
                                            ShrinkConfig, TileConfig)
@@ -171,6 +172,15 @@ def model_specs() -> list[Spec]:
              fused_ops._norm_warps(4096), 3,
              {"delta_ptr": bf16, "res_ptr": bf16, "res_out_ptr": bf16, "normed_ptr": bf16,
               "weight_ptr": bf16, **lora}),
+        # The one-shot all-reduce at world 2, with its flag barrier (--all-reduce oneshot).
+        Spec("one-shot all-reduce, sum", oneshot_reduce._oneshot_sum_kernel,
+             {"WORLD": 2, "BLOCK": oneshot_reduce.SUM_BLOCK, "SYNC": True}, 4, 3,
+             {"data_ptr": "i64", "signal_table_ptr": "i64", "counters_ptr": "i32"}),
+        Spec("one-shot all-reduce + add + RMSNorm", oneshot_reduce._oneshot_add_rms_norm_kernel,
+             {"WORLD": 2, "BLOCK": 4096, "HAS_RES": True, "SYNC": True},
+             fused_ops._norm_warps(4096), 3,
+             {"data_ptr": "i64", "signal_table_ptr": "i64", "counters_ptr": "i32",
+              "res_ptr": bf16, "res_out_ptr": bf16, "normed_ptr": bf16, "weight_ptr": bf16}),
         Spec("rotary + KV write", fused_ops._rotary_kv_kernel,
              {"HEAD_DIM": 128, "HAS_LQ": True, "HAS_LK": True, "HAS_LV": True, "PDL": True}, 1, 3,
              {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "q_out_ptr": bf16,

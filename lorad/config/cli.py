@@ -19,7 +19,8 @@ from lorad.config.adapters import AdapterArg
 from lorad.config.cluster import DEFAULT_MASTER_PORT, ClusterConfig
 from lorad.config.errors import ConfigError
 from lorad.config.kernel_cache import check_writable, resolve_kernel_cache_dir
-from lorad.config.serve import DIST_BACKENDS, DTYPES, DEVICES, LOAD_FORMATS, ServeConfig
+from lorad.config.serve import (ALL_REDUCES, DEVICES, DIST_BACKENDS, DTYPES, LOAD_FORMATS,
+                                 ServeConfig)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2,
                "mb": 1000**2, "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4,
@@ -267,6 +268,10 @@ def _add_parallel_flags(group) -> None:
     group.add_argument("--dist-backend", choices=DIST_BACKENDS, default="auto",
                        help="collectives between workers; auto: nccl on cuda, gloo on cpu "
                             "(default: %(default)s)")
+    group.add_argument("--all-reduce", choices=ALL_REDUCES, default="auto",
+                       help="the model's all-reduce: nccl, or oneshot (peer GPU memory, rank-"
+                            "ordered, for decode-size tensors; NCCL for the rest); auto: oneshot "
+                            "on cuda at --parallel 2+ on one host (default: %(default)s)")
     group.add_argument("--threads", type=positive_int, default=1, metavar="N",
                        help="CPU threads per worker (default: %(default)s)")
     group.add_argument("--enforce-eager", action="store_true",
@@ -372,7 +377,8 @@ def parse_args(argv: list[str] | None = None, node: bool = False) -> ServeConfig
             model_dir=args.model, served_name=name, parallel=args.parallel, host=args.host,
             cluster=cluster_config(args, node),
             port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
-            dist_backend=args.dist_backend, enforce_eager=args.enforce_eager,
+            dist_backend=args.dist_backend, all_reduce=args.all_reduce,
+            enforce_eager=args.enforce_eager,
             prefix_cache=args.prefix_cache, kv_spill_dir=_spill_dir(args),
             kv_spill_bytes=args.kv_spill_bytes, max_model_len=args.max_model_len,
             max_num_seqs=_none_if_auto(args.max_num_seqs),

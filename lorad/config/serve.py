@@ -19,6 +19,9 @@ from lorad.config.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
+# The model's all-reduce: nccl (the process group's), oneshot (peer memory, CUDA at --parallel 2
+# or more on one host, decode-size tensors; NCCL for the rest), auto (oneshot where it can run).
+ALL_REDUCES = ("auto", "nccl", "oneshot")
 # auto: the checkpoint's safetensors (the only format read). random: weights drawn from a fixed
 # seed in the shapes config.json gives, no checkpoint read (benchmarks, bring-up of new shapes).
 LOAD_FORMATS = ("auto", "safetensors", "random")
@@ -38,6 +41,26 @@ def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
 
 
+def check_all_reduce(all_reduce: str, device: str, parallel: int, dist_backend: str,
+                     nnodes: int) -> None:
+    """Refuse an --all-reduce that cannot run with the other flags (the workers check the
+    device that `auto` resolves to)."""
+    _choice("--all-reduce", all_reduce, ALL_REDUCES)
+    if all_reduce != "oneshot":
+        return
+    if device == "cpu":
+        raise ConfigError("--all-reduce oneshot needs CUDA, and --device cpu was given: use "
+                          "--all-reduce nccl (or auto)")
+    if parallel < 2:
+        raise ConfigError(f"--all-reduce oneshot needs --parallel 2 or more, got {parallel}: "
+                          "one rank has nothing to reduce")
+    if dist_backend == "gloo":
+        raise ConfigError("--all-reduce oneshot needs --dist-backend nccl (or auto), got gloo")
+    if nnodes > 1:
+        raise ConfigError(f"--all-reduce oneshot reads peers' GPU memory on one host, and "
+                          f"--nnodes is {nnodes}: use --all-reduce nccl (or auto)")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """Everything `lorad serve` was told on the command line."""
@@ -52,6 +75,7 @@ class ServeConfig:
     load_format: str = "auto"
     device: str = "auto"
     dist_backend: str = "auto"
+    all_reduce: str = "auto"  # ALL_REDUCES
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     prefix_cache: bool = True  # reuse cached KV blocks of equal prefixes (workers/prefix_cache.py)
     kv_spill_dir: str | None = None  # absolute, checked writable; None: no disk spill
@@ -104,6 +128,8 @@ class ServeConfig:
         if self.device == "cpu" and self.dist_backend == "nccl":
             raise ConfigError("--dist-backend nccl needs CUDA, and --device cpu was given: use "
                               "--dist-backend gloo (or auto)")
+        check_all_reduce(self.all_reduce, self.device, self.parallel, self.dist_backend,
+                         self.cluster.nnodes)
         _positive("--max-model-len", self.max_model_len, allow_none=True)
         _positive("--max-num-seqs", self.max_num_seqs, allow_none=True)
         _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
@@ -178,6 +204,7 @@ class WorkerConfig:
     node_addr: str | None = None  # where this host's gloo pairs listen (cluster.gloo_addr)
     log_level: str = "info"
     load_format: str = "auto"
+    all_reduce: str = "auto"  # ALL_REDUCES, checked with the flags by ServeConfig
     enforce_eager: bool = False
     prefix_cache: bool = True
     kv_spill_dir: str | None = None  # each rank's store is its rank-R subfolder

@@ -104,9 +104,13 @@ class Engine:
                               "lets ranks share GPUs")
         log.info("device %s, dtype %s, backend %s, world size %d", device, dtype, backend,
                  cfg.parallel)
+        # The product's kernel settings: one Tuning for the server's life (a row's bits depend on
+        # some of them).
+        tuning = Tuning()
         tp = init_tensor_parallel(rank, cfg.parallel, cfg.dist_init_method, backend, device,
                                   host_ranks=cfg.local_ranks, gloo_addr=cfg.cluster.gloo_addr,
-                                  cluster_flags=cfg.cluster.flags(cfg.parallel))
+                                  cluster_flags=cfg.cluster.flags(cfg.parallel),
+                                  all_reduce=cfg.all_reduce, oneshot_config=tuning.oneshot)
         clock.mark("workers up")
         # After joining the group: a rank that refuses here exits, and its peers' next
         # collective fails at once instead of waiting for it to join.
@@ -123,9 +127,7 @@ class Engine:
         clock.mark("adapters")
         num_weight_bytes = check_weights_fit(cfg.model_dir, model_config, tp, dtype, adapters,
                                              capacity)
-        # The product's kernel settings: one Tuning for the server's life (a row's bits depend on
-        # some of them).
-        model = model_class(model_config)(model_config, tp, dtype, device, Tuning())
+        model = model_class(model_config)(model_config, tp, dtype, device, tuning)
         if cfg.load_format == "random":
             model.load_random_weights(RANDOM_WEIGHTS_SEED)
             log.info("random weights (seed %d): no checkpoint read", RANDOM_WEIGHTS_SEED)

@@ -18,6 +18,7 @@ from lorad.workers.linear import load_replicated
 
 if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
     from lorad.workers.kernels.lora_common import LoraDelta
+    from lorad.workers.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -55,6 +56,17 @@ class RMSNorm(nn.Module):
         dtype = self.weight.dtype
         hidden = delta.to(dtype) if residual is None else residual + delta.to(dtype)
         return hidden, self(hidden)
+
+    def reduce_add_and_norm(self, partial: torch.Tensor, residual: torch.Tensor | None,
+                            tp: TensorParallel,
+                            pdl_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_and_norm(tp.all_reduce(partial), residual): partial is a row-parallel layer's
+        fp32 partial sum, its LoRA delta in it. One kernel that reads the peers' partials where
+        the one-shot all-reduce takes the tensor (peer_reduce.py), the two steps otherwise."""
+        oneshot = tp.oneshot
+        if oneshot is not None and oneshot.applies(partial) and kernel_path(partial.device):
+            return oneshot.all_reduce_add_norm(partial, residual, self.weight, self.eps)
+        return self.add_and_norm(tp.all_reduce(partial), residual, pdl_rows=pdl_rows)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor,

@@ -4,23 +4,30 @@ Layers call `all_reduce` (row-parallel outputs, the vocab-parallel embedding) an
 `all_gather_last_dim` (vocab-parallel logits) themselves. Control traffic (step agreement, sampled
 ids) uses `cpu_group`; this file does not implement it. With gloo, CUDA tensors are reduced through
 host copies, so several ranks can share one GPU (`--parallel 2 --dist-backend gloo` on one card).
+With --all-reduce oneshot (or auto on CUDA) decode-size sums read peer memory (peer_reduce.py).
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from lorad.workers.cluster_store import bound_gloo_backend, tcp_store
+from lorad.workers.peer_reduce import OneshotAllReduce, map_peer_buffers, resolve_all_reduce
+
+if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
+    from lorad.workers.kernels.configs import OneshotConfig
 
 
 class TensorParallel:
     """This rank's place in the tensor-parallel group and the collectives the model uses."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, group=None,
-                 cpu_group=None, backend: str = "gloo", host_ranks: range | None = None) -> None:
+                 cpu_group=None, backend: str = "gloo", host_ranks: range | None = None,
+                 oneshot: OneshotAllReduce | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -33,6 +40,8 @@ class TensorParallel:
         # Set while a CUDA graph is captured in segments (cuda_graph.SegmentedGraph): each
         # collective then ends a segment and runs eagerly between the replays of two.
         self.segmenter = None
+        # The one-shot all-reduce over peer memory, for the tensors it takes; None: NCCL/gloo.
+        self.oneshot = oneshot
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's `x`, the same bits on every rank. May reuse `x`'s storage."""
@@ -43,6 +52,10 @@ class TensorParallel:
         return self._all_reduce_any(x)
 
     def _all_reduce_any(self, x: torch.Tensor) -> torch.Tensor:
+        if self.oneshot is not None and self.oneshot.applies(x):
+            # The same rank-ordered sum as _all_reduce's at any world size, so a row's bits do
+            # not change where the size moves a tensor from one path to the other.
+            return self.oneshot.all_reduce(x)
         if self.backend == "gloo" and x.is_cuda:
             # gloo reduces host memory (its own CUDA path stages through the host too); copying
             # here keeps that in sight and the rank-order sum below the same on CPU and GPU.
@@ -90,13 +103,20 @@ class TensorParallel:
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
                          device: torch.device, timeout_s: float = 600,
                          host_ranks: range | None = None,
-                         gloo_addr: str | None = None, cluster_flags: str = "") -> TensorParallel:
+                         gloo_addr: str | None = None, cluster_flags: str = "",
+                         all_reduce: str = "nccl",
+                         oneshot_config: OneshotConfig | None = None) -> TensorParallel:
     """Join the group through a FileStore (`file://<path>`: no ports), or between hosts a TCP
-    store (`tcp://ADDR:PORT`, cluster_store.py). World 1 needs no torch.distributed at all."""
+    store (`tcp://ADDR:PORT`, cluster_store.py). World 1 needs no torch.distributed at all.
+    all_reduce: --all-reduce (peer_reduce.resolve_all_reduce); oneshot_config: Tuning.oneshot."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
+    num_host_ranks = world_size if host_ranks is None else len(host_ranks)
+    # Before joining: every rank refuses an impossible --all-reduce oneshot alike.
+    requested = all_reduce
+    all_reduce = resolve_all_reduce(all_reduce, device, world_size, backend, num_host_ranks)
     if device.type == "cuda":
         # Whatever the backend: Triton launches on the current device, not the tensors'.
         torch.cuda.set_device(device)
@@ -117,5 +137,14 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
     # A separate gloo group for control, so step agreement and the sampled-id broadcast never
     # queue behind (or interleave with) the model's collectives on the same communicator.
     cpu_group = dist.new_group(backend=gloo, timeout=timeout)
+    oneshot = None
+    if all_reduce == "oneshot":  # CUDA, NCCL, world 2 or more on one host
+        assert oneshot_config is not None, "the one-shot all-reduce needs Tuning.oneshot"
+        oneshot = map_peer_buffers(rank, world_size, device, dist.group.WORLD, cpu_group,
+                                   oneshot_config)
+        if oneshot is None and requested == "oneshot":
+            raise RuntimeError("--all-reduce oneshot: a rank could not map its peer buffers "
+                               "(its log says why); use --all-reduce nccl (or auto)")
     return TensorParallel(rank, world_size, device, group=dist.group.WORLD,
-                          cpu_group=cpu_group, backend=backend, host_ranks=host_ranks)
+                          cpu_group=cpu_group, backend=backend, host_ranks=host_ranks,
+                          oneshot=oneshot)

@@ -14,7 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from lorad.workers.kernels.configs import (DecodeAttentionConfig, ExpandSteps, GemvModelTiles,
-                                           MoeConfig, PdlConfig, ShrinkConfig, TileConfig)
+                                           MoeConfig, OneshotConfig, PdlConfig, ShrinkConfig,
+                                           TileConfig)
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Tuning:
     gemv: GemvModelTiles = GemvModelTiles()  # the base projections' decode GEMV
     attention: DecodeAttentionConfig = DecodeAttentionConfig()  # decode attention
     moe: MoeConfig = MoeConfig()  # the fused MoE kernel's tiles (Qwen2-MoE's routed experts)
+    oneshot: OneshotConfig = OneshotConfig()  # the one-shot all-reduce (--all-reduce)
 
 
 def replaced(tuning: Tuning, settings: str) -> Tuning:

@@ -52,3 +52,14 @@ def test_refuses_a_config_it_cannot_read():
     done = run("--only", "lora expand", "--expand", "64,4,2")
     assert done.returncode != 0
     assert "expected 2 comma-separated integers" in done.stdout + done.stderr
+
+
+def test_reports_the_one_shot_all_reduce():
+    # Its spin on an acquire load and its release at system scope compile for sm_90, unspilled.
+    done = run("--only", "one-shot")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [m for m in (LINE.match(line) for line in done.stdout.splitlines()) if m]
+    assert sorted(m.group(5).split(" (")[0] for m in rows) == [
+        "one-shot all-reduce + add + RMSNorm", "one-shot all-reduce, sum"], done.stdout
+    for m in rows:
+        assert 16 <= int(m.group(1)) <= 255 and int(m.group(2)) == 0, m.group(0)

@@ -92,6 +92,12 @@ def test_byte_sizes(text, expected):
     (["--kv-spill-dir", "/tmp/lorad-spill", "--no-prefix-cache"], "--kv-spill-dir"),
     (["--kv-spill-dir", "/proc/lorad-spill"], "--kv-spill-dir /proc/lorad-spill"),
     (["--kv-spill-dir", " "], "--kv-spill-dir"),
+    (["--all-reduce", "ring"], "--all-reduce"),
+    (["--all-reduce", "oneshot", "--device", "cpu", "--parallel", "2"],
+     "--all-reduce oneshot needs CUDA"),
+    (["--all-reduce", "oneshot"], "--parallel 2 or more"),
+    (["--all-reduce", "oneshot", "--parallel", "2", "--dist-backend", "gloo"],
+     "--dist-backend nccl"),
 ])
 def test_bad_values_are_one_line_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -40,6 +40,18 @@ class PdlConfig:
 
 
 @dataclass(frozen=True)
+class OneshotConfig:
+    """The one-shot all-reduce (kernels/oneshot_reduce.py, workers/peer_reduce.py): the largest
+    tensor it takes (decode-size: more rows, or a wider row, go to NCCL) and its fixed grid,
+    which must be resident at once on every rank (the barrier meets program p with program p).
+    Unmeasured defaults: no multi-GPU machine has run it yet."""
+
+    max_rows: int = 64
+    max_hidden: int = 16384
+    num_programs: int = 32
+
+
+@dataclass(frozen=True)
 class TileConfig:
     """The LoRA kernels' row tiles (lora_tiles.py) and persistent grids."""
 
