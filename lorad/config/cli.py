@@ -268,10 +268,12 @@ def _add_parallel_flags(group) -> None:
     group.add_argument("--dist-backend", choices=DIST_BACKENDS, default="auto",
                        help="collectives between workers; auto: nccl on cuda, gloo on cpu "
                             "(default: %(default)s)")
-    group.add_argument("--all-reduce", choices=ALL_REDUCES, default="auto",
-                       help="the model's all-reduce: nccl, or oneshot (peer GPU memory, rank-"
-                            "ordered, for decode-size tensors; NCCL for the rest); auto: oneshot "
-                            "on cuda at --parallel 2+ on one host (default: %(default)s)")
+    group.add_argument("--all-reduce", choices=ALL_REDUCES, default="nccl",
+                       help="the model's all-reduce: nccl (the process group's: gloo on cpu), "
+                            "or oneshot (peer GPU memory, rank-ordered, for decode-size "
+                            "tensors; NCCL for the rest); auto: oneshot on cuda at --parallel 2+ "
+                            "on one host. oneshot has not yet run on GPUs (docs/multi-gpu.md) "
+                            "(default: %(default)s)")
     group.add_argument("--threads", type=positive_int, default=1, metavar="N",
                        help="CPU threads per worker (default: %(default)s)")
     group.add_argument("--enforce-eager", action="store_true",

@@ -75,7 +75,7 @@ class ServeConfig:
     load_format: str = "auto"
     device: str = "auto"
     dist_backend: str = "auto"
-    all_reduce: str = "auto"  # ALL_REDUCES
+    all_reduce: str = "nccl"  # ALL_REDUCES
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     prefix_cache: bool = True  # reuse cached KV blocks of equal prefixes (workers/prefix_cache.py)
     kv_spill_dir: str | None = None  # absolute, checked writable; None: no disk spill
@@ -204,7 +204,7 @@ class WorkerConfig:
     node_addr: str | None = None  # where this host's gloo pairs listen (cluster.gloo_addr)
     log_level: str = "info"
     load_format: str = "auto"
-    all_reduce: str = "auto"  # ALL_REDUCES, checked with the flags by ServeConfig
+    all_reduce: str = "nccl"  # ALL_REDUCES, checked with the flags by ServeConfig
     enforce_eager: bool = False
     prefix_cache: bool = True
     kv_spill_dir: str | None = None  # each rank's store is its rank-R subfolder

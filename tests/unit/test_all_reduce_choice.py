@@ -23,8 +23,11 @@ def serve(**flags) -> ServeConfig:
     return ServeConfig(model_dir="m", served_name="m", **flags)
 
 
-def test_the_flag_defaults_to_auto_and_reaches_the_workers():
-    assert serve().all_reduce == "auto"
+def test_the_flag_defaults_to_nccl_and_reaches_the_workers():
+    """nccl stays the default until the one-shot path has run on GPUs (docs/multi-gpu.md)."""
+    assert serve().all_reduce == "nccl"
+    from lorad.config.cli import parse_args
+    assert parse_args(["--model", "/m"]).all_reduce == "nccl"
     assert serve(all_reduce="oneshot", parallel=2, device="cuda").all_reduce == "oneshot"
     from dataclasses import fields
 
