@@ -39,10 +39,12 @@ from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
 from lorad.workers.fused_linear import FusedColumnParallelLinear  # noqa: E402
 from lorad.workers.linear import RowParallelLinear  # noqa: E402
+from lorad.workers.loader import fill_slot, read_shards  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
 from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
 from benchmarks.common import conditions, copy_bandwidth, time_cuda  # noqa: E402
+from benchmarks.step_table import table_json, time_adapter_copy  # noqa: E402
 from lorad.workers.tuning import Tuning, replaced  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
@@ -107,6 +109,9 @@ def parse_args() -> argparse.Namespace:
                         "(kernels/pdl.py), to measure what it saves (the same as every "
                         "variant's and main's pdl.max_rows=0+pdl.max_rows_with_lora=0)")
     p.add_argument("--table-out", help="also write the markdown table to this file")
+    p.add_argument("--json-out", help="also write the step-time table (lorad-step-table/1, "
+                   "docs/capacity.md) of the decode and prefill rows and an adapter's copy "
+                   "into a slot, for scripts/capacity.py")
     args = p.parse_args()
     if args.quick:
         args.batches, args.prefill, args.hf_batches = [1, 32, 64], "2x512", [32]
@@ -163,11 +168,37 @@ def write_adapter(folder: Path, config: ModelConfig, rank: int,
     return folder
 
 
-def load_adapters(model: LlamaForCausalLM, folder: Path, count: int) -> None:
-    """The same factors in `count` slots (each its own memory): validated and keyed once."""
+def load_adapters(model: LlamaForCausalLM, folder: Path, count: int) -> tuple[dict, object]:
+    """The same factors in `count` slots (each its own memory): validated and keyed once; as
+    model.load_adapters does, keeping the slot tables -> (tables, slot 1's spec)."""
     spec = load_adapter(AdapterArg("a1", str(folder)), 1, model.config)
-    model.load_adapters(tuple(dataclasses.replace(spec, name=f"a{slot}", adapter_id=slot)
-                              for slot in range(1, count + 1)))
+    specs = tuple(dataclasses.replace(spec, name=f"a{slot}", adapter_id=slot)
+                  for slot in range(1, count + 1))
+    tables = model.add_lora_tables(specs, None)
+    for one in specs:
+        fill_slot(tables, one.adapter_id, one, read_shards(tables, one))
+    return tables, specs[0]
+
+
+def table_steps(found: list[dict], num_adapters: int) -> list[dict]:
+    """The decode and prefill rows as a step table's steps (graph rows where a case has them);
+    distinct adapters: base 0, one 1, mixed4 up to 4, many up to num_adapters."""
+    levels = {"base": 0, "one": 1, "mixed4": 4, "many": num_adapters}
+    graphed = {(r["case"], r["batch"]) for r in found if r["mode"] == "graph" and r["step_ms"]}
+    steps = []
+    for r in found:
+        if not r["step_ms"] or (r["mode"] == "eager" and (r["case"], r["batch"]) in graphed):
+            continue
+        if r["case"] in levels:
+            steps.append({"decode_rows": r["batch"], "prefill_tokens": 0,
+                          "adapters": min(r["batch"], levels[r["case"]]),
+                          "step_ms": round(r["step_ms"], 4)})
+        elif r["case"] in ("prefill base", "prefill many"):
+            num_seqs, length = (int(x) for x in r["batch"].split("x"))
+            adapters = 0 if r["case"] == "prefill base" else min(num_seqs, num_adapters)
+            steps.append({"decode_rows": 0, "prefill_tokens": num_seqs * length,
+                          "adapters": adapters, "step_ms": round(r["step_ms"], 4)})
+    return steps
 
 
 class Floor:
@@ -562,11 +593,15 @@ def main() -> int:
     folder = write_adapter(Path(tmp.name) / "adapter", config, args.rank,
                            ADAPTER_DTYPES[args.adapter_dtype])
     adapter_cases = [c for c in cases if c != "base"]
+    copy_ms = {}
     if adapter_cases:
         start = time.monotonic()
-        load_adapters(model, folder, args.num_adapters)
+        tables, first = load_adapters(model, folder, args.num_adapters)
         print(f"{args.num_adapters} adapters loaded ({time.monotonic() - start:.0f}s)",
               flush=True)
+        if args.json_out:
+            copy_ms = time_adapter_copy(tables, first, 5, CUDA)
+        del tables
         graphs = capture(model, args, args.num_adapters)
         floor = Floor(model, bandwidth)
         bench_decode(model, graphs, floor, adapter_cases, args, blocks_per_seq)
@@ -626,6 +661,12 @@ def main() -> int:
     text = table(lines) + "\n\nTargets of the GPU issue:\n\n" + targets()
     if args.table_out:
         Path(args.table_out).write_text(text + "\n")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(table_json(
+            lines[0], Path(args.config).name, props.name, 1, args.context, prefill_len,
+            table_steps(rows, args.num_adapters), copy_ms,
+            tables=f"start adapters: {args.num_adapters} of rank {args.rank} on all 7 "
+            f"projections, {args.adapter_dtype}"), indent=1) + "\n")
     print("\n" + text)
     return 0 if all(r["step_ms"] is not None for r in rows) else 1
 
