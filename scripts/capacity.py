@@ -94,8 +94,8 @@ def replica_config(args) -> ReplicaConfig:
 
 
 def needed(args, table: StepTable, router: str, start: int) -> dict:
-    """The fewest replicas that meet the target (searching up from `start`, then halving the
-    gap), with that run's figures."""
+    """The fewest replicas that meet the target, to --precision (searching up from `start` by a
+    quarter at a time, then halving the gap), with that run's figures."""
     runs: dict[int, dict] = {}
 
     def ok(n: int) -> bool:
@@ -108,7 +108,7 @@ def needed(args, table: StepTable, router: str, start: int) -> dict:
         lo, hi = hi, max(hi + 1, math.ceil(hi * 1.25))
         if hi > args.max_replicas:
             return {"replicas": None, "tried": hi}
-    while lo + 1 < hi:
+    while hi - lo > max(1, math.ceil(args.precision * hi)):
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
     return runs[hi]
@@ -271,6 +271,8 @@ def parse_args(argv):
     fleet.add_argument("--slack", type=int, default=4,
                        help="affinity: open requests a holder may have over the least loaded")
     fleet.add_argument("--max-replicas", type=int, default=100_000)
+    fleet.add_argument("--precision", type=float, default=0.01,
+                       help="the search stops within this share of the answer (0: exact)")
     fleet.add_argument("--seed", type=int, default=0)
     burst_.add_argument("--check", metavar="BENCH_JSON", help="compare with this measured burst")
     burst_.add_argument("--base-model", default="SmolLM2-135M-Instruct",

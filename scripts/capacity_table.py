@@ -71,6 +71,7 @@ class StepTable:
                             for b, p, ms in points]
                 self.fixed[a] = min(max(sum(residual) / len(residual), 0.0),
                                     self.decode[a][1][0])
+        self._memo: dict[tuple[int, int, int], float] = {}
         loads = data.get("adapter_load_ms") or {}
         self.load_ms = {"host": float(loads.get("host", 0.0)),
                         "disk": float(loads.get("disk", loads.get("host", 0.0)))}
@@ -103,7 +104,14 @@ class StepTable:
             [0] + self.prefill[a][0], [self.fixed_ms(a)] + self.prefill[a][1], tokens))
 
     def step_ms(self, decode_rows: int, prefill_tokens: int, adapters: int) -> float:
-        """Milliseconds of one step; 0 for an empty one."""
+        """Milliseconds of one step; 0 for an empty one. Memoized: a simulation asks for the
+        same few shapes millions of times."""
+        key = (decode_rows, prefill_tokens, adapters)
+        if key not in self._memo:
+            self._memo[key] = self._step_ms(*key)
+        return self._memo[key]
+
+    def _step_ms(self, decode_rows: int, prefill_tokens: int, adapters: int) -> float:
         d = self.decode_ms(decode_rows, adapters) if decode_rows else 0.0
         f = self.prefill_ms(prefill_tokens, adapters) if prefill_tokens else 0.0
         if decode_rows and prefill_tokens:

@@ -137,7 +137,8 @@ def args_for(**over) -> argparse.Namespace:
     values = dict(rate=50.0, duration=20.0, warmup=5.0, adapters=100, zipf=1.0, base_share=0.0,
                   prompt_len=64, prompt_sigma=0.0, output_len=16, output_sigma=0.0, seed=0,
                   max_num_seqs=16, max_num_batched_tokens=256, slots=2, host_cache=4,
-                  overhead_ms=0.0, slack=4, ttft_p99=0.5, max_replicas=200)
+                  overhead_ms=0.0, slack=4, ttft_p99=0.5, max_replicas=200,
+                  precision=0.0)
     values.update(over)
     return argparse.Namespace(**values)
 
