@@ -227,3 +227,19 @@ def test_bench_engine_rows_make_a_step_table():
                                 (1, 0, 1, 4.8), (0, 1024, 2, 46.9)]
     table = table_mod.StepTable({"format": table_mod.FORMAT, "steps": steps})
     assert table.step_ms(64, 0, 64) == 8.8
+
+
+def test_step_table_steps_have_the_rows_tokens_and_adapters_they_are_filed_under():
+    torch = pytest.importorskip("torch")
+    from benchmarks.step_table import BLOCK_SIZE, step_chunks
+
+    args = argparse.Namespace(context=40, prefill_chunk=128)
+    chunks = step_chunks(2, 300, 2, args, torch.Generator().manual_seed(0))
+    assert [len(c[0]) for c in chunks] == [1, 1, 128, 128, 44]
+    assert [c[1] for c in chunks] == [40, 40, 0, 0, 0]  # decodes at the context, prompts at 0
+    assert [c[4] for c in chunks] == [1, 2, 1, 2, 1]  # two distinct adapters
+    for ids, start, table, _, _ in chunks:  # every chunk's blocks cover its positions, unshared
+        assert len(table) * BLOCK_SIZE >= start + len(ids)
+    blocks = [b for c in chunks for b in c[2]]
+    assert len(blocks) == len(set(blocks)) and 0 not in blocks
+    assert {c[4] for c in step_chunks(3, 0, 0, args, torch.Generator())} == {0}
