@@ -95,7 +95,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--adapter-dtype", choices=sorted(ADAPTER_DTYPES), default="bf16",
                    help="the dtype the adapters' files store their factors in, and so the LoRA "
                         "tables' (lora.table_dtype)")
-    p.add_argument("--prefill", default="8x512", help="SEQSxTOKENS of the prefill step; '' skips")
+    p.add_argument("--prefill", default="8x512",
+                   help="SEQSxTOKENS of the prefill step, several comma-separated (a step "
+                        "table wants a few: 1x512,2x512,1x2048); '' skips")
     p.add_argument("--hf-batches", type=ints, default=[1, 32], help="'' skips transformers")
     p.add_argument("--hf-prompt", type=int, default=128)
     p.add_argument("--hf-new-tokens", type=int, default=16)
@@ -365,24 +367,26 @@ def bench_decode(model, graphs, floor: Floor, cases: list[str], args, blocks_per
 
 
 def bench_prefill(model, case: str, args, flops: float, floor: Floor, label: str = "") -> None:
-    num_seqs, length = (int(x) for x in args.prefill.split("x"))
-    slots = slots_for("many" if case == "many" else "base", num_seqs, args.num_adapters)
-    gen = torch.Generator().manual_seed(2)
-    per_seq = -(-length // BLOCK_SIZE)
-    chunks = [(torch.randint(*PROMPT_ID_RANGE, (length,), generator=gen).tolist(), 0,
-               list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), True, slot)
-              for i, slot in enumerate(slots)]
-    try:
-        batch = ForwardBatch.build(chunks, BLOCK_SIZE, CUDA)
-        seconds = time_cuda(lambda: model.forward(batch), 3, warmup=1)
-    except Exception as exc:
-        traceback.print_exc()
-        add_row(f"prefill {case}{label}", args.prefill, "eager", None, note=f"failed: {exc}")
-        return
-    floor_s = max(floor.prefill_flops(slots, length) / flops,
-                  floor.decode_seconds(slots, [length] * num_seqs))
-    add_row(f"prefill {case}{label}", args.prefill, "eager", seconds, None, floor_s,
-            tokens=num_seqs * length)
+    """One eager prefill step per --prefill shape (SEQSxTOKENS, comma-separated)."""
+    for shape in [x for x in args.prefill.split(",") if x]:
+        num_seqs, length = (int(x) for x in shape.split("x"))
+        slots = slots_for("many" if case == "many" else "base", num_seqs, args.num_adapters)
+        gen = torch.Generator().manual_seed(2)
+        per_seq = -(-length // BLOCK_SIZE)
+        chunks = [(torch.randint(*PROMPT_ID_RANGE, (length,), generator=gen).tolist(), 0,
+                   list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), True, slot)
+                  for i, slot in enumerate(slots)]
+        try:
+            batch = ForwardBatch.build(chunks, BLOCK_SIZE, CUDA)
+            seconds = time_cuda(lambda: model.forward(batch), 3, warmup=1)
+        except Exception as exc:
+            traceback.print_exc()
+            add_row(f"prefill {case}{label}", shape, "eager", None, note=f"failed: {exc}")
+            continue
+        floor_s = max(floor.prefill_flops(slots, length) / flops,
+                      floor.decode_seconds(slots, [length] * num_seqs))
+        add_row(f"prefill {case}{label}", shape, "eager", seconds, None, floor_s,
+                tokens=num_seqs * length)
 
 
 # --- transformers + peft ----------------------------------------------------------------------
@@ -571,8 +575,9 @@ def main() -> int:
     print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
     config = ModelConfig.from_dir(args.config)
     cases = [c for c in args.cases.split(",") if c]
-    prefill_seqs, prefill_len = (int(x) for x in args.prefill.split("x")) if args.prefill \
-        else (0, 0)
+    shapes = [[int(x) for x in shape.split("x")] for shape in args.prefill.split(",") if shape]
+    prefill_seqs = max((seqs for seqs, _ in shapes), default=0)
+    prefill_len = max((length for _, length in shapes), default=0)
     max_batch = max(args.batches + args.eager_batches + [prefill_seqs])
     blocks_per_seq = -(-max(args.context + args.warmup + args.steps, prefill_len) // BLOCK_SIZE)
     if args.context + args.warmup + args.steps > args.max_model_len:

@@ -190,7 +190,9 @@ def burst_report(args, table: StepTable) -> tuple[str, bool]:
         args.prompt_len, args.max_tokens = measured["prompt_len"], measured["output_len"]
         adapters = measured["adapters"]
     else:
-        adapters = [0] + list(range(1, args.burst_adapters + 1))
+        adapters = list(range(1, args.burst_adapters + 1)) or [0]
+        if args.with_base and args.burst_adapters:
+            adapters = [0] + adapters
     out = burst(table, replica_config(args), args.requests, args.concurrency, args.prompt_len,
                 args.max_tokens, adapters)
     done = out["requests"]
@@ -283,7 +285,9 @@ def parse_args(argv):
     burst_.add_argument("--prompt-len", type=int, default=128)
     burst_.add_argument("--max-tokens", type=int, default=128)
     burst_.add_argument("--burst-adapters", type=int, default=0,
-                        help="requests rotate over the base and this many adapters")
+                        help="requests rotate over this many adapters (0: all on the base)")
+    burst_.add_argument("--with-base", action="store_true",
+                        help="the base model joins the rotation, first")
     args = parser.parse_args(argv)
     if args.command == "fleet":
         args.routers = [r for r in args.routers.split(",") if r]

@@ -1,15 +1,6 @@
 """The step-time table capacity.py simulates from: its JSON format (`lorad-step-table/1`), its
-checks, and the step time of any (decode rows, prefill tokens, distinct adapters) by
-interpolation. Stdlib only; benchmarks/step_table.py and bench_engine.py --json-out write it.
-
-A table is {"format": "lorad-step-table/1", "conditions": str, "model": str, "device": str,
-"parallel": int, "context": int, "prefill_chunk": int, "steps": [{"decode_rows": B,
-"prefill_tokens": P, "adapters": A, "step_ms": t}, ...], "adapter_load_ms": {"host": x,
-"disk": y}}. `adapters` counts the distinct adapters among the step's rows (0: base rows only).
-A step of B decode rows and P prompt tokens with A adapters costs D(B, A) + F(P, A) - c(A): D
-from the decode-only rows, F from the prefill-only rows, both piecewise linear through (0, c),
-where c is the step's fixed cost: the decode curve's intercept, or fitted to the mixed rows where
-the table has some. Each is linear in A between the tabled counts and constant beyond them.
+checks, and the time of any step by interpolation. Stdlib only; it measures nothing
+(benchmarks/step_table.py and bench_engine.py --json-out write tables; docs/capacity.md).
 """
 
 from __future__ import annotations
@@ -34,6 +25,16 @@ def interpolate(xs: list[float], ys: list[float], x: float) -> float:
 
 
 class StepTable:
+    """{"format": "lorad-step-table/1", "conditions", "model", "device", "parallel", "context",
+    "prefill_chunk", "steps": [{"decode_rows": B, "prefill_tokens": P, "adapters": A,
+    "step_ms": t}, ...], "adapter_load_ms": {"host": x, "disk": y}}, A the distinct adapters
+    among a step's rows (0: base rows only). A step of B decode rows and P prompt tokens with A
+    adapters costs D(B, A) + F(P, A) - c(A): D from the decode-only steps, F from the
+    prefill-only ones, both piecewise linear through (0, c), c the step's fixed cost: the decode
+    curve's intercept (a level of one decode step borrows the nearest level's), or fitted to the
+    mixed steps where the table has some. Each is linear in A between tabled counts (from 0 to
+    the next a step: one adapter row turns the LoRA work on) and constant beyond them."""
+
     def __init__(self, data: dict) -> None:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise TableError(f"format: expected {FORMAT!r}, got {data.get('format')!r}"
@@ -64,7 +65,12 @@ class StepTable:
             raise TableError("steps: no decode-only step (prefill_tokens 0)")
         self.decode = {a: _curve(points) for a, points in sorted(decode.items())}
         self.prefill = {a: _curve(points) for a, points in sorted(prefill.items())}
-        self.fixed = {a: _intercept(*curve) for a, curve in self.decode.items()}
+        # A level of one decode step borrows the intercept of the nearest level with a line.
+        lines = {a: _intercept(*c) for a, c in self.decode.items() if len(c[0]) >= 2}
+        self.fixed = {}
+        for a, (xs, ys) in self.decode.items():
+            near = min(lines, key=lambda b: (abs(b - a), b)) if lines else None
+            self.fixed[a] = lines.get(a, 0.0 if near is None else min(lines[near], ys[0]))
         for a, points in mixed.items():  # the fixed cost that D + F counts twice, as measured
             if a in self.fixed and self.prefill:
                 residual = [self.decode_ms(b, a) + self.prefill_ms(p, a) - ms
@@ -127,13 +133,12 @@ def _curve(points: dict[int, float]) -> tuple[list[float], list[float]]:
 def _intercept(xs: list[float], ys: list[float]) -> float:
     """What a step costs before any row: the line through the two smallest points at 0,
     between 0 and the smallest point's time."""
-    if len(xs) < 2:
-        return 0.0
     return min(max(ys[0] - (ys[1] - ys[0]) * xs[0] / (xs[1] - xs[0]), 0.0), ys[0])
 
 
 def _across(levels: dict, adapters: int, value) -> float:
-    """value(level) linear in the adapter count between the tabled levels, constant beyond."""
+    """value(level) linear in the adapter count between the tabled levels, constant beyond; but
+    no line from 0 adapters to the next level: one adapter row already runs the LoRA work."""
     counts = sorted(levels)
     if adapters <= counts[0]:
         return value(counts[0])
@@ -141,5 +146,7 @@ def _across(levels: dict, adapters: int, value) -> float:
         return value(counts[-1])
     i = bisect.bisect_right(counts, adapters)
     a0, a1 = counts[i - 1], counts[i]
+    if a0 == 0:
+        return value(a1)
     v0, v1 = value(a0), value(a1)
     return v0 + (v1 - v0) * (adapters - a0) / (a1 - a0)

@@ -64,15 +64,17 @@ def test_a_step_costs_decode_plus_prefill_less_the_fixed_cost_counted_twice():
              {"decode_rows": 3, "prefill_tokens": 0, "adapters": 0, "step_ms": 16},
              {"decode_rows": 0, "prefill_tokens": 100, "adapters": 0, "step_ms": 110},
              {"decode_rows": 1, "prefill_tokens": 0, "adapters": 2, "step_ms": 14},
-             {"decode_rows": 3, "prefill_tokens": 0, "adapters": 2, "step_ms": 22}]
+             {"decode_rows": 3, "prefill_tokens": 0, "adapters": 2, "step_ms": 22},
+             {"decode_rows": 3, "prefill_tokens": 0, "adapters": 4, "step_ms": 26}]
     table = table_mod.StepTable({"format": table_mod.FORMAT, "steps": steps})
     assert table.fixed_ms(0) == 10  # the decode line 10 + 2 per row
     assert table.step_ms(3, 0, 0) == 16
     assert table.step_ms(2, 0, 0) == 14
     assert table.step_ms(0, 50, 0) == 60  # between (0, 10) and (100, 110)
     assert table.step_ms(3, 100, 0) == 16 + 110 - 10
-    assert table.step_ms(3, 0, 1) == 19  # halfway between the levels 0 and 2
-    assert table.step_ms(3, 0, 64) == 22  # constant beyond the largest level
+    assert table.step_ms(3, 0, 1) == 22  # any adapter row: the LoRA work of the next level
+    assert table.step_ms(3, 0, 3) == 24  # halfway between the levels 2 and 4
+    assert table.step_ms(3, 0, 64) == 26  # constant beyond the largest level
     assert table.step_ms(0, 0, 0) == 0
 
 
@@ -243,3 +245,12 @@ def test_step_table_steps_have_the_rows_tokens_and_adapters_they_are_filed_under
     blocks = [b for c in chunks for b in c[2]]
     assert len(blocks) == len(set(blocks)) and 0 not in blocks
     assert {c[4] for c in step_chunks(3, 0, 0, args, torch.Generator())} == {0}
+
+
+def test_a_level_of_one_decode_step_borrows_the_nearest_intercept():
+    steps = [{"decode_rows": 1, "prefill_tokens": 0, "adapters": 0, "step_ms": 12},
+             {"decode_rows": 3, "prefill_tokens": 0, "adapters": 0, "step_ms": 16},
+             {"decode_rows": 4, "prefill_tokens": 0, "adapters": 4, "step_ms": 30}]
+    table = table_mod.StepTable({"format": table_mod.FORMAT, "steps": steps})
+    assert table.fixed_ms(4) == 10
+    assert table.step_ms(8, 0, 4) == 50  # the line through (0, 10) and (4, 30)
