@@ -183,15 +183,21 @@ def load_adapters(model: LlamaForCausalLM, folder: Path, count: int) -> tuple[di
 
 
 def table_steps(found: list[dict], num_adapters: int) -> list[dict]:
-    """The decode and prefill rows as a step table's steps (graph rows where a case has them);
-    distinct adapters: base 0, one 1, mixed4 up to 4, many up to num_adapters."""
+    """The decode and prefill rows as a step table's steps; distinct adapters: base 0, one 1,
+    mixed4 up to 4, many up to num_adapters. A decode case's eager row beside its graph row is
+    filed as a prompt step of that many tokens: the worker runs every step with a prompt chunk
+    eagerly, so it samples that path's cost at a few tokens."""
     levels = {"base": 0, "one": 1, "mixed4": 4, "many": num_adapters}
     graphed = {(r["case"], r["batch"]) for r in found if r["mode"] == "graph" and r["step_ms"]}
     steps = []
     for r in found:
-        if not r["step_ms"] or (r["mode"] == "eager" and (r["case"], r["batch"]) in graphed):
+        if not r["step_ms"]:
             continue
-        if r["case"] in levels:
+        if r["case"] in levels and r["mode"] == "eager" and (r["case"], r["batch"]) in graphed:
+            steps.append({"decode_rows": 0, "prefill_tokens": r["batch"],
+                          "adapters": min(r["batch"], levels[r["case"]]),
+                          "step_ms": round(r["step_ms"], 4)})
+        elif r["case"] in levels:
             steps.append({"decode_rows": r["batch"], "prefill_tokens": 0,
                           "adapters": min(r["batch"], levels[r["case"]]),
                           "step_ms": round(r["step_ms"], 4)})

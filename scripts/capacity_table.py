@@ -29,8 +29,10 @@ class StepTable:
     "prefill_chunk", "steps": [{"decode_rows": B, "prefill_tokens": P, "adapters": A,
     "step_ms": t}, ...], "adapter_load_ms": {"host": x, "disk": y}}, A the distinct adapters
     among a step's rows (0: base rows only). A step of B decode rows and P prompt tokens with A
-    adapters costs D(B, A) + F(P, A) - c(A): D from the decode-only steps, F from the
-    prefill-only ones, both piecewise linear through (0, c), c the step's fixed cost: the decode
+    adapters costs D(B, A) + F(P, A) - c(A), and at least F(B + P, A) (lorad runs a step with a
+    prompt chunk on the prompt path, eagerly on a GPU): D from the decode-only steps through
+    (0, c), F from the prefill-only ones through their own intercept (a level of one prompt step:
+    the nearest line's slope through it; none: through (0, c)), c the decode
     curve's intercept (a level of one decode step borrows the nearest level's), or fitted to the
     mixed steps where the table has some. Each is linear in A between tabled counts (from 0 to
     the next a step: one adapter row turns the LoRA work on) and constant beyond them."""
@@ -106,8 +108,19 @@ class StepTable:
     def prefill_ms(self, tokens: int, adapters: int) -> float:
         if not self.prefill:  # a decode row's cost stands in for a prompt token's
             return self.decode_ms(tokens, adapters)
-        return _across(self.prefill, adapters, lambda a: interpolate(
-            [0] + self.prefill[a][0], [self.fixed_ms(a)] + self.prefill[a][1], tokens))
+
+        lines = [a for a, (xs, _) in self.prefill.items() if len(xs) >= 2]
+
+        def at(a: int) -> float:
+            xs, ys = self.prefill[a]
+            if len(xs) >= 2:  # through its own intercept
+                return interpolate([0] + xs, [_intercept(xs, ys)] + ys, tokens)
+            if lines:  # one point: the nearest line's slope through it
+                lx, ly = self.prefill[min(lines, key=lambda b: (abs(b - a), b))]
+                return ys[0] + (ly[-1] - ly[0]) / (lx[-1] - lx[0]) * (tokens - xs[0])
+            return interpolate([0] + xs, [min(self.fixed_ms(a), ys[0])] + ys, tokens)
+
+        return _across(self.prefill, adapters, at)
 
     def step_ms(self, decode_rows: int, prefill_tokens: int, adapters: int) -> float:
         """Milliseconds of one step; 0 for an empty one. Memoized: a simulation asks for the
@@ -120,8 +133,9 @@ class StepTable:
     def _step_ms(self, decode_rows: int, prefill_tokens: int, adapters: int) -> float:
         d = self.decode_ms(decode_rows, adapters) if decode_rows else 0.0
         f = self.prefill_ms(prefill_tokens, adapters) if prefill_tokens else 0.0
-        if decode_rows and prefill_tokens:
-            return max(d + f - self.fixed_ms(adapters), d, f)
+        if decode_rows and prefill_tokens:  # at least the prompt path over all its rows
+            return max(d + f - self.fixed_ms(adapters), d,
+                       self.prefill_ms(decode_rows + prefill_tokens, adapters))
         return d or f
 
 

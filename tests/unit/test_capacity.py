@@ -72,10 +72,22 @@ def test_a_step_costs_decode_plus_prefill_less_the_fixed_cost_counted_twice():
     assert table.step_ms(2, 0, 0) == 14
     assert table.step_ms(0, 50, 0) == 60  # between (0, 10) and (100, 110)
     assert table.step_ms(3, 100, 0) == 16 + 110 - 10
+    assert table.step_ms(100, 100, 0) == 210 + 110 - 10
     assert table.step_ms(3, 0, 1) == 22  # any adapter row: the LoRA work of the next level
     assert table.step_ms(3, 0, 3) == 24  # halfway between the levels 2 and 4
     assert table.step_ms(3, 0, 64) == 26  # constant beyond the largest level
     assert table.step_ms(0, 0, 0) == 0
+
+
+def test_a_level_of_one_prompt_step_takes_the_nearest_lines_slope():
+    steps = [{"decode_rows": 1, "prefill_tokens": 0, "adapters": 0, "step_ms": 10},
+             {"decode_rows": 3, "prefill_tokens": 0, "adapters": 0, "step_ms": 14},
+             {"decode_rows": 0, "prefill_tokens": 100, "adapters": 0, "step_ms": 60},
+             {"decode_rows": 0, "prefill_tokens": 200, "adapters": 0, "step_ms": 110},
+             {"decode_rows": 0, "prefill_tokens": 100, "adapters": 2, "step_ms": 80}]
+    table = table_mod.StepTable({"format": table_mod.FORMAT, "steps": steps})
+    assert table.step_ms(0, 50, 0) == 35  # its own line: 10 + 0.5 per token
+    assert table.step_ms(0, 200, 2) == 130  # 80 at 100 tokens, then 0.5 per token
 
 
 def test_mixed_steps_in_the_table_set_the_fixed_cost():
@@ -225,10 +237,13 @@ def test_bench_engine_rows_make_a_step_table():
             {"case": "one", "batch": 32, "mode": "graph", "step_ms": None}]
     steps = table_steps(rows, 64)
     assert [(s["decode_rows"], s["prefill_tokens"], s["adapters"], s["step_ms"])
-            for s in steps] == [(1, 0, 0, 4.5), (64, 0, 0, 6.6), (64, 0, 64, 8.8),
-                                (1, 0, 1, 4.8), (0, 1024, 2, 46.9)]
+            for s in steps] == [(1, 0, 0, 4.5), (0, 1, 0, 15.5), (64, 0, 0, 6.6),
+                                (64, 0, 64, 8.8), (1, 0, 1, 4.8), (0, 1024, 2, 46.9)]
     table = table_mod.StepTable({"format": table_mod.FORMAT, "steps": steps})
     assert table.step_ms(64, 0, 64) == 8.8
+    assert table.step_ms(0, 1, 0) == 15.5  # a prompt step runs eagerly
+    assert table.step_ms(1, 1, 0) == table.step_ms(0, 2, 0) > 15.5  # so does a mixed one
+    assert table.step_ms(0, 1024, 2) == 46.9
 
 
 def test_step_table_steps_have_the_rows_tokens_and_adapters_they_are_filed_under():
