@@ -257,6 +257,9 @@ def parse_args(argv):
         p.add_argument("--host-cache", type=int, default=64, help="--max-cpu-adapters")
         p.add_argument("--overhead-ms", type=float, default=0.0,
                        help="added to every TTFT: HTTP, tokenizer, coordinator")
+        p.add_argument("--copy-ms", metavar="HOST,DISK",
+                       help="an adapter's copy into a slot from the host cache and from disk, in "
+                       "place of the table's (a what-if, or a table without them)")
     fleet.add_argument("--rate", type=float, default=1000.0, help="requests/s")
     fleet.add_argument("--ttft-p99", type=float, default=2.0, help="target, seconds")
     fleet.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
@@ -305,11 +308,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         table = StepTable.from_file(args.table)
+        if args.copy_ms:
+            host, disk = (float(x) for x in args.copy_ms.split(","))
+            table.load_ms = {"host": host, "disk": disk}
         if args.command == "fleet":
             print(fleet_report(args, table))
             return 0
         text, within = burst_report(args, table)
-    except TableError as exc:
+    except (TableError, ValueError) as exc:
         print(f"capacity: {exc}", file=sys.stderr)
         return 2
     print(text)
