@@ -79,13 +79,12 @@ def percentile(values: list[float], pct: float) -> float:
 def simulate(args, table: StepTable, num_replicas: int, router: str) -> dict:
     requests = poisson_requests(args)
     fleet = Fleet(num_replicas, replica_config(args), table, router, args.slack)
-    end = fleet.run(requests, until=3 * args.duration)
+    fleet.run(requests, until=3 * args.duration)
     counted = [r for r in requests if r.arrival >= args.warmup]
     ttfts = [math.inf if r.ttft is None else r.ttft for r in counted]
-    busy = sum(r.busy_s for r in fleet.replicas) / (num_replicas * max(end, 1e-9))
+    copies = sum(args.warmup <= t < args.duration for t in fleet.copies)
     return {"replicas": num_replicas, "p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99),
-            "requests": len(counted), "loads": sum(r.num_loads for r in fleet.replicas)
-            / max(len(requests), 1), "busy": busy}
+            "requests": len(counted), "loads": copies / max(len(counted), 1)}
 
 
 def replica_config(args) -> ReplicaConfig:
@@ -159,18 +158,17 @@ def fleet_report(args, table: StepTable) -> str:
              f"{args.overhead_ms:g} ms; one replica always full: {mu:.2f} requests/s",
              f"target:    TTFT p99 <= {args.ttft_p99:g} s; affinity slack {args.slack} open "
              "requests", "",
-             "| router | replicas | GPUs | TTFT p50 / p99 (s) | copies per request | busy |",
-             "|---|---|---|---|---|---|"]
+             "| router | replicas | GPUs | TTFT p50 / p99 (s) | copies per request |",
+             "|---|---|---|---|---|"]
     found = {}
     for router in args.routers:
         run = needed(args, table, router, start)
         found[router] = run["replicas"]
         if run["replicas"] is None:
-            lines.append(f"| {router} | > {args.max_replicas} | | | | |")
+            lines.append(f"| {router} | > {args.max_replicas} | | | |")
             continue
         lines.append(f"| {router} | {run['replicas']:,} | {run['replicas'] * args.parallel:,} | "
-                     f"{run['p50']:.2f} / {run['p99']:.2f} | {run['loads']:.3f} | "
-                     f"{run['busy']:.0%} |")
+                     f"{run['p50']:.2f} / {run['p99']:.2f} | {run['loads']:.3f} |")
     rr, aff = found.get("round-robin"), found.get("affinity")
     if rr and aff:
         lines += ["", f"gain of affinity over round-robin: {rr:,} -> {aff:,} replicas "

@@ -55,7 +55,6 @@ class Replica:
     busy: bool = False
     num_steps: int = 0
     num_loads: int = 0
-    busy_s: float = 0.0
 
     @property
     def load(self) -> int:
@@ -123,6 +122,7 @@ class Replica:
         self.slots[adapter] = self.copy_free_at
         self.fleet.holders.setdefault(adapter, set()).add(self.index)
         self.num_loads += 1
+        self.fleet.copies.append(now)
         self.fleet.push(self.copy_free_at, "wake", self.index)
         return True
 
@@ -138,7 +138,7 @@ class Replica:
         num_prefill = sum(num for seq, num in scheduled if seq.num_computed < seq.prompt_len)
         adapters = len({seq.adapter for seq, _ in scheduled if seq.adapter})
         seconds = self.table.step_ms(num_decode, num_prefill, adapters) / 1e3
-        self.busy, self.num_steps, self.busy_s = True, self.num_steps + 1, self.busy_s + seconds
+        self.busy, self.num_steps = True, self.num_steps + 1
         self.fleet.push(now + seconds, "step", (self.index, scheduled))
 
     def end_step(self, now: float, scheduled: list[tuple[Request, int]]) -> None:
@@ -178,6 +178,7 @@ class Fleet:
         self._loads: list = [(0, next(self._order), r.index) for r in self.replicas]
         self.on_finish = None  # callback(request, now): a closed-loop client's next request
         self._arrived: set[int] = set()  # replicas given a request at this instant
+        self.copies: list[float] = []  # when each adapter copy was planned
 
     def push(self, when: float, kind: str, payload) -> None:
         heapq.heappush(self.events, (when, next(self._order), kind, payload))
