@@ -1,13 +1,11 @@
 #!/usr/bin/env python3
-"""The step-time table scripts/capacity.py simulates from, measured on the CPU: lorad's model
-in-process at world size 1 (the worker's row padding and thread count), each step timed as the
-worker runs it (inputs, forward, argmax to a list) over a grid of decode rows, prompt tokens and
-distinct adapters, and one adapter's copy into a device slot (from disk, from the host cache).
-Writes the JSON (`--out`, scripts/capacity_table.py's format) and prints a table with the
-conditions. No HTTP, no planner, no coordinator: what those add per step is not in the table.
+"""The step table scripts/capacity.py simulates from, on the CPU: lorad's model in-process timed
+per step (inputs, forward, argmax) by decode rows, prompt tokens and distinct adapters, and an
+adapter's copy into a slot; writes the JSON (--out) and prints a table. No HTTP, no planner, no
+coordinator: what they add per step is not in it.
 
-    python -m benchmarks.step_table --out step-table-cpu.json      (the demo model, demo adapters)
-    python -m benchmarks.step_table --runtime --out T.json         (tables as with --adapter-dir)
+    python -m benchmarks.step_table --out cpu.json           (the demo model and adapters)
+    python -m benchmarks.step_table --runtime --out cpu.json (slot tables as with --adapter-dir)
 """
 
 from __future__ import annotations
