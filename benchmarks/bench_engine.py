@@ -39,10 +39,12 @@ from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
 from lorad.workers.fused_linear import FusedColumnParallelLinear  # noqa: E402
 from lorad.workers.linear import RowParallelLinear  # noqa: E402
+from lorad.workers.loader import fill_slot, read_shards  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
 from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
 from benchmarks.common import conditions, copy_bandwidth, time_cuda  # noqa: E402
+from benchmarks.step_table import table_json, time_adapter_copy  # noqa: E402
 from lorad.workers.tuning import Tuning, replaced  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
@@ -93,7 +95,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--adapter-dtype", choices=sorted(ADAPTER_DTYPES), default="bf16",
                    help="the dtype the adapters' files store their factors in, and so the LoRA "
                         "tables' (lora.table_dtype)")
-    p.add_argument("--prefill", default="8x512", help="SEQSxTOKENS of the prefill step; '' skips")
+    p.add_argument("--prefill", default="8x512",
+                   help="SEQSxTOKENS of the prefill step, several comma-separated (a step "
+                        "table wants a few: 1x512,2x512,1x2048); '' skips")
     p.add_argument("--hf-batches", type=ints, default=[1, 32], help="'' skips transformers")
     p.add_argument("--hf-prompt", type=int, default=128)
     p.add_argument("--hf-new-tokens", type=int, default=16)
@@ -107,6 +111,9 @@ def parse_args() -> argparse.Namespace:
                         "(kernels/pdl.py), to measure what it saves (the same as every "
                         "variant's and main's pdl.max_rows=0+pdl.max_rows_with_lora=0)")
     p.add_argument("--table-out", help="also write the markdown table to this file")
+    p.add_argument("--json-out", help="also write the step-time table (lorad-step-table/1, "
+                   "docs/capacity.md) of the decode and prefill rows and an adapter's copy "
+                   "into a slot, for scripts/capacity.py")
     args = p.parse_args()
     if args.quick:
         args.batches, args.prefill, args.hf_batches = [1, 32, 64], "2x512", [32]
@@ -163,11 +170,43 @@ def write_adapter(folder: Path, config: ModelConfig, rank: int,
     return folder
 
 
-def load_adapters(model: LlamaForCausalLM, folder: Path, count: int) -> None:
-    """The same factors in `count` slots (each its own memory): validated and keyed once."""
+def load_adapters(model: LlamaForCausalLM, folder: Path, count: int) -> tuple[dict, object]:
+    """The same factors in `count` slots (each its own memory): validated and keyed once; as
+    model.load_adapters does, keeping the slot tables -> (tables, slot 1's spec)."""
     spec = load_adapter(AdapterArg("a1", str(folder)), 1, model.config)
-    model.load_adapters(tuple(dataclasses.replace(spec, name=f"a{slot}", adapter_id=slot)
-                              for slot in range(1, count + 1)))
+    specs = tuple(dataclasses.replace(spec, name=f"a{slot}", adapter_id=slot)
+                  for slot in range(1, count + 1))
+    tables = model.add_lora_tables(specs, None)
+    for one in specs:
+        fill_slot(tables, one.adapter_id, one, read_shards(tables, one))
+    return tables, specs[0]
+
+
+def table_steps(found: list[dict], num_adapters: int) -> list[dict]:
+    """The decode and prefill rows as a step table's steps; distinct adapters: base 0, one 1,
+    mixed4 up to 4, many up to num_adapters. A decode case's eager row beside its graph row is
+    filed as a prompt step of that many tokens: the worker runs every step with a prompt chunk
+    eagerly, so it samples that path's cost at a few tokens."""
+    levels = {"base": 0, "one": 1, "mixed4": 4, "many": num_adapters}
+    graphed = {(r["case"], r["batch"]) for r in found if r["mode"] == "graph" and r["step_ms"]}
+    steps = []
+    for r in found:
+        if not r["step_ms"]:
+            continue
+        if r["case"] in levels and r["mode"] == "eager" and (r["case"], r["batch"]) in graphed:
+            steps.append({"decode_rows": 0, "prefill_tokens": r["batch"],
+                          "adapters": min(r["batch"], levels[r["case"]]),
+                          "step_ms": round(r["step_ms"], 4)})
+        elif r["case"] in levels:
+            steps.append({"decode_rows": r["batch"], "prefill_tokens": 0,
+                          "adapters": min(r["batch"], levels[r["case"]]),
+                          "step_ms": round(r["step_ms"], 4)})
+        elif r["case"] in ("prefill base", "prefill many"):
+            num_seqs, length = (int(x) for x in r["batch"].split("x"))
+            adapters = 0 if r["case"] == "prefill base" else min(num_seqs, num_adapters)
+            steps.append({"decode_rows": 0, "prefill_tokens": num_seqs * length,
+                          "adapters": adapters, "step_ms": round(r["step_ms"], 4)})
+    return steps
 
 
 class Floor:
@@ -334,24 +373,26 @@ def bench_decode(model, graphs, floor: Floor, cases: list[str], args, blocks_per
 
 
 def bench_prefill(model, case: str, args, flops: float, floor: Floor, label: str = "") -> None:
-    num_seqs, length = (int(x) for x in args.prefill.split("x"))
-    slots = slots_for("many" if case == "many" else "base", num_seqs, args.num_adapters)
-    gen = torch.Generator().manual_seed(2)
-    per_seq = -(-length // BLOCK_SIZE)
-    chunks = [(torch.randint(*PROMPT_ID_RANGE, (length,), generator=gen).tolist(), 0,
-               list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), True, slot)
-              for i, slot in enumerate(slots)]
-    try:
-        batch = ForwardBatch.build(chunks, BLOCK_SIZE, CUDA)
-        seconds = time_cuda(lambda: model.forward(batch), 3, warmup=1)
-    except Exception as exc:
-        traceback.print_exc()
-        add_row(f"prefill {case}{label}", args.prefill, "eager", None, note=f"failed: {exc}")
-        return
-    floor_s = max(floor.prefill_flops(slots, length) / flops,
-                  floor.decode_seconds(slots, [length] * num_seqs))
-    add_row(f"prefill {case}{label}", args.prefill, "eager", seconds, None, floor_s,
-            tokens=num_seqs * length)
+    """One eager prefill step per --prefill shape (SEQSxTOKENS, comma-separated)."""
+    for shape in [x for x in args.prefill.split(",") if x]:
+        num_seqs, length = (int(x) for x in shape.split("x"))
+        slots = slots_for("many" if case == "many" else "base", num_seqs, args.num_adapters)
+        gen = torch.Generator().manual_seed(2)
+        per_seq = -(-length // BLOCK_SIZE)
+        chunks = [(torch.randint(*PROMPT_ID_RANGE, (length,), generator=gen).tolist(), 0,
+                   list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), True, slot)
+                  for i, slot in enumerate(slots)]
+        try:
+            batch = ForwardBatch.build(chunks, BLOCK_SIZE, CUDA)
+            seconds = time_cuda(lambda: model.forward(batch), 3, warmup=1)
+        except Exception as exc:
+            traceback.print_exc()
+            add_row(f"prefill {case}{label}", shape, "eager", None, note=f"failed: {exc}")
+            continue
+        floor_s = max(floor.prefill_flops(slots, length) / flops,
+                      floor.decode_seconds(slots, [length] * num_seqs))
+        add_row(f"prefill {case}{label}", shape, "eager", seconds, None, floor_s,
+                tokens=num_seqs * length)
 
 
 # --- transformers + peft ----------------------------------------------------------------------
@@ -540,8 +581,9 @@ def main() -> int:
     print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
     config = ModelConfig.from_dir(args.config)
     cases = [c for c in args.cases.split(",") if c]
-    prefill_seqs, prefill_len = (int(x) for x in args.prefill.split("x")) if args.prefill \
-        else (0, 0)
+    shapes = [[int(x) for x in shape.split("x")] for shape in args.prefill.split(",") if shape]
+    prefill_seqs = max((seqs for seqs, _ in shapes), default=0)
+    prefill_len = max((length for _, length in shapes), default=0)
     max_batch = max(args.batches + args.eager_batches + [prefill_seqs])
     blocks_per_seq = -(-max(args.context + args.warmup + args.steps, prefill_len) // BLOCK_SIZE)
     if args.context + args.warmup + args.steps > args.max_model_len:
@@ -562,11 +604,15 @@ def main() -> int:
     folder = write_adapter(Path(tmp.name) / "adapter", config, args.rank,
                            ADAPTER_DTYPES[args.adapter_dtype])
     adapter_cases = [c for c in cases if c != "base"]
+    copy_ms = {}
     if adapter_cases:
         start = time.monotonic()
-        load_adapters(model, folder, args.num_adapters)
+        tables, first = load_adapters(model, folder, args.num_adapters)
         print(f"{args.num_adapters} adapters loaded ({time.monotonic() - start:.0f}s)",
               flush=True)
+        if args.json_out:
+            copy_ms = time_adapter_copy(tables, first, 5, CUDA)
+        del tables
         graphs = capture(model, args, args.num_adapters)
         floor = Floor(model, bandwidth)
         bench_decode(model, graphs, floor, adapter_cases, args, blocks_per_seq)
@@ -626,6 +672,12 @@ def main() -> int:
     text = table(lines) + "\n\nTargets of the GPU issue:\n\n" + targets()
     if args.table_out:
         Path(args.table_out).write_text(text + "\n")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(table_json(
+            lines[0], Path(args.config).name, props.name, 1, args.context, prefill_len,
+            table_steps(rows, args.num_adapters), copy_ms,
+            tables=f"start adapters: {args.num_adapters} of rank {args.rank} on all 7 "
+            f"projections, {args.adapter_dtype}"), indent=1) + "\n")
     print("\n" + text)
     return 0 if all(r["step_ms"] is not None for r in rows) else 1
 

@@ -206,6 +206,7 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.workload != "independent":
         run = await (run_chat_turns if args.workload == "chat-turns" else run_few_shot)(args)
         text, measured = report_prefix(args, run), run.measured
+        wall_s = None
     else:
         if args.warmup:
             warm, _ = await run_all(args, args.warmup, first_index=1_000_000)
@@ -221,6 +222,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 json.dump({"workload": args.workload,
                            "conditions": text.split("\n\n")[0].splitlines(),
                            "shared_prompt_tokens": run.num_shared_tokens if run else None,
+                           "concurrency": args.concurrency, "models": args.picker.models,
+                           "wall_s": wall_s,  # the measured requests' burst (independent)
                            "requests": [record(o, **labels) for labels, o in measured]},
                           f, indent=1)
         except OSError as exc:

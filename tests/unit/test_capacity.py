@@ -1,0 +1,271 @@
+"""scripts/capacity.py and its helpers on cases whose answers follow from arithmetic: the step
+table's interpolation, one replica at a constant step time (throughput, TTFT, chunked prefill,
+--max-num-seqs, an adapter's copy), the workload's Zipf and Poisson draws, the routers, and the
+check against a bench.py record; bench_engine's rows as a step table."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+
+from tests.daemons import REPO
+
+
+def _load(name: str):
+    # scripts/ is not a package: capacity.py imports its siblings by name, as when it runs.
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+table_mod = _load("capacity_table")
+sim = _load("capacity_sim")
+capacity = _load("capacity")
+STEP_MS = 10.0
+
+
+def flat_table(load_host: float = 0.0, load_disk: float = 0.0) -> "table_mod.StepTable":
+    """Every step takes STEP_MS, whatever it runs."""
+    steps = [{"decode_rows": b, "prefill_tokens": 0, "adapters": a, "step_ms": STEP_MS}
+             for b in (1, 64) for a in (0, 4)]
+    steps += [{"decode_rows": 0, "prefill_tokens": p, "adapters": 0, "step_ms": STEP_MS}
+              for p in (1, 4096)]
+    return table_mod.StepTable({"format": table_mod.FORMAT, "steps": steps,
+                                "adapter_load_ms": {"host": load_host, "disk": load_disk}})
+
+
+def burst(table=None, requests=4, concurrency=4, prompt=100, output=10, adapters=(0,), **cfg):
+    config = sim.ReplicaConfig(**cfg)
+    return capacity.burst(table or flat_table(), config, requests, concurrency, prompt, output,
+                          list(adapters))
+
+
+def ttfts_ms(out) -> list[float]:
+    return [round(r.ttft * 1e3, 6) for r in out["requests"]]
+
+
+def test_interpolation_is_linear_between_points_and_beyond_them():
+    assert table_mod.interpolate([1, 3], [10, 30], 2) == 20
+    assert table_mod.interpolate([1, 3], [10, 30], 5) == 50
+    assert table_mod.interpolate([1, 3], [10, 30], 0) == 0
+    assert table_mod.interpolate([4], [7], 100) == 7
+
+
+def test_a_step_costs_decode_plus_prefill_less_the_fixed_cost_counted_twice():
+    steps = [{"decode_rows": 1, "prefill_tokens": 0, "adapters": 0, "step_ms": 12},
+             {"decode_rows": 3, "prefill_tokens": 0, "adapters": 0, "step_ms": 16},
+             {"decode_rows": 0, "prefill_tokens": 100, "adapters": 0, "step_ms": 110},
+             {"decode_rows": 1, "prefill_tokens": 0, "adapters": 2, "step_ms": 14},
+             {"decode_rows": 3, "prefill_tokens": 0, "adapters": 2, "step_ms": 22},
+             {"decode_rows": 3, "prefill_tokens": 0, "adapters": 4, "step_ms": 26}]
+    table = table_mod.StepTable({"format": table_mod.FORMAT, "steps": steps})
+    assert table.fixed_ms(0) == 10  # the decode line 10 + 2 per row
+    assert table.step_ms(3, 0, 0) == 16
+    assert table.step_ms(2, 0, 0) == 14
+    assert table.step_ms(0, 50, 0) == 60  # between (0, 10) and (100, 110)
+    assert table.step_ms(3, 100, 0) == 16 + 110 - 10
+    assert table.step_ms(100, 100, 0) == 210 + 110 - 10
+    assert table.step_ms(3, 0, 1) == 22  # any adapter row: the LoRA work of the next level
+    assert table.step_ms(3, 0, 3) == 24  # halfway between the levels 2 and 4
+    assert table.step_ms(3, 0, 64) == 26  # constant beyond the largest level
+    assert table.step_ms(0, 0, 0) == 0
+
+
+def test_a_level_of_one_prompt_step_takes_the_nearest_lines_slope():
+    steps = [{"decode_rows": 1, "prefill_tokens": 0, "adapters": 0, "step_ms": 10},
+             {"decode_rows": 3, "prefill_tokens": 0, "adapters": 0, "step_ms": 14},
+             {"decode_rows": 0, "prefill_tokens": 100, "adapters": 0, "step_ms": 60},
+             {"decode_rows": 0, "prefill_tokens": 200, "adapters": 0, "step_ms": 110},
+             {"decode_rows": 0, "prefill_tokens": 100, "adapters": 2, "step_ms": 80}]
+    table = table_mod.StepTable({"format": table_mod.FORMAT, "steps": steps})
+    assert table.step_ms(0, 50, 0) == 35  # its own line: 10 + 0.5 per token
+    assert table.step_ms(0, 200, 2) == 130  # 80 at 100 tokens, then 0.5 per token
+
+
+def test_mixed_steps_in_the_table_set_the_fixed_cost():
+    steps = [{"decode_rows": 1, "prefill_tokens": 0, "adapters": 0, "step_ms": 12},
+             {"decode_rows": 3, "prefill_tokens": 0, "adapters": 0, "step_ms": 16},
+             {"decode_rows": 0, "prefill_tokens": 100, "adapters": 0, "step_ms": 110},
+             {"decode_rows": 3, "prefill_tokens": 100, "adapters": 0, "step_ms": 120}]
+    table = table_mod.StepTable({"format": table_mod.FORMAT, "steps": steps})
+    assert table.fixed_ms(0) == 6  # 16 + 110 - 120
+    assert table.step_ms(3, 100, 0) == 120
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"format": "other", "steps": []}, "format"),
+    ({"format": "lorad-step-table/1", "steps": []}, "steps"),
+    ({"format": "lorad-step-table/1", "steps": [{"decode_rows": 1}]}, "steps[0]"),
+    ({"format": "lorad-step-table/1", "steps": [
+        {"decode_rows": 0, "prefill_tokens": 8, "adapters": 0, "step_ms": 1}]}, "decode-only"),
+])
+def test_a_bad_table_is_refused_by_field(data, field):
+    with pytest.raises(table_mod.TableError, match=field.replace("[", r"\[")):
+        table_mod.StepTable(data)
+
+
+def test_one_replica_at_a_constant_step_time_follows_from_arithmetic():
+    out = burst(requests=4, concurrency=4, prompt=100, output=10)
+    # 400 prompt tokens fit one step: every first token after one step, then 9 decode steps.
+    assert ttfts_ms(out) == [STEP_MS] * 4
+    assert out["wall_s"] == pytest.approx(10 * STEP_MS / 1e3)
+    # One client: the requests run one after another, 10 steps each.
+    out = burst(requests=5, concurrency=1, prompt=100, output=10)
+    assert ttfts_ms(out) == [STEP_MS] * 5
+    assert 50 / out["wall_s"] == pytest.approx(1e3 / STEP_MS)  # tokens/s: one per step
+
+
+def test_prompts_are_chunked_by_the_token_budget_first_come_first_served():
+    out = burst(requests=2, concurrency=2, prompt=1000, output=1, max_num_batched_tokens=512)
+    # 2,000 tokens at 512 a step: the first prompt ends in step 2, the second in step 4.
+    assert ttfts_ms(out) == [2 * STEP_MS, 4 * STEP_MS]
+
+
+def test_max_num_seqs_holds_the_rest_back_until_a_sequence_ends():
+    out = burst(requests=4, concurrency=4, prompt=10, output=5, max_num_seqs=2)
+    assert ttfts_ms(out) == [STEP_MS, STEP_MS, 6 * STEP_MS, 6 * STEP_MS]
+
+
+def test_a_request_waits_for_its_adapters_copy_and_the_slot_goes_lru():
+    table = flat_table(load_host=5.0, load_disk=25.0)
+    config = sim.ReplicaConfig(num_slots=1, num_host_cache=4)
+    fleet = sim.Fleet(1, config, table, "round-robin")
+    requests = [sim.Request(0.0, 1, 10, 1), sim.Request(0.1, 2, 10, 1),
+                sim.Request(0.2, 1, 10, 1)]
+    fleet.run(requests)
+    # disk copy, then a step; adapter 2 evicts 1 (disk); 1 comes back from the host cache.
+    assert [round(r.ttft * 1e3, 6) for r in requests] == [35.0, 35.0, 15.0]
+    assert fleet.replicas[0].num_loads == 3
+    assert fleet.holders == {1: {0}, 2: set()}
+
+
+def args_for(**over) -> argparse.Namespace:
+    values = dict(rate=50.0, duration=20.0, warmup=5.0, adapters=100, zipf=1.0, base_share=0.0,
+                  prompt_len=64, prompt_sigma=0.0, output_len=16, output_sigma=0.0, seed=0,
+                  max_num_seqs=16, max_num_batched_tokens=256, slots=2, host_cache=4,
+                  overhead_ms=0.0, slack=4, ttft_p99=0.5, max_replicas=200,
+                  precision=0.0)
+    values.update(over)
+    return argparse.Namespace(**values)
+
+
+def test_the_workload_is_poisson_and_zipf_hottest_first():
+    requests = capacity.poisson_requests(args_for(rate=200.0, duration=50.0, adapters=10))
+    assert len(requests) == pytest.approx(200 * 50, rel=0.05)
+    counts = [sum(r.adapter == k for r in requests) for k in range(1, 11)]
+    assert counts[0] > counts[1] > counts[4] > counts[9]
+    harmonic = sum(1 / k for k in range(1, 11))
+    assert counts[0] / len(requests) == pytest.approx(1 / harmonic, rel=0.1)
+    spread = capacity.poisson_requests(args_for(prompt_sigma=0.5, adapters=10))
+    assert len({r.prompt_len for r in spread}) > 10
+    assert all(r.output_len == 16 for r in spread)
+
+
+def test_round_robin_spreads_requests_in_turn():
+    fleet = sim.Fleet(3, sim.ReplicaConfig(), flat_table(), "round-robin")
+    requests = [sim.Request(0.01 * i, 1 + i % 5, 8, 2) for i in range(9)]
+    fleet.run(requests)
+    assert [r.replica for r in requests] == [0, 1, 2] * 3
+    assert all(r.finish is not None for r in requests)
+
+
+def test_affinity_sends_an_adapter_where_it_is_held_within_the_slack():
+    fleet = sim.Fleet(4, sim.ReplicaConfig(num_slots=1), flat_table(0, 50), "affinity", slack=2)
+    requests = [sim.Request(0.001 * i, 7, 8, 50) for i in range(4)]
+    fleet.run(requests)
+    # The first goes to the least loaded; the next two follow it (within 2 open requests of
+    # an idle replica); the fourth would be 3 over, so it goes to an idle one.
+    assert [r.replica for r in requests] == [0, 0, 0, 1]
+
+
+def test_affinity_never_needs_more_replicas_than_round_robin_on_a_skewed_workload():
+    table = flat_table(load_host=40.0, load_disk=80.0)
+    args = args_for(rate=40.0, adapters=200, zipf=1.1, ttft_p99=0.4)
+    found = {router: capacity.needed(args, table, router, start=2)["replicas"]
+             for router in ("round-robin", "affinity")}
+    assert found["affinity"] is not None and found["round-robin"] is not None
+    assert found["affinity"] <= found["round-robin"]
+    run = capacity.simulate(args, table, found["affinity"], "affinity")
+    assert run["p99"] <= args.ttft_p99 and run["requests"] > 400
+
+
+def test_the_burst_check_compares_with_a_bench_record(tmp_path):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(flat_table().data))
+    # One client, 3 requests of 10 tokens: 100 tokens/s and TTFT 10 ms at 10 ms a step.
+    requests = [{"model": m, "ok": True, "error": "", "ttft_ms": t, "prompt_tokens": 20,
+                 "cached_tokens": None, "output_tokens": 10}
+                for m, t in (("base", 10.0), ("a", 10.0), ("b", 11.0))]
+    record = {"workload": "independent", "conditions": [], "concurrency": 1, "wall_s": 0.3,
+              "models": ["base", "a", "b"], "requests": requests}
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(record))
+    argv = ["burst", "--table", str(path), "--check", str(bench), "--base-model", "base",
+            "--slots", "2"]
+    assert capacity.main(argv) == 0
+    record["wall_s"] = 0.5  # measured 60 tokens/s: predicted 1.67x
+    bench.write_text(json.dumps(record))
+    assert capacity.main(argv) == 1
+    assert capacity.read_bench(str(bench), "base")["adapters"] == [0, 1, 2]
+
+
+def test_percentiles_count_late_requests_as_infinitely_late():
+    assert capacity.percentile([1.0, 2.0, 3.0], 50) == 2.0
+    assert capacity.percentile([1.0, 2.0, math.inf], 99) == math.inf
+
+
+def test_bench_engine_rows_make_a_step_table():
+    pytest.importorskip("torch")
+    from benchmarks.bench_engine import table_steps
+
+    rows = [{"case": "base", "batch": 1, "mode": "graph", "step_ms": 4.5},
+            {"case": "base", "batch": 1, "mode": "eager", "step_ms": 15.5},
+            {"case": "base", "batch": 64, "mode": "graph", "step_ms": 6.6},
+            {"case": "idle", "batch": 64, "mode": "graph", "step_ms": 6.6},
+            {"case": "many", "batch": 64, "mode": "graph", "step_ms": 8.8},
+            {"case": "mixed4", "batch": 1, "mode": "graph", "step_ms": 4.8},
+            {"case": "prefill many", "batch": "2x512", "mode": "eager", "step_ms": 46.9},
+            {"case": "base (pdl.max_rows=0)", "batch": 1, "mode": "graph", "step_ms": 5.0},
+            {"case": "one", "batch": 32, "mode": "graph", "step_ms": None}]
+    steps = table_steps(rows, 64)
+    assert [(s["decode_rows"], s["prefill_tokens"], s["adapters"], s["step_ms"])
+            for s in steps] == [(1, 0, 0, 4.5), (0, 1, 0, 15.5), (64, 0, 0, 6.6),
+                                (64, 0, 64, 8.8), (1, 0, 1, 4.8), (0, 1024, 2, 46.9)]
+    table = table_mod.StepTable({"format": table_mod.FORMAT, "steps": steps})
+    assert table.step_ms(64, 0, 64) == 8.8
+    assert table.step_ms(0, 1, 0) == 15.5  # a prompt step runs eagerly
+    assert table.step_ms(1, 1, 0) == table.step_ms(0, 2, 0) > 15.5  # so does a mixed one
+    assert table.step_ms(0, 1024, 2) == 46.9
+
+
+def test_step_table_steps_have_the_rows_tokens_and_adapters_they_are_filed_under():
+    torch = pytest.importorskip("torch")
+    from benchmarks.step_table import BLOCK_SIZE, step_chunks
+
+    args = argparse.Namespace(context=40, prefill_chunk=128)
+    chunks = step_chunks(2, 300, 2, args, torch.Generator().manual_seed(0))
+    assert [len(c[0]) for c in chunks] == [1, 1, 128, 128, 44]
+    assert [c[1] for c in chunks] == [40, 40, 0, 0, 0]  # decodes at the context, prompts at 0
+    assert [c[4] for c in chunks] == [1, 2, 1, 2, 1]  # two distinct adapters
+    for ids, start, table, _, _ in chunks:  # every chunk's blocks cover its positions, unshared
+        assert len(table) * BLOCK_SIZE >= start + len(ids)
+    blocks = [b for c in chunks for b in c[2]]
+    assert len(blocks) == len(set(blocks)) and 0 not in blocks
+    assert {c[4] for c in step_chunks(3, 0, 0, args, torch.Generator())} == {0}
+
+
+def test_a_level_of_one_decode_step_borrows_the_nearest_intercept():
+    steps = [{"decode_rows": 1, "prefill_tokens": 0, "adapters": 0, "step_ms": 12},
+             {"decode_rows": 3, "prefill_tokens": 0, "adapters": 0, "step_ms": 16},
+             {"decode_rows": 4, "prefill_tokens": 0, "adapters": 4, "step_ms": 30}]
+    table = table_mod.StepTable({"format": table_mod.FORMAT, "steps": steps})
+    assert table.fixed_ms(4) == 10
+    assert table.step_ms(8, 0, 4) == 50  # the line through (0, 10) and (4, 30)
