@@ -54,6 +54,24 @@ def cast_adapter(src_dir, out_dir, dtype) -> Path:
     return out
 
 
+def peft_logits(model, folders: dict, slots: dict, seqs: dict) -> dict:
+    """(slot, sequence) -> fp32 logits [seq_len, vocab] of each full sequence: slot 0 by
+    `model` itself, slot s by peft over it with folders[slots[s][1]] at strength slots[s][2]
+    (what lorad's strength does: the scale multiplied)."""
+    import torch
+
+    refs = {}
+    with torch.no_grad():
+        for seq, ids in seqs.items():
+            refs[(0, seq)] = model(torch.tensor([ids])).logits[0]
+        for slot, (_, folder, strength) in slots.items():
+            peft_model = scaled_peft_model(model, folders[folder], f"slot{slot}", strength)
+            for seq, ids in seqs.items():
+                refs[(slot, seq)] = peft_model(torch.tensor([ids])).logits[0]
+            model = peft_model.unload()  # the base model again, without LoRA layers
+    return refs
+
+
 def scaled_peft_model(model, folder, name: str, factor: float):
     """`model` (transformers) wrapped by peft with the adapter in `folder` as `name`, every LoRA
     layer's scaling multiplied by `factor` (what lorad's registered and per-request strengths

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from tests.integration.test_llama_logits import check_row_bits, check_same_on_every_rank
 from tests.model_steps import runner_scenarios
-from tests.tiny_adapters import make_checkpoint, reference_llama, scaled_peft_model
+from tests.tiny_adapters import make_checkpoint, peft_logits, reference_llama
 from tests.tp_runner import launch_ranks
 
 # max|lorad - peft| / max|peft| over a step's logits (as for the base model in
@@ -110,18 +110,7 @@ def reference(checkpoint) -> dict[tuple[int, str], torch.Tensor]:
 
 def peft_reference(base: Path, folders: dict[str, Path]) -> dict[tuple[int, str], torch.Tensor]:
     """(slot, sequence) -> peft's fp32 logits [seq_len, vocab] of the full sequence."""
-    model = reference_llama(base)
-    refs = {}
-    with torch.no_grad():
-        for seq, ids in SEQS.items():
-            refs[(0, seq)] = model(torch.tensor([ids])).logits[0]
-        for slot, (_, folder, strength) in SLOTS.items():
-            # lorad's strength multiplies the scale
-            peft_model = scaled_peft_model(model, folders[folder], f"slot{slot}", strength)
-            for seq, ids in SEQS.items():
-                refs[(slot, seq)] = peft_model(torch.tensor([ids])).logits[0]
-            model = peft_model.unload()  # the base model again, without LoRA layers
-    return refs
+    return peft_logits(reference_llama(base), folders, SLOTS, SEQS)
 
 
 def read(runs: dict[int, Path], world: int, model: str = "fp32",

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from tests.integration.test_llama_logits import check_row_bits, check_same_on_every_rank
 from tests.integration.test_lora_logits import FP32_REL_TOL, relative_error
 from tests.model_steps import runner_scenarios
-from tests.tiny_adapters import make_peft_adapter, scaled_peft_model
+from tests.tiny_adapters import make_peft_adapter, peft_logits
 from tests.tiny_models import make_tiny_qwen2_moe
 from tests.tp_runner import launch_ranks
 
@@ -94,16 +94,7 @@ def reference(checkpoint) -> dict[tuple[int, str], torch.Tensor]:
     base, folders = checkpoint
     model = Qwen2MoeForCausalLM.from_pretrained(base, dtype=torch.float32,
                                                 attn_implementation="eager").eval()
-    refs = {}
-    with torch.no_grad():
-        for seq, ids in SEQS.items():
-            refs[(0, seq)] = model(torch.tensor([ids])).logits[0]
-        for slot, (_, folder, strength) in SLOTS.items():
-            peft_model = scaled_peft_model(model, folders[folder], f"slot{slot}", strength)
-            for seq, ids in SEQS.items():
-                refs[(slot, seq)] = peft_model(torch.tensor([ids])).logits[0]
-            model = peft_model.unload()
-    return refs
+    return peft_logits(model, folders, SLOTS, SEQS)
 
 
 def read(runs: dict[int, Path], world: int, rank: int = 0) -> dict[str, torch.Tensor]:

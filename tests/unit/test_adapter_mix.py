@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.unit.test_bench_script import _load
+from tests.script_modules import load_script
 
-mix = _load("adapter_mix")
+mix = load_script("adapter_mix")
 
 
 @pytest.mark.parametrize("num_models,num_prompts,modes", [

@@ -8,31 +8,20 @@ hit rate, and what --no-cache adds to a body."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from collections import Counter
 
 import pytest
 
-from tests.daemons import REPO
+from tests.script_modules import load_script
 
 
-def _load(name: str):
-    # scripts/ is not a package: bench.py imports its siblings by name (scripts/ is first on the
-    # path when it runs), so each is loaded from its file under that same name.
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
-bench_models = _load("bench_models")
-bench_clock = _load("bench_clock")
-bench_prompts = _load("bench_prompts")
-bench_table = _load("bench_table")
-bench_stream = _load("bench_stream")
+bench_models = load_script("bench_models")
+bench_clock = load_script("bench_clock")
+bench_prompts = load_script("bench_prompts")
+bench_table = load_script("bench_table")
+bench_stream = load_script("bench_stream")
 MODELS = [f"m{i}" for i in range(8)]
 
 

@@ -6,29 +6,19 @@ check against a bench.py record; bench_engine's rows as a step table."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-import sys
 
 import pytest
 
-from tests.daemons import REPO
+from tests.script_modules import load_script
 
 
-def _load(name: str):
-    # scripts/ is not a package: capacity.py imports its siblings by name, as when it runs.
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
-table_mod = _load("capacity_table")
-sim = _load("capacity_sim")
-capacity = _load("capacity")
+table_mod = load_script("capacity_table")
+sim = load_script("capacity_sim")
+capacity = load_script("capacity")
 STEP_MS = 10.0
 
 
