@@ -91,3 +91,28 @@ def test_a_failed_copy_ends_only_its_adapters_sequences():
     planner.apply(plan, [])
     assert planner.adapter_fetched(3, 1, False) == ["r1"]
     assert [c.request_id for c in planner.plan().chunks] == ["r2"]
+
+
+def test_no_adapter_starves_behind_a_resident_one():
+    """One slot, adapter 1 resident and busy: a request for adapter 2 waits for the slot, and
+    the adapter-1 requests that came after it wait behind it (nobody overtakes the head)."""
+    planner = Planner(PlannerLimits(8, 64, 32), BlockManager(64, 4),
+                      adapters=AdapterSlots(1, resident={1: 1}))
+    planner.admit(_seq("a0", 1, 1))
+    planner.admit(_seq("b", 2, 2))
+    for k in range(1, 5):
+        planner.admit(_seq(f"a{k}", 2 + k, 1))
+    started: list[str] = []
+    fetches: list[tuple[int, int, list[str]]] = []  # (id, slot, started before it)
+    for _ in range(60):
+        plan = planner.plan()
+        started += [c.request_id for c in plan.chunks if c.start == 0]
+        fetches += [(a, slot, list(started)) for a, slot in plan.adapter_fetches]
+        planner.apply(plan, [5] * len(plan.sampled_request_ids))
+        for adapter_id in sorted(planner.adapters.fetching):  # agreed by the next step
+            planner.adapter_fetched(adapter_id, planner.adapters.slot_of[adapter_id], True)
+        if not planner.live():
+            break
+    # b's adapter comes in once a0 is done; adapter 1 comes back once b is done
+    assert fetches == [(2, 1, ["a0"]), (1, 1, ["a0", "b"])]
+    assert started == ["a0", "b", "a1", "a2", "a3", "a4"]
