@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """lorad's engine on one GPU, no HTTP: decode step time and tokens/s against the memory floor.
 
-Builds lorad's model in-process at world size 1 (random weights of scripts/configs/llama3-8b by
-default, bf16, CUDA), a KV pool of random values, and the decode CUDA graphs, then times decode
-steps at several batch sizes for: the base model with no adapter loaded (`base`), the same with
-adapters loaded but every row on slot 0 (`idle`), one adapter on every row (`one`), rows cycling
-over four adapters (`mixed4`, transformers + peft's mixture below), and a distinct adapter per
-row up to --num-adapters slots (`many`; rank 16 on all seven projections); and those again on
-variants of lorad's tuning (`--variant`, dataclasses.replace of lorad/workers/tuning.py's
-Tuning). Beside each figure the floor: the bytes a step must read (weights, the LoRA factors of
-the slots in the batch, every sequence's KV) over the device-to-device copy bandwidth measured in
-this run. Then prefill tokens/s, and transformers + peft `generate` on the same shapes (mixed
-adapters per row through `adapter_names`). Prints the conditions and a markdown table last.
+Builds lorad's model of --config's family in-process at world size 1 (random weights, bf16,
+CUDA; scripts/configs/llama3-8b by default, scripts/configs/qwen1.5-moe-a2.7b for the MoE
+shape), a KV pool of random values and the decode CUDA graphs, then times decode steps at
+several batch sizes: the base model with no adapter loaded (`base`), adapters loaded but every
+row on slot 0 (`idle`), one adapter on every row (`one`), rows cycling over four adapters
+(`mixed4`), a distinct adapter per row up to --num-adapters slots (`many`); rank 16 on every
+projection the family serves; and those on variants of lorad's Tuning (`--variant`). Beside
+each figure the floor: the bytes a step must read (weights, on a MoE model only the routed
+experts it touches: moe_floor.py; the batch's LoRA factors; every sequence's KV) over the
+device-to-device copy bandwidth measured in this run. Then prefill tokens/s, and transformers +
+peft `generate` of the same family on the same shapes (mixed adapters through
+`adapter_names`). Prints the conditions and a markdown table last.
 """
 
 from __future__ import annotations
@@ -33,17 +34,19 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 from lorad.config import ModelConfig  # noqa: E402
-from lorad.config.adapters import TARGET_MODULES, AdapterArg, load_adapter  # noqa: E402
-from lorad.config.adapters import PARENTS, projection_features  # noqa: E402
+from lorad.config.adapters import AdapterArg, layer_modules, load_adapter  # noqa: E402
+from lorad.config.adapters import module_name, projection_features  # noqa: E402
 from lorad.workers.batch import ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
 from lorad.workers.fused_linear import FusedColumnParallelLinear  # noqa: E402
 from lorad.workers.linear import RowParallelLinear  # noqa: E402
 from lorad.workers.loader import fill_slot, read_shards  # noqa: E402
 from lorad.workers.lora import LoraSlots  # noqa: E402
-from lorad.workers.models.llama import LlamaForCausalLM  # noqa: E402
+from lorad.workers.models import LlamaForCausalLM, model_class  # noqa: E402
+from lorad.workers.moe import SparseMoeBlock  # noqa: E402
 from lorad.workers.parallel import TensorParallel  # noqa: E402
 from benchmarks.common import conditions, copy_bandwidth, time_cuda  # noqa: E402
+from benchmarks.moe_floor import decode_bytes, expected_experts  # noqa: E402
 from benchmarks.step_table import table_json, time_adapter_copy  # noqa: E402
 from lorad.workers.tuning import Tuning, replaced  # noqa: E402
 
@@ -136,7 +139,8 @@ def measure_ceilings() -> tuple[float, float]:
 
 def build_lorad(config: ModelConfig, max_batch: int, blocks_per_seq: int,
                 tuning: Tuning = Tuning()) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(config, TensorParallel(0, 1, CUDA), torch.bfloat16, CUDA, tuning)
+    model = model_class(config)(config, TensorParallel(0, 1, CUDA), torch.bfloat16, CUDA,
+                                tuning)
     model.load_random_weights(seed=0)
     # Block 0 stays spare; sequence i owns blocks 1 + i * blocks_per_seq onwards.
     model.allocate_kv_cache(1 + max_batch * blocks_per_seq, BLOCK_SIZE)
@@ -146,22 +150,33 @@ def build_lorad(config: ModelConfig, max_batch: int, blocks_per_seq: int,
     return model
 
 
+def adapter_modules(config: ModelConfig) -> list[str]:
+    """The projections write_adapter edits, in PEFT's target_modules spelling: every one the
+    family serves (a Qwen2-MoE sparse layer: q/k/v/o and the shared expert's gate/up/down)."""
+    found = []
+    for layer in range(config.num_hidden_layers):
+        found += [m for m in layer_modules(config, layer) if m not in found]
+    return found
+
+
 def write_adapter(folder: Path, config: ModelConfig, rank: int,
                   dtype: torch.dtype = torch.bfloat16, seed: int = 1) -> Path:
     """A PEFT LoRA folder with random factors (drawn from `seed`) stored as `dtype` (bf16: LoRA
-    tables of bf16, as adapters saved in bf16 get; fp32: tables of fp32) on all seven
-    projections of every layer."""
+    tables of bf16, as adapters saved in bf16 get; fp32: tables of fp32) on every projection
+    of every layer that lorad serves for the family (lorad.config.adapters.layer_modules)."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
-    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGET_MODULES),
+    # A dotted target ("shared_expert.gate_proj") matches by suffix; a Qwen2-MoE's routed
+    # experts are no modules of their own in transformers, so "gate_proj" misses them.
+    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=adapter_modules(config),
                lora_dropout=0.0, bias="none", task_type="CAUSAL_LM").save_pretrained(folder)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_hidden_layers):
-        for module in TARGET_MODULES:
+        for module in layer_modules(config, layer):
             in_features, out_features = projection_features(config, module)
-            name = f"base_model.model.model.layers.{layer}.{PARENTS[module]}.{module}"
+            name = f"base_model.model.{module_name(layer, module)}"
             tensors[f"{name}.lora_A.weight"] = (
                 torch.randn(rank, in_features, generator=gen) * in_features**-0.5).to(dtype)
             tensors[f"{name}.lora_B.weight"] = (
@@ -210,7 +225,9 @@ def table_steps(found: list[dict], num_adapters: int) -> list[dict]:
 
 
 class Floor:
-    """Bytes a decode step must read, and the time they take at the measured bandwidth."""
+    """Bytes a decode step must read, and the time they take at the measured bandwidth; on a
+    MoE model from its config (moe_floor.decode_bytes: the routed experts a step touches, by
+    default as many as uniform routing touches in expectation)."""
 
     def __init__(self, model: LlamaForCausalLM, bandwidth: float) -> None:
         config = model.config
@@ -226,6 +243,7 @@ class Floor:
         self.loras = [m for m in model.modules() if isinstance(m, LoraSlots)]
         self.linear_params = sum(m.weight.numel() for m in model.modules()
                                  if isinstance(m, (FusedColumnParallelLinear, RowParallelLinear)))
+        self.element_size = embedding.element_size()
         self.config = config
 
     def lora_bytes(self, slots: set[int]) -> int:
@@ -239,11 +257,21 @@ class Floor:
         attention = (4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
                      * len(slots) * length * (length + 1) / 2)  # causal: half of QK^T and PV
         head = 2 * len(slots) * config.vocab_size * config.hidden_size
+        sparse = sum(config.is_moe_layer(layer) for layer in range(config.num_hidden_layers))
+        moe = 2 * tokens * sparse * config.hidden_size * (  # each token's experts and router
+            3 * config.num_experts_per_tok * config.moe_intermediate_size + config.num_experts)
         lora = sum(2 * length * lora.ranks[s] * (lora.lora_a.shape[2] + lora.lora_b.shape[1])
                    for lora in self.loras for s in slots if s)
-        return 2 * self.linear_params * tokens + attention + head + lora
+        return 2 * self.linear_params * tokens + attention + head + moe + lora
 
-    def decode_seconds(self, slots: list[int], context_lens: list[int]) -> float:
+    def decode_seconds(self, slots: list[int], context_lens: list[int],
+                       experts_per_layer: float | None = None) -> float:
+        """`experts_per_layer`: the routed experts each sparse layer reads (None: uniform
+        routing's expectation at len(slots) rows); the dense family has none."""
+        if self.config.num_experts:
+            return decode_bytes(self.config, len(slots), sum(context_lens),
+                                self.lora_bytes(set(slots)), self.element_size,
+                                experts_per_layer)["total"] / self.bandwidth
         total = (self.weight_bytes + len(slots) * self.row_bytes + self.lora_bytes(set(slots))
                  + sum(context_lens) * self.kv_bytes_per_token)
         return total / self.bandwidth
@@ -342,6 +370,56 @@ class HostClock:
                 f"{statistics.median(self.launch) * 1e3:.3f} ms")
 
 
+class ExpertCounter:
+    """Counts, inside a `with`, the distinct routed experts each MoE layer's router picks per
+    call (an eager step: a graph replay calls no Python), by wrapping every router's route:
+    for the first `real_rows` rows, and for all of them (a step pads to MIN_ROWS rows, and the
+    padding rows are routed and their experts read too)."""
+
+    def __init__(self, model, real_rows: int) -> None:
+        self.routers = [m.gate for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        self.real_rows = real_rows
+        self.counts: list[int] = []
+        self.padded_counts: list[int] = []
+
+    def __enter__(self) -> "ExpertCounter":
+        for router in self.routers:
+            router.route = self._counted(router.route)
+        return self
+
+    def _counted(self, route):
+        def counted(x):
+            weights, experts = route(x)
+            self.counts.append(torch.unique(experts[:self.real_rows]).numel())
+            self.padded_counts.append(torch.unique(experts).numel())
+            return weights, experts
+        return counted
+
+    def __exit__(self, *exc) -> None:
+        for router in self.routers:  # back to the method
+            del router.route
+
+    def means(self) -> tuple[float, float] | None:
+        """(mean distinct experts per layer of the real rows, of all rows), or None."""
+        if not self.counts:
+            return None
+        return statistics.mean(self.counts), statistics.mean(self.padded_counts)
+
+
+def count_experts(model, slots: list[int], context: int, blocks_per_seq: int,
+                  device: torch.device = CUDA) -> tuple[float, float] | None:
+    """The mean distinct experts per MoE layer that one eager decode step of these rows (at
+    `context`, writing its KV there) routes the real rows to, and all rows with the padding;
+    None on a dense model. The graph's step pads the same way (cuda_graph.rows_of)."""
+    counter = ExpertCounter(model, len(slots))
+    if not counter.routers:
+        return None
+    chunks = next(decode_steps(slots, context, blocks_per_seq, 1))
+    with counter, torch.no_grad():
+        model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, device))
+    return counter.means()
+
+
 def add_row(case: str, batch, mode: str, step_s: float | None, device_s: float | None = None,
             floor_s: float | None = None, tokens: int | None = None, note: str = "") -> None:
     row = {"case": case, "batch": batch, "mode": mode, "step_ms": step_s and step_s * 1e3,
@@ -357,15 +435,32 @@ def bench_decode(model, graphs, floor: Floor, cases: list[str], args, blocks_per
     for case in cases:
         for batch in batches or args.batches:
             slots = slots_for(case, batch, args.num_adapters)
-            floor_s = floor.decode_seconds(slots, [args.context + args.warmup + args.steps // 2]
-                                           * batch)
+            context_lens = [args.context + args.warmup + args.steps // 2] * batch
+            floor_s = floor.decode_seconds(slots, context_lens)
+            moe_note = ""
+            if floor.config.num_experts:
+                try:
+                    counted = count_experts(model, slots, args.context, blocks_per_seq)
+                except Exception as exc:  # the figure matters more than the count
+                    traceback.print_exc()
+                    counted = None
+                    moe_note = f"experts not counted: {type(exc).__name__}"
+                config = floor.config
+                uniform = expected_experts(config.num_experts, config.num_experts_per_tok, batch)
+                if counted is not None:
+                    real, padded = counted
+                    at_count = floor.decode_seconds(slots, context_lens, real)
+                    moe_note = (f"experts/layer {real:.1f} routed (uniform {uniform:.1f}; "
+                                f"{padded:.1f} with the padding rows), floor at that count "
+                                f"{at_count * 1e3:.2f} ms")
             for mode in ["graph" if graphs else "eager"] + (
                     ["eager"] if graphs and batch in args.eager_batches
                     and case in ("base", "many") else []):
                 try:
                     step_s, replay_s, host = time_decode(
                         model, graphs if mode == "graph" else None, slots, args, blocks_per_seq)
-                    add_row(case + label, batch, mode, step_s, replay_s, floor_s, note=host)
+                    note = "; ".join(x for x in (host, moe_note) if x)
+                    add_row(case + label, batch, mode, step_s, replay_s, floor_s, note=note)
                 except Exception as exc:  # one failed figure must not cost the others
                     traceback.print_exc()
                     add_row(case + label, batch, mode, None,
@@ -397,19 +492,34 @@ def bench_prefill(model, case: str, args, flops: float, floor: Floor, label: str
 
 # --- transformers + peft ----------------------------------------------------------------------
 
-def bench_transformers(config_dir: str, adapter_folder: Path, args) -> None:
-    """`generate` of transformers' LlamaForCausalLM (random weights, bf16, CUDA) with four peft
-    adapters: the base (adapters disabled) and a mixture of the four per row (adapter_names)."""
-    from peft import PeftModel
-    from transformers import LlamaConfig, LlamaForCausalLM
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+              "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}
 
-    config = LlamaConfig.from_pretrained(config_dir)
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the GPU: no fp32 copy on the host
+
+def hf_model(config_dir: str, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """transformers' model of the config's family (LlamaForCausalLM, Qwen2MoeForCausalLM) with
+    random weights, built in `dtype` on `device` (no download, no fp32 copy on the host)."""
+    import transformers
+
+    model_type = ModelConfig.from_dir(config_dir).model_type
+    config_name, model_name = HF_CLASSES[model_type]
+    config = getattr(transformers, config_name).from_pretrained(config_dir)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
     try:
-        with torch.device(CUDA):
-            model = LlamaForCausalLM(config)
+        with torch.device(device):
+            return getattr(transformers, model_name)(config)
     finally:
-        torch.set_default_dtype(torch.float32)
+        torch.set_default_dtype(saved)
+
+
+def bench_transformers(config_dir: str, adapter_folder: Path, args) -> None:
+    """`generate` of transformers' model of the family (random weights, bf16, CUDA) with four
+    peft adapters: the base (adapters disabled) and a mixture of the four per row
+    (adapter_names)."""
+    from peft import PeftModel
+
+    model = hf_model(config_dir, CUDA)
     model = PeftModel.from_pretrained(model, adapter_folder, adapter_name="a0")
     for i in range(1, 4):
         model.load_adapter(adapter_folder, adapter_name=f"a{i}")
@@ -525,9 +635,11 @@ def find(case: str, batch, mode: str = "graph") -> dict | None:
                  and r["mode"] == mode and r["step_ms"]), None)
 
 
-def targets() -> str:
-    """The GPU issue's four targets against this run's rows; a target whose rows did not run
-    says so."""
+def targets(moe: bool = False) -> str:
+    """The GPU issue's four targets (moe: issue 34's, moe_targets) against this run's rows; a
+    target whose rows did not run says so."""
+    if moe:
+        return moe_targets()
     def verdict(value, goal, at_least: bool) -> str:
         return "met" if (value >= goal if at_least else value <= goal) else "not met"
 
@@ -568,6 +680,28 @@ def targets() -> str:
     if len(lines) == 2:
         return "no target's rows ran"
     return "\n".join(lines)
+
+
+def moe_targets() -> str:
+    """Issue 34's targets on the MoE shape: batch-1 decode >= 60% of its floor; batch 32 >= 20x
+    transformers (base against base, mixed adapters against peft's mixture)."""
+    lines = ["| target | goal | measured | verdict |", "|---|---|---|---|"]
+    base1 = find("base", 1)
+    if base1:
+        measured = base1["device_ms"] or base1["step_ms"]
+        share = base1["floor_ms"] / measured
+        lines.append(f"| MoE batch-1 decode, floor / time | >= 60% | {share:.0%} "
+                     f"({measured:.2f} vs {base1['floor_ms']:.2f} ms) | "
+                     f"{'met' if share >= 0.60 else 'not met'} |")
+    for ours, theirs in (("base", "transformers+peft base"),
+                         ("mixed4", "transformers+peft mixed-4")):
+        mine, hf = find(ours, 32), find(theirs, 32, "generate")
+        if mine and hf:
+            ratio = mine["tok_s"] / hf["tok_s"]
+            lines.append(f"| MoE {ours}, batch 32, vs {theirs} | >= 20x | {ratio:.1f}x "
+                         f"({mine['tok_s']:,.0f} vs {hf['tok_s']:,.0f} tok/s) | "
+                         f"{'met' if ratio >= 20 else 'not met'} |")
+    return "\n".join(lines) if len(lines) > 2 else "no target's rows ran"
 
 
 def main() -> int:
@@ -658,26 +792,33 @@ def main() -> int:
         f"cases: base = no adapter loaded; idle = {args.num_adapters} adapters loaded, rows on "
         f"slot 0; one = adapter 1 on every row; mixed4 = row i on adapter 1 + i % 4; many = row "
         f"i on adapter 1 + i % {args.num_adapters}; (PATH=VALUE...) = a --variant of lorad's "
-        f"Tuning; rank {args.rank} on all 7 projections, "
+        f"Tuning; rank {args.rank} on {', '.join(adapter_modules(config))}, "
         f"factors stored and tabled as {args.adapter_dtype}",
         "floor = (weights + LoRA factors of the batch's slots + KV) bytes / copy bandwidth; "
         "prefill: the larger of that and matmul FLOPs / matmul rate; floor/time uses device ms "
-        "where there is one",
+        "where there is one" + ("; MoE: the routed experts a decode step reads are those "
+        f"uniform routing touches in expectation, E(1 - (1 - k/E)^B) per layer (E "
+        f"{config.num_experts}, k {config.num_experts_per_tok}: "
+        f"{expected_experts(config.num_experts, config.num_experts_per_tok, 1):.0f} at batch 1,"
+        f" {expected_experts(config.num_experts, config.num_experts_per_tok, 32):.1f} at 32); "
+        "the note gives the count the router picked in one eager step and the floor at it"
+        if config.num_experts else ""),
         f"transformers+peft: generate, prompt {args.hf_prompt}, step ms = (time of "
         f"{1 + args.hf_new_tokens} new tokens - time of 1) / {args.hf_new_tokens}, each time "
         f"the fastest of {args.hf_repeats} runs; mixed-4 = "
         f"adapter_names cycling over 4 adapters",
         f"whole run {time.monotonic() - started:.0f}s",
     ]
-    text = table(lines) + "\n\nTargets of the GPU issue:\n\n" + targets()
+    text = table(lines) + "\n\nTargets of the GPU issue:\n\n" + targets(config.num_experts > 0)
     if args.table_out:
         Path(args.table_out).write_text(text + "\n")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(table_json(
             lines[0], Path(args.config).name, props.name, 1, args.context, prefill_len,
             table_steps(rows, args.num_adapters), copy_ms,
-            tables=f"start adapters: {args.num_adapters} of rank {args.rank} on all 7 "
-            f"projections, {args.adapter_dtype}"), indent=1) + "\n")
+            tables=f"start adapters: {args.num_adapters} of rank {args.rank} on "
+            f"{len(adapter_modules(config))} projections, {args.adapter_dtype}"), indent=1)
+            + "\n")
     print("\n" + text)
     return 0 if all(r["step_ms"] is not None for r in rows) else 1
 

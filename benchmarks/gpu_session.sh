@@ -9,6 +9,9 @@
 #   tests     pytest -m gpu tests/gpu, and the sampler's CPU test that depends on torch's build
 #   kernels   bench_lora_kernels, bench_paged_attention, bench_sampler, bench_decode_gemv
 #   engine    bench_engine (the decode step against its memory floor)
+#   moe       bench_engine on the MoE shape (scripts/configs/qwen1.5-moe-a2.7b, random weights):
+#             decode at batch 1, 32, 64, base and 4 adapters mixed, against the floor of the
+#             experts touched and transformers + peft generate (issue 34's targets, last)
 #   multi     bench_multi_gpu (world 1, 2, 4 over NCCL)
 #   profile   profile_decode;  graph: profile_graph (traces in $OUT/traces);
 #   prefill   profile_prefill (prefill steps' kernels by group, base and LoRA) and
@@ -81,6 +84,9 @@ for part in "${parts[@]}"; do
       bench bench-sampler.log 60 bench_sampler --device cuda
       bench bench-gemv.log 75 bench_decode_gemv ;;
     engine) bench bench-engine.log 210 bench_engine --table-out "$OUT/bench-engine.md" ;;
+    moe) bench bench-moe.log 500 bench_engine --config scripts/configs/qwen1.5-moe-a2.7b \
+           --batches 1,32,64 --cases base,mixed4 --num-adapters 4 --eager-batches "" \
+           --prefill "" --hf-batches 1,32 --table-out "$OUT/bench-moe.md" ;;
     multi) bench bench-multi-gpu.log 240 bench_multi_gpu --table-out "$OUT/bench-multi-gpu.md" ;;
     profile) bench profile.log 90 profile_decode ;;
     prefill)
