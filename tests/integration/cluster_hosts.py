@@ -121,3 +121,12 @@ def start_cluster(tmp_path: Path, model_dir: Path, *flags: str, parallel: int = 
         cluster.kill()
         raise
     return cluster
+
+
+def kill_hosts(coordinator: Daemon, node) -> None:
+    """End both hosts' agents however a test left them, then check the coordinator's host."""
+    for proc in (coordinator.proc, node.proc):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    coordinator.assert_cleaned_up([])

@@ -16,7 +16,8 @@ from lorad.protocol import MAX_FRAME_BYTES, RankStatus, StepResult, encode
 from lorad.protocol.curve import client_keys, make_clients
 from tests.daemons import _running, post, start_daemon
 from tests.integration.cluster_hosts import (
-    MASTER_ADDR, cluster_flags, lorad_keys, make_keys, master_port, start_cluster, start_node)
+    MASTER_ADDR, cluster_flags, kill_hosts, lorad_keys, make_keys, master_port, start_cluster,
+    start_node)
 
 FORGED_STATUS = encode(RankStatus(7, "serving", 1, 0.0, 0, 0))  # there are ranks 0 and 1
 
@@ -62,11 +63,7 @@ def test_a_host_with_an_unlisted_key_is_refused_by_name(tmp_path, tiny_model):
         assert node.proc.wait(40) == 1, node.log()[-3000:]
         assert "was not reached within --startup-timeout" in node.log()
     finally:
-        for proc in (coordinator.proc, node.proc):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    coordinator.assert_cleaned_up([])
+        kill_hosts(coordinator, node)
     assert not list(node.runtime_parent.iterdir())
 
 

@@ -16,7 +16,8 @@ import pytest
 from tests.daemons import _running, post, start_daemon
 from tests.tiny_models import make_tiny_llama
 from tests.integration.cluster_hosts import (
-    MASTER_ADDR, NODE1_ADDR, cluster_flags, make_keys, master_port, start_cluster, start_node)
+    MASTER_ADDR, NODE1_ADDR, cluster_flags, kill_hosts, make_keys, master_port, start_cluster,
+    start_node)
 
 PROMPTS = ("hello", "the quick brown fox", "0 1 2 3")
 
@@ -131,11 +132,7 @@ def test_a_host_with_other_adapter_files_is_refused_by_name(tmp_path, tiny_model
         assert "registry mismatch" in failure[0] and "on rank(s) [1]" in failure[0]
         assert "node 1 (lorad node): ranks 1..1" in failure[0], failure[0]
     finally:
-        for proc in (coordinator.proc, node.proc):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    coordinator.assert_cleaned_up([])
+        kill_hosts(coordinator, node)
 
 
 @pytest.mark.parametrize("taken, code, wanted", [
@@ -169,8 +166,4 @@ def test_a_host_started_with_other_flags_is_refused_by_name(tmp_path):
                "with --parallel 2 --nnodes 2: give every host the same" in coordinator.log(), \
             coordinator.log()[-3000:]
     finally:
-        for proc in (coordinator.proc, node.proc):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    coordinator.assert_cleaned_up([])
+        kill_hosts(coordinator, node)
