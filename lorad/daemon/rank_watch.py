@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from lorad.protocol import RankStatus
 
@@ -47,6 +47,10 @@ class RankState:
     adapter_evictions: int = 0
     adapter_host_hits: int = 0
     adapter_disk_reads: int = 0
+
+
+# RankState's fields that are a RankStatus' counts as the rank sent them (same names).
+_COUNTS = tuple(f.name for f in fields(RankState))[7:]
 
 
 class RankWatch:
@@ -103,13 +107,7 @@ class RankWatch:
                 state = "serving" if report.phase == "serving" else "starting"
             states.append(RankState(rank, state, report.steps, report.kv_blocks_used,
                                     report.kv_blocks_free, silence, step_seconds,
-                                    report.prefix_cached_blocks, report.prefix_evictions,
-                                    report.spill_blocks, report.spill_writes, report.spill_reads,
-                                    report.spill_read_failures, report.spill_drops,
-                                    report.adapters_registered, report.adapter_slots,
-                                    report.adapter_slots_used, report.adapter_loads,
-                                    report.adapter_evictions, report.adapter_host_hits,
-                                    report.adapter_disk_reads))
+                                    **{name: getattr(report, name) for name in _COUNTS}))
         return states
 
     def stalls(self) -> list[tuple[int, str]]:
