@@ -371,53 +371,50 @@ class HostClock:
 
 
 class ExpertCounter:
-    """Counts, inside a `with`, the distinct routed experts each MoE layer's router picks per
-    call (an eager step: a graph replay calls no Python), by wrapping every router's route:
-    for the first `real_rows` rows, and for all of them (a step pads to MIN_ROWS rows, and the
-    padding rows are routed and their experts read too)."""
+    """Counts, inside a `with`, the distinct routed experts each MoE layer's experts read per
+    call (an eager step: a graph replay calls no Python), by wrapping every layer's routed
+    experts: the experts of the rows the block passes as real (a step pads to MIN_ROWS rows;
+    the padding rows read no expert)."""
 
-    def __init__(self, model, real_rows: int) -> None:
-        self.routers = [m.gate for m in model.modules() if isinstance(m, SparseMoeBlock)]
-        self.real_rows = real_rows
+    def __init__(self, model) -> None:
+        self.experts = [m.experts for m in model.modules() if isinstance(m, SparseMoeBlock)]
         self.counts: list[int] = []
-        self.padded_counts: list[int] = []
 
     def __enter__(self) -> "ExpertCounter":
-        for router in self.routers:
-            router.route = self._counted(router.route)
+        for module in self.experts:
+            module.forward = self._counted(module.forward)
         return self
 
-    def _counted(self, route):
-        def counted(x):
-            weights, experts = route(x)
-            self.counts.append(torch.unique(experts[:self.real_rows]).numel())
-            self.padded_counts.append(torch.unique(experts).numel())
-            return weights, experts
+    def _counted(self, forward):
+        def counted(x, weights, experts, real_rows=None):
+            read = experts if real_rows is None else experts[real_rows]
+            self.counts.append(torch.unique(read).numel())
+            return forward(x, weights, experts, real_rows)
         return counted
 
     def __exit__(self, *exc) -> None:
-        for router in self.routers:  # back to the method
-            del router.route
+        for module in self.experts:  # back to the method
+            del module.forward
 
-    def means(self) -> tuple[float, float] | None:
-        """(mean distinct experts per layer of the real rows, of all rows), or None."""
+    def mean(self) -> float | None:
+        """The mean distinct experts read per layer and call, or None."""
         if not self.counts:
             return None
-        return statistics.mean(self.counts), statistics.mean(self.padded_counts)
+        return statistics.mean(self.counts)
 
 
 def count_experts(model, slots: list[int], context: int, blocks_per_seq: int,
-                  device: torch.device = CUDA) -> tuple[float, float] | None:
+                  device: torch.device = CUDA) -> float | None:
     """The mean distinct experts per MoE layer that one eager decode step of these rows (at
-    `context`, writing its KV there) routes the real rows to, and all rows with the padding;
-    None on a dense model. The graph's step pads the same way (cuda_graph.rows_of)."""
-    counter = ExpertCounter(model, len(slots))
-    if not counter.routers:
+    `context`, writing its KV there) reads; None on a dense model. The graph's step pads the
+    same way (cuda_graph.rows_of) and reads the same experts."""
+    counter = ExpertCounter(model)
+    if not counter.experts:
         return None
     chunks = next(decode_steps(slots, context, blocks_per_seq, 1))
     with counter, torch.no_grad():
         model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, device))
-    return counter.means()
+    return counter.mean()
 
 
 def add_row(case: str, batch, mode: str, step_s: float | None, device_s: float | None = None,
@@ -448,11 +445,9 @@ def bench_decode(model, graphs, floor: Floor, cases: list[str], args, blocks_per
                 config = floor.config
                 uniform = expected_experts(config.num_experts, config.num_experts_per_tok, batch)
                 if counted is not None:
-                    real, padded = counted
-                    at_count = floor.decode_seconds(slots, context_lens, real)
-                    moe_note = (f"experts/layer {real:.1f} routed (uniform {uniform:.1f}; "
-                                f"{padded:.1f} with the padding rows), floor at that count "
-                                f"{at_count * 1e3:.2f} ms")
+                    at_count = floor.decode_seconds(slots, context_lens, counted)
+                    moe_note = (f"experts/layer {counted:.1f} read (uniform {uniform:.1f}), "
+                                f"floor at that count {at_count * 1e3:.2f} ms")
             for mode in ["graph" if graphs else "eager"] + (
                     ["eager"] if graphs and batch in args.eager_batches
                     and case in ("base", "many") else []):

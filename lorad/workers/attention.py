@@ -49,6 +49,7 @@ class AttentionContext:
     write_rows: torch.Tensor  # [num_written] int64: rows whose K/V go into the cache
     write_slots: torch.Tensor  # [num_written] int64: their slots
     seqs: list[SeqContext]
+    real_rows: torch.Tensor  # [num_rows] bool: the rows that are not padding
 
     @classmethod
     def build(cls, batch: ForwardBatch,
@@ -58,7 +59,8 @@ class AttentionContext:
         if kernel_path(device):
             from lorad.workers.attention_cuda import CudaAttentionContext
             return CudaAttentionContext.build(batch)
-        write_rows = torch.nonzero(batch.slot_mapping >= 0).squeeze(1)
+        real_rows = batch.slot_mapping >= 0  # padding rows write no KV
+        write_rows = torch.nonzero(real_rows).squeeze(1)
         offsets = torch.arange(block_size, device=device)
         seqs = []
         for chunk in batch.seqs:
@@ -71,7 +73,7 @@ class AttentionContext:
             key_pos = torch.arange(-(-chunk.context_len // KEY_BLOCK) * KEY_BLOCK, device=device)
             mask = key_pos[None, :] <= query_pos[:, None]
             seqs.append(SeqContext(chunk.token_start, chunk.num_tokens, slots, mask))
-        return cls(write_rows, batch.slot_mapping[write_rows], seqs)
+        return cls(write_rows, batch.slot_mapping[write_rows], seqs, real_rows)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,

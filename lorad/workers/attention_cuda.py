@@ -33,6 +33,12 @@ class CudaAttentionContext:
     is_decode: bool  # one token per sequence, sequence i on row i
     max_query_len: int  # the longest chunk: the prefill grid
 
+    @property
+    def real_rows(self) -> torch.Tensor:
+        """[num_rows] bool: the rows that are not padding, from the step's slot_mapping (so a
+        graph computes it again at each replay)."""
+        return self.slot_mapping >= 0
+
     @classmethod
     def build(cls, batch: ForwardBatch) -> "CudaAttentionContext":
         max_query_len = max((chunk.num_tokens for chunk in batch.seqs), default=0)

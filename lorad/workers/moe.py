@@ -9,10 +9,13 @@ here: LoRA on the router, the gate or routed experts (lorad.config.adapters refu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from lorad.config import ModelConfig
+from lorad.workers.attention import AttentionContext
 from lorad.config.partition import balanced_split
 from lorad.workers.fused_linear import MergedColumnParallelLinear
 from lorad.workers.kernel_path import kernel_path
@@ -22,6 +25,9 @@ from lorad.workers.linear import RowParallelLinear, check_shape, load_replicated
 from lorad.workers.lora_rows import LoraRows
 from lorad.workers.parallel import TensorParallel
 from lorad.workers.tuning import Tuning
+
+if TYPE_CHECKING:  # imports triton, which the CPU path never loads
+    from lorad.workers.attention_cuda import CudaAttentionContext
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -136,25 +142,34 @@ class RoutedExperts(nn.Module):
             check_shape(name, tensor_slice.get_shape(), (self.intermediate, self.hidden))
             self.shard_view(shard_id).copy_(tensor_slice[self.inter_start:self.inter_end])
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor,
-                experts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                real_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x: [num_rows, hidden]; weights, experts: [num_rows, top_k] (the router's) ->
         [num_rows, hidden] float32: this rank's partial sum of every row's weighted experts.
-        On the kernel path the fused kernel (kernels/fused_moe.py), else the torch path."""
+        real_rows: [num_rows] bool, the rows that are not padding (None: all): a padding row
+        reads no expert and gets zeros. On the kernel path the fused kernel
+        (kernels/fused_moe.py), else the torch path."""
         if kernel_path(x.device):
             from lorad.workers.kernels.fused_moe import fused_moe  # the CPU never imports triton
-            return fused_moe(x, self.gate_up, self.down, weights, experts, self.config)
-        return routed_experts_torch(x, self.gate_up, self.down, weights, experts)
+            return fused_moe(x, self.gate_up, self.down, weights, experts, self.config,
+                             real_rows=real_rows)
+        return routed_experts_torch(x, self.gate_up, self.down, weights, experts, real_rows)
 
 
 def routed_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                         weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+                         weights: torch.Tensor, experts: torch.Tensor,
+                         real_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The CPU path of RoutedExperts.forward, and the reference fused_moe is checked against:
     gate_up [num_experts, 2 * local, hidden], down [num_experts, hidden, local] -> [num_rows,
-    hidden] float32, each row's experts added in ascending order, as transformers adds them."""
+    hidden] float32, each row's experts added in ascending order, as transformers adds them;
+    zeros for rows that real_rows ([num_rows] bool, None: all) marks as padding."""
     num_local = gate_up.shape[1] // 2
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
+    if real_rows is not None:  # padding rows pick no expert (-1 matches none below)
+        experts = torch.where(real_rows[:, None], experts, -1)
     for e in torch.unique(experts).tolist():  # sorted
+        if e < 0:
+            continue
         rows, slots = torch.nonzero(experts == e, as_tuple=True)  # each row at most once
         products = rowwise_linear(x[rows], gate_up[e])  # [num_expert_rows, 2 * local]
         # layers.silu_and_mul's torch path, spelt out: this is the reference on CUDA too.
@@ -209,11 +224,16 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert.down_proj.gemv = tuning.gemv.config("down", dtype)
         self.experts.config = tuning.moe
 
-    def forward(self, x: torch.Tensor, lora: LoraRows) -> tuple[torch.Tensor, None]:
+    def forward(self, x: torch.Tensor, lora: LoraRows,
+                ctx: AttentionContext | CudaAttentionContext | None = None
+                ) -> tuple[torch.Tensor, None]:
         """x: [num_rows, hidden] -> ([num_rows, hidden] float32 sum over ranks, before its
-        rounding to the model dtype (the residual add does it), None: no delta left over)."""
+        rounding to the model dtype (the residual add does it), None: no delta left over).
+        ctx: the step's; its padding rows read no routed expert (a decode step of one sequence
+        pads to MIN_ROWS rows, whose experts would otherwise be read too). None: every row is
+        routed."""
         weights, experts = self.gate.route(x)
-        routed = self.experts(x, weights, experts)
+        routed = self.experts(x, weights, experts, None if ctx is None else ctx.real_rows)
         # The gate scales the shared expert's sum over ranks; scaling each rank's share first
         # is the same sum, so one all-reduce carries both.
         shared = self.shared_expert.partial_sum(x, lora)

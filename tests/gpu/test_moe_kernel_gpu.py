@@ -11,7 +11,8 @@ import importlib.util
 import pytest
 import torch
 
-from tests.kernels.moe_kernel_checks import check_expert_tiles, check_fused_moe, check_rows_alone
+from tests.kernels.moe_kernel_checks import (check_expert_tiles, check_fused_moe,
+                                             check_padding_rows, check_rows_alone)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
@@ -33,6 +34,13 @@ def test_fused_moe(dtype, inter, num_rows):
 def test_rows_alone(dtype):
     check_rows_alone("cuda", DTYPES[dtype], num_rows=24, inter=1408, hidden=2048,
                      num_experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_real", [1, 5])
+def test_padding_rows(dtype, num_real):
+    check_padding_rows("cuda", DTYPES[dtype], num_real=num_real, inter=1408, hidden=2048,
+                       num_experts=60, top_k=4)
 
 
 def test_expert_tiles():

@@ -37,14 +37,17 @@ def _inputs(device: str, dtype: torch.dtype, num_rows: int, hidden: int, inter: 
     return x, gate_up, down, weights.to(dtype=dtype, device=device), experts.to(device)
 
 
-def _fused(x, gate_up, down, weights, experts):
+def _fused(x, gate_up, down, weights, experts, real_rows=None, buffers_out=None):
+    """fused_moe with poisoned buffers (appended to buffers_out, a list, when given)."""
     from lorad.workers.kernels.fused_moe import fused_moe
     num_pairs = experts.numel()
     buffers = (torch.full((num_pairs, gate_up.shape[1] // 2), POISON, dtype=x.dtype,
                           device=x.device),
                torch.full((num_pairs, down.shape[1]), POISON, dtype=torch.float32,
                           device=x.device))
-    return fused_moe(x, gate_up, down, weights, experts, buffers=buffers)
+    if buffers_out is not None:
+        buffers_out.extend(buffers)
+    return fused_moe(x, gate_up, down, weights, experts, buffers=buffers, real_rows=real_rows)
 
 
 def check_fused_moe(device: str, dtype: torch.dtype = torch.bfloat16, num_rows: int = 11,
@@ -107,6 +110,55 @@ def check_expert_tiles(device: str, num_rows: int = 37, num_experts: int = 5, to
         seen += pairs.tolist()
     if sorted(seen) != list(range(num_rows * top_k)):
         raise AssertionError("the tiles do not cover every pair exactly once")
+
+
+def check_padding_rows(device: str, dtype: torch.dtype = torch.bfloat16, num_rows: int = 8,
+                       num_real: int = 3, hidden: int = 48, inter: int = 40,
+                       num_experts: int = 12, top_k: int = 2, seed: int = 4) -> None:
+    """A padded step (num_real rows, then padding, as a decode step pads to MIN_ROWS): the
+    padding rows pick experts no real row picks, and the tiles hold the real rows' experts and
+    pairs only: the kernels write no padding pair (its poison stays in both buffers). The real
+    rows' bits are those of the real rows alone (kernel and torch path), the padding rows'
+    zeros."""
+    from lorad.workers.kernels.fused_moe import expert_tiles
+    from lorad.workers.moe import routed_experts_torch
+    x, gate_up, down, weights, _ = _inputs(device, dtype, num_rows, hidden, inter, num_experts,
+                                           top_k, seed)
+    # Real rows among the first half of the experts, padding rows among the second.
+    gen = torch.Generator().manual_seed(seed)
+    half = num_experts // 2
+    experts = torch.stack([torch.randperm(half, generator=gen)[:top_k]
+                           + (0 if row < num_real else half) for row in range(num_rows)])
+    experts = experts.sort(dim=1).values.to(device)
+    real_rows = torch.arange(num_rows, device=device) < num_real
+    where = f"padding rows ({dtype}, {num_real} real of {num_rows})"
+    flat = experts.reshape(-1).cpu()
+    padded = torch.where(real_rows[:, None], experts, num_experts)
+    order, tile_expert, start, count = (t.cpu() for t in expert_tiles(padded, num_experts, 16))
+    covered = sorted(p for e, s, c in zip(tile_expert.tolist(), start.tolist(), count.tolist())
+                     if e >= 0 for p in order[s:s + c].tolist())
+    if covered != list(range(num_real * top_k)):
+        raise AssertionError(f"{where}: the tiles hold pairs {covered}")
+    if set(tile_expert[tile_expert >= 0].tolist()) != set(flat[:num_real * top_k].tolist()):
+        raise AssertionError(f"{where}: tiles of experts no real row picked")
+    alone = _fused(x[:num_real], gate_up, down, weights[:num_real], experts[:num_real]).cpu()
+    buffers = []
+    fused = _fused(x, gate_up, down, weights, experts, real_rows, buffers).cpu()
+    for buffer in buffers:  # h, then the weighted pairs (by position, by pair index)
+        if not torch.isnan(buffer[num_real * top_k:].float()).all():
+            raise AssertionError(f"{where}: a padding pair was computed")
+        if torch.isnan(buffer[:num_real * top_k].float()).any():
+            raise AssertionError(f"{where}: a real pair was not computed")
+    for name, got, want in (
+            ("fused_moe", fused, alone),
+            ("torch path", routed_experts_torch(x, gate_up, down, weights, experts,
+                                                real_rows).cpu(),
+             routed_experts_torch(x[:num_real], gate_up, down, weights[:num_real],
+                                  experts[:num_real]).cpu())):
+        if not torch.equal(got[:num_real], want):
+            raise AssertionError(f"{where}: {name}'s real rows differ from them alone")
+        if not torch.equal(got[num_real:], torch.zeros_like(got[num_real:])):
+            raise AssertionError(f"{where}: {name}'s padding rows are not zeros")
 
 
 def _tiny_moe_models(dtype: torch.dtype, count: int) -> list:
@@ -182,6 +234,8 @@ CHECKS = {
     "fused_moe_rows_alone_bf16": (check_rows_alone, dict(dtype=torch.bfloat16)),
     "fused_moe_rows_alone_fp32": (check_rows_alone, dict(dtype=torch.float32)),
     "expert_tiles": (check_expert_tiles, {}),
+    "fused_moe_padding_rows_bf16": (check_padding_rows, dict(dtype=torch.bfloat16)),
+    "fused_moe_padding_rows_fp32": (check_padding_rows, dict(dtype=torch.float32, num_real=1)),
     "moe_model_kernel_path_fp32": (check_model_kernel_path, dict(dtype=torch.float32)),
     "moe_model_kernel_path_bf16": (check_model_kernel_path, dict(dtype=torch.bfloat16)),
     "moe_decode_graph_inputs_fp32": (check_decode_graph_inputs, dict(dtype=torch.float32)),

@@ -22,16 +22,18 @@ from lorad.workers.kernels.launch_math import cdiv
 
 def expert_tiles(experts: torch.Tensor, num_experts: int, block_m: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """experts: [num_rows, top_k] int64, each row's ascending -> (pair_order [num_pairs] int64:
-    the flat pair index row * top_k + j of each pair, grouped by expert, rows in order within
-    one; tile_expert, tile_start, tile_count [num_tiles] int32: each tile's expert (-1 for a
-    spare tile), its first position in pair_order and its pair count). num_tiles is a bound
-    fixed by the shapes (num_pairs / block_m + num_experts), so nothing waits for the device."""
+    """experts: [num_rows, top_k] int64, each row's ascending, num_experts for a pair of no
+    expert (a padding row's) -> (pair_order [num_pairs] int64: the flat pair index row * top_k
+    + j of each pair, grouped by expert, rows in order within one, the pairs of no expert last;
+    tile_expert, tile_start, tile_count [num_tiles] int32: each tile's expert (-1 for a spare
+    tile), its first position in pair_order and its pair count). num_tiles is a bound fixed by
+    the shapes (num_pairs / block_m + num_experts), so nothing waits for the device."""
     flat = experts.reshape(-1)
     device = flat.device
     pair_order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # integer adds: any order, same counts
+    counts = counts[:num_experts]  # the pairs of no expert sort last: no tile takes them
     tiles = (counts + block_m - 1) // block_m
     tiles_end = torch.cumsum(tiles, 0)
     num_tiles = cdiv(flat.numel(), block_m) + num_experts
@@ -132,17 +134,22 @@ def add_experts(pairs: torch.Tensor) -> torch.Tensor:
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
               experts: torch.Tensor, config: MoeConfig = MoeConfig(),
-              buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+              real_rows: torch.Tensor | None = None) -> torch.Tensor:
     """-> [num_rows, H] float32: every row's routed experts, weighted and summed, as moe.py's
     torch path computes them (routed_experts_torch). x: [num_rows, K]; gate_up: [num_experts, 2N,
     K] (each expert's gate rows then up rows); down: [num_experts, H, N]; weights, experts:
     [num_rows, top_k] (the router's). buffers: (h [num_pairs, N] of x's dtype, pairs
-    [num_pairs, H] float32) to write into (tests poison them); None: allocated."""
+    [num_pairs, H] float32) to write into (tests poison them); None: allocated. real_rows:
+    [num_rows] bool, the rows that are not padding (None: all): the others read no expert and
+    get zeros, so a padded decode step reads the experts of its real rows only."""
     num_rows, top_k = experts.shape
     num_experts, two_n, num_in = gate_up.shape
     num_inter, hidden = two_n // 2, down.shape[1]
     if num_inter == 0 or num_rows == 0:  # a rank with none of the intermediate size
         return torch.zeros(num_rows, hidden, dtype=torch.float32, device=x.device)
+    if real_rows is not None:  # no expert (num_experts) for a padding row's pairs: no tile
+        experts = torch.where(real_rows[:, None], experts, num_experts)
     experts, order = torch.sort(experts, dim=1)  # ascending: the order the sum takes
     weights = weights.gather(1, order).reshape(-1)
     pair_order, tile_expert, tile_start, tile_count = expert_tiles(experts, num_experts,
@@ -161,4 +168,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         h, down, weights.contiguous(), pairs, pair_order, tile_expert, tile_start, tile_count,
         hidden, num_inter, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps)
-    return add_experts(pairs.view(num_rows, top_k, hidden))
+    total = add_experts(pairs.view(num_rows, top_k, hidden))
+    if real_rows is None:
+        return total
+    return torch.where(real_rows[:, None], total, 0.0)  # no pair of a padding row was written

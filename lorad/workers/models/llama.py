@@ -98,10 +98,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj.gemv = tuning.gemv.config("gate_up", dtype)
         self.down_proj.gemv = tuning.gemv.config("down", dtype)
 
-    def forward(self, x: torch.Tensor, lora: LoraRows) -> tuple[torch.Tensor, LoraDelta | None]:
+    def forward(self, x: torch.Tensor, lora: LoraRows, ctx: AttentionContext | None = None
+                ) -> tuple[torch.Tensor, LoraDelta | None]:
         """x: [num_rows, hidden] -> ([num_rows, hidden], its LoRA delta or None): down_proj's
         sum over ranks, before its rounding to the model dtype (the residual add does it; see
-        RowParallelLinear), and down_proj's delta where it is left to the residual add."""
+        RowParallelLinear), and down_proj's delta where it is left to the residual add. ctx
+        (the step's, as an MoE block takes it) is not read: padding rows cost a dense MLP no
+        more bytes."""
         (gate, up), deltas = self.gate_up_proj(x, lora)
         return self.down_proj.forward_with_delta(silu_and_mul(gate, up, deltas, lora.pdl_rows),
                                                  lora)
@@ -111,7 +114,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype,
                  device: torch.device, tuning: Tuning, mlp: nn.Module | None = None) -> None:
         """mlp: another family's block in place of the dense MLP (Qwen2-MoE's sparse block);
-        its forward(x, lora) returns what LlamaMLP's does."""
+        its forward(x, lora, ctx) returns what LlamaMLP's does."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(config, tp, dtype, device, tuning)
@@ -130,7 +133,7 @@ class LlamaDecoderLayer(nn.Module):
         attn, attn_lora = self.self_attn(x, rotary, ctx, lora)
         hidden, x = self.post_attention_layernorm.add_and_norm(attn, hidden, attn_lora,
                                                                lora.pdl_rows)
-        return (hidden, *self.mlp(x, lora))
+        return (hidden, *self.mlp(x, lora, ctx))
 
 
 class LlamaModel(nn.Module):
