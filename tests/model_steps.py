@@ -121,3 +121,66 @@ def runner_scenarios(scenarios: dict, seqs: dict, block_size: int, num_blocks: i
         assert all(progress[s] <= len(seqs[s]) for s in progress), scenario
         steps_of[scenario], expected_of[scenario] = steps, expected
     return steps_of, expected_of
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref|, in fp32."""
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def reference_logits(checkpoint, adapters: list, streams: list[Stream],
+                     device: torch.device) -> list[torch.Tensor]:
+    """Each stream's full sequence through transformers (its family's class, by config.json)
+    with its peft adapter (slot k: adapters[k - 1]; slot 0 none), fp32 on `device`:
+    -> per stream [num_tokens, vocab]."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device)
+    model = PeftModel.from_pretrained(base.eval(), adapters[0], adapter_name="a1")
+    for slot, path in enumerate(adapters[1:], start=2):
+        model.load_adapter(path, adapter_name=f"a{slot}")
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for stream in streams:
+            ids = torch.tensor([stream.tokens], device=device)
+            if stream.slot == 0:
+                with model.disable_adapter():
+                    out.append(model(ids).logits[0].float())
+            else:
+                model.set_adapter(f"a{stream.slot}")
+                out.append(model(ids).logits[0].float())
+    return out
+
+
+def graph_scenario(model: LlamaForCausalLM, graphs, streams: list[Stream],
+                   block_size: int) -> list[tuple[list, torch.Tensor, bool]]:
+    """Five streams: chunked prompts, a late arrival in a mixed step, then decodes of several
+    mixtures through `graphs` (a captured cuda_graph.DecodeGraphs; steps it cannot run go
+    eagerly). -> per step (sampled (stream index, position) pairs, logits, through a graph)."""
+    from lorad.workers.batch import ForwardBatch
+    gen = torch.Generator().manual_seed(8)
+    s0, s1, s2, s3, s4 = streams
+    index = {id(s): i for i, s in enumerate(streams)}
+    records = []
+
+    def run(pairs):
+        chunks = [chunk for _, chunk in pairs]
+        in_graph = graphs.can_run(chunks)
+        if in_graph:
+            logits = graphs.run(chunks)
+        else:
+            logits = model.forward(ForwardBatch.build(chunks, block_size, model.device))
+        sampled = [(index[id(s)], s.num_cached - 1) for s, chunk in pairs if chunk[3]]
+        records.append((sampled, logits.float(), in_graph))
+
+    def decode(live):
+        return [(s, s.decode_chunk(int(torch.randint(3, 384, (), generator=gen)))) for s in live]
+
+    run([(s0, s0.prefill_chunk()), (s1, s1.prefill_chunk(6)), (s2, s2.prefill_chunk())])
+    run([(s1, s1.prefill_chunk()), (s3, s3.prefill_chunk())])
+    run(decode((s0, s1, s2, s3)) + [(s4, s4.prefill_chunk())])
+    for live in ((s0, s1, s2, s3, s4), (s4, s2, s0), (s3,), (s1, s2, s3, s4, s0), (s2, s4)):
+        run(decode(live))
+    return records

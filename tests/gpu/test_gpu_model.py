@@ -26,7 +26,8 @@ from lorad.workers.engine import Engine
 from lorad.workers.planner import Planner, PlannerLimits
 from lorad.workers.sequence import Sequence
 from tests.kernels.compiled_variants import forget_compiled, num_compiled
-from tests.model_steps import Stream, build_model, make_streams, scenario_steps
+from tests.model_steps import (Stream, build_model, graph_scenario, make_streams,
+                               reference_logits, rel_error, scenario_steps)
 from tests.tiny_adapters import cast_adapter, make_peft_adapter
 from tests.tiny_models import make_tiny_llama
 from tests.tp_runner import launch_ranks
@@ -62,65 +63,6 @@ def tiny(tmp_path_factory) -> tuple[Path, list[Path]]:
     return checkpoint, adapters
 
 
-def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
-# --- logits against transformers + peft -----------------------------------------------------
-
-def reference_logits(checkpoint: Path, adapters: list[Path], streams) -> list[torch.Tensor]:
-    """Each stream's full sequence through transformers (+ its peft adapter), fp32 on CUDA:
-    -> per stream [num_tokens, vocab]."""
-    from peft import PeftModel
-    from transformers import LlamaForCausalLM
-
-    base = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(CUDA).eval()
-    model = PeftModel.from_pretrained(base, adapters[0], adapter_name="a1")
-    for slot, path in enumerate(adapters[1:], start=2):
-        model.load_adapter(path, adapter_name=f"a{slot}")
-    model.eval()
-    out = []
-    with torch.no_grad():
-        for stream in streams:
-            ids = torch.tensor([stream.tokens], device=CUDA)
-            if stream.slot == 0:
-                with model.disable_adapter():
-                    out.append(model(ids).logits[0].float())
-            else:
-                model.set_adapter(f"a{stream.slot}")
-                out.append(model(ids).logits[0].float())
-    return out
-
-
-def run_scenario(model, graphs: DecodeGraphs, streams) -> list[tuple[list, torch.Tensor, bool]]:
-    """Chunked prompts, a late arrival in a mixed step, then decodes of several mixtures through
-    the graphs. -> per step (sampled (stream index, position) pairs, logits, through a graph)."""
-    gen = torch.Generator().manual_seed(8)
-    s0, s1, s2, s3, s4 = streams
-    index = {id(s): i for i, s in enumerate(streams)}
-    records = []
-
-    def run(pairs):
-        chunks = [chunk for _, chunk in pairs]
-        in_graph = graphs.can_run(chunks)
-        if in_graph:
-            logits = graphs.run(chunks)
-        else:
-            logits = model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, CUDA))
-        sampled = [(index[id(s)], s.num_cached - 1) for s, chunk in pairs if chunk[3]]
-        records.append((sampled, logits.float(), in_graph))
-
-    def decode(live):
-        return [(s, s.decode_chunk(int(torch.randint(3, 384, (), generator=gen)))) for s in live]
-
-    run([(s0, s0.prefill_chunk()), (s1, s1.prefill_chunk(6)), (s2, s2.prefill_chunk())])
-    run([(s1, s1.prefill_chunk()), (s3, s3.prefill_chunk())])
-    run(decode((s0, s1, s2, s3)) + [(s4, s4.prefill_chunk())])
-    for live in ((s0, s1, s2, s3, s4), (s4, s2, s0), (s3,), (s1, s2, s3, s4, s0), (s2, s4)):
-        run(decode(live))
-    return records
-
-
 @pytest.fixture(scope="module")
 def tiny_bf16_adapters(tiny, tmp_path_factory) -> tuple[Path, list[Path]]:
     """tiny's checkpoint with its adapters stored in bf16: lorad's tables are then bf16."""
@@ -143,15 +85,15 @@ def test_logits_match_transformers_and_peft(request, dtype, tol, adapter_dtype):
     tables = {lora.lora_a.dtype for layer in model.model.layers
               for lora in (layer.self_attn.qkv_proj.lora("q"), layer.mlp.down_proj.lora) if lora}
     assert tables == {torch.float32 if adapter_dtype == "fp32" else torch.bfloat16}
-    records = run_scenario(model, graphs, streams)
-    reference = reference_logits(checkpoint, adapters, streams)
+    records = graph_scenario(model, graphs, streams, BLOCK_SIZE)
+    reference = reference_logits(checkpoint, adapters, streams, CUDA)
     for i, (sampled, logits, _) in enumerate(records):
         expected = torch.stack([reference[stream][pos] for stream, pos in sampled])
         assert rel_error(logits, expected) < tol, (dtype, i, rel_error(logits, expected))
     assert sum(in_graph for *_, in_graph in records) == 5
     # The references differ per adapter by far more than the tolerance: a wrong slot shows.
     base = reference_logits(checkpoint, adapters,
-                            [Stream(s.tokens, 0, s.blocks, s.block_size) for s in streams])
+                            [Stream(s.tokens, 0, s.blocks, s.block_size) for s in streams], CUDA)
     for stream, ref, ref_base in zip(streams, reference, base):
         if stream.slot:
             assert rel_error(ref, ref_base) > 10 * BF16_REL_TOL
