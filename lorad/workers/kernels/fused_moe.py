@@ -49,6 +49,18 @@ def expert_tiles(experts: torch.Tensor, num_experts: int, block_m: int
             torch.where(spare, 0, count).to(torch.int32))
 
 
+@triton.jit
+def _tile(pair_order_ptr, tile_start_ptr, tile_count_ptr, tile, BLOCK_M: tl.constexpr):
+    """A tile's lanes: (its first position in pair_order, the lanes' positions 0..BLOCK_M-1,
+    which lanes hold a pair, the flat pair index of each (0 for an empty lane))."""
+    start = tl.load(tile_start_ptr + tile)
+    count = tl.load(tile_count_ptr + tile)
+    m = tl.arange(0, BLOCK_M)
+    valid = m < count
+    pairs = tl.load(pair_order_ptr + start + m, mask=valid, other=0)
+    return start, m, valid, pairs
+
+
 # No argument holds the batch's size (the pair count reaches the kernels only as table entries
 # and the grid): one compiled variant, so one order of sums, for every batch.
 @triton.jit
@@ -61,11 +73,8 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, pair_order_ptr, tile_expert_ptr, tile_s
     e = tl.load(tile_expert_ptr + tile)
     if e < 0:
         return
-    start = tl.load(tile_start_ptr + tile)
-    count = tl.load(tile_count_ptr + tile)
-    m = tl.arange(0, BLOCK_M)
-    valid = m < count
-    rows = tl.load(pair_order_ptr + start + m, mask=valid, other=0) // TOP_K
+    start, m, valid, pairs = _tile(pair_order_ptr, tile_start_ptr, tile_count_ptr, tile, BLOCK_M)
+    rows = pairs // TOP_K
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_cols = tl.minimum(cols, N - 1).to(tl.int64)  # past N: row N - 1 again, never stored
     ks = tl.arange(0, BLOCK_K)
@@ -101,11 +110,7 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, pair_order_ptr, tile_expert_
     e = tl.load(tile_expert_ptr + tile)
     if e < 0:
         return
-    start = tl.load(tile_start_ptr + tile)
-    count = tl.load(tile_count_ptr + tile)
-    m = tl.arange(0, BLOCK_M)
-    valid = m < count
-    pairs = tl.load(pair_order_ptr + start + m, mask=valid, other=0)
+    start, m, valid, pairs = _tile(pair_order_ptr, tile_start_ptr, tile_count_ptr, tile, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_cols = tl.minimum(cols, H - 1).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
