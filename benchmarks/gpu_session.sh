@@ -20,6 +20,7 @@
 #   paging    bench_adapter_paging: a Zipf(1.0) burst over 1,000 adapters of rank 16 (64 distinct
 #             files) in 64 device slots against the same burst all resident (8B shape, bf16)
 # Environment: OUT (default /tmp/lorad-gpu-session); LORAD_TEST_ARGS (default tests/gpu);
+# LORAD_TEST_LIMIT (seconds, default 540);
 # LORAD_BENCH_ARGS_<module>, e.g. LORAD_BENCH_ARGS_bench_engine="--quick", options for one
 # benchmark. Everything at once is more than 10 minutes: ask for parts.
 set -uo pipefail
@@ -70,8 +71,13 @@ for part in "${parts[@]}"; do
     tests)
       say "gpu tests"
       read -ra test_args <<<"${LORAD_TEST_ARGS:-tests/gpu}"
-      timeout -k 10 320 python3 -m pytest -m gpu "${test_args[@]}" -q -p no:cacheprovider \
-        -o addopts="" -rfE --durations=8 2>&1 | tee "$OUT/gpu-tests.log"
+      # With pytest-xdist (carried as a wheel) four test files at once: on a fresh machine the
+      # suite is mostly Triton compiling, which takes one CPU core per process.
+      parallel=()
+      python3 -c "import xdist" 2>/dev/null && parallel=(-n 4 --dist loadfile)
+      timeout -k 10 "${LORAD_TEST_LIMIT:-540}" python3 -m pytest -m gpu "${test_args[@]}" -q \
+        -p no:cacheprovider -o addopts="" "${parallel[@]}" -rfE --durations=8 2>&1 \
+        | tee "$OUT/gpu-tests.log"
       status[gpu-tests.log]=${PIPESTATUS[0]}
       # The sampler's uniforms come from torch's CPU generator in blocks, which must give single
       # draws' values on this image's torch too.
