@@ -34,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from lorad.workers.kernels import (decode_gemv, fused_moe, fused_ops,  # noqa: E402
                                    lora_expand, lora_shrink, oneshot_reduce, paged_attention,
-                                   token_draw)
+                                   row_matmul, token_draw)
 from lorad.workers.kernels.configs import (DecodeAttentionConfig, ExpandConfig,  # noqa: E402
                                            ExpandSteps, GemvModelTiles, MoeConfig,
                                            ShrinkConfig, TileConfig)
@@ -212,6 +212,18 @@ def moe_specs() -> list[Spec]:
     ]
 
 
+def row_matmul_specs() -> list[Spec]:
+    """The row-invariant matmul with the tiles benchmarks/probe_row_matmul.py compares."""
+    from benchmarks.probe_row_matmul import TILES
+    return [Spec(f"row matmul, {name}, {config}", row_matmul._row_matmul_kernel,
+                 {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+                  "BLOCK_K": config.block_k, "GROUP_M": config.group_m, "EVEN_K": True,
+                  "NUM_STAGES": config.num_stages},
+                 config.num_warps, config.num_stages,
+                 {"x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "fp32"}, ("N", "K"))
+            for name, config in TILES.items()]
+
+
 def gemv_spec(config, k: int) -> Spec:
     """The decode GEMV of the model's base projections, K = k."""
     return Spec(f"decode GEMV, K {k}, {config}", decode_gemv._decode_gemv_kernel,
@@ -252,7 +264,8 @@ def main() -> int:
     shrinks = [ShrinkConfig()] + parse_configs(args.shrink, ShrinkConfig, 5)
     expands = [steps.large, steps.small] + parse_configs(
         args.expand, lambda n, w: ExpandConfig(n, w), 2)
-    specs = lora_specs(shrinks, expands, args.block_m) + model_specs() + moe_specs()
+    specs = (lora_specs(shrinks, expands, args.block_m) + model_specs() + moe_specs()
+             + row_matmul_specs())
     print(f"# triton {triton.__version__}, sm_{args.arch}, LoRA tiles of {args.block_m} rows; "
           f"registers per thread, spill bytes per thread (stack), shared bytes per program, "
           f"programs/SM that registers allow")

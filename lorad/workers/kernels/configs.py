@@ -153,6 +153,27 @@ class GemvConfig:
 
 
 @dataclass(frozen=True)
+class MatmulConfig:
+    """row_matmul.py's tile: block_m rows and block_n outputs per program, block_k inputs per
+    MMA step (powers of two of at least 16, as tl.dot takes them), group_m row tiles per wave
+    along N (L2 reuse of w). Unmeasured: benchmarks/probe_row_matmul.py compares tiles."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        _check_powers_of_two(self, ("block_m", "block_n", "block_k"), 16, " (a tl.dot side)")
+        _check_powers_of_two(self, ("num_warps",), 1, "")
+        if self.group_m < 1 or self.num_stages < 1:
+            raise ValueError(f"group_m {self.group_m} and num_stages {self.num_stages} must be "
+                             ">= 1")
+
+
+@dataclass(frozen=True)
 class GemvModelTiles:
     """The decode GEMV's tile for each fused base projection of the model (linear.py's
     base_matmul), in steps of at most its block_m rows on CUDA; None: cuBLAS (o and down lose on
