@@ -14,8 +14,10 @@
 #             experts touched and transformers + peft generate (issue 34's targets, last)
 #   multi     bench_multi_gpu (world 1, 2, 4 over NCCL)
 #   profile   profile_decode;  graph: profile_graph (traces in $OUT/traces);
-#   prefill   profile_prefill (prefill steps' kernels by group, base and LoRA) and
-#             probe_matmul_rows (which row counts change a row's bits in cuBLAS and the GEMV);
+#   prefill   profile_prefill (prefill steps' kernels by group, base and LoRA),
+#             probe_matmul_rows (which row counts change a row's bits in cuBLAS and the GEMV)
+#             and probe_row_matmul (row_matmul's tiles: bits against the GEMV, speed);
+#   rowmm     probe_row_matmul alone;
 #   ncu       ncu_decode_kernels (CSVs in $OUT/ncu)
 #   paging    bench_adapter_paging: a Zipf(1.0) burst over 1,000 adapters of rank 16 (64 distinct
 #             files) in 64 device slots against the same burst all resident (8B shape, bf16)
@@ -97,7 +99,9 @@ for part in "${parts[@]}"; do
     profile) bench profile.log 90 profile_decode ;;
     prefill)
       bench prefill-profile.log 150 profile_prefill
-      bench matmul-rows.log 90 probe_matmul_rows ;;
+      bench matmul-rows.log 90 probe_matmul_rows
+      bench row-matmul.log 180 probe_row_matmul ;;
+    rowmm) bench row-matmul.log 180 probe_row_matmul ;;
     graph) bench graph-profile.log 150 profile_graph --trace-out "$OUT/traces" ;;
     ncu) bench ncu.log 120 ncu_decode_kernels --csv-out "$OUT/ncu" ;;
     paging) bench bench-paging.log 560 bench_adapter_paging --model scripts/configs/llama3-8b \
