@@ -36,6 +36,8 @@ GEMV = GemvConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4
 TILES = {
     "m16": MatmulConfig(block_m=16, block_n=64, block_k=256, group_m=8, num_warps=4,
                         num_stages=4),
+    "m64n64": MatmulConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4,
+                           num_stages=4),
     "m64": MatmulConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4,
                         num_stages=4),
     "m128": MatmulConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8,
