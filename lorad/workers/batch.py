@@ -25,6 +25,10 @@ class SeqChunk:
     block_table: list[int]  # KV block ids holding positions 0..context_len-1, in order
     adapter_slot: int  # 0 = base model
     adapter_strength: float = 1.0  # the request's multiplier of its adapter's scales
+    # Of the chunk's tokens, how many (its first ones) are prompt tokens; the rest are tokens the
+    # model generated (a decode's one, or those a preempted sequence computes again). On the
+    # GPU each kind keeps one attention arithmetic whatever the step (attention_cuda.py).
+    num_prompt: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,14 +54,16 @@ class ForwardBatch:
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence runs exactly one token (the shape CUDA graphs capture)."""
-        return all(chunk.num_tokens == 1 for chunk in self.seqs)
+        """Every sequence runs exactly one generated token (the shape CUDA graphs capture)."""
+        return all(chunk.num_tokens == 1 and not chunk.num_prompt for chunk in self.seqs)
 
     @classmethod
     def build(cls, chunks: list[tuple[list[int], int, list[int], bool, int]], block_size: int,
               device: torch.device | str = "cpu", min_rows: int = MIN_ROWS) -> "ForwardBatch":
         """chunks: (new_token_ids, start_position, block_table, wants_sample, adapter_slot[,
-        adapter_strength]) (strength 1.0 when absent)."""
+        adapter_strength[, prompt_len]]) (strength 1.0 when absent; prompt_len, the sequence's
+        prompt tokens, when absent: a chunk of one token that samples is a decode, any other
+        all prompt)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -73,7 +79,7 @@ class ForwardBatch:
             assert (start + n + block_size - 1) // block_size <= len(block_table), \
                 "block table too short for the chunk"
             seqs.append(SeqChunk(len(ids), n, start + n, list(block_table), adapter_slot,
-                                 strength))
+                                 strength, num_prompt_rows(chunk)))
             for i, token in enumerate(token_ids):
                 pos = start + i
                 ids.append(token)
@@ -103,6 +109,16 @@ class ForwardBatch:
                    tensor([s.context_len for s in seqs], torch.int32),
                    tensor(starts, torch.int32), None,
                    tensor(row_strengths, torch.float32))
+
+
+def num_prompt_rows(chunk: tuple) -> int:
+    """How many of a chunk's tokens (ForwardBatch.build's form) are prompt tokens: its first
+    ones, up to the sequence's prompt length when the chunk carries it (its 7th field), else
+    none for a chunk of one token that samples (a decode) and all for any other."""
+    token_ids, start, wants_sample = chunk[0], chunk[1], chunk[3]
+    if len(chunk) > 6 and chunk[6] is not None:
+        return max(0, min(chunk[6] - start, len(token_ids)))
+    return 0 if len(token_ids) == 1 and wants_sample else len(token_ids)
 
 
 def kv_slot(block_table: list[int], pos: int, block_size: int) -> int:

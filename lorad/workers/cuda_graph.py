@@ -32,8 +32,8 @@ log = logging.getLogger("lorad.worker")
 
 NUM_WARMUP = 2  # eager runs per bucket before its capture: Triton compiles, cuBLAS workspaces
 ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_adapter_slots")
-# (new_token_ids, start_position, block_table, wants_sample, adapter_slot[, adapter_strength]):
-# StepPlan.batch_chunks (strength 1.0 when absent)
+# (new_token_ids, start_position, block_table, wants_sample, adapter_slot[, adapter_strength[,
+# prompt_len]]): StepPlan.batch_chunks (strength 1.0 when absent; prompt_len: ForwardBatch.build)
 Chunk = tuple
 
 
@@ -52,8 +52,13 @@ def rows_of(bucket: int) -> int:
 
 
 def is_decode_step(chunks: list[Chunk]) -> bool:
-    """Every chunk is one token that samples: the only step shape graphs capture."""
-    return bool(chunks) and all(len(chunk[0]) == 1 and chunk[3] for chunk in chunks)
+    """Every chunk is one generated token that samples (batch.num_prompt_rows 0, inlined: the
+    check runs on every step): the only step shape graphs capture. A prompt's last token alone
+    is not one: on the GPU it keeps the prompt's attention arithmetic (attention_cuda.py)."""
+    return bool(chunks) and all(
+        len(chunk[0]) == 1 and chunk[3] and (len(chunk) < 7 or chunk[6] is None
+                                             or chunk[1] >= chunk[6])
+        for chunk in chunks)
 
 
 class DecodeInputs:

@@ -327,7 +327,8 @@ class Planner:
         else:
             token_ids = seq.token_slice(start, start + num)
         return ScheduledChunk(seq.request_id, token_ids, start, list(seq.block_table),
-                              start + num == num_tokens, seq.adapter_slot, seq.adapter_strength)
+                              start + num == num_tokens, seq.adapter_slot, seq.adapter_strength,
+                              len(seq.prompt_ids))
 
     # --- apply --------------------------------------------------------------------------------
 

@@ -23,6 +23,9 @@ class ScheduledChunk(NamedTuple):
     sample: bool  # the chunk reaches the sequence's last token: sample its next one
     adapter_slot: int
     adapter_strength: float = 1.0  # the request's multiplier of its adapter's scales
+    # The sequence's prompt tokens: the chunk's tokens before this position are prompt, the
+    # others generated (batch.SeqChunk.num_prompt). None: told by the chunk's shape.
+    prompt_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,9 @@ class StepPlan:
         return [k for k, request_id in enumerate(ids)
                 for _ in range(1 + len(self.forks.get(request_id, ())))]
 
-    def batch_chunks(self) -> list[tuple[list[int], int, list[int], bool, int, float]]:
+    def batch_chunks(self) -> list[tuple]:
         """The plan in the form `ForwardBatch.build` takes: each chunk but its request id,
-        (token_ids, start, block_table, sample, adapter_slot, adapter_strength), by a tuple slice
+        (token_ids, start, block_table, sample, adapter_slot, adapter_strength, prompt_len), by
+        a tuple slice
         (5 attribute reads per chunk were a fifth of the planner's step at 256 sequences)."""
         return [c[1:] for c in self.chunks]

@@ -4,8 +4,10 @@ Triton compiles a variant per constexpr value, and some of ours follow the step'
 off (the step's rows against PdlConfig's limits), the expand's tile (ExpandSteps), the decode GEMV
 (base projections of at most its block_m rows), the LoRA flags (whether any row has an adapter)
 and decode attention's paths by sequence count. warm_up_steps lists one step in each band, with
-and without adapter rows; integer arguments that follow the step (block-table widths, row counts)
-are not specialized by the kernels, so one step per band compiles what the band can reach. The
+and without adapter rows, and a mixed step with more decodes than decode attention's early
+block-id read takes (a mixed step's decode rows run the decode kernel, attention_cuda.py);
+integer arguments that follow the step (block-table widths, row counts) are not specialized by
+the kernels, so one step per band compiles what the band can reach. The
 steps take no block and write nothing: their tables name block 0, only read, and the engine sets
 every KV slot to -1. No torch here: the list is pure, Engine.warm_up runs it.
 """
@@ -54,6 +56,15 @@ def warm_up_steps(max_num_batched_tokens: int, max_num_seqs: int, max_model_len:
                 table = [0] * -(-prompt_len // block_size)
                 steps.append([([0] * prompt_len, 0, table, True, prompt_slot),
                               ([0], 0, [0], True, decode_slot)])
+    # A mixed step's decodes run the decode kernel as sequences of their own, which reads each
+    # split's first block ids early at up to preload_max_seqs of them: one step past that too.
+    decodes = tuning.attention.preload_max_seqs + 1
+    prompt_len = min(MIN_ROWS - decodes, max_num_batched_tokens - decodes, max_model_len - 1)
+    if prompt_len >= 2 and decodes < max_num_seqs:  # two tokens: not taken for a decode
+        table = [0] * -(-prompt_len // block_size)
+        for prompt_slot, decode_slot in mixtures:
+            steps.append([([0] * prompt_len, 0, table, True, prompt_slot)]
+                         + [([0], 0, [0], True, decode_slot)] * decodes)
     for num_seqs in sorted(set(seq_bands(tuning)) | set(bands)):
         if num_seqs > min(max_num_seqs, max_num_batched_tokens):
             continue

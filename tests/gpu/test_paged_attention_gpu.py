@@ -18,7 +18,8 @@ import torch
 from tests.kernels.paged_attention_checks import (
     LLAMA_8B, Shape, assert_close, check_attention_matches_cpu_path,
     check_decode_matches_reference, check_decode_preload_same_bits,
-    check_decode_rows_independent_of_batch, check_prefill_matches_reference, check_write_kv,
+    check_decode_rows_independent_of_batch, check_prefill_matches_reference,
+    check_token_kinds_keep_their_bits, check_write_kv,
     random_cache, random_tables, randn, tolerance)
 
 pytestmark = [pytest.mark.gpu,
@@ -90,6 +91,14 @@ def test_attention_layer_matches_the_cpu_path(prompt_scale):
     shape = Shape(num_kv_heads=8, head_dim=128, block_size=16, num_blocks=1024,
                   split_size=256, tile_size=64)
     check_attention_matches_cpu_path("cuda", torch.float32, 4, shape, prompt_scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_kinds_keep_their_bits(dtype):
+    """In a mixed step a generated token's row is the decode kernel's for that token alone and
+    a prompt token's the prefill kernel's for its whole prompt, bit for bit (contexts over two
+    of the decode kernel's splits of 256)."""
+    check_token_kinds_keep_their_bits("cuda", DTYPES[dtype], 4, LLAMA_8B, stretch=12)
 
 
 def test_decode_step_replays_from_a_cuda_graph_without_host_sync():

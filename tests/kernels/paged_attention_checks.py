@@ -313,6 +313,73 @@ def check_attention_matches_cpu_path(device="cpu", dtype=torch.float32, group=3,
             torch.equal(caches["device"].v.cpu(), caches["cpu"].v), f"step {step}: caches differ"
 
 
+def kind_chunks(stretch: int) -> list[tuple[int, int, int]]:
+    """(start, new tokens, the sequence's prompt length) of one mixed step's chunks, positions
+    `stretch` times the tiny ones: a prompt chunk across key tiles, a decode, a preempted
+    sequence's prompt computed again with the 13 x stretch tokens it had generated, a prompt's
+    last token alone, and a decode."""
+    s = stretch
+    return [(30 * s, 20 * s, 60 * s), (44 * s, 1, 10 * s), (0, 25 * s, 12 * s),
+            (10 * s - 1, 1, 10 * s), (32 * s, 1, 5 * s)]
+
+
+def check_token_kinds_keep_their_bits(device="cpu", dtype=torch.float32, group=4, shape=TINY,
+                                      stretch=1, seed=6) -> None:
+    """In a mixed step (attention_cuda's path) each generated token's row has the bits the
+    decode kernel gives that token alone, and each prompt token's row the bits of its prompt
+    computed whole from position 0 by the prefill kernel: a token's arithmetic is its kind's,
+    whatever shares its step or however its prompt is chunked."""
+    from lorad.workers.attention_cuda import CudaAttentionContext, attend_cuda
+    from lorad.workers.batch import ForwardBatch
+    from lorad.workers.kernels.paged_attention import paged_decode_attention
+    from lorad.workers.kernels.paged_prefill_attention import paged_prefill_attention
+    from lorad.workers.kv_cache import PagedKVCache
+
+    gen, rng = torch.Generator(device).manual_seed(seed), random.Random(seed)
+    cache = PagedKVCache(shape.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim,
+                         dtype, torch.device(device))
+    cache.k.copy_(randn(gen, *cache.k.shape, dtype=dtype))  # every position's K/V written
+    cache.v.copy_(randn(gen, *cache.v.shape, dtype=dtype))
+    plan = kind_chunks(stretch)
+    ends = [start + n for start, n, _ in plan]
+    tables = random_tables(shape, ends, rng, device)
+    chunks = [([7] * n, start, tables[i].tolist(), True, 0, 1.0, prompt_len)
+              for i, (start, n, prompt_len) in enumerate(plan)]
+    batch = ForwardBatch.build(chunks, shape.block_size, device)
+    q_heads = group * shape.num_kv_heads
+    q = randn(gen, batch.input_ids.shape[0], q_heads, shape.head_dim, dtype=dtype)
+    scale, config = shape.head_dim ** -0.5, decode_config(shape)
+    ctx = CudaAttentionContext.build(batch)
+    assert not ctx.is_decode
+    mixed = attend_cuda(q, cache, ctx, scale, config)
+    checked = {"prompt": 0, "generated": 0}
+    for i, (start, n, prompt_len) in enumerate(plan):
+        first_row = batch.seqs[i].token_start
+        for j in range(n):
+            row, pos = first_row + j, start + j
+            if pos >= prompt_len:  # generated: the decode kernel, the token alone
+                want = paged_decode_attention(
+                    q[row:row + 1], cache.k, cache.v, tables[i:i + 1],
+                    torch.tensor([pos + 1], dtype=torch.int32, device=device), scale,
+                    config=config)[0]
+                kind = "generated"
+            else:  # prompt: the prefill kernel, positions 0..pos in one chunk, this row last
+                whole = q.new_zeros(pos + 1, q_heads, shape.head_dim)
+                whole[pos] = q[row]
+                want = paged_prefill_attention(
+                    whole, cache.k, cache.v, tables[i:i + 1],
+                    torch.tensor([pos + 1], dtype=torch.int32, device=device),
+                    torch.tensor([0, pos + 1], dtype=torch.int32, device=device), pos + 1,
+                    scale)[pos]  # the kernel's own tile, as attend_cuda launches it
+                kind = "prompt"
+            if not torch.equal(mixed[row], want):
+                raise AssertionError(f"chunk {plan[i]} position {pos} ({kind}): other "
+                                     "bits in the mixed step")
+            checked[kind] += 1
+    assert checked == {"prompt": 32 * stretch + 1, "generated": 13 * stretch + 2}, checked
+    assert torch.equal(mixed[batch.num_tokens:], torch.zeros_like(mixed[batch.num_tokens:]))
+
+
 # The interpreter's run: every GQA group in fp32, bf16 once per kernel (it is the same code).
 CHECKS = {
     **{f"decode_fp32_group{g}": (check_decode_matches_reference, dict(group=g)) for g in (1, 3, 4)},
@@ -333,6 +400,9 @@ CHECKS = {
     "write_kv_fp32": (check_write_kv, dict(dtype=torch.float32)),
     "write_kv_bf16": (check_write_kv, dict(dtype=torch.bfloat16)),
     "attention_matches_cpu_path": (check_attention_matches_cpu_path, {}),
+    "token_kinds_keep_their_bits_fp32": (check_token_kinds_keep_their_bits, {}),
+    "token_kinds_keep_their_bits_bf16_group3": (check_token_kinds_keep_their_bits,
+                                                dict(dtype=torch.bfloat16, group=3)),
 }
 
 

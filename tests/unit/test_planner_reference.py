@@ -54,7 +54,7 @@ class ReferencePlanner(Planner):
         start = seq.num_computed
         return ScheduledChunk(seq.request_id, seq.token_slice(start, start + num), start,
                               list(seq.block_table), start + num == seq.num_tokens,
-                              seq.adapter_slot)
+                              seq.adapter_slot, seq.adapter_strength, len(seq.prompt_ids))
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling
@@ -89,7 +89,7 @@ def run_trace(seed: int) -> tuple[int, int]:
         fast, reference = (p.plan() for p in planners)
         assert fast == reference, (seed, arrival)
         assert fast.batch_chunks() == [(c.token_ids, c.start, c.block_table, c.sample,
-                                         c.adapter_slot, c.adapter_strength)
+                                         c.adapter_slot, c.adapter_strength, c.prompt_len)
                                         for c in reference.chunks]
         num_preempted += len(fast.preempted)
         num_decodes += sum(len(c.token_ids) == 1 and c.sample for c in fast.chunks)

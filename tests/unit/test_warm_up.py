@@ -67,6 +67,12 @@ def test_every_reachable_choice_is_warmed(name, max_tokens, max_seqs):
             assert choices(num_seqs, with_lora, tuning) in warmed_decode, (num_seqs, with_lora)
     decode_sizes = {len(s) for s in steps if all(len(c[0]) == 1 for c in s)}
     assert {n for n in seq_bands(tuning) if n <= min(max_seqs, max_tokens)} <= decode_sizes
+    # A mixed step's decodes run decode attention on their own: with the early block-id read
+    # (one decode) and without (more), where the limits allow that many rows.
+    mixed_decodes = {sum(len(c[0]) == 1 for c in s) for s in steps if any(len(c[0]) > 1 for c in s)}
+    preload = tuning.attention.preload_max_seqs
+    if max_tokens >= preload + 3 and max_seqs > preload + 1:
+        assert preload in mixed_decodes and preload + 1 in mixed_decodes, mixed_decodes
 
 
 def test_without_adapters_no_step_names_one():

@@ -22,7 +22,8 @@ TILE_TOKENS = 64  # keys per step
 
 @triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, starts_ptr, out_ptr, scale,
+        q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, starts_ptr, ends_ptr, out_ptr,
+        scale,
         stride_q_token, stride_q_head, stride_k_block, stride_k_token, stride_k_head,
         stride_v_block, stride_v_token, stride_v_head, stride_table, stride_out_token,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -32,7 +33,7 @@ def _prefill_kernel(
     kv_head = tl.program_id(1)
     query_tile = tl.program_id(2)
     first_row = tl.load(starts_ptr + seq)
-    num_queries = tl.load(starts_ptr + seq + 1) - first_row
+    num_queries = tl.load(ends_ptr + seq) - first_row
     tile_first = query_tile * QUERY_TOKENS
     if tile_first >= num_queries:
         return  # past this sequence's chunk
@@ -80,11 +81,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, context_lens: torch.Tensor,
                             query_starts: torch.Tensor, max_query_len: int, scale: float,
                             out: torch.Tensor | None = None,
-                            tile_size: int = TILE_TOKENS) -> torch.Tensor:
-    """q: [num_rows, q_heads, head_dim], sequence i's tokens at rows query_starts[i]:[i+1] (the
-    last positions of its context); k_cache, v_cache: [num_blocks, block_size, kv_heads,
+                            tile_size: int = TILE_TOKENS,
+                            query_ends: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [num_rows, q_heads, head_dim], sequence i's tokens at rows query_starts[i] to
+    query_ends[i] (the last positions of its context; query_ends None: query_starts[i + 1], and
+    query_starts has num_seqs + 1 entries); k_cache, v_cache: [num_blocks, block_size, kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32;
-    query_starts: [num_seqs + 1] int32; max_query_len: the longest chunk (sizes the grid)
+    query_starts, query_ends: int32; max_query_len: the longest chunk (sizes the grid)
     -> out [num_rows, q_heads * head_dim] in q's dtype. Rows of no sequence are left as they are
     in `out` (zeros when it is allocated here)."""
     num_rows, num_q_heads, head_dim = q.shape
@@ -94,7 +97,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert num_q_heads == group * num_kv_heads and k_cache.shape == v_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype and q.stride(2) == 1
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    assert block_tables.shape[0] == num_seqs and query_starts.shape[0] == num_seqs + 1
+    if query_ends is None:  # a tensor of its own: a view one entry in is another alignment
+        query_starts, query_ends = query_starts[:-1], query_starts[1:].contiguous()
+    assert block_tables.shape[0] == num_seqs
+    assert query_starts.shape[0] == query_ends.shape[0] == num_seqs
     if out is None:
         out = torch.zeros(num_rows, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
     assert out.shape == (num_rows, num_q_heads * head_dim) and out.stride(1) == 1
@@ -104,7 +110,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     query_tokens = max(1, ROWS_PER_TILE // group_pad)
     grid = (num_seqs, num_kv_heads, cdiv(max_query_len, query_tokens))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, query_starts, out, scale,
+        q, k_cache, v_cache, block_tables, context_lens, query_starts, query_ends, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0),
