@@ -69,8 +69,9 @@ def test_logits_match_transformers_and_peft(tiny, dtype, tol):
 
 def test_graph_replay_is_the_eager_step(tiny):
     """bf16 decode steps of 1 to 16 sequences (base and both adapters mixed): the captured
-    graph's logits are bit for bit the same padded step run eagerly, within bf16 noise of the
-    plain eager step (cuBLAS picks other kernels for its smaller shapes)."""
+    graph's logits are bit for bit the same padded step run eagerly. (Not compared with the
+    plain eager step, as the dense family's test does: its smaller matmuls round differently,
+    and a router near a tie then sends a row to another expert, a change of any size.)"""
     checkpoint, adapters = tiny
     model = build_model(checkpoint, adapters, torch.bfloat16, CUDA, NUM_BLOCKS, BLOCK_SIZE)
     graphs = DecodeGraphs(model, MAX_NUM_SEQS, MAX_LEN, BLOCK_SIZE, num_adapters=2)
@@ -87,6 +88,5 @@ def test_graph_replay_is_the_eager_step(tiny):
         assert graphs.can_run(chunks)
         replayed = graphs.run(chunks)
         assert torch.isfinite(replayed).all(), num_seqs
-        assert torch.equal(replayed, padded_eager.run(chunks)), num_seqs
-        plain = model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, CUDA))
-        assert rel_error(replayed, plain) < BF16_REL_TOL, (num_seqs, rel_error(replayed, plain))
+        eager = padded_eager.run(chunks)
+        assert torch.equal(replayed, eager), (num_seqs, rel_error(replayed, eager))
