@@ -40,6 +40,9 @@ class Stream:
     block_size: int
     num_cached: int = 0  # tokens whose K/V are in the cache
     logits: list[torch.Tensor] = field(default_factory=list)  # one [vocab] row per sampled step
+    # The prompt's length, carried in every chunk (ForwardBatch.build's 7th field: which tokens
+    # are prompt tokens); None: chunks of five fields, their kind told by their shape.
+    prompt_len: int | None = None
 
     def prefill_chunk(self, num_tokens: int | None = None):
         """The next prompt chunk (all uncached tokens by default), sampling its last row."""
@@ -47,14 +50,17 @@ class Stream:
         chunk = (self.tokens[self.num_cached:end], self.num_cached, self.table(end),
                  end == len(self.tokens), self.slot)
         self.num_cached = end
-        return chunk
+        return self._with_kind(chunk)
 
     def decode_chunk(self, token: int):
         """Append `token` and run it."""
         self.tokens.append(token)
         chunk = ([token], self.num_cached, self.table(self.num_cached + 1), True, self.slot)
         self.num_cached += 1
-        return chunk
+        return self._with_kind(chunk)
+
+    def _with_kind(self, chunk: tuple) -> tuple:
+        return chunk if self.prompt_len is None else (*chunk, 1.0, self.prompt_len)
 
     def table(self, num_tokens: int) -> list[int]:
         """The blocks holding positions 0..num_tokens-1, as the planner hands them out."""

@@ -198,7 +198,8 @@ class UnloadAdapter:
 
 @dataclass(frozen=True)
 class StartupPhase:
-    name: str  # "workers up", "weights", "adapters", "KV pool", "graphs", "warm-up"
+    # "workers up", "weights", "adapters", "KV pool", "matmul plans" (GPU), "graphs", "warm-up"
+    name: str
     seconds: float
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorad.workers.batch import MIN_ROWS
-from lorad.workers.linear import check_shape
+from lorad.workers.linear import Plans, base_matmul, check_shape
 from lorad.config.partition import balanced_split
 from lorad.workers.parallel import TensorParallel
 
@@ -67,6 +67,7 @@ class ParallelLMHead(nn.Module):
             self.weight = nn.Parameter(
                 torch.empty_like(embedding.weight, dtype=dtype, device=device), requires_grad=False)
             self.weight.weight_loader = embedding.weight_loader
+        self.plans: Plans = None  # matmul_plan.plan_model_matmuls sets them on the kernel path
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_sampled, hidden_size] -> [num_sampled, vocab_size] float32, every rank
@@ -78,5 +79,6 @@ class ParallelLMHead(nn.Module):
             # Zero rows up to MIN_ROWS so a row's bits do not depend on how many rows are
             # sampled this step (shared/DESIGN.md, "Numerics").
             hidden = F.pad(hidden, (0, 0, 0, MIN_ROWS - num_sampled))
-        local = F.linear(hidden, self.weight)[:num_sampled].float()
+        # On the GPU the measured plan's matmul, whose rows keep their bits at any count.
+        local = base_matmul(hidden, self.weight, None, plans=self.plans)[:num_sampled].float()
         return self.tp.all_gather_last_dim(local, self.vocab_sizes)

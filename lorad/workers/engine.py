@@ -157,6 +157,9 @@ class Engine:
                  num_kv_bytes / 2**30, own, max_num_seqs,
                  " (--max-num-seqs auto)" if cfg.max_num_seqs is None else "")
         clock.mark("KV pool")
+        if kernel_path(device):  # before the graphs capture the matmuls the plans pick
+            model.plan_matmuls(max(cfg.max_num_batched_tokens, max_num_seqs, MIN_ROWS))
+            clock.mark("matmul plans")
         graphs = _capture_decode_graphs(cfg, model, tp, capacity.num_slots, max_num_seqs)
         clock.mark("graphs")
         engine = cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters,

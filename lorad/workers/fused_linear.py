@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorad.workers.kernel_path import kernel_path
-from lorad.workers.linear import base_matmul, check_shape
+from lorad.workers.linear import Plans, base_matmul, check_shape
 from lorad.workers.lora import LoraSlots, add_lora_deltas, matmul_with_deltas
 from lorad.workers.lora_rows import LoraRows
 
@@ -31,15 +31,16 @@ if TYPE_CHECKING:  # kernel modules: the CPU path never imports triton
 
 def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int],
                            loras: Sequence[LoraSlots | None], lora_rows: LoraRows,
-                           gemv: "GemvConfig | None"
+                           gemv: "GemvConfig | None", plans: Plans = None
                            ) -> tuple[list[torch.Tensor], tuple[LoraDelta | None, ...]]:
     """The kernel path's product of projections whose weights are rows of one matrix (q/k/v,
     gate/up): x weight^T in one matmul, split into the projections' outputs (column slices of
     one tensor), and each one's LoraDelta or None for the kernel that reads them next to add.
-    gemv: their decode GEMV tile for base_matmul. One shrink and one expand for them all run
-    beside the matmul (a side stream)."""
+    gemv, plans: their decode GEMV tile and matmul plans for base_matmul. One shrink and one
+    expand for them all run beside the matmul (a side stream)."""
     out, deltas = matmul_with_deltas(
-        loras, x, lora_rows, lambda: base_matmul(x, weight, gemv, pdl_rows=lora_rows.pdl_rows))
+        loras, x, lora_rows,
+        lambda: base_matmul(x, weight, gemv, pdl_rows=lora_rows.pdl_rows, plans=plans))
     return list(out.split(sizes, dim=1)), deltas
 
 
@@ -68,6 +69,7 @@ class FusedColumnParallelLinear(nn.Module):
         # the engine's count of its bytes) include their tables.
         self.loras = nn.ModuleDict()
         self.gemv: GemvConfig | None = None  # the kernel path's decode GEMV tile (tune())
+        self.plans: Plans = None  # matmul_plan.plan_model_matmuls sets them on the kernel path
 
     def part_weight(self, shard_id: str) -> torch.Tensor:
         """[end - start, in_features]: a view of this part's rows of the fused weight."""
@@ -121,7 +123,7 @@ class FusedColumnParallelLinear(nn.Module):
         loras = [self.lora(shard_id) for shard_id in self.parts]
         if kernel_path(x.device):
             outs, deltas = projection_with_deltas(x, self.weight, self.sizes, loras, lora_rows,
-                                                  self.gemv)
+                                                  self.gemv, self.plans)
             if self.bias is not None:  # into the rounded product: peft adds its delta after
                 for out, shard_id in zip(outs, self.parts):
                     out.add_(self.part_bias(shard_id))

@@ -23,6 +23,11 @@ if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
     from lorad.workers.kernels.configs import GemvConfig
     from lorad.workers.kernels.lora_common import LoraDelta
 
+# The type of a layer's measured matmul plans: matmul_plan.MatmulPlan by the out_dtype its
+# products ask for (None: the model dtype); None: not measured (the CPU path, tests), so cuBLAS
+# beyond the decode GEMV.
+Plans = dict | None
+
 
 def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ...]) -> None:
     if tuple(got) != tuple(want):
@@ -30,16 +35,25 @@ def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ..
 
 
 def base_matmul(x: torch.Tensor, weight: torch.Tensor, gemv: "GemvConfig | None",
-                out_dtype: torch.dtype | None = None, pdl_rows: int = 0) -> torch.Tensor:
-    """x weight^T summed in fp32, rounded to x's dtype (out_dtype None) or left in fp32: on the
-    kernel path in a step of few rows (a decode step), for a projection with a decode GEMV tile
-    (gemv: Tuning.gemv's, None for none), the GEMV, launched with PDL like the kernels around it
-    (cuBLAS's are not; pdl_rows: the step's PDL row limit); cuBLAS otherwise."""
-    if gemv is not None and kernel_path(x.device):
-        from lorad.workers.kernels import decode_gemv  # lazily: the CPU never imports triton
-        # The tile's block_m is the most rows the GEMV takes (supports says).
-        if decode_gemv.supports(x, weight, out_dtype, gemv):
-            return decode_gemv.decode_matmul(x, weight, out_dtype, gemv, pdl_rows=pdl_rows)
+                out_dtype: torch.dtype | None = None, pdl_rows: int = 0,
+                plans: Plans = None) -> torch.Tensor:
+    """x weight^T summed in fp32, rounded to x's dtype (out_dtype None) or left in fp32. On the
+    kernel path every row gets the same arithmetic whatever the row count (matmul_plan.py): in a
+    step of few rows (a decode step), for a projection with a decode GEMV tile (gemv:
+    Tuning.gemv's, None for none), the GEMV, launched with PDL like the kernels around it
+    (cuBLAS's are not; pdl_rows: the step's PDL row limit); else, where the layer's measured
+    plan says cuBLAS would split K, row_matmul; cuBLAS otherwise."""
+    if kernel_path(x.device):
+        plan = None if plans is None else plans.get(None if out_dtype == x.dtype else out_dtype)
+        if gemv is not None and (plan is None or plan.gemv_agrees):
+            from lorad.workers.kernels import decode_gemv  # lazily: the CPU never imports triton
+            # The tile's block_m is the most rows the GEMV takes (supports says).
+            if decode_gemv.supports(x, weight, out_dtype, gemv):
+                return decode_gemv.decode_matmul(x, weight, out_dtype, gemv, pdl_rows=pdl_rows)
+        tile = None if plan is None else plan.tile(x.shape[0])
+        if tile is not None:
+            from lorad.workers.kernels.row_matmul import row_matmul
+            return row_matmul(x, weight, out_dtype, tile)
     if out_dtype is None or out_dtype == x.dtype:
         return F.linear(x, weight)
     return torch.mm(x, weight.t(), out_dtype=out_dtype)
@@ -60,6 +74,7 @@ class RowParallelLinear(nn.Module):
         """gemv: its decode GEMV tile (Tuning.gemv's; None: cuBLAS), for base_matmul."""
         super().__init__()
         self.gemv = gemv
+        self.plans: Plans = None  # matmul_plan.plan_model_matmuls sets them on the kernel path
         self.in_features = in_features  # the full, unsplit size
         self.out_features = out_features
         self.in_start, self.in_end = in_range
@@ -97,7 +112,8 @@ class RowParallelLinear(nn.Module):
             return self.tp.all_reduce(self.partial_sum(x, lora_rows))
         pdl_rows = 0 if lora_rows is None else lora_rows.pdl_rows
         # [num_rows, out_features], the model dtype
-        matmul = lambda: base_matmul(x, self.weight, self.gemv, pdl_rows=pdl_rows)  # noqa: E731
+        matmul = lambda: base_matmul(x, self.weight, self.gemv, pdl_rows=pdl_rows,  # noqa: E731
+                                     plans=self.plans)
         # On the kernel path the shrink runs beside the matmul (a side stream); None otherwise.
         out, pending = matmul_and_shrink([self.lora], x, lora_rows, matmul)
         return self._plus_delta(out, x, lora_rows, pending)
@@ -121,8 +137,16 @@ class RowParallelLinear(nn.Module):
             return self.forward(x, lora_rows), None
         out, deltas = matmul_with_deltas(
             [self.lora], x, lora_rows,
-            lambda: base_matmul(x, self.weight, self.gemv, pdl_rows=lora_rows.pdl_rows))
+            lambda: base_matmul(x, self.weight, self.gemv, pdl_rows=lora_rows.pdl_rows,
+                                plans=self.plans))
         return out, deltas[0]
+
+    def matmul_out_dtypes(self) -> tuple[torch.dtype | None, ...]:
+        """The out_dtypes its base products ask for on CUDA (None: the model dtype): fp32
+        partial sums, and at world size 1 in a low-precision model the rounded output too."""
+        if self.tp.world_size == 1 and self.weight.dtype != torch.float32:
+            return (None, torch.float32)
+        return (torch.float32,)
 
     def _rounds_here(self, x: torch.Tensor) -> bool:
         """Whether the output is cuBLAS's, in the model dtype (CUDA, world size 1, a
@@ -142,7 +166,7 @@ class RowParallelLinear(nn.Module):
             return F.linear(x, self.weight)
         if x.is_cuda:
             # cuBLAS and the GEMV accumulate in fp32 and hand the fp32 sum back unrounded.
-            return base_matmul(x, self.weight, self.gemv, torch.float32, pdl_rows)
+            return base_matmul(x, self.weight, self.gemv, torch.float32, pdl_rows, self.plans)
         # The CPU has no mm with an fp32 output for bf16 inputs (torch 2.13); the CPU path is for
         # tests and small models, so upcasting the shard each step is acceptable there.
         return F.linear(x.float(), self.weight.float())

@@ -14,8 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from lorad.workers.kernels.configs import (DecodeAttentionConfig, ExpandSteps, GemvModelTiles,
-                                           MoeConfig, OneshotConfig, PdlConfig, ShrinkConfig,
-                                           TileConfig)
+                                           MatmulTiles, MoeConfig, OneshotConfig, PdlConfig,
+                                           ShrinkConfig, TileConfig)
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class Tuning:
     tiles: TileConfig = TileConfig()  # the LoRA kernels' row tiles and grids
     shrink: ShrinkConfig = ShrinkConfig()
     expand: ExpandSteps = ExpandSteps()
+    matmul: MatmulTiles = MatmulTiles()  # row_matmul's tiles, where cuBLAS splits K
     gemv: GemvModelTiles = GemvModelTiles()  # the base projections' decode GEMV
     attention: DecodeAttentionConfig = DecodeAttentionConfig()  # decode attention
     moe: MoeConfig = MoeConfig()  # the fused MoE kernel's tiles (Qwen2-MoE's routed experts)

@@ -69,11 +69,19 @@ def _tiny_models(dtype: torch.dtype, count: int, seed: int, rank_step: int,
                             BLOCK_SIZE) for _ in range(count)]
 
 
-def check_kernel_path_matches_torch_path(device: str, dtype: torch.dtype) -> None:
+def check_kernel_path_matches_torch_path(device: str, dtype: torch.dtype,
+                                         plans: bool = False) -> None:
+    """plans: the kernel path's matmul plans measured first (matmul_plan.py; the CPU's matmul
+    stands for cuBLAS there, so row_matmul takes the row counts where MKL sums otherwise)."""
     from tests.model_steps import make_streams, scenario_steps
     assert device == "cpu"
     models = dict(zip(("torch", "kernels"), _tiny_models(dtype, 2, seed=4, rank_step=3,
                                                          adapter_seed=30)))
+    if plans:
+        with _kernel_path():
+            measured = models["kernels"].plan_matmuls(16)
+        if not any(plan.num_cublas < 16 for plan in measured.values()):
+            raise AssertionError("no plan takes row_matmul anywhere: the check checks nothing")
     streams = {path: make_streams([2, 0, 1, 3], [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS,
                                   seed=4) for path in models}
     steps = {path: scenario_steps(streams[path]) for path in models}
@@ -126,6 +134,8 @@ def check_decode_graph_inputs_match_plain_steps(device: str, dtype: torch.dtype)
 CHECKS = {
     "kernel_path_fp32": (check_kernel_path_matches_torch_path, dict(dtype=torch.float32)),
     "kernel_path_bf16": (check_kernel_path_matches_torch_path, dict(dtype=torch.bfloat16)),
+    "kernel_path_planned_bf16": (check_kernel_path_matches_torch_path,
+                                 dict(dtype=torch.bfloat16, plans=True)),
     "decode_graph_inputs_fp32": (check_decode_graph_inputs_match_plain_steps,
                                  dict(dtype=torch.float32)),
 }

@@ -15,6 +15,9 @@ import torch
 
 from tests.kernels.triton_interpreter import run_checks
 
+# The interpreter's MMA adds each tl.dot's products apart, so there a tile's block_k changes
+# the sums (on Hopper it does not: the MMAs chain in steps of 16 whatever block_k is).
+
 # (N, K): N a multiple of no tile's block_n; K of the tile's block_k (64) and not (100).
 SHAPES = ((40, 64), (70, 100))
 BATCHES = (1, 3, 16, 37, 70)
@@ -69,6 +72,49 @@ def check_rows_alone(device: str, config: str = "tiny", dtype: torch.dtype = tor
                                      "bits than alone")
 
 
+def check_matmul_plan(device: str) -> None:
+    """matmul_plan.plan_matmul against a stand-in for cuBLAS that splits K at 16 of 64 at some
+    row counts (another order of sums) and computes row_matmul's sums at the others: the plan takes
+    the stand-in exactly where it agrees and the tile for the count elsewhere; a tile or a
+    decode GEMV whose sums run in other steps (here: other block_k under the interpreter,
+    whose MMA adds each block's products apart) is found and not used."""
+    from lorad.workers.kernels.configs import GemvConfig, MatmulConfig, MatmulTiles
+    from lorad.workers.kernels.row_matmul import row_matmul
+    from lorad.workers.matmul_plan import plan_matmul
+    gen = torch.Generator().manual_seed(4)
+    n, k, max_rows, split_at = 40, 64, 24, {3, 9, 17, 24}
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device)
+    tiles = MatmulTiles(small_rows=4, small=_config("tiny"), medium_rows=12,
+                        medium=MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=1,
+                                            num_warps=1, num_stages=1),
+                        large=MatmulConfig(block_m=16, block_n=32, block_k=16, group_m=1,
+                                           num_warps=1, num_stages=1))
+
+    def stand_in(x):
+        if x.shape[0] in split_at:
+            return (row_matmul(x[:, :16].contiguous(), w[:, :16].contiguous(), torch.float32)
+                    + row_matmul(x[:, 16:].contiguous(), w[:, 16:].contiguous(), torch.float32))
+        return row_matmul(x, w, torch.float32, tiles.small)
+
+    same_k = GemvConfig(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=2)
+    plan = plan_matmul(w, torch.float32, max_rows, tiles, same_k, cublas=stand_in)
+    want = [m not in split_at for m in range(1, max_rows + 1)]
+    if plan.cublas_rows[1:].tolist() != want or plan.cublas_rows[0]:
+        raise AssertionError(f"cuBLAS rows {plan.cublas_rows.tolist()}, want {want}")
+    if not plan.gemv_agrees:
+        raise AssertionError("a GEMV with the tile's block_k was found to differ")
+    # The medium tile's sums run in blocks of 32 like the small one's; the large one's of 16.
+    if plan.tiles.medium != tiles.medium or plan.tiles.large != tiles.small:
+        raise AssertionError(f"tiles kept {plan.tiles}")
+    for m, tile in ((3, tiles.small), (9, tiles.medium), (17, tiles.small), (5, None),
+                    (25, tiles.small)):
+        if plan.tile(m) != tile:
+            raise AssertionError(f"{m} rows take {plan.tile(m)}, want {tile}")
+    other_k = GemvConfig(block_m=16, block_n=32, block_k=16, num_warps=1, num_stages=2)
+    if plan_matmul(w, torch.float32, 4, tiles, other_k, cublas=stand_in).gemv_agrees:
+        raise AssertionError("a GEMV summing in other steps was taken for the reference's")
+
+
 def check_refusals(device: str) -> None:
     """What it does not take is refused with a ValueError naming it."""
     from lorad.workers.kernels.row_matmul import row_matmul
@@ -102,6 +148,7 @@ CHECKS = {
     "row_matmul_rows_alone_wide_fp32": (check_rows_alone, dict(config="wide",
                                                                dtype=torch.float32)),
     "row_matmul_refusals": (check_refusals, {}),
+    "matmul_plan": (check_matmul_plan, {}),
 }
 
 

@@ -174,6 +174,32 @@ class MatmulConfig:
 
 
 @dataclass(frozen=True)
+class MatmulTiles:
+    """row_matmul's tile by a product's row count (matmul_plan.py): every tile gives the same
+    bits, so the count may pick one (benchmarks/probe_row_matmul.py, H100, 8B shapes: each
+    tile the decode GEMV's bits at every count; the large tile 0.8-0.9x cuBLAS at 1,024 rows
+    and more, the small one up to 1.17x at 1 to 8 rows)."""
+
+    small_rows: int = 16
+    small: MatmulConfig = MatmulConfig(block_m=16, block_n=64, block_k=256, num_warps=4,
+                                       num_stages=4)
+    medium_rows: int = 256
+    medium: MatmulConfig = MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4,
+                                        num_stages=4)
+    large: MatmulConfig = MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8,
+                                       num_stages=3)
+
+    def config(self, num_rows: int) -> MatmulConfig:
+        if num_rows <= self.small_rows:
+            return self.small
+        return self.medium if num_rows <= self.medium_rows else self.large
+
+    def without(self, name: str) -> "MatmulTiles":
+        """These tiles with `name` ("medium" or "large") replaced by the small one."""
+        return dataclasses.replace(self, **{name: self.small})
+
+
+@dataclass(frozen=True)
 class GemvModelTiles:
     """The decode GEMV's tile for each fused base projection of the model (linear.py's
     base_matmul), in steps of at most its block_m rows on CUDA; None: cuBLAS (o and down lose on

@@ -180,6 +180,20 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.tune(tuning)
             layer.mlp.tune(tuning)
 
+    def plan_matmuls(self, max_rows: int) -> dict:
+        """On the kernel path, before any graph is captured: measure where cuBLAS keeps a row's
+        bits for every base projection and the LM head, products of 1..max_rows rows
+        (matmul_plan.py), and hand each layer its plans. -> the plans by (shape, dtype,
+        out_dtype)."""
+        from lorad.workers.matmul_plan import plan_model_matmuls
+        layers = []
+        for module in self.modules():
+            if isinstance(module, (FusedColumnParallelLinear, ParallelLMHead)):
+                layers.append((module, module.weight, None))
+            elif isinstance(module, RowParallelLinear):
+                layers += [(module, module.weight, out) for out in module.matmul_out_dtypes()]
+        return plan_model_matmuls(layers, max_rows, self.tuning.matmul)
+
     def load_weights(self, model_dir: str) -> None:
         # A tied checkpoint may still carry lm_head.weight: the embedding's copy is the one used.
         skip = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
