@@ -77,6 +77,8 @@ for part in "${parts[@]}"; do
       # suite is mostly Triton compiling, which takes one CPU core per process.
       parallel=()
       python3 -c "import xdist" 2>/dev/null && parallel=(-n 4 --dist loadfile)
+      # Each failure's report as it happens (tests/conftest.py): a run cut off keeps them.
+      LORAD_TEST_FAILURES="$OUT/gpu-test-failures.txt" \
       timeout -k 10 "${LORAD_TEST_LIMIT:-540}" python3 -m pytest -m gpu "${test_args[@]}" -q \
         -p no:cacheprovider -o addopts="" "${parallel[@]}" -rfE --durations=8 2>&1 \
         | tee "$OUT/gpu-tests.log"

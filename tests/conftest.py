@@ -63,3 +63,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With LORAD_TEST_FAILURES=FILE, each failure's report is appended to FILE as it happens:
+    a GPU run cut off by its time limit keeps what pytest would print only at its end."""
+    path = os.environ.get("LORAD_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -69,6 +69,7 @@ def plan_matmul(weight: torch.Tensor, out_dtype: torch.dtype | None, max_rows: i
     from lorad.workers.kernels import decode_gemv  # the CPU path never imports triton
     from lorad.workers.kernels.row_matmul import row_matmul
     cublas = cublas or (lambda rows: cublas_matmul(rows, weight, out_dtype))
+    tiles = tiles.for_dtype(weight.dtype)
     gen = torch.Generator(device=weight.device).manual_seed(SEED)
     x = torch.randn(max_rows, weight.shape[1], generator=gen, device=weight.device)
     x = x.to(weight.dtype)

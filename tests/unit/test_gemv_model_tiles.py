@@ -1,7 +1,7 @@
-"""The decode GEMV's model tiles (configs.GemvModelTiles): each projection's tile, block_k
-halved for fp32 weights, and every tile the model can pick fitting an
-H200's shared memory (an fp32 q/k/v tile of 64 x 256 at 4 stages did not: 240 KiB asked, 227
-there, and the fp32 model's warm-up failed on it)."""
+"""The decode GEMV's model tiles (configs.GemvModelTiles) and row_matmul's (MatmulTiles):
+block_k halved for fp32 weights, and every tile the model can pick fitting an H200's shared
+memory (an fp32 q/k/v tile of 64 x 256 at 4 stages did not: 240 KiB asked, 227 there, and the
+fp32 model's warm-up failed on it)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,17 @@ def test_tiles_follow_the_projection_and_dtype():
     # The fp32 figure the H200 refused is what the check above measures against.
     assert pipelined_bytes(GemvConfig(block_m=16, block_n=64, block_k=256),
                            torch.float32) == 245760 > H200_SHARED
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_matmul_tiles_fit_shared_memory(dtype):
+    """row_matmul's tiles for the plan (MatmulTiles.for_dtype): the fp32 small tile at the bf16
+    block_k asks the GEMV's 245,760 bytes (an H100 ran out: the fp32 daemons' start failed), the
+    halved one fits, as every tile of every dtype does."""
+    from lorad.workers.kernels.configs import MatmulTiles
+    tiles = MatmulTiles()
+    assert pipelined_bytes(tiles.small, torch.float32) == 245760 > H200_SHARED
+    fitted = tiles.for_dtype(dtype)
+    for name in ("small", "medium", "large"):
+        assert pipelined_bytes(getattr(fitted, name), dtype) <= H200_SHARED, (name, dtype)
+    assert (fitted is tiles) == (dtype.itemsize <= 2)
