@@ -83,18 +83,20 @@ def check_matmul_plan(device: str) -> None:
     from lorad.workers.matmul_plan import plan_matmul
     gen = torch.Generator().manual_seed(4)
     n, k, max_rows, split_at = 40, 64, 24, {3, 9, 17, 24}
-    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device)
-    tiles = MatmulTiles(small_rows=4, small=_config("tiny"), medium_rows=12,
-                        medium=MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=1,
-                                            num_warps=1, num_stages=1),
-                        large=MatmulConfig(block_m=16, block_n=32, block_k=16, group_m=1,
-                                           num_warps=1, num_stages=1))
+    # bf16 weights: the plan halves an fp32 tile's block_k (MatmulTiles.for_dtype).
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device=device, dtype=torch.bfloat16)
+    medium = MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=1, num_warps=1,
+                          num_stages=1)
+    large = MatmulConfig(block_m=16, block_n=32, block_k=16, group_m=1, num_warps=1,
+                         num_stages=1)
+    small = _config("tiny")
+    tiles = MatmulTiles(bands=((4, small), (12, medium), (1 << 30, large)))
 
     def stand_in(x):
         if x.shape[0] in split_at:
             return (row_matmul(x[:, :16].contiguous(), w[:, :16].contiguous(), torch.float32)
                     + row_matmul(x[:, 16:].contiguous(), w[:, 16:].contiguous(), torch.float32))
-        return row_matmul(x, w, torch.float32, tiles.small)
+        return row_matmul(x, w, torch.float32, small)
 
     same_k = GemvConfig(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=2)
     plan = plan_matmul(w, torch.float32, max_rows, tiles, same_k, cublas=stand_in)
@@ -104,10 +106,9 @@ def check_matmul_plan(device: str) -> None:
     if not plan.gemv_agrees:
         raise AssertionError("a GEMV with the tile's block_k was found to differ")
     # The medium tile's sums run in blocks of 32 like the small one's; the large one's of 16.
-    if plan.tiles.medium != tiles.medium or plan.tiles.large != tiles.small:
+    if plan.tiles.bands != ((4, small), (12, medium), (1 << 30, small)):
         raise AssertionError(f"tiles kept {plan.tiles}")
-    for m, tile in ((3, tiles.small), (9, tiles.medium), (17, tiles.small), (5, None),
-                    (25, tiles.small)):
+    for m, tile in ((3, small), (9, medium), (17, small), (5, None), (25, small)):
         if plan.tile(m) != tile:
             raise AssertionError(f"{m} rows take {plan.tile(m)}, want {tile}")
     other_k = GemvConfig(block_m=16, block_n=32, block_k=16, num_warps=1, num_stages=2)

@@ -60,8 +60,8 @@ def test_row_matmul_tiles_fit_shared_memory(dtype):
     halved one fits, as every tile of every dtype does."""
     from lorad.workers.kernels.configs import MatmulTiles
     tiles = MatmulTiles()
-    assert pipelined_bytes(tiles.small, torch.float32) == 245760 > H200_SHARED
+    assert pipelined_bytes(tiles.first, torch.float32) == 245760 > H200_SHARED
     fitted = tiles.for_dtype(dtype)
-    for name in ("small", "medium", "large"):
-        assert pipelined_bytes(getattr(fitted, name), dtype) <= H200_SHARED, (name, dtype)
+    for most, tile in fitted.bands:
+        assert pipelined_bytes(tile, dtype) <= H200_SHARED, (most, dtype)
     assert (fitted is tiles) == (dtype.itemsize <= 2)

@@ -175,39 +175,51 @@ class MatmulConfig:
 
 @dataclass(frozen=True)
 class MatmulTiles:
-    """row_matmul's tile by a product's row count (matmul_plan.py): every tile gives the same
-    bits, so the count may pick one (benchmarks/probe_row_matmul.py, H100, 8B shapes: each
-    tile the decode GEMV's bits at every count; the large tile 0.8-0.9x cuBLAS at 1,024 rows
-    and more, the small one up to 1.17x at 1 to 8 rows)."""
+    """row_matmul's tile by a product's row count (matmul_plan.py), in bands: (most rows, tile),
+    ascending, the last band's tile for any count past it. Every tile gives the same bits, so
+    the count may pick one. benchmarks/probe_row_matmul.py, H100, 8B shapes, bf16: each tile
+    the decode GEMV's bits at every count tried; against cuBLAS, 16 x 64 at 1-16 rows 0.95-1.17x
+    (o, down, gate/up; q/k/v 0.7x), 64 x 64 at 64-128 rows 0.89-0.99x (down, gate/up: the
+    counts where cuBLAS splits K are down's), 64 x 128 at 256-512 0.57-0.74x, 128 x 256 at
+    1,024 and more 0.79-0.93x. The plan takes row_matmul only where cuBLAS splits K."""
 
-    small_rows: int = 16
-    small: MatmulConfig = MatmulConfig(block_m=16, block_n=64, block_k=256, num_warps=4,
-                                       num_stages=4)
-    medium_rows: int = 256
-    medium: MatmulConfig = MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4,
-                                        num_stages=4)
-    large: MatmulConfig = MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8,
-                                       num_stages=3)
+    bands: tuple[tuple[int, MatmulConfig], ...] = (
+        (16, MatmulConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)),
+        (128, MatmulConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)),
+        (768, MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)),
+        (1 << 30, MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8,
+                               num_stages=3)))
+
+    def __post_init__(self) -> None:
+        if not self.bands or [rows for rows, _ in self.bands] != sorted(
+                {rows for rows, _ in self.bands}):
+            raise ValueError("bands must be non-empty, by most rows ascending")
+
+    @property
+    def first(self) -> MatmulConfig:
+        """The first band's tile: the reference the others are checked against."""
+        return self.bands[0][1]
 
     def config(self, num_rows: int) -> MatmulConfig:
-        if num_rows <= self.small_rows:
-            return self.small
-        return self.medium if num_rows <= self.medium_rows else self.large
+        for most, tile in self.bands:
+            if num_rows <= most:
+                return tile
+        return self.bands[-1][1]
 
-    def without(self, name: str) -> "MatmulTiles":
-        """These tiles with `name` ("medium" or "large") replaced by the small one."""
-        return dataclasses.replace(self, **{name: self.small})
+    def replacing(self, tile: MatmulConfig) -> "MatmulTiles":
+        """These bands with `tile` replaced by the first band's."""
+        return dataclasses.replace(self, bands=tuple(
+            (most, self.first if t == tile else t) for most, t in self.bands))
 
     def for_dtype(self, dtype: torch.dtype) -> "MatmulTiles":
         """The tiles for weights of `dtype`: block_k halved for 4-byte weights (fp32), so that
-        their pipelined loads take the shared memory of the 2-byte tiles (the small tile's fp32
-        loads at block_k 256 and 4 stages ask 320 KiB, over an H100's 227)."""
+        their pipelined loads take the shared memory of the 2-byte tiles (the first tile's fp32
+        loads at block_k 256 and 4 stages ask 245,760 bytes, over an H100's 232,448)."""
         if dtype.itemsize <= 2:
             return self
-        half = {name: dataclasses.replace(tile, block_k=max(16, tile.block_k // 2))
-                for name, tile in (("small", self.small), ("medium", self.medium),
-                                   ("large", self.large))}
-        return dataclasses.replace(self, **half)
+        return dataclasses.replace(self, bands=tuple(
+            (most, dataclasses.replace(t, block_k=max(16, t.block_k // 2)))
+            for most, t in self.bands))
 
 
 @dataclass(frozen=True)
