@@ -190,3 +190,24 @@ def graph_scenario(model: LlamaForCausalLM, graphs, streams: list[Stream],
     for live in ((s0, s1, s2, s3, s4), (s4, s2, s0), (s3,), (s1, s2, s3, s4, s0), (s2, s4)):
         run(decode(live))
     return records
+
+
+def check_scenario_against_reference(model: LlamaForCausalLM, graphs, checkpoint, adapters: list,
+                                     streams: list[Stream], block_size: int,
+                                     device: torch.device, tol: float,
+                                     adapter_moves: float) -> None:
+    """graph_scenario's steps (five of them through the captured graphs) against transformers
+    + peft: each step's logits within `tol` (max |got - want| / max |want|) of the reference;
+    and each adapter stream's reference more than `adapter_moves` from the base model's, so
+    that a row given the wrong slot could not pass."""
+    records = graph_scenario(model, graphs, streams, block_size)
+    reference = reference_logits(checkpoint, adapters, streams, device)
+    for i, (sampled, logits, _) in enumerate(records):
+        expected = torch.stack([reference[stream][pos] for stream, pos in sampled])
+        assert rel_error(logits, expected) < tol, (i, rel_error(logits, expected))
+    assert sum(in_graph for *_, in_graph in records) == 5
+    base = reference_logits(checkpoint, adapters,
+                            [Stream(s.tokens, 0, s.blocks, s.block_size) for s in streams], device)
+    for stream, ref, ref_base in zip(streams, reference, base):
+        if stream.slot:
+            assert rel_error(ref, ref_base) > adapter_moves, stream.slot

@@ -19,15 +19,14 @@ from safetensors.torch import load_file
 from lorad.config import ModelConfig, WorkerConfig
 from lorad.config.adapters import AdapterArg, load_adapter
 from lorad.protocol import Admit, SamplingParams, Shutdown
-from lorad.workers.batch import ForwardBatch
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.cuda_graph import DecodeGraphs
 from lorad.workers.engine import Engine
 from lorad.workers.planner import Planner, PlannerLimits
 from lorad.workers.sequence import Sequence
 from tests.kernels.compiled_variants import forget_compiled, num_compiled
-from tests.model_steps import (Stream, build_model, graph_scenario, make_streams,
-                               reference_logits, rel_error, scenario_steps)
+from tests.model_steps import (build_model, check_scenario_against_reference, make_streams,
+                               rel_error, scenario_steps)
 from tests.tiny_adapters import cast_adapter, make_peft_adapter
 from tests.tiny_models import make_tiny_llama
 from tests.tp_runner import launch_ranks
@@ -85,18 +84,8 @@ def test_logits_match_transformers_and_peft(request, dtype, tol, adapter_dtype):
     tables = {lora.lora_a.dtype for layer in model.model.layers
               for lora in (layer.self_attn.qkv_proj.lora("q"), layer.mlp.down_proj.lora) if lora}
     assert tables == {torch.float32 if adapter_dtype == "fp32" else torch.bfloat16}
-    records = graph_scenario(model, graphs, streams, BLOCK_SIZE)
-    reference = reference_logits(checkpoint, adapters, streams, CUDA)
-    for i, (sampled, logits, _) in enumerate(records):
-        expected = torch.stack([reference[stream][pos] for stream, pos in sampled])
-        assert rel_error(logits, expected) < tol, (dtype, i, rel_error(logits, expected))
-    assert sum(in_graph for *_, in_graph in records) == 5
-    # The references differ per adapter by far more than the tolerance: a wrong slot shows.
-    base = reference_logits(checkpoint, adapters,
-                            [Stream(s.tokens, 0, s.blocks, s.block_size) for s in streams], CUDA)
-    for stream, ref, ref_base in zip(streams, reference, base):
-        if stream.slot:
-            assert rel_error(ref, ref_base) > 10 * BF16_REL_TOL
+    check_scenario_against_reference(model, graphs, checkpoint, adapters, streams, BLOCK_SIZE,
+                                     CUDA, tol, adapter_moves=10 * BF16_REL_TOL)
 
 
 # --- a mixed burst through the engine against each stream's solo run ------------------------

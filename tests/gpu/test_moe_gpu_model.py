@@ -13,8 +13,8 @@ import torch
 
 from lorad.workers.batch import ForwardBatch
 from lorad.workers.cuda_graph import DecodeGraphs
-from tests.model_steps import (Stream, build_model, graph_scenario, make_streams,
-                               reference_logits, rel_error)
+from tests.model_steps import (build_model, check_scenario_against_reference, make_streams,
+                               rel_error)
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_qwen2_moe
 
@@ -53,18 +53,8 @@ def test_logits_match_transformers_and_peft(tiny, dtype, tol):
     graphs.capture()
     streams = make_streams([0, 1, 2, 1, 0], [7, 12, 5, 9, 3], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS,
                            seed=3)
-    records = graph_scenario(model, graphs, streams, BLOCK_SIZE)
-    reference = reference_logits(checkpoint, adapters, streams, CUDA)
-    for i, (sampled, logits, _) in enumerate(records):
-        expected = torch.stack([reference[stream][pos] for stream, pos in sampled])
-        assert rel_error(logits, expected) < tol, (dtype, i, rel_error(logits, expected))
-    assert sum(in_graph for *_, in_graph in records) == 5
-    # An adapter moves the reference by far more than the tolerance: a wrong slot shows.
-    base = reference_logits(checkpoint, adapters,
-                            [Stream(s.tokens, 0, s.blocks, s.block_size) for s in streams], CUDA)
-    for stream, ref, ref_base in zip(streams, reference, base):
-        if stream.slot:
-            assert rel_error(ref, ref_base) > 10 * BF16_REL_TOL
+    check_scenario_against_reference(model, graphs, checkpoint, adapters, streams, BLOCK_SIZE,
+                                     CUDA, tol, adapter_moves=10 * BF16_REL_TOL)
 
 
 def test_graph_replay_is_the_eager_step(tiny):

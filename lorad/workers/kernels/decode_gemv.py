@@ -29,12 +29,12 @@ import triton.language as tl
 
 from lorad.workers.kernels.configs import GEMV_MAX_ROWS, GemvConfig
 from lorad.workers.kernels.launch_math import cdiv
+from lorad.workers.kernels.row_matmul import unsupported as matmul_unsupported
 from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch,
                                        wait_for_previous_only)
 
 # The widest x tile: a decode step of up to 32 sequences in one tile.
 MAX_ROWS = GEMV_MAX_ROWS
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
@@ -84,22 +84,12 @@ def _w_tile(w_ptrs, ks, k0, K, EVEN_K: tl.constexpr):
 
 def unsupported(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
                 config: GemvConfig = GemvConfig()) -> str:
-    """Why decode_matmul cannot take these inputs with this tile, or "" when it can."""
-    if x.dim() != 2 or w.dim() != 2:
-        return f"x and w must be 2-D, got x {tuple(x.shape)} and w {tuple(w.shape)}"
-    if x.dtype not in DTYPES or w.dtype != x.dtype:
-        return f"x and w must share a dtype of {DTYPES}, got x {x.dtype} and w {w.dtype}"
-    if out_dtype not in (None, x.dtype, torch.float32):
-        return f"out_dtype must be x's dtype {x.dtype} or torch.float32, got {out_dtype}"
-    if x.shape[0] > config.block_m:
-        return f"x has {x.shape[0]} rows, over the tile's block_m {config.block_m}"
-    if w.shape[1] != x.shape[1]:
-        return f"x has {x.shape[1]} columns (K) but w {w.shape[1]}"
-    if w.shape[1] > 1 and w.stride(1) != 1:
-        return f"w's rows must be contiguous, got strides {w.stride()}"
-    if x.device != w.device:
-        return f"x is on {x.device} but w on {w.device}"
-    return ""
+    """Why decode_matmul cannot take these inputs with this tile, or "" when it can: what
+    row_matmul refuses (the same arithmetic, any row count), or more rows than the tile's."""
+    reason = matmul_unsupported(x, w, out_dtype)
+    if reason or x.shape[0] <= config.block_m:
+        return reason
+    return f"x has {x.shape[0]} rows, over the tile's block_m {config.block_m}"
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
