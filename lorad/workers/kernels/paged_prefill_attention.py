@@ -98,7 +98,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert q.dtype == k_cache.dtype == v_cache.dtype and q.stride(2) == 1
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     if query_ends is None:  # a tensor of its own: a view one entry in is another alignment
-        query_starts, query_ends = query_starts[:-1], query_starts[1:].contiguous()
+        query_starts, query_ends = query_starts[:-1], query_starts[1:].clone()
     assert block_tables.shape[0] == num_seqs
     assert query_starts.shape[0] == query_ends.shape[0] == num_seqs
     if out is None:
