@@ -6,7 +6,8 @@
 # carried when the image lacks pyzmq: cp /work/shared/wheels-gpu/*.whl .whl/ here, once):
 #   bash benchmarks/gpu_session.sh [PART ...]          e.g. run(..., carry=[".whl"])
 # PARTS (default: tests kernels engine; "multi" joins when two GPUs are visible):
-#   tests     pytest -m gpu tests/gpu, and the sampler's CPU test that depends on torch's build
+#   tests     pytest -m gpu tests/gpu, and the sampler's CPU test that depends on torch's build;
+#             tests-kernels, tests-model: its two halves (the kernels' tests, the rest)
 #   kernels   bench_lora_kernels, bench_paged_attention, bench_sampler, bench_decode_gemv
 #   engine    bench_engine (the decode step against its memory floor)
 #   moe       bench_engine on the MoE shape (scripts/configs/qwen1.5-moe-a2.7b, random weights):
@@ -70,13 +71,26 @@ bench() {  # log name, time limit s, module[, its arguments]: one benchmark or p
 
 for part in "${parts[@]}"; do
   case $part in
-    tests)
-      say "gpu tests"
-      read -ra test_args <<<"${LORAD_TEST_ARGS:-tests/gpu}"
-      # With pytest-xdist (carried as a wheel) four test files at once: on a fresh machine the
+    tests|tests-kernels|tests-model)
+      say "gpu tests ($part)"
+      # The whole suite took more than 450 s on a fresh H100 (Triton compiling everything), so
+      # it also runs as two parts of one call each: the kernels' tests, and the model's.
+      kernel_tests="tests/gpu/test_decode_gemv_gpu.py tests/gpu/test_fused_ops_gpu.py
+        tests/gpu/test_lora_kernels_gpu.py tests/gpu/test_moe_kernel_gpu.py
+        tests/gpu/test_oneshot_reduce_gpu.py tests/gpu/test_paged_attention_gpu.py
+        tests/gpu/test_sampler_gpu.py tests/gpu/test_token_draw_gpu.py
+        tests/gpu/test_logits_processors_gpu.py tests/gpu/test_grammar_gpu.py"
+      default_args=tests/gpu
+      [[ $part == tests-kernels ]] && default_args=$kernel_tests
+      if [[ $part == tests-model ]]; then
+        default_args="tests/gpu"
+        for file in $kernel_tests; do default_args+=" --ignore=$file"; done
+      fi
+      read -ra test_args <<<"${LORAD_TEST_ARGS:-$default_args}"
+      # With pytest-xdist (carried as a wheel) six test files at once: on a fresh machine the
       # suite is mostly Triton compiling, which takes one CPU core per process.
       parallel=()
-      python3 -c "import xdist" 2>/dev/null && parallel=(-n 4 --dist loadfile)
+      python3 -c "import xdist" 2>/dev/null && parallel=(-n 6 --dist loadfile)
       # Each failure's report as it happens (tests/conftest.py): a run cut off keeps them.
       LORAD_TEST_FAILURES="$OUT/gpu-test-failures.txt" \
       timeout -k 10 "${LORAD_TEST_LIMIT:-540}" python3 -m pytest -m gpu "${test_args[@]}" -q \
