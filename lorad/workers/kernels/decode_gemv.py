@@ -29,6 +29,7 @@ import triton.language as tl
 
 from lorad.workers.kernels.configs import GEMV_MAX_ROWS, GemvConfig
 from lorad.workers.kernels.launch_math import cdiv
+from lorad.workers.kernels.row_matmul import matmul_output
 from lorad.workers.kernels.row_matmul import unsupported as matmul_unsupported
 from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch,
                                        wait_for_previous_only)
@@ -107,18 +108,11 @@ def decode_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     which decode inputs are); w: [N, K] of x's dtype with contiguous rows (a slice of a larger
     matrix's rows or columns is fine). pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no
     PDL)."""
-    reason = unsupported(x, w, out_dtype, config)
-    if reason:
-        raise ValueError(f"decode_matmul: {reason}")
-    num_rows, num_in = x.shape
-    num_out = w.shape[0]
-    out = torch.empty(num_rows, num_out, dtype=out_dtype or x.dtype, device=x.device)
-    if num_rows == 0 or num_out == 0:
+    out, x = matmul_output(x, w, out_dtype, unsupported(x, w, out_dtype, config),
+                           "decode_matmul")
+    if x is None:
         return out
-    if num_in == 0:
-        return out.zero_()
-    # The kernel steps from row to row of x by K: packed rows (a no-op for decode's inputs).
-    x = x.contiguous()
+    (num_rows, num_in), num_out = x.shape, w.shape[0]
     grid = (cdiv(num_out, config.block_n),)
     _decode_gemv_kernel[grid](
         x, w, w.stride(0), out, num_rows, num_out, num_in, BLOCK_M=config.block_m,

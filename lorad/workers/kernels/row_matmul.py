@@ -82,22 +82,33 @@ def unsupported(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None)
     return ""
 
 
+def matmul_output(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None,
+                  reason: str, caller: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What row_matmul and the decode GEMV do before their launch: refuse (ValueError naming
+    the caller and the reason, when there is one), allocate out [M, N] of out_dtype (None: x's
+    dtype). -> (out, x with packed rows), or (out, None) when no launch is needed (no rows or
+    outputs; zeros for K = 0)."""
+    if reason:
+        raise ValueError(f"{caller}: {reason}")
+    num_rows, num_in = x.shape
+    out = torch.empty(num_rows, w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    if num_rows == 0 or w.shape[0] == 0:
+        return out, None
+    if num_in == 0:
+        return out.zero_(), None
+    # The kernels step from row to row of x by K: packed rows (a no-op for the model's inputs).
+    return out, x.contiguous()
+
+
 def row_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
                config: MatmulConfig = MatmulConfig()) -> torch.Tensor:
     """-> [M, N] = x w^T, summed in fp32 over K in order and stored as out_dtype (None: x's
     dtype, one rounding; torch.float32: the unrounded sum). x: [M, K], any M; w: [N, K] of x's
     dtype with contiguous rows. Raises ValueError for inputs it does not take."""
-    reason = unsupported(x, w, out_dtype)
-    if reason:
-        raise ValueError(f"row_matmul: {reason}")
-    num_rows, num_in = x.shape
-    num_out = w.shape[0]
-    out = torch.empty(num_rows, num_out, dtype=out_dtype or x.dtype, device=x.device)
-    if num_rows == 0 or num_out == 0:
+    out, x = matmul_output(x, w, out_dtype, unsupported(x, w, out_dtype), "row_matmul")
+    if x is None:
         return out
-    if num_in == 0:
-        return out.zero_()
-    x = x.contiguous()
+    (num_rows, num_in), num_out = x.shape, w.shape[0]
     grid = (cdiv(num_rows, config.block_m) * cdiv(num_out, config.block_n),)
     _row_matmul_kernel[grid](
         x, w, w.stride(0), out, num_rows, num_out, num_in, BLOCK_M=config.block_m,
