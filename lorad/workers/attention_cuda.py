@@ -13,6 +13,7 @@ per-sequence path in attention.py is what both are tested against.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +42,11 @@ class CudaAttentionContext:
     prompt_seqs: "PromptSeqs | None" = None
     generated: "GeneratedRows | None" = None
 
-    @property
+    @functools.cached_property
     def real_rows(self) -> torch.Tensor:
-        """[num_rows] bool: the rows that are not padding, from the step's slot_mapping (so a
-        graph computes it again at each replay)."""
+        """[num_rows] bool: the rows that are not padding, from the step's slot_mapping: once
+        a step, at its first use (every MoE layer reads it; a graph computes it at each
+        replay)."""
         return self.slot_mapping >= 0
 
     @classmethod
