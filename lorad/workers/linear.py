@@ -75,6 +75,9 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.gemv = gemv
         self.plans: Plans = None  # matmul_plan.plan_model_matmuls sets them on the kernel path
+        # Its owner reads only partial_sum (a block that adds to it and reduces once, moe.py's
+        # shared expert), never forward: the products' out_dtype is always fp32.
+        self.partial_only = False
         self.in_features = in_features  # the full, unsplit size
         self.out_features = out_features
         self.in_start, self.in_end = in_range
@@ -141,12 +144,12 @@ class RowParallelLinear(nn.Module):
                                 plans=self.plans))
         return out, deltas[0]
 
-    def matmul_out_dtypes(self) -> tuple[torch.dtype | None, ...]:
-        """The out_dtypes its base products ask for on CUDA (None: the model dtype): fp32
-        partial sums, and at world size 1 in a low-precision model the rounded output too."""
-        if self.tp.world_size == 1 and self.weight.dtype != torch.float32:
-            return (None, torch.float32)
-        return (torch.float32,)
+    def matmul_out_dtype(self) -> torch.dtype | None:
+        """The out_dtype its base products ask for on CUDA (None: the model dtype): the
+        rounded output at world size 1 in a low-precision model (forward), else fp32 partial
+        sums."""
+        rounds = self.tp.world_size == 1 and self.weight.dtype != torch.float32
+        return None if rounds and not self.partial_only else torch.float32
 
     def _rounds_here(self, x: torch.Tensor) -> bool:
         """Whether the output is cuBLAS's, in the model dtype (CUDA, world size 1, a

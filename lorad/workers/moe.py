@@ -193,6 +193,7 @@ class SharedExpert(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, intermediate, inter_range, dtype,
                                                        device)
         self.down_proj = RowParallelLinear(intermediate, hidden, inter_range, tp, dtype, device)
+        self.down_proj.partial_only = True  # partial_sum below, never its forward
 
     def partial_sum(self, x: torch.Tensor, lora: LoraRows) -> torch.Tensor:
         """x: [num_rows, hidden] -> [num_rows, hidden] float32, this rank's share, deltas in."""

@@ -191,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (FusedColumnParallelLinear, ParallelLMHead)):
                 layers.append((module, module.weight, None))
             elif isinstance(module, RowParallelLinear):
-                layers += [(module, module.weight, out) for out in module.matmul_out_dtypes()]
+                layers.append((module, module.weight, module.matmul_out_dtype()))
         return plan_model_matmuls(layers, max_rows, self.tuning.matmul)
 
     def load_weights(self, model_dir: str) -> None:
