@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.integration import test_lora_logits as cpu
+from tests.model_steps import rel_error
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
 from tests.tp_runner import launch_ranks
@@ -79,7 +80,7 @@ def test_logits_match_world_one(runs, world, dtype):
     skip_unless_here(world)
     one, many = cpu.read(runs, 1, dtype), cpu.read(runs, world, dtype)
     for key in one:
-        rel = cpu.relative_error(many[key], one[key])
+        rel = rel_error(many[key], one[key])
         assert rel < TOLERANCES[dtype], f"{key}: relative error {rel:.2e} against world 1"
 
 

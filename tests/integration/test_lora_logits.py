@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.integration.test_llama_logits import check_row_bits, check_same_on_every_rank
-from tests.model_steps import runner_scenarios
+from tests.model_steps import rel_error, runner_scenarios
 from tests.tiny_adapters import make_checkpoint, peft_logits, reference_llama
 from tests.tp_runner import launch_ranks
 
@@ -118,16 +118,12 @@ def read(runs: dict[int, Path], world: int, model: str = "fp32",
     return load_file(str(runs[world] / f"{model}.rank{rank}.safetensors"))
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
-
-
 def test_every_adapter_moves_the_logits(reference):
     """Guards the test itself: an adapter that changed nothing would pass vacuously."""
     for slot in SLOTS:
         for seq in SEQS:
-            assert relative_error(reference[(slot, seq)], reference[(0, seq)]) > 1e-2, (slot, seq)
-    assert relative_error(reference[(5, "X")], reference[(1, "X")]) > 1e-2  # strength counts
+            assert rel_error(reference[(slot, seq)], reference[(0, seq)]) > 1e-2, (slot, seq)
+    assert rel_error(reference[(5, "X")], reference[(1, "X")]) > 1e-2  # strength counts
 
 
 CASES = [(world, "fp32") for world in WORLDS] + [(2, "bf16")]
@@ -141,7 +137,7 @@ def test_logits_match_peft(runs, reference, world, model):
         for i, rows in enumerate(steps):
             got = logits[f"{scenario}.{i}"]  # [num_sampled, vocab]
             want = torch.stack([reference[(slot, seq)][pos] for slot, seq, pos in rows])
-            rel = relative_error(got, want)
+            rel = rel_error(got, want)
             assert rel < tol, f"{scenario} step {i}: relative error {rel:.2e} >= {tol:.0e}"
 
 

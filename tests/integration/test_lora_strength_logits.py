@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.model_steps import runner_scenarios
+from tests.model_steps import rel_error, runner_scenarios
 from tests.integration.test_lora_logits import FOLDERS as LORA_FOLDERS
-from tests.integration.test_lora_logits import MODEL, relative_error
+from tests.integration.test_lora_logits import MODEL
 from tests.tiny_adapters import make_checkpoint, reference_llama, scaled_peft_model
 from tests.tp_runner import launch_ranks
 
@@ -109,7 +109,7 @@ def test_strengths_move_the_reference(reference):
         strengths = [reference[(1, x, seq)] for x in (0.5, 1.0, 2.0)] + [reference[(0, 1.0, seq)]]
         for i in range(len(strengths)):
             for j in range(i):
-                assert relative_error(strengths[i], strengths[j]) > 1e-3, (seq, i, j)
+                assert rel_error(strengths[i], strengths[j]) > 1e-3, (seq, i, j)
         assert torch.allclose(reference[(1, 0.0, seq)], reference[(0, 1.0, seq)])
 
 
@@ -121,7 +121,7 @@ def test_logits_match_peft_scaled_by_strength(runs, reference, world):
             got = logits[f"{scenario}.{i}"]  # [num_sampled, vocab]
             for k, (slot, strength, seq, pos) in enumerate(rows):
                 want = reference[(slot, strength, seq)][pos]
-                rel = relative_error(got[k], want)
+                rel = rel_error(got[k], want)
                 assert rel < FP32_REL_TOL, (f"{scenario} step {i} row {k} (slot {slot} at "
                                             f"{strength}): relative error {rel:.2e}")
 

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.integration.test_llama_logits import check_row_bits, check_same_on_every_rank
-from tests.integration.test_lora_logits import FP32_REL_TOL, relative_error
-from tests.model_steps import runner_scenarios
+from tests.integration.test_lora_logits import FP32_REL_TOL
+from tests.model_steps import rel_error, runner_scenarios
 from tests.tiny_adapters import make_peft_adapter, peft_logits
 from tests.tiny_models import make_tiny_qwen2_moe
 from tests.tp_runner import launch_ranks
@@ -105,7 +105,7 @@ def test_every_adapter_moves_the_logits(reference):
     """Guards the test itself: an adapter that changed nothing would pass vacuously."""
     for slot in SLOTS:
         for seq in SEQS:
-            assert relative_error(reference[(slot, seq)], reference[(0, seq)]) > 1e-2, (slot, seq)
+            assert rel_error(reference[(slot, seq)], reference[(0, seq)]) > 1e-2, (slot, seq)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -114,7 +114,7 @@ def test_logits_match_peft(runs, reference, world):
     for scenario, steps in EXPECTED.items():
         for i, rows in enumerate(steps):
             want = torch.stack([reference[(slot, seq)][pos] for slot, seq, pos in rows])
-            rel = relative_error(logits[f"{scenario}.{i}"], want)
+            rel = rel_error(logits[f"{scenario}.{i}"], want)
             assert rel < FP32_REL_TOL, f"{scenario} step {i}: relative error {rel:.2e}"
 
 

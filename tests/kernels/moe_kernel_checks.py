@@ -14,6 +14,7 @@ import sys
 import torch
 
 from tests.kernels.triton_interpreter import run_checks
+from tests.model_steps import rel_error
 
 POISON = float("nan")
 # max |kernel - torch| / max |torch| of the routed sum. fp32: the order of the fp32 sums only.
@@ -61,7 +62,7 @@ def check_fused_moe(device: str, dtype: torch.dtype = torch.bfloat16, num_rows: 
     where = f"fused_moe {dtype} rows {num_rows} experts {num_experts} top {top_k}"
     if torch.isnan(got).any():
         raise AssertionError(f"{where}: {int(torch.isnan(got).any(1).sum())} rows kept poison")
-    err = ((got - want).abs().max() / want.abs().max()).item()
+    err = rel_error(got, want)
     if err > TOLERANCE[dtype]:
         raise AssertionError(f"{where}: relative error {err:.3g} over {TOLERANCE[dtype]}")
 
@@ -216,7 +217,7 @@ def check_model_kernel_path(device: str, dtype: torch.dtype) -> None:
     for i, chunks in enumerate(steps["torch"]):
         want = _forward(models["torch"], chunks, kernels=False)
         got = _forward(models["kernels"], chunks, kernels=True)
-        err = ((got - want).abs().max() / want.abs().max()).item()
+        err = rel_error(got, want)
         if not torch.isfinite(got).all() or err > MODEL_TOLERANCE[dtype]:
             raise AssertionError(f"step {i} ({dtype}): kernel path vs torch path relative "
                                  f"error {err:.2e} over {MODEL_TOLERANCE[dtype]:.0e}")
