@@ -79,13 +79,14 @@ class PromptSeqs:
             return None
         device = batch.block_tables.device
         chunks = [batch.seqs[i] for i in picked]
-        index = torch.tensor(picked, dtype=torch.int64, device=device)
+        tables, lens = batch.block_tables, batch.context_lens
+        if len(picked) < len(batch.seqs):  # else the batch's own (a prefill step's)
+            index = torch.tensor(picked, dtype=torch.int64, device=device)
+            tables, lens = tables.index_select(0, index), lens.index_select(0, index)
 
         def int32(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
-        return cls(batch.block_tables.index_select(0, index),
-                   batch.context_lens.index_select(0, index),
-                   int32([c.token_start for c in chunks]),
+        return cls(tables, lens, int32([c.token_start for c in chunks]),
                    int32([c.token_start + c.num_tokens for c in chunks]),
                    max(c.num_tokens for c in chunks))
 
