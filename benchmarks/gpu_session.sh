@@ -20,6 +20,9 @@
 #             and probe_row_matmul (row_matmul's tiles: bits against the GEMV, speed);
 #   rowmm     probe_row_matmul alone;
 #   ncu       ncu_decode_kernels (CSVs in $OUT/ncu)
+#   prefix    http_prefix.sh: the prefix cache over HTTP (8B shape, bf16): 64 conversations of 4
+#             turns over a 2,000-token system prompt, cache on and off; decode with and without
+#             --no-prefix-cache (issue 31's targets)
 #   paging    bench_adapter_paging: a Zipf(1.0) burst over 1,000 adapters of rank 16 (64 distinct
 #             files) in 64 device slots against the same burst all resident (8B shape, bf16)
 # Environment: OUT (default /tmp/lorad-gpu-session); LORAD_TEST_ARGS (default tests/gpu);
@@ -123,6 +126,10 @@ for part in "${parts[@]}"; do
     paging) bench bench-paging.log 560 bench_adapter_paging --model scripts/configs/llama3-8b \
               --load-format random --lorad-flag=--dtype=bfloat16 --adapters 1000 --distinct 64 \
               --rank 16 --slots 64 --zipf 1.0 --requests 512 --concurrency 64 ;;
+    prefix)
+      say "http_prefix.sh"
+      OUT=$OUT timeout -k 10 560 bash benchmarks/http_prefix.sh 2>&1 | tee "$OUT/prefix.log"
+      status[prefix.log]=${PIPESTATUS[0]} ;;
     *) echo "gpu_session: unknown part $part (see the header of $0)" >&2; status[$part]=2 ;;
   esac
 done
