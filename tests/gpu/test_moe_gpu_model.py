@@ -24,9 +24,11 @@ CUDA = torch.device("cuda", 0)
 BF16_REL_TOL = 5e-2  # as test_gpu_model.py's, against the fp32 reference
 FP32_REL_TOL = 1e-4
 BLOCK_SIZE = 4
-NUM_BLOCKS = 256
 MAX_LEN = 64
 MAX_NUM_SEQS = 16
+# Each of MAX_NUM_SEQS streams owns MAX_LEN // BLOCK_SIZE blocks; blocks 0 and the last are never
+# handed out (make_streams).
+NUM_BLOCKS = MAX_NUM_SEQS * (MAX_LEN // BLOCK_SIZE) + 2
 MAX_ROWS = 128  # the matmul plans' row counts: past every step here
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
