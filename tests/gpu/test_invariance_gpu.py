@@ -3,7 +3,8 @@ test_chunking_bits.py's on the CPU): a tiny bf16 Llama with an adapter, its matm
 (matmul_plan.py), its decode graphs captured.
 
 - A prompt prefilled whole, in chunks of several sizes, with its last token alone, and beside a
-  decoding neighbour gives the same last-position logits and the same K/V in every layer.
+  decoding neighbour gives the same last-position logits, the same K/V in every layer and the
+  same final hidden state at every position (what the last layer computes reaches no KV).
 - A sequence decoding through the graphs and the same sequence decoding inside mixed steps
   (beside another prompt's chunks) give the same logits at every step.
 """
@@ -49,8 +50,10 @@ def new_stream(prompt: list[int], slot: int, index: int) -> Stream:
     return Stream(list(prompt), slot, blocks, BLOCK_SIZE, prompt_len=len(prompt))
 
 
-def forward(model, chunks) -> torch.Tensor:
-    return model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, CUDA))
+def forward(model, chunks, hidden_rows: list[int] | None = None):
+    """-> the sampled rows' logits, or (logits, the final hidden states of hidden_rows)."""
+    rows = None if hidden_rows is None else torch.tensor(hidden_rows, device=CUDA)
+    return model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, CUDA), hidden_rows=rows)
 
 
 def kv_of(model, stream: Stream, length: int) -> list[torch.Tensor]:
@@ -63,15 +66,19 @@ def kv_of(model, stream: Stream, length: int) -> list[torch.Tensor]:
 
 
 def prefill(model, stream: Stream, sizes: list, neighbour: Stream | None = None
-            ) -> torch.Tensor:
-    logits = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (the last position's logits, [prompt positions, hidden] final hidden states)."""
+    logits, hidden = None, []
     for size in sizes:
+        start = stream.num_cached
         chunk = stream.prefill_chunk(size)
         chunks = [chunk] if neighbour is None else [neighbour.decode_chunk(11), chunk]
-        out = forward(model, chunks)
+        first = len(chunks) - 1  # the chunk's rows follow the neighbour's one row
+        out, rows = forward(model, chunks, list(range(first, first + stream.num_cached - start)))
+        hidden.append(rows)
         if chunk[3]:
             logits = out[-1]
-    return logits
+    return logits, torch.cat(hidden)
 
 
 @pytest.mark.parametrize("slot", [0, 1])
@@ -80,7 +87,7 @@ def test_every_chunking_gives_the_same_bits(model, slot):
     prompt = [rng.randrange(3, 300) for _ in range(PROMPT_LEN)]
     with torch.inference_mode():
         whole = new_stream(prompt, slot, 0)
-        want_logits = prefill(model, whole, [None])
+        want_logits, want_hidden = prefill(model, whole, [None])
         want_kv = kv_of(model, whole, PROMPT_LEN)
         runs = [(sizes, None) for sizes in CHUNKINGS]
         neighbour = new_stream(prompt[:50], 1 - slot, 10)
@@ -88,8 +95,10 @@ def test_every_chunking_gives_the_same_bits(model, slot):
         runs.append(([16] * 14 + [6], neighbour))
         for index, (sizes, beside) in enumerate(runs, start=1):
             stream = new_stream(prompt, slot, index)
-            logits = prefill(model, stream, sizes, beside)
+            logits, hidden = prefill(model, stream, sizes, beside)
             assert torch.equal(logits, want_logits), (slot, sizes[:3])
+            differ = (hidden != want_hidden).any(1).nonzero().flatten().tolist()
+            assert not differ, (slot, sizes[:3], "final hidden states differ at", differ[:8])
             for i, (got, want) in enumerate(zip(kv_of(model, stream, PROMPT_LEN), want_kv)):
                 assert torch.equal(got, want), (slot, sizes[:3], i)
 
@@ -105,7 +114,7 @@ def test_a_decode_gets_the_same_bits_in_a_graph_and_beside_prompt_chunks(model, 
     with torch.inference_mode():
         alone, mixed = new_stream(prompt, slot, 0), new_stream(prompt, slot, 1)
         filler = new_stream(other, 1 - slot, 2)
-        assert torch.equal(prefill(model, alone, [None]), prefill(model, mixed, [None]))
+        assert torch.equal(prefill(model, alone, [None])[0], prefill(model, mixed, [None])[0])
         for step, token in enumerate(tokens):
             chunks = [alone.decode_chunk(token)]
             assert graphs.can_run(chunks)
