@@ -12,8 +12,9 @@ checked against the reference the same way: one that differs is not used.
 
 Two orders of fp32 sums differ in most elements, but rounded to bf16 (the model dtype's outputs)
 only in about one element of 10,000 (a tiny model's 8-row down_proj on an H100: 2 of 230 x 96).
-So every row count is checked on at least CHECK_ROWS rows, in products of that count: 8 rows of
-96 outputs alone would show such a difference about one time in 13.
+So every row count is checked on at least CHECK_ELEMENTS outputs, in products of that count (8
+rows of 96 outputs alone would show such a difference about one time in 13; 2^18 outputs miss it
+about one time in e^26): many products for few rows of a narrow projection, one for the LM head.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from lorad.workers.kernels.configs import GemvConfig, MatmulConfig, MatmulTiles
 log = logging.getLogger("lorad.worker")
 
 SEED = 20261205
-CHECK_ROWS = 2048  # rows each row count's products are checked on, at least
+CHECK_ELEMENTS = 1 << 18  # outputs each row count's products are checked on, at least
 
 
 @dataclass(frozen=True)
@@ -69,17 +70,18 @@ def cublas_matmul(x: torch.Tensor, weight: torch.Tensor,
 def plan_matmul(weight: torch.Tensor, out_dtype: torch.dtype | None, max_rows: int,
                 tiles: MatmulTiles, gemv: GemvConfig | None = None,
                 cublas: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                check_rows: int = CHECK_ROWS) -> MatmulPlan:
+                check_elements: int = CHECK_ELEMENTS) -> MatmulPlan:
     """Measure the plan of x weight^T for products of 1..max_rows rows (out_dtype as
     base_matmul takes it). cublas: the library call to check (tests pass another);
-    check_rows: the rows each count is checked on, at least (tests pass fewer)."""
+    check_elements: the outputs each count is checked on, at least (tests pass fewer)."""
     from lorad.workers.kernels import decode_gemv  # the CPU path never imports triton
     from lorad.workers.kernels.row_matmul import row_matmul
     cublas = cublas or (lambda rows: cublas_matmul(rows, weight, out_dtype))
     tiles = tiles.for_dtype(weight.dtype)
     gen = torch.Generator(device=weight.device).manual_seed(SEED)
-    x = torch.randn(max(max_rows, check_rows), weight.shape[1], generator=gen,
-                    device=weight.device)
+    # Room for the products of any count: ceil(check_elements / (count * out)) of them.
+    check_rows = -(-check_elements // weight.shape[0])
+    x = torch.randn(check_rows + max_rows, weight.shape[1], generator=gen, device=weight.device)
     x = x.to(weight.dtype)
     reference = row_matmul(x, weight, out_dtype, tiles.first)
     for tile in {t for _, t in tiles.bands[1:]} - {tiles.first}:
@@ -91,22 +93,23 @@ def plan_matmul(weight: torch.Tensor, out_dtype: torch.dtype | None, max_rows: i
     if gemv is not None and decode_gemv.supports(x[:gemv.block_m], weight, out_dtype, gemv):
         gemv_agrees = bool(all_products_agree(
             lambda rows: decode_gemv.decode_matmul(rows, weight, out_dtype, gemv), x, reference,
-            gemv.block_m))
+            gemv.block_m, check_rows))
         if not gemv_agrees:
             log.warning("the decode GEMV gives other bits than row_matmul at %s: not used",
                         tuple(weight.shape))
     same = torch.zeros(max_rows + 1, dtype=torch.bool, device=weight.device)
     for num_rows in range(1, max_rows + 1):  # on the device: one sync at the end
-        same[num_rows] = all_products_agree(cublas, x, reference, num_rows)
+        same[num_rows] = all_products_agree(cublas, x, reference, num_rows, check_rows)
     return MatmulPlan(same.cpu().numpy(), tiles, gemv_agrees)
 
 
 def all_products_agree(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                       reference: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Whether matmul gives the reference's bits on every product of num_rows consecutive rows
-    of x that fits: a 0-dim bool tensor on x's device (no sync)."""
+                       reference: torch.Tensor, num_rows: int, check_rows: int) -> torch.Tensor:
+    """Whether matmul gives the reference's bits on products of num_rows consecutive rows of x,
+    from the first, as many as cover check_rows rows (at least one): a 0-dim bool tensor on x's
+    device (no sync)."""
     agree = [(matmul(x[start:start + num_rows]) == reference[start:start + num_rows]).all()
-             for start in range(0, x.shape[0] - num_rows + 1, num_rows)]
+             for start in range(0, max(check_rows, 1), num_rows)]
     return torch.stack(agree).all()
 
 

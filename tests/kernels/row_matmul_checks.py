@@ -85,6 +85,7 @@ def check_matmul_plan(device: str) -> None:
     from lorad.workers.matmul_plan import plan_matmul
     gen = torch.Generator().manual_seed(4)
     n, k, max_rows, split_at, check_rows = 40, 64, 24, {3, 9, 17, 24}, 48
+    check = {"check_elements": check_rows * n}  # products of 48 rows of 40 outputs
     # bf16 weights: the plan halves an fp32 tile's block_k (MatmulTiles.for_dtype).
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device=device, dtype=torch.bfloat16)
     medium = MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=1, num_warps=1,
@@ -108,10 +109,9 @@ def check_matmul_plan(device: str) -> None:
         return row_matmul(x, w, torch.float32, small)
 
     same_k = GemvConfig(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=2)
-    plan = plan_matmul(w, torch.float32, max_rows, tiles, same_k, cublas=stand_in,
-                       check_rows=check_rows)
-    if calls[5] != check_rows // 5:
-        raise AssertionError(f"5 rows checked in {calls[5]} products, want {check_rows // 5}")
+    plan = plan_matmul(w, torch.float32, max_rows, tiles, same_k, cublas=stand_in, **check)
+    if calls[5] != -(-check_rows // 5):
+        raise AssertionError(f"5 rows checked in {calls[5]} products, want {-(-check_rows // 5)}")
     want = [m not in split_at | {5} for m in range(1, max_rows + 1)]
     if plan.cublas_rows[1:].tolist() != want or plan.cublas_rows[0]:
         raise AssertionError(f"cuBLAS rows {plan.cublas_rows.tolist()}, want {want}")
@@ -125,7 +125,7 @@ def check_matmul_plan(device: str) -> None:
             raise AssertionError(f"{m} rows take {plan.tile(m)}, want {tile}")
     other_k = GemvConfig(block_m=16, block_n=32, block_k=16, num_warps=1, num_stages=2)
     if plan_matmul(w, torch.float32, 4, tiles, other_k, cublas=stand_in,
-                   check_rows=check_rows).gemv_agrees:
+                   **check).gemv_agrees:
         raise AssertionError("a GEMV summing in other steps was taken for the reference's")
 
 
