@@ -1,9 +1,11 @@
 """Where a prompt token's bits start to depend on its chunking (issue 29): the tiny bf16 Llama of
 tests/gpu/test_invariance_gpu.py (matmul plans measured), one prompt prefilled whole and then in
-chunks of --chunk tokens, under the base model (slot 0) or the adapter (slot 1). Every
-intermediate of every layer (the fused q/k/v product, attention, o_proj, the norms, gate/up,
-silu*mul, down_proj) is recorded per position in both runs; prints, for each one that differs,
-the layer, the positions that differ and the largest difference, in the order the model runs them.
+chunks of --chunk tokens, under the base model (slot 0) or the adapter (slot 1). The
+intermediates of every layer (the input norm's output, the fused q/k/v product, attention, the
+attention block's output after o_proj, the post-attention norm's output, gate/up, the MLP's
+output after down_proj, the layer's output) are recorded per position in both runs, through
+forward hooks; prints, for each one that differs, the positions that differ and the largest
+difference, in the order the model runs them.
 
     python -m benchmarks.probe_chunk_bits [--chunk 7] [--slot 0] [--device cuda]
 """
@@ -19,8 +21,6 @@ from pathlib import Path
 import torch
 
 from lorad.workers.batch import ForwardBatch
-from lorad.workers.layers import RMSNorm
-from lorad.workers.models import llama
 from tests.model_steps import Stream, build_model
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
@@ -30,21 +30,21 @@ PROMPT_LEN = 230
 
 
 class Recorder:
-    """Wraps callables of the model's modules; each call's tensors (first num_real rows) are kept
-    under (call order within the step, name)."""
+    """Forward hooks on the model's modules; each call's tensors are kept under their names, in
+    the order of the step."""
 
     def __init__(self) -> None:
         self.step: list[tuple[str, torch.Tensor]] = []
 
-    def wrap(self, owner, attr: str, name: str) -> None:
-        inner = getattr(owner, attr)
+    def keep(self, name: str, values) -> None:
+        for i, t in enumerate(flatten(values)):
+            self.step.append((f"{name}.{i}", t.detach().clone()))
 
-        def recorded(*args, **kwargs):
-            out = inner(*args, **kwargs)
-            for i, t in enumerate(flatten(out)):
-                self.step.append((f"{name}.{i}", t.detach().clone()))
-            return out
-        setattr(owner, attr, recorded)
+    def outputs(self, module: torch.nn.Module, name: str) -> None:
+        module.register_forward_hook(lambda _m, _args, out: self.keep(name, out))
+
+    def inputs(self, module: torch.nn.Module, name: str) -> None:
+        module.register_forward_pre_hook(lambda _m, args: self.keep(name, args[0]))
 
 
 def flatten(out) -> list[torch.Tensor]:
@@ -57,16 +57,15 @@ def flatten(out) -> list[torch.Tensor]:
 
 def instrument(model, recorder: Recorder) -> None:
     for index, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        recorder.wrap(attn.qkv_proj, "forward", f"L{index}.qkv")
-        recorder.wrap(attn.attn, "forward", f"L{index}.attn")
-        recorder.wrap(attn.o_proj, "forward_with_delta", f"L{index}.o_proj")
-        recorder.wrap(layer.input_layernorm, "add_and_norm", f"L{index}.input_norm")
-        recorder.wrap(layer.post_attention_layernorm, "add_and_norm", f"L{index}.post_norm")
-        recorder.wrap(layer.mlp.gate_up_proj, "forward", f"L{index}.gate_up")
-        recorder.wrap(layer.mlp.down_proj, "forward_with_delta", f"L{index}.down")
-    assert isinstance(model.model.norm, RMSNorm)
-    recorder.wrap(llama, "silu_and_mul", "silu_and_mul")
+        attn, mlp = layer.self_attn, layer.mlp
+        recorder.inputs(attn.qkv_proj, f"L{index}.input_norm")
+        recorder.outputs(attn.qkv_proj, f"L{index}.qkv")
+        recorder.outputs(attn.attn, f"L{index}.attn")
+        recorder.outputs(attn, f"L{index}.o_proj")
+        recorder.inputs(mlp.gate_up_proj, f"L{index}.post_norm")
+        recorder.outputs(mlp.gate_up_proj, f"L{index}.gate_up")
+        recorder.outputs(mlp, f"L{index}.down")
+        recorder.outputs(layer, f"L{index}.out")
 
 
 def run(model, recorder: Recorder, prompt: list[int], slot: int, index: int, sizes: list,
@@ -81,11 +80,7 @@ def run(model, recorder: Recorder, prompt: list[int], slot: int, index: int, siz
         num_real = stream.num_cached - start
         recorder.step = []
         model.forward(ForwardBatch.build([chunk], BLOCK_SIZE, device))
-        seen: dict[str, int] = defaultdict(int)
         for name, tensor in recorder.step:
-            seen[name] += 1
-            if seen[name] > 1:  # a function called once a layer: silu_and_mul
-                name = f"{name}#{seen[name]}"
             if tensor.dim() >= 1 and tensor.shape[0] >= num_real:
                 by_position[name].append(tensor[:num_real])
     return {name: torch.cat(parts) for name, parts in by_position.items()

@@ -233,16 +233,21 @@ def post(url: str, body, raw: bytes | None = None, method: str = "POST") -> tupl
 def burst_texts(url: str, bodies: list[dict]) -> list[str]:
     """POST every completions body at once (a thread each) -> each first choice's text, in
     order: the texts of a burst, to compare with each body's solo run."""
-    texts: list = [None] * len(bodies)
+    return [reply["choices"][0]["text"] for reply in burst_replies(url, bodies)]
+
+
+def burst_replies(url: str, bodies: list[dict]) -> list[dict]:
+    """POST every completions body at once (a thread each) -> each reply's JSON, in order."""
+    replies: list = [None] * len(bodies)
 
     def run(i: int) -> None:
-        texts[i] = post(f"{url}/v1/completions", bodies[i])[1]["choices"][0]["text"]
+        replies[i] = post(f"{url}/v1/completions", bodies[i])[1]
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    return texts
+    return replies
 
 
 def wait_idle(daemon, timeout_s: float = 3.0) -> dict:

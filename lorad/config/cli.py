@@ -274,8 +274,11 @@ def _add_parallel_flags(group) -> None:
                             "tensors; NCCL for the rest); auto: oneshot on cuda at --parallel 2+ "
                             "on one host. oneshot has not yet run on GPUs (docs/multi-gpu.md) "
                             "(default: %(default)s)")
-    group.add_argument("--threads", type=positive_int, default=1, metavar="N",
-                       help="CPU threads per worker (default: %(default)s)")
+    group.add_argument("--threads", type=positive_int_or_auto, default="auto", metavar="N|auto",
+                       help="torch threads per worker; a row's bits are the same at any "
+                            "count. auto: on the CPU, the CPUs this process may use less one "
+                            "(the coordinator's), shared by this host's workers; 1 on a GPU "
+                            "(default: auto)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs for decode steps "
                             "(graphs are used on CUDA otherwise, at any --parallel)")
@@ -386,7 +389,7 @@ def parse_args(argv: list[str] | None = None, node: bool = False) -> ServeConfig
             max_num_seqs=_none_if_auto(args.max_num_seqs),
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,
-            num_threads=args.threads, runtime_dir=args.runtime_dir,
+            num_threads=_none_if_auto(args.threads), runtime_dir=args.runtime_dir,
             startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout,
             request_timeout=args.request_timeout, step_timeout=args.step_timeout,
             max_queued_requests=_none_if_auto(args.max_queued_requests), log_level=args.log_level,

@@ -86,7 +86,7 @@ class ServeConfig:
     block_size: int = 16
     kv_cache_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes per rank
-    num_threads: int = 1
+    num_threads: int | None = None  # None: auto (WorkerConfig.threads)
     runtime_dir: str | None = None
     startup_timeout: float = 600.0
     shutdown_timeout: float = 30.0  # how long a drain waits for open requests after a signal
@@ -138,7 +138,7 @@ class ServeConfig:
         _positive("--kv-cache-memory", self.kv_cache_memory, allow_none=True)
         if self.kv_cache_blocks is not None and self.kv_cache_memory is not None:
             raise ConfigError("--kv-cache-blocks and --kv-cache-memory are exclusive; give one")
-        _positive("--threads", self.num_threads)
+        _positive("--threads", self.num_threads, allow_none=True)
         if not math.isfinite(self.startup_timeout) or self.startup_timeout <= 0:
             raise ConfigError(f"--startup-timeout must be a positive number of seconds, "
                               f"got {self.startup_timeout!r}")
@@ -191,7 +191,7 @@ class WorkerConfig:
     block_size: int
     kv_cache_blocks: int | None
     kv_cache_memory: int | None
-    num_threads: int
+    num_threads: int | None  # None: auto (threads())
     runtime_dir: str
     instance_id: str
     coordinator_pid: int  # the process the workers watch (on another host: its node agent)
@@ -259,6 +259,17 @@ class WorkerConfig:
     def local_ranks(self) -> range:
         """The ranks this host's processes run: all of them on one host."""
         return self.cluster.local_ranks(self.parallel)
+
+    def threads(self, on_gpu: bool, usable_cpus: int) -> int:
+        """The torch threads each worker runs: --threads, or auto: 1 on a GPU (its host work is
+        small); on the CPU, the CPUs this process may use less one (the coordinator's, and the
+        clients' on a small machine), shared by this host's workers, at least 1. A row's bits do
+        not depend on it (workers/batch.py, product_rows)."""
+        if self.num_threads is not None:
+            return self.num_threads
+        if on_gpu:
+            return 1
+        return max(1, (usable_cpus - 1) // len(self.local_ranks))
 
     @property
     def path(self) -> Path:

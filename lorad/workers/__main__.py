@@ -45,10 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         stream=sys.stderr, level=cfg.log_level.upper(),
         format=f"%(asctime)s lorad.worker[rank {args.rank}] %(levelname)s %(message)s")
-    # One thread and padded batches keep a row's bits independent of its neighbours on MKL
-    # (shared/DESIGN.md, "Numerics"); interop threads would only add nondeterministic scheduling.
-    torch.set_num_threads(cfg.num_threads)
+    # Padded batches keep a row's bits independent of its neighbours and of the thread count on
+    # MKL (shared/DESIGN.md, "Numerics"; workers/batch.py); interop threads would only add
+    # nondeterministic scheduling.
+    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    torch.set_num_threads(cfg.threads(on_gpu, len(os.sched_getaffinity(0))))
     torch.set_num_interop_threads(1)
+    log.info("torch threads: %d%s", torch.get_num_threads(),
+             " (--threads auto)" if cfg.num_threads is None else "")
     _die_with_parent()
     ctx = zmq.Context()
     if cfg.nnodes > 1:  # tcp:// to another host: every socket a CURVE client

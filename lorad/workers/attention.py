@@ -3,8 +3,8 @@
 Each sequence is computed on its own (its chunk's queries against its context read from its
 block table), so a row's result never depends on the other sequences in the batch, and padding
 rows are neither written nor attended. Nor does it depend on how the prompt was chunked or
-whether the row is a decode: every product has one shape (at least MIN_QUERY_ROWS query rows
-against KEY_BLOCK keys), and the sums over the context add the blocks' partials in block order,
+whether the row is a decode: every product has one shape (at least MIN_ROWS query rows, as
+batch.product_rows pads them, against KEY_BLOCK keys), and the sums over the context add the blocks' partials in block order,
 so a position's bits are the same whatever context length the step has (a prefix-cache hit,
 another --max-num-batched-tokens, a decode). On CUDA (with triton installed) the step goes to
 the Triton kernels instead (attention_cuda.py); this loop is the reference they are compared with.
@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from lorad.workers.batch import ForwardBatch
+from lorad.workers.batch import ForwardBatch, product_rows
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kv_cache import PagedKVCache
 
-# MKL (torch 2.13, one thread) gives a row other bits when a product has fewer than 8 rows, and
-# a sum over the context other bits as the context's length crosses its K blocking (at 193 keys,
+# MKL (torch 2.13) gives a row other bits when a product has fewer than 8 rows (batch.py), and a
+# sum over the context other bits as the context's length crosses its K blocking (at 193 keys,
 # for one); products of one fixed shape, each block of keys its own, keep a row's bits.
-MIN_QUERY_ROWS = 8
 KEY_BLOCK = 64
 
 if TYPE_CHECKING:
@@ -117,7 +116,8 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     [num_q / group, num_blocks * KEY_BLOCK] -> [kv_heads, num_q, head_dim]."""
     num_kv_heads, num_q, head_dim = q.shape
     num_blocks = mask.shape[1] // KEY_BLOCK
-    padded = F.pad(q, (0, 0, 0, max(0, MIN_QUERY_ROWS - num_q)))
+    pad = product_rows(num_q) - num_q
+    padded = F.pad(q, (0, 0, 0, pad))
     # [kv_heads, num_blocks, rows, KEY_BLOCK]: one product per block of keys; scaled after the
     # product, as transformers does
     scores = torch.matmul(padded.unsqueeze(1), _key_blocks(keys, num_blocks).transpose(2, 3))
@@ -129,7 +129,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     exps = torch.exp(scores - scores.amax(dim=(2, 3), keepdim=True))
     total = exps.sum(dim=3).cumsum(dim=2)[:, :, -1:, None]
     probs = (exps / total).to(q.dtype).float()  # rounded to the model dtype, as transformers
-    probs = F.pad(probs, (0, 0, 0, 0, 0, max(0, MIN_QUERY_ROWS - num_q)))
+    probs = F.pad(probs, (0, 0, 0, 0, 0, pad))
     # [kv_heads, num_blocks, rows, head_dim]: each block's partial sums, added in block order
     parts = torch.matmul(probs.permute(0, 2, 1, 3), _key_blocks(values, num_blocks).float())
     return parts.cumsum(dim=1)[:, -1, :num_q].to(q.dtype)

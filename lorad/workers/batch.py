@@ -3,7 +3,8 @@
 Built from the step plan on every rank identically; the model reads nothing else. Rows beyond the
 real tokens are padding (token 0, slot -1: nothing is written to the KV cache for them) so that a
 matmul never sees fewer than MIN_ROWS rows, which keeps a row's bits independent of how many
-neighbours it has on MKL (see shared/DESIGN.md, "Numerics").
+neighbours it has on MKL (see shared/DESIGN.md, "Numerics"); on the CPU, products_rows says
+what more a product's rows are padded to.
 """
 
 from __future__ import annotations
@@ -13,6 +14,22 @@ from dataclasses import dataclass
 import torch
 
 MIN_ROWS = 8
+# MKL's sgemm run on more than one thread gives the rows of a product of 9, 10 or 11 rows other
+# bits than one thread gives them, or any other count from MIN_ROWS up at any thread count
+# (torch 2.13, MKL 2024.2, AVX-512, 2 to 8 threads, M up to 1,024: benchmarks/probe_cpu_rows.py),
+# so such products get rows up to THREADED_ROWS.
+THREADED_SHORT = range(MIN_ROWS + 1, 12)
+THREADED_ROWS = 12
+
+
+def product_rows(num_rows: int) -> int:
+    """The rows a CPU product of num_rows rows (a step, an attention product, the LM head's
+    sampled rows) is computed with: at least MIN_ROWS, and THREADED_ROWS in place of the counts
+    threaded MKL splits differently, so that a row's bits are one thread's at any count."""
+    rows = max(num_rows, MIN_ROWS)
+    if rows in THREADED_SHORT and torch.get_num_threads() > 1:
+        return THREADED_ROWS
+    return rows
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,8 @@ class ForwardBatch:
                 sample_rows.append(len(ids) - 1)
         num_tokens = len(ids)
         pad = max(0, min_rows - num_tokens)
+        if torch.device(device).type == "cpu":
+            pad = max(pad, product_rows(num_tokens) - num_tokens)
         ids += [0] * pad
         positions += [0] * pad
         slots += [-1] * pad

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorad.workers.batch import MIN_ROWS
+from lorad.workers.batch import MIN_ROWS, product_rows
 from lorad.workers.linear import Plans, base_matmul, check_shape
 from lorad.config.partition import balanced_split
 from lorad.workers.parallel import TensorParallel
@@ -75,10 +75,11 @@ class ParallelLMHead(nn.Module):
         if num_sampled == 0:
             # Every rank runs the same batch, so every rank skips the gather together.
             return hidden.new_zeros((0, self.vocab_size), dtype=torch.float32)
-        if num_sampled < MIN_ROWS:
-            # Zero rows up to MIN_ROWS so a row's bits do not depend on how many rows are
-            # sampled this step (shared/DESIGN.md, "Numerics").
-            hidden = F.pad(hidden, (0, 0, 0, MIN_ROWS - num_sampled))
+        rows = product_rows(num_sampled) if hidden.device.type == "cpu" else MIN_ROWS
+        if num_sampled < rows:
+            # Zero rows up to MIN_ROWS (on the CPU, product_rows) so a row's bits do not depend
+            # on how many rows are sampled this step (shared/DESIGN.md, "Numerics").
+            hidden = F.pad(hidden, (0, 0, 0, rows - num_sampled))
         # On the GPU the measured plan's matmul, whose rows keep their bits at any count.
         local = base_matmul(hidden, self.weight, None, plans=self.plans)[:num_sampled].float()
         return self.tp.all_gather_last_dim(local, self.vocab_sizes)

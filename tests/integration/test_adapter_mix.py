@@ -1,18 +1,20 @@
 """scripts/adapter_mix.py against real daemons (tiny Llama, adapters a and b, --parallel 2): a burst
 mixing the base model and both adapters equals every stream's solo run by token ids (exit 0,
 clean table), also greedy and seeded over prompts of 8, 60 and 150 random token ids prefilled in
-chunks of 32 beside the other streams' decodes; with the solo runs taken from a daemon that serves
-the same folders under swapped names, or another model under the same name, the script exits 1
-and names exactly the mismatched model ids."""
+chunks of 32 beside the other streams' decodes, and at --threads 2 (solo runs at one thread);
+with the solo runs taken from a daemon that serves the same folders under swapped names, or
+another model under the same name, the script exits 1 and names exactly the mismatched model
+ids."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
 import pytest
 
-from tests.daemons import REPO, adapter_flags, start_daemon
+from tests.daemons import REPO, adapter_flags, burst_replies, post, start_daemon
 from tests.tiny_models import make_tiny_llama
 
 SCRIPT = REPO / "scripts" / "adapter_mix.py"
@@ -74,6 +76,30 @@ def test_seeded_streams_of_mixed_prompt_lengths_equal_their_solo_runs(chunking_d
                                     for m in MODELS for mode in ("greedy", "seeded")}
     assert "prompts of 8/60/150 token ids < 400" in result.stdout  # the vocabulary, asked
     assert f"OK: all {burst} streams equal their solo runs" in result.stdout
+
+
+def test_two_threads_give_one_threads_bits(start_lorad, tiny_adapters):
+    """A worker at --threads 2, its steps of at most 10 rows (prefill chunks and decodes of 9 to
+    11 rows: where threaded MKL splits a product differently, batch.product_rows): a burst of 10
+    greedy and seeded requests over the base model and both adapters, prompts of 5 to 150
+    token ids, gets every token and every token's logprob (the logits' bits) of each request's
+    solo run on a daemon at one thread."""
+    flags = ("--kv-cache-blocks", "512", *adapter_flags(tiny_adapters))
+    threaded = start_lorad("--threads", "2", "--max-num-seqs", "10",
+                           "--max-num-batched-tokens", "10", *flags)
+    reference = start_lorad("--threads", "1", *flags)
+    rng = random.Random(3)
+    bodies = [{"model": MODELS[i % 3], "prompt": [rng.randrange(3, 390) for _ in range(length)],
+               "max_tokens": 12, "ignore_eos": True, "logprobs": 1,
+               "temperature": 0.0 if i % 2 else 0.8, "seed": i}
+              for i, length in enumerate((5, 9, 150, 11, 60, 10, 33, 7, 120, 64))]
+    burst = [(r["choices"][0]["text"], r["choices"][0]["logprobs"]["token_logprobs"])
+             for r in burst_replies(threaded.url, bodies)]
+    solo = [(r["choices"][0]["text"], r["choices"][0]["logprobs"]["token_logprobs"])
+            for r in (post(f"{reference.url}/v1/completions", body)[1] for body in bodies)]
+    assert [len(lp) for _, lp in solo] == [12] * len(bodies)
+    assert burst == solo
+    assert threaded.stop() == 0, threaded.log()[-4000:]
 
 
 def test_mismatches_are_named_and_exit_nonzero(adapter_daemon, start_lorad, tiny_adapters):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from lorad.config.cli import build_parser, byte_size, parse_args
+from lorad.config.serve import WorkerConfig
 
 
 def test_defaults_and_name_from_folder(tmp_path):
@@ -24,9 +25,31 @@ def test_defaults_and_name_from_folder(tmp_path):
 
 def test_auto_is_spelled_out_or_a_number():
     config = parse_args(["--model", "m", "--max-num-seqs", "auto", "--max-queued-requests",
-                         "auto"])
-    assert (config.max_num_seqs, config.max_queued_requests) == (None, None)
+                         "auto", "--threads", "auto"])
+    assert (config.max_num_seqs, config.max_queued_requests, config.num_threads) == \
+        (None, None, None)
     assert parse_args(["--model", "m", "--max-num-seqs", "256"]).max_num_seqs == 256
+    assert parse_args(["--model", "m"]).num_threads is None  # --threads auto by default
+
+
+@pytest.mark.parametrize("threads,parallel,nnodes,on_gpu,cpus,expected", [
+    (None, 1, 1, False, 2, 1),  # this project's 2-core machine: one CPU left for the coordinator
+    (None, 1, 1, False, 16, 15),
+    (None, 2, 1, False, 16, 7),
+    (None, 4, 2, False, 16, 7),  # two of the four ranks on this host
+    (None, 3, 1, False, 2, 1),  # never fewer than one
+    (None, 1, 1, True, 16, 1),  # a GPU worker's host work is small
+    (6, 2, 1, False, 2, 6),  # asked for: taken as given
+])
+def test_threads_auto(threads, parallel, nnodes, on_gpu, cpus, expected):
+    cfg = WorkerConfig(model_dir="m", parallel=parallel, dtype="auto", device="auto",
+                       dist_backend="auto", max_model_len=64, max_num_seqs=4,
+                       max_num_batched_tokens=32, block_size=4, kv_cache_blocks=16,
+                       kv_cache_memory=None, num_threads=threads, runtime_dir="/run/lorad",
+                       instance_id="t", coordinator_pid=1, nnodes=nnodes,
+                       **({"master_addr": "10.0.0.1", "master_port": 29500,
+                           "cluster_key_dir": "/etc/lorad/keys"} if nnodes > 1 else {}))
+    assert cfg.threads(on_gpu, cpus) == expected
 
 
 def test_all_flags():
@@ -93,6 +116,8 @@ def test_byte_sizes(text, expected):
     (["--kv-spill-dir", "/proc/lorad-spill"], "--kv-spill-dir /proc/lorad-spill"),
     (["--kv-spill-dir", " "], "--kv-spill-dir"),
     (["--all-reduce", "ring"], "--all-reduce"),
+    (["--threads", "0"], "--threads"),
+    (["--threads", "many"], "--threads"),
     (["--all-reduce", "oneshot", "--device", "cpu", "--parallel", "2"],
      "--all-reduce oneshot needs CUDA"),
     (["--all-reduce", "oneshot"], "--parallel 2 or more"),
