@@ -282,6 +282,10 @@ def _add_parallel_flags(group) -> None:
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs for decode steps "
                             "(graphs are used on CUDA otherwise, at any --parallel)")
+    group.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                       help="a stream's tokens do not depend on what shares its steps (the "
+                            "default); --no-deterministic: on a GPU, cuBLAS at every row count, "
+                            "where it may split K (no matmul plans at start)")
 
 
 def _add_scheduler_flags(group) -> None:
@@ -383,7 +387,7 @@ def parse_args(argv: list[str] | None = None, node: bool = False) -> ServeConfig
             cluster=cluster_config(args, node),
             port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
             dist_backend=args.dist_backend, all_reduce=args.all_reduce,
-            enforce_eager=args.enforce_eager,
+            enforce_eager=args.enforce_eager, deterministic=args.deterministic,
             prefix_cache=args.prefix_cache, kv_spill_dir=_spill_dir(args),
             kv_spill_bytes=args.kv_spill_bytes, max_model_len=args.max_model_len,
             max_num_seqs=_none_if_auto(args.max_num_seqs),

@@ -78,6 +78,8 @@ class ServeConfig:
     all_reduce: str = "nccl"  # ALL_REDUCES
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     prefix_cache: bool = True  # reuse cached KV blocks of equal prefixes (workers/prefix_cache.py)
+    # Batch-invariant arithmetic (--no-deterministic: cuBLAS at every row count on a GPU).
+    deterministic: bool = True
     kv_spill_dir: str | None = None  # absolute, checked writable; None: no disk spill
     kv_spill_bytes: int = 8 << 30  # per rank
     max_model_len: int | None = None
@@ -206,6 +208,7 @@ class WorkerConfig:
     load_format: str = "auto"
     all_reduce: str = "nccl"  # ALL_REDUCES, checked with the flags by ServeConfig
     enforce_eager: bool = False
+    deterministic: bool = True  # False: no matmul plans (matmul_plan.py), cuBLAS at every count
     prefix_cache: bool = True
     kv_spill_dir: str | None = None  # each rank's store is its rank-R subfolder
     kv_spill_bytes: int = 8 << 30

@@ -25,6 +25,7 @@ def probe_body(state) -> dict:
         "max_queued_requests": state.admission.max_queued,
         "queued": state.admission.num_queued, "open_requests": state.admission.num_open,
         "running": engine.load.num_running, "waiting": engine.load.num_waiting,
+        "deterministic": state.deterministic,
         "prefix_cache": {"enabled": state.prefix_cache,
                          "prompt_tokens": state.metrics.num_prompt_tokens,
                          "cached_tokens": state.metrics.num_cached_prompt_tokens},

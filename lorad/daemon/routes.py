@@ -69,6 +69,7 @@ class AppState:
     # service.py is the one place that changes it.
     status: str = "serving"
     prefix_cache: bool = True  # --no-prefix-cache turns it off, for /health
+    deterministic: bool = True  # --no-deterministic turns it off, for /health
     created: int = field(default_factory=lambda: int(time.time()))
     # The served adapters as they change while serving; None: the start adapters, fixed.
     catalog: AdapterCatalog | None = None

@@ -95,7 +95,8 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
         catalog = AdapterCatalog(model.adapters, model.capacity, model.model_config, model.name,
                                  config.adapter_dir, config.pinned_adapters)
         state = AppState(model, engine, Admission(max_queued, config.request_timeout), Metrics(),
-                         prefix_cache=config.prefix_cache, catalog=catalog)
+                         prefix_cache=config.prefix_cache, catalog=catalog,
+                         deterministic=config.deterministic)
         engine.on_step_result = state.metrics.step_result
         engine.start()
         runner = await _start_http(state, config)
@@ -272,7 +273,7 @@ def _worker_config(config: ServeConfig, model: ServedModel, runtime_dir: Path,
         num_threads=config.num_threads, runtime_dir=str(runtime_dir), instance_id=instance_id,
         coordinator_pid=os.getpid(), log_level=config.log_level,
         load_format=config.load_format, all_reduce=config.all_reduce,
-        enforce_eager=config.enforce_eager,
+        enforce_eager=config.enforce_eager, deterministic=config.deterministic,
         prefix_cache=config.prefix_cache, kv_spill_dir=config.kv_spill_dir,
         kv_spill_bytes=config.kv_spill_bytes, kernel_cache_dir=config.kernel_cache_dir,
         adapters=[spec.to_worker_dict() for spec in model.adapters],

@@ -157,9 +157,11 @@ class Engine:
                  num_kv_bytes / 2**30, own, max_num_seqs,
                  " (--max-num-seqs auto)" if cfg.max_num_seqs is None else "")
         clock.mark("KV pool")
-        if kernel_path(device):  # before the graphs capture the matmuls the plans pick
+        if kernel_path(device) and cfg.deterministic:  # before the graphs capture the matmuls
             model.plan_matmuls(max(cfg.max_num_batched_tokens, max_num_seqs, MIN_ROWS))
             clock.mark("matmul plans")
+        elif kernel_path(device):
+            log.info("matmul plans: none (--no-deterministic): cuBLAS at every row count")
         graphs = _capture_decode_graphs(cfg, model, tp, capacity.num_slots, max_num_seqs)
         clock.mark("graphs")
         engine = cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters,

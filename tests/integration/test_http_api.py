@@ -64,6 +64,7 @@ def test_models_and_health(daemon, client):
     # an explicit --max-num-seqs is kept; the auto queue holds 4 x 48, at least 256
     assert (health["max_num_seqs"], health["max_queued_requests"]) == (48, 256)
     assert health["adapters"] == []
+    assert health["deterministic"] is True  # the default
 
 
 def test_completion_full_and_streamed_agree(client, tokenizer):

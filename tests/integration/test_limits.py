@@ -100,11 +100,13 @@ def test_a_flood_past_the_queue_bound_gets_quick_429s(limited):
 
 
 def test_the_request_timeout_cancels_a_long_request(start_lorad, long_model):
+    # --no-deterministic changes no arithmetic on the CPU; /health says which mode runs.
     limited = start_lorad("--kv-cache-blocks", "1024", "--request-timeout",
-                          str(REQUEST_TIMEOUT_S), model_dir=long_model)
+                          str(REQUEST_TIMEOUT_S), "--no-deterministic", model_dir=long_model)
     # --max-num-seqs and --max-queued-requests auto, as the workers resolved them: 64 on the CPU
     h = health(limited)
     assert (h["max_num_seqs"], h["max_queued_requests"]) == (64, 256), h
+    assert h["deterministic"] is False
     # 4000 tokens take several seconds on one worker (about 2 ms a token on a fast core).
     status, _, body, seconds = post(limited, "/v1/completions", completion(4000))
     assert status == 504, body

@@ -32,6 +32,12 @@ def test_auto_is_spelled_out_or_a_number():
     assert parse_args(["--model", "m"]).num_threads is None  # --threads auto by default
 
 
+def test_deterministic_is_the_default():
+    assert parse_args(["--model", "m"]).deterministic is True
+    assert parse_args(["--model", "m", "--no-deterministic"]).deterministic is False
+    assert parse_args(["--model", "m", "--deterministic"]).deterministic is True
+
+
 @pytest.mark.parametrize("threads,parallel,nnodes,on_gpu,cpus,expected", [
     (None, 1, 1, False, 2, 1),  # this project's 2-core machine: one CPU left for the coordinator
     (None, 1, 1, False, 16, 15),
