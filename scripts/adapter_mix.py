@@ -13,8 +13,12 @@ long prompts are prefilled in chunks beside the other streams' decodes. Prints a
 id and mode; exits 1 naming every mismatch, 2 when a request fails. Standard library only
 (threads and http.client), so it runs from any Python 3.9 or later.
 
---reference-url takes the solo runs from another daemon (e.g. --parallel 1 as the reference for
---parallel 2, or the previous build).
+A model id written NAME@S runs adapter NAME at strength S (the request's adapter_strength), so
+one burst mixes strengths of one adapter. --reference-url takes the solo runs from another daemon
+(e.g. --parallel 1 as the reference for --parallel 2, another --max-num-batched-tokens for a
+re-chunked prompt, or the previous build). --resume runs the solo runs cold ("cache_prompt":
+false) and, after the burst, every (model id, prompt, mode) once more on --url with the prefix
+cache, its prompt's blocks cached by the burst: each resumed run must equal its cold one too.
 
 Usage: adapter_mix.py --url http://127.0.0.1:8000 --models BASE,ADAPTER1,ADAPTER2 [options]
 """
@@ -42,7 +46,7 @@ DEFAULT_PROMPTS = (
 SEEDED = {"temperature": 0.8, "top_p": 0.95}
 PROMPT_SEED = 20_260_429  # the random token-id prompts depend on this and the vocabulary only
 
-Key = tuple[str, int, str]  # a stream's (model id, prompt index, mode)
+Key = tuple[str, int, str]  # a stream's (model id[@strength], prompt index, mode)
 
 
 class RequestFailed(RuntimeError):
@@ -63,6 +67,12 @@ class Run:
         return hashlib.sha256(data.encode()).hexdigest()
 
 
+def split_spec(spec: str) -> tuple[str, float | None]:
+    """NAME@S -> (NAME, S); NAME -> (NAME, None)."""
+    name, at, strength = spec.partition("@")
+    return name, (float(strength) if at else None)
+
+
 def pair_seed(model: str, prompt_index: int) -> int:
     """The seeded mode's seed: fixed per (model id, prompt), whatever --models' order."""
     return int.from_bytes(hashlib.sha256(f"{model}\n{prompt_index}".encode()).digest()[:4], "big")
@@ -76,14 +86,20 @@ def post(url: str, route: str, body: dict, timeout: float) -> tuple[http.client.
     return conn, conn.getresponse()
 
 
-def stream_run(url: str, key: Key, prompts: list[str | list[int]], args: argparse.Namespace) -> Run:
+def stream_run(url: str, key: Key, prompts: list[str | list[int]], args: argparse.Namespace,
+               cache_prompt: bool = True) -> Run:
     """POST one streamed request; its text, token ids and completion token count."""
-    model, prompt_index, mode = key
+    spec, prompt_index, mode = key
+    model, strength = split_spec(spec)
     body = {"model": model, "max_tokens": args.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos,
             "return_token_ids": True}
+    if strength is not None:
+        body["adapter_strength"] = strength
+    if not cache_prompt:
+        body["cache_prompt"] = False
     body |= ({"temperature": 0} if mode == "greedy"
-             else {**SEEDED, "seed": pair_seed(model, prompt_index)})
+             else {**SEEDED, "seed": pair_seed(spec, prompt_index)})
     prompt = prompts[prompt_index]
     if args.chat:
         route, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
@@ -169,9 +185,10 @@ def burst_plan(models: list[str], num_prompts: int, modes: list[str], size: int)
 
 
 def solo_runs(url: str, plan: list[Key], prompts: list[str | list[int]],
-              args: argparse.Namespace) -> dict[Key, Run]:
+              args: argparse.Namespace, cache_prompt: bool = True) -> dict[Key, Run]:
     """Each key of the plan once, one request at a time."""
-    return {key: stream_run(url, key, prompts, args) for key in dict.fromkeys(plan)}
+    return {key: stream_run(url, key, prompts, args, cache_prompt)
+            for key in dict.fromkeys(plan)}
 
 
 def burst_runs(url: str, plan: list[Key], prompts: list[str | list[int]],
@@ -197,7 +214,8 @@ def burst_runs(url: str, plan: list[Key], prompts: list[str | list[int]],
     return results, errors
 
 
-def mismatches(solo: dict[Key, Run], burst: list[Run | None], by_ids: bool) -> list[str]:
+def mismatches(solo: dict[Key, Run], burst: list[Run | None], by_ids: bool,
+               what: str = "burst stream") -> list[str]:
     found = []
     for k, run in enumerate(burst):
         if run is None:
@@ -209,8 +227,8 @@ def mismatches(solo: dict[Key, Run], burst: list[Run | None], by_ids: bool) -> l
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         end = at + (8 if by_ids else 30)
         model, prompt_index, mode = run.key
-        found.append(f"MISMATCH {model} {mode} prompt {prompt_index} (burst stream {k}): solo "
-                     f"{expected.digest(by_ids)[:12]} != burst {run.digest(by_ids)[:12]}, "
+        found.append(f"MISMATCH {model} {mode} prompt {prompt_index} ({what} {k}): solo "
+                     f"{expected.digest(by_ids)[:12]} != {run.digest(by_ids)[:12]}, "
                      f"{'ids differ from token' if by_ids else 'texts differ from character'} "
                      f"{at}: solo {a[at:end]!r}, burst {b[at:end]!r}")
     return found
@@ -255,12 +273,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate exactly --max-tokens tokens every time")
+    parser.add_argument("--resume", action="store_true",
+                        help="solo runs cold (cache_prompt false); after the burst each pair "
+                             "once more with the prefix cache, compared with its cold run")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.modes = ["greedy", "seeded"] if args.seeded else ["greedy"]
     if not args.models or args.max_tokens < 1 or args.burst < 0:
         parser.error("--models needs at least one id; --max-tokens and --burst must be positive")
+    for spec in args.models:
+        try:
+            split_spec(spec)
+        except ValueError:
+            parser.error(f"--models: {spec!r} is not NAME or NAME@STRENGTH")
     if args.prompt_lengths is not None:
         if args.prompts or args.chat:
             parser.error("--prompt-lengths makes token-id prompts: not with --prompt or --chat")
@@ -290,37 +316,49 @@ def main(argv: list[str] | None = None) -> int:
     plan = burst_plan(models, len(prompts), modes, size)
     started = time.monotonic()
     try:
-        solo = solo_runs(args.reference_url or args.url, plan, prompts, args)
+        solo = solo_runs(args.reference_url or args.url, plan, prompts, args,
+                         cache_prompt=not args.resume)
     except RequestFailed as exc:
         print(f"adapter_mix: a solo run failed: {exc}", file=sys.stderr)
         return 2
     solo_s = time.monotonic() - started
     burst, errors = burst_runs(args.url, plan, prompts, args)
     burst_s = time.monotonic() - started - solo_s
-    by_ids = all(r.token_ids is not None for r in [*solo.values(), *burst] if r is not None)
+    resumed: list[Run | None] = []
+    if args.resume:
+        try:
+            resumed = list(solo_runs(args.url, plan, prompts, args).values())
+        except RequestFailed as exc:
+            errors.append(f"a resumed run: {exc}")
+    by_ids = all(r.token_ids is not None for r in [*solo.values(), *burst, *resumed]
+                 if r is not None)
     if not by_ids:
         print("adapter_mix: warning: a server returned no token_ids (return_token_ids); "
               "comparing text instead, which random-weight models mostly hold back",
               file=sys.stderr)
     bad = mismatches(solo, burst, by_ids)
+    bad_resumed = mismatches(solo, resumed, by_ids, "resumed run")
     sampling = " and seeded (temperature 0.8, top_p 0.95)" if args.seeded else ""
     print(f"adapter_mix: {args.url} (solo runs from {args.reference_url or args.url}), "
           f"{'chat' if args.chat else 'completions'}, greedy{sampling}, {described}, "
           f"max_tokens {args.max_tokens}{', ignore_eos' if args.ignore_eos else ''}; compared by "
           f"{'token ids' if by_ids else 'text'}; {len(solo)} solo runs in {solo_s:.1f} s, "
-          f"a burst of {size} concurrent streams in {burst_s:.1f} s")
+          f"a burst of {size} concurrent streams in {burst_s:.1f} s"
+          f"{f', then {len(resumed)} resumed runs' if args.resume else ''}")
     print(summary(models, modes, solo, burst, bad))
-    for line in bad + errors:
+    for line in bad + bad_resumed + errors:
         print(line)
     if errors:
         print(f"adapter_mix: FAILED: {len(errors)} burst request(s) failed", file=sys.stderr)
         return 2
-    if bad:
-        names = sorted({line.split()[1] for line in bad})
-        print(f"adapter_mix: FAILED: {len(bad)} of {size} streams differ from their solo run "
+    if bad or bad_resumed:
+        names = sorted({line.split()[1] for line in bad + bad_resumed})
+        print(f"adapter_mix: FAILED: {len(bad)} of {size} streams differ from their solo run, "
+              f"{len(bad_resumed)} of {len(resumed)} resumed runs from their cold run "
               f"(models: {', '.join(names)})", file=sys.stderr)
         return 1
-    print(f"adapter_mix: OK: all {size} streams equal their solo runs")
+    print(f"adapter_mix: OK: all {size} streams equal their solo runs"
+          f"{f', all {len(resumed)} resumed runs their cold runs' if args.resume else ''}")
     return 0
 
 

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from tests.daemons import REPO, adapter_flags, burst_replies, post, start_daemon
+from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
 
 SCRIPT = REPO / "scripts" / "adapter_mix.py"
@@ -76,6 +77,45 @@ def test_seeded_streams_of_mixed_prompt_lengths_equal_their_solo_runs(chunking_d
                                     for m in MODELS for mode in ("greedy", "seeded")}
     assert "prompts of 8/60/150 token ids < 400" in result.stdout  # the vocabulary, asked
     assert f"OK: all {burst} streams equal their solo runs" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def three_kv_heads(tmp_path_factory):
+    """A tiny Llama whose 3 key-value heads split over 3 ranks, and adapters like tiny_adapters'."""
+    root = tmp_path_factory.mktemp("three")
+    model = make_tiny_llama(root / "tiny", hidden_size=96, num_attention_heads=6,
+                            num_key_value_heads=3, intermediate_size=192, seed=11)
+    return model, {"a": make_peft_adapter(model, root / "a", r=4, seed=12),
+                   "b": make_peft_adapter(model, root / "b", r=8, lora_alpha=8, seed=13,
+                                          target_modules=("q_proj", "v_proj", "down_proj"))}
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 3])
+def test_mixed_strengths_and_resumed_prompts_equal_cold_solo_runs(start_lorad, three_kv_heads,
+                                                                  parallel):
+    """A burst of 32 greedy and seeded streams over the base model, adapter a at strengths 1 and
+    0.5 and b at 1.7, prompts of 8, 60 and 150 token ids in chunks of at most 32: each stream
+    equals its cold solo run (cache_prompt false), and so does each pair run again with its
+    prompt's blocks in the prefix cache, at --parallel 1, 2 and 3 (rank-ordered sums), on a tiny
+    Llama of 3 key-value heads."""
+    model, adapters = three_kv_heads
+    daemon = start_lorad("--parallel", str(parallel), "--kv-cache-blocks", "512",
+                         "--max-num-seqs", "32", "--max-num-batched-tokens", "32",
+                         *adapter_flags(adapters), model_dir=model)
+    models = ("tiny", "a", "a@0.5", "b@1.7")
+    result = run_mix("--url", daemon.url, "--seeded", "--prompt-lengths", LENGTHS,
+                     "--burst", "32", "--resume", models=models)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = table(result.stdout, models)
+    assert sum(burst for _, burst, _, _ in rows.values()) == 32
+    assert all(match == burst and mismatch == 0 for _, burst, match, mismatch in rows.values())
+    assert {spec for spec, _ in rows} == set(models)
+    solo = sum(num for num, _, _, _ in rows.values())
+    assert f"OK: all 32 streams equal their solo runs, all {solo} resumed runs their cold " \
+           "runs" in result.stdout
+    health = daemon.health()
+    assert health["prefix_cache"]["cached_tokens"] > 0  # the resumed runs did resume
+    assert daemon.stop() == 0, daemon.log()[-4000:]
 
 
 def test_two_threads_give_one_threads_bits(start_lorad, tiny_adapters):
