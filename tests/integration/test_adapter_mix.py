@@ -2,9 +2,10 @@
 mixing the base model and both adapters equals every stream's solo run by token ids (exit 0,
 clean table), also greedy and seeded over prompts of 8, 60 and 150 random token ids prefilled in
 chunks of 32 beside the other streams' decodes, and at --threads 2 (solo runs at one thread);
-with the solo runs taken from a daemon that serves the same folders under swapped names, or
-another model under the same name, the script exits 1 and names exactly the mismatched model
-ids."""
+re-chunked against one chunk; at mixed strengths (NAME@S), resumed from the prefix cache
+against cold, at --parallel 1, 2 and 3; with the solo runs taken from a daemon that serves the
+same folders under swapped names, or another model under the same name, the script exits 1 and
+names exactly the mismatched model ids."""
 
 from __future__ import annotations
 
@@ -77,6 +78,18 @@ def test_seeded_streams_of_mixed_prompt_lengths_equal_their_solo_runs(chunking_d
                                     for m in MODELS for mode in ("greedy", "seeded")}
     assert "prompts of 8/60/150 token ids < 400" in result.stdout  # the vocabulary, asked
     assert f"OK: all {burst} streams equal their solo runs" in result.stdout
+
+
+def test_prompts_rechunked_equal_their_runs_in_one_chunk(chunking_daemon, adapter_daemon):
+    """The same burst with prefill chunks of at most 32 tokens, against solo runs on a daemon
+    that prefills each prompt in one chunk (--max-num-batched-tokens 512), cold: a prompt's
+    tokens do not depend on its chunking, greedy or seeded."""
+    result = run_mix("--url", chunking_daemon.url, "--reference-url", adapter_daemon.url,
+                     "--seeded", "--prompt-lengths", LENGTHS, "--resume")
+    assert result.returncode == 0, result.stdout + result.stderr
+    burst = 2 * len(MODELS) * 3 * 2  # models x prompts x modes, twice
+    assert f"OK: all {burst} streams equal their solo runs, all {burst // 2} resumed runs " \
+           "their cold runs" in result.stdout
 
 
 @pytest.fixture(scope="module")
