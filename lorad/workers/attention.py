@@ -1,13 +1,17 @@
-"""Paged causal attention over this rank's heads: write the step's K/V, then attend per sequence.
+"""Paged causal attention over this rank's heads: write the step's K/V, then attend.
 
-Each sequence is computed on its own (its chunk's queries against its context read from its
+Each sequence is computed as if alone (its chunk's queries against its context read from its
 block table), so a row's result never depends on the other sequences in the batch, and padding
-rows are neither written nor attended. Nor does it depend on how the prompt was chunked or
-whether the row is a decode: every product has one shape (at least MIN_ROWS query rows, as
-batch.product_rows pads them, against KEY_BLOCK keys), and the sums over the context add the blocks' partials in block order,
-so a position's bits are the same whatever context length the step has (a prefix-cache hit,
-another --max-num-batched-tokens, a decode). On CUDA (with triton installed) the step goes to
-the Triton kernels instead (attention_cuda.py); this loop is the reference they are compared with.
+rows are neither written nor attended. Sequences whose chunks have the same number of tokens
+(every decode of a step) go through batched products together, each with the shapes it would
+have alone: a shorter context's extra key blocks are masked, their values zeros, which adds +-0
+to its sums (tests/unit/test_attention_batched.py holds it to the one-sequence arithmetic). Nor
+does a row's result depend on how the prompt was chunked or whether the row is a decode: every
+product has one shape (at least MIN_ROWS query rows, as batch.product_rows pads them, against
+KEY_BLOCK keys), and the sums over the context add the blocks' partials in block order, so a
+position's bits are the same whatever context length the step has (a prefix-cache hit, another
+--max-num-batched-tokens, a decode). On CUDA (with triton installed) the step goes to the Triton
+kernels instead (attention_cuda.py); this is the reference they are compared with.
 """
 
 from __future__ import annotations
@@ -32,14 +36,16 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class SeqContext:
-    """One sequence's view of the step, shared by every layer."""
+class SeqGroup:
+    """Sequences of the step with the same number of new tokens (every decode: one), attended
+    together in batched products of the shapes each would have alone; shared by every layer."""
 
-    token_start: int
-    num_tokens: int
-    context_slots: torch.Tensor  # [context_len] int64: KV slot of positions 0..context_len-1
-    # [num_tokens, context_len rounded up to KEY_BLOCK] bool, True = may attend (causal, and
-    # never a key past the context)
+    rows: torch.Tensor  # [num_seqs, num_tokens] int64: each sequence's rows of the batch
+    # [num_seqs, num_keys] int64: the KV slot of each key position, num_keys the longest
+    # context rounded up to KEY_BLOCK; positions past a sequence's context read slot 0, masked
+    key_slots: torch.Tensor
+    past_context: torch.Tensor  # [num_seqs, num_keys, 1, 1] bool: positions past the context
+    # [num_seqs, num_tokens, num_keys] bool, True = may attend (causal, within the context)
     causal_mask: torch.Tensor
 
 
@@ -47,7 +53,7 @@ class SeqContext:
 class AttentionContext:
     write_rows: torch.Tensor  # [num_written] int64: rows whose K/V go into the cache
     write_slots: torch.Tensor  # [num_written] int64: their slots
-    seqs: list[SeqContext]
+    groups: list[SeqGroup]
     real_rows: torch.Tensor  # [num_rows] bool: the rows that are not padding
 
     @classmethod
@@ -60,19 +66,31 @@ class AttentionContext:
             return CudaAttentionContext.build(batch)
         real_rows = batch.slot_mapping >= 0  # padding rows write no KV
         write_rows = torch.nonzero(real_rows).squeeze(1)
-        offsets = torch.arange(block_size, device=device)
-        seqs = []
+        by_size: dict[int, list] = {}
         for chunk in batch.seqs:
-            num_blocks = (chunk.context_len + block_size - 1) // block_size
-            blocks = torch.tensor(chunk.block_table[:num_blocks], dtype=torch.int64, device=device)
-            slots = (blocks[:, None] * block_size + offsets[None, :]).flatten()[:chunk.context_len]
-            # The chunk holds the last num_tokens positions of the context.
-            first = chunk.context_len - chunk.num_tokens
-            query_pos = torch.arange(first, chunk.context_len, device=device)
-            key_pos = torch.arange(-(-chunk.context_len // KEY_BLOCK) * KEY_BLOCK, device=device)
-            mask = key_pos[None, :] <= query_pos[:, None]
-            seqs.append(SeqContext(chunk.token_start, chunk.num_tokens, slots, mask))
-        return cls(write_rows, batch.slot_mapping[write_rows], seqs, real_rows)
+            if chunk.context_len > 0:  # a graph bucket's padding sequence: its rows stay zero
+                by_size.setdefault(chunk.num_tokens, []).append(chunk)
+        groups = [_group(chunks, block_size, device) for _, chunks in sorted(by_size.items())]
+        return cls(write_rows, batch.slot_mapping[write_rows], groups, real_rows)
+
+
+def _group(chunks: list, block_size: int, device: torch.device) -> SeqGroup:
+    n = chunks[0].num_tokens
+    num_keys = max(-(-c.context_len // KEY_BLOCK) for c in chunks) * KEY_BLOCK
+    slots = torch.zeros(len(chunks), num_keys, dtype=torch.int64)
+    for i, c in enumerate(chunks):
+        num_blocks = -(-c.context_len // block_size)
+        blocks = torch.tensor(c.block_table[:num_blocks], dtype=torch.int64)
+        own = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()
+        slots[i, :c.context_len] = own[:c.context_len]
+    context = torch.tensor([c.context_len for c in chunks])
+    starts = torch.tensor([c.token_start for c in chunks])
+    # The chunk holds the last n positions of its context.
+    query_pos = context[:, None] - n + torch.arange(n)[None, :]  # [num_seqs, n]
+    key_pos = torch.arange(num_keys)
+    return SeqGroup((starts[:, None] + torch.arange(n)[None, :]).to(device), slots.to(device),
+                    (key_pos[None, :] >= context[:, None])[:, :, None, None].to(device),
+                    (key_pos[None, None, :] <= query_pos[:, :, None]).to(device))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
@@ -87,49 +105,60 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     group = num_q_heads // num_kv_heads
     cache.write(k, v, ctx.write_rows, ctx.write_slots)
     out = torch.zeros(num_rows, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
-    for seq in ctx.seqs:
-        if seq.causal_mask.shape[1] == 0:
-            continue  # a graph bucket's padding sequence: no context, its rows stay zero
-        n = seq.num_tokens
-        rows = slice(seq.token_start, seq.token_start + n)
-        keys, values = cache.read(seq.context_slots)  # [context_len, kv_heads, head_dim]
-        # Query heads of one KV head are consecutive: [kv_heads, group * n, head_dim].
-        q_seq = q[rows].view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        q_seq = q_seq.reshape(num_kv_heads, group * n, head_dim)
-        attn = _attend(q_seq, keys, values, seq.causal_mask, scale)
-        attn = attn.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
-        out[rows] = attn.reshape(n, num_q_heads * head_dim)
+    k_all = cache.k.view(-1, num_kv_heads, head_dim)
+    v_all = cache.v.view(-1, num_kv_heads, head_dim)
+    for seqs in ctx.groups:
+        num_seqs, n = seqs.rows.shape
+        shape = (num_seqs, -1, num_kv_heads, head_dim)
+        # [num_seqs, num_keys, kv_heads, head_dim]. Past a context, the keys are whatever slot 0
+        # holds (their scores are masked) and the values zeros, as alone: a probability of 0
+        # times a value adds +-0 to a sum, which changes no bit.
+        keys = k_all.index_select(0, seqs.key_slots.flatten()).view(shape)
+        values = v_all.index_select(0, seqs.key_slots.flatten()).view(shape)
+        values.masked_fill_(seqs.past_context, 0)
+        # Query heads of one KV head are consecutive: [num_seqs, kv_heads, group * n, head_dim].
+        q_seqs = q[seqs.rows.flatten()].view(num_seqs, n, num_kv_heads, group, head_dim)
+        q_seqs = q_seqs.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * n,
+                                                        head_dim)
+        attn = _attend(q_seqs, keys, values, seqs.causal_mask, scale)
+        attn = attn.view(num_seqs, num_kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
+        out[seqs.rows.flatten()] = attn.reshape(num_seqs * n, num_q_heads * head_dim)
     return out
 
 
-def _key_blocks(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[context_len, kv_heads, head_dim] -> [kv_heads, num_blocks, KEY_BLOCK, head_dim], padded
-    with zeros."""
-    t = F.pad(t, (0, 0, 0, 0, 0, num_blocks * KEY_BLOCK - t.shape[0]))
-    return t.permute(1, 0, 2).reshape(t.shape[1], num_blocks, KEY_BLOCK, t.shape[2])
+def _key_blocks(t: torch.Tensor) -> torch.Tensor:
+    """[num_seqs, num_keys, kv_heads, head_dim] -> [num_seqs, kv_heads, num_keys / KEY_BLOCK,
+    KEY_BLOCK, head_dim]."""
+    num_seqs, num_keys, num_kv_heads, head_dim = t.shape
+    return t.view(num_seqs, num_keys // KEY_BLOCK, KEY_BLOCK, num_kv_heads,
+                  head_dim).permute(0, 3, 1, 2, 4)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
             scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale, masked) v for one sequence, with the shapes of the file's header.
-    q: [kv_heads, num_q, head_dim]; keys, values: [context_len, kv_heads, head_dim]; mask:
-    [num_q / group, num_blocks * KEY_BLOCK] -> [kv_heads, num_q, head_dim]."""
-    num_kv_heads, num_q, head_dim = q.shape
-    num_blocks = mask.shape[1] // KEY_BLOCK
+    """softmax(q k^T * scale, masked) v for sequences of equal chunks, each with the shapes of
+    the file's header. q: [num_seqs, kv_heads, num_q, head_dim]; keys, values: [num_seqs,
+    num_keys, kv_heads, head_dim], zero past each context; mask: [num_seqs, num_q / group,
+    num_keys] -> [num_seqs, kv_heads, num_q, head_dim]."""
+    num_seqs, num_kv_heads, num_q, head_dim = q.shape
+    num_blocks = mask.shape[2] // KEY_BLOCK
     pad = product_rows(num_q) - num_q
     padded = F.pad(q, (0, 0, 0, pad))
-    # [kv_heads, num_blocks, rows, KEY_BLOCK]: one product per block of keys; scaled after the
-    # product, as transformers does
-    scores = torch.matmul(padded.unsqueeze(1), _key_blocks(keys, num_blocks).transpose(2, 3))
-    scores = scores[:, :, :num_q].permute(0, 2, 1, 3).reshape(num_kv_heads, num_q, -1) * scale
-    scores = scores.view(num_kv_heads, -1, *mask.shape).masked_fill(~mask, float("-inf"))
-    scores = scores.view(num_kv_heads, num_q, num_blocks, KEY_BLOCK).float()
+    # [num_seqs, kv_heads, num_blocks, rows, KEY_BLOCK]: one product per block of keys; scaled
+    # after the product, as transformers does
+    scores = torch.matmul(padded.unsqueeze(2), _key_blocks(keys).transpose(3, 4))
+    scores = scores[:, :, :, :num_q].permute(0, 1, 3, 2, 4)
+    scores = scores.reshape(num_seqs, num_kv_heads, num_q, -1) * scale
+    scores = scores.view(num_seqs, num_kv_heads, -1, *mask.shape[1:])
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    scores = scores.view(num_seqs, num_kv_heads, num_q, num_blocks, KEY_BLOCK).float()
     # softmax in fp32: the max is exact in any order; the sum is each block's, then the blocks'
     # in order (a cumulative sum's last element).
-    exps = torch.exp(scores - scores.amax(dim=(2, 3), keepdim=True))
-    total = exps.sum(dim=3).cumsum(dim=2)[:, :, -1:, None]
+    exps = torch.exp(scores - scores.amax(dim=(3, 4), keepdim=True))
+    total = exps.sum(dim=4).cumsum(dim=3)[..., -1:, None]
     probs = (exps / total).to(q.dtype).float()  # rounded to the model dtype, as transformers
     probs = F.pad(probs, (0, 0, 0, 0, 0, pad))
-    # [kv_heads, num_blocks, rows, head_dim]: each block's partial sums, added in block order
-    parts = torch.matmul(probs.permute(0, 2, 1, 3), _key_blocks(values, num_blocks).float())
-    return parts.cumsum(dim=1)[:, -1, :num_q].to(q.dtype)
+    # [num_seqs, kv_heads, num_blocks, rows, head_dim]: each block's partial sums, added in
+    # block order
+    parts = torch.matmul(probs.permute(0, 1, 3, 2, 4), _key_blocks(values).float())
+    return parts.cumsum(dim=2)[:, :, -1, :num_q].to(q.dtype)
