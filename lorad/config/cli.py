@@ -276,9 +276,8 @@ def _add_parallel_flags(group) -> None:
                             "(default: %(default)s)")
     group.add_argument("--threads", type=positive_int_or_auto, default="auto", metavar="N|auto",
                        help="torch threads per worker; a row's bits are the same at any "
-                            "count. auto: on the CPU, the CPUs this process may use less one "
-                            "(the coordinator's), shared by this host's workers; 1 on a GPU "
-                            "(default: auto)")
+                            "count. auto: on the CPU, the CPUs this process may use, shared by "
+                            "this host's workers; 1 on a GPU (default: auto)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs for decode steps "
                             "(graphs are used on CUDA otherwise, at any --parallel)")

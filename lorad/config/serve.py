@@ -265,14 +265,15 @@ class WorkerConfig:
 
     def threads(self, on_gpu: bool, usable_cpus: int) -> int:
         """The torch threads each worker runs: --threads, or auto: 1 on a GPU (its host work is
-        small); on the CPU, the CPUs this process may use less one (the coordinator's, and the
-        clients' on a small machine), shared by this host's workers, at least 1. A row's bits do
-        not depend on it (workers/batch.py, product_rows)."""
+        small); on the CPU, the CPUs this process may use, shared by this host's workers, at
+        least 1 (on a 2-core machine 2 threads served 1.2x 1 thread's tokens/s beside the
+        coordinator and the client: docs/benchmarks.md). A row's bits do not depend on it
+        (workers/batch.py, product_rows)."""
         if self.num_threads is not None:
             return self.num_threads
         if on_gpu:
             return 1
-        return max(1, (usable_cpus - 1) // len(self.local_ranks))
+        return max(1, usable_cpus // len(self.local_ranks))
 
     @property
     def path(self) -> Path:

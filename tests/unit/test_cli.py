@@ -39,10 +39,10 @@ def test_deterministic_is_the_default():
 
 
 @pytest.mark.parametrize("threads,parallel,nnodes,on_gpu,cpus,expected", [
-    (None, 1, 1, False, 2, 1),  # this project's 2-core machine: one CPU left for the coordinator
-    (None, 1, 1, False, 16, 15),
-    (None, 2, 1, False, 16, 7),
-    (None, 4, 2, False, 16, 7),  # two of the four ranks on this host
+    (None, 1, 1, False, 2, 2),  # this project's 2-core machine
+    (None, 1, 1, False, 16, 16),
+    (None, 2, 1, False, 16, 8),
+    (None, 4, 2, False, 16, 8),  # two of the four ranks on this host
     (None, 3, 1, False, 2, 1),  # never fewer than one
     (None, 1, 1, True, 16, 1),  # a GPU worker's host work is small
     (6, 2, 1, False, 2, 6),  # asked for: taken as given
