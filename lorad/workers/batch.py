@@ -3,7 +3,7 @@
 Built from the step plan on every rank identically; the model reads nothing else. Rows beyond the
 real tokens are padding (token 0, slot -1: nothing is written to the KV cache for them) so that a
 matmul never sees fewer than MIN_ROWS rows, which keeps a row's bits independent of how many
-neighbours it has on MKL (see shared/DESIGN.md, "Numerics"); on the CPU, products_rows says
+neighbours it has on MKL (see shared/DESIGN.md, "Numerics"); on the CPU, product_rows says
 what more a product's rows are padded to.
 """
 
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 MIN_ROWS = 8
-# MKL's sgemm run on more than one thread gives the rows of a product of 9, 10 or 11 rows other
-# bits than one thread gives them, or any other count from MIN_ROWS up at any thread count
-# (torch 2.13, MKL 2024.2, AVX-512, 2 to 8 threads, M up to 1,024: benchmarks/probe_cpu_rows.py),
-# so such products get rows up to THREADED_ROWS.
+# MKL's sgemm on more than one thread gives a product of 9, 10 or 11 rows other bits than one
+# thread does (it splits off a part of 1 to 3 rows); every other count from MIN_ROWS up keeps one
+# thread's bits (torch 2.13, MKL 2024.2, AVX-512, 2 to 8 threads, up to 1,024 rows:
+# benchmarks/probe_cpu_rows.py). So such products are padded to THREADED_ROWS.
 THREADED_SHORT = range(MIN_ROWS + 1, 12)
 THREADED_ROWS = 12
 

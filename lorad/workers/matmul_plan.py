@@ -13,8 +13,8 @@ checked against the reference the same way: one that differs is not used.
 Two orders of fp32 sums differ in most elements, but rounded to bf16 (the model dtype's outputs)
 only in about one element of 10,000 (a tiny model's 8-row down_proj on an H100: 2 of 230 x 96).
 So every row count is checked on at least CHECK_ELEMENTS outputs, in products of that count (8
-rows of 96 outputs alone would show such a difference about one time in 13; 2^18 outputs miss it
-about one time in e^26): many products for few rows of a narrow projection, one for the LM head.
+rows of 96 outputs alone show such a difference about one time in 15; 2^18 outputs show about 24
+of them): many products for few rows of a narrow projection, one for the LM head.
 """
 
 from __future__ import annotations
