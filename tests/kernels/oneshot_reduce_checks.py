@@ -171,7 +171,8 @@ def check_copies_own_partial(device: str, world: int = 3, num_rows: int = 5, hid
     before the barrier, and publishes the epoch into every peer's flags at [program, rank]."""
     from lorad.workers.kernels.oneshot_reduce import all_reduce_sum
     gen = torch.Generator().manual_seed(13)
-    peers, data, signals = _synced_world(world, 8, hidden, 2, device)
+    # Buffers of at least num_rows rows (the GPU test sends 33; 8 made its partial not fit).
+    peers, data, signals = _synced_world(world, max(8, num_rows), hidden, 2, device)
     parts = _partials(gen, world, num_rows, hidden, device)
     _as_peers_left_it(data, signals, parts, 1)
     rank = 1
