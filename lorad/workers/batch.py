@@ -13,23 +13,21 @@ from dataclasses import dataclass
 
 import torch
 
+from lorad.workers.cpu_threads import padding_for
+
 MIN_ROWS = 8
-# MKL's sgemm on more than one thread gives a product of 9, 10 or 11 rows other bits than one
-# thread does (it splits off a part of 1 to 3 rows); every other count from MIN_ROWS up keeps one
-# thread's bits (torch 2.13, MKL 2024.2, AVX-512, 2 to 8 threads, up to 1,024 rows:
-# benchmarks/probe_cpu_rows.py). So such products are padded to THREADED_ROWS.
-THREADED_SHORT = range(MIN_ROWS + 1, 12)
-THREADED_ROWS = 12
 
 
 def product_rows(num_rows: int) -> int:
     """The rows a CPU product of num_rows rows (a step, an attention product, the LM head's
-    sampled rows) is computed with: at least MIN_ROWS, and THREADED_ROWS in place of the counts
-    threaded MKL splits differently, so that a row's bits are one thread's at any count."""
+    sampled rows) is computed with: at least MIN_ROWS, and at more than one torch thread more
+    where this machine's threaded matmuls split that count differently (cpu_threads.py, measured
+    once per process), so that a row's bits are one thread's at any count."""
     rows = max(num_rows, MIN_ROWS)
-    if rows in THREADED_SHORT and torch.get_num_threads() > 1:
-        return THREADED_ROWS
-    return rows
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return rows
+    return padding_for(threads, MIN_ROWS).get(rows, rows)  # measured on first use
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ BLOCK_SIZE = 4
 PROMPT_LEN = 230  # past 193 keys, where MKL's sum over the context changes its blocking
 PER_STREAM = -(-PROMPT_LEN // BLOCK_SIZE)
 # Steps of 9 to 11 rows (and attention products of 10 query rows: 5 tokens x 2 queries per KV
-# head) are where threaded MKL splits a product differently (batch.py).
+# head) are where threaded MKL splits a product differently on this project's CPU (cpu_threads.py).
 CHUNKINGS = ([None], [64, 64, 64, 38], [7] * 32 + [6], [1] * PROMPT_LEN, [229, 1], [100, 130],
              [9] * 25 + [5], [10] * 23, [11] * 20 + [10], [5] * 46)
 
