@@ -31,12 +31,6 @@ class PagedKVCache:
         self.k.view(-1, num_heads, head_dim)[slots] = k[rows]
         self.v.view(-1, num_heads, head_dim)[slots] = v[rows]
 
-    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # slots: [context_len] -> k, v: [context_len, kv_heads, head_dim]
-        num_heads, head_dim = self.k.shape[2:]
-        return (self.k.view(-1, num_heads, head_dim).index_select(0, slots),
-                self.v.view(-1, num_heads, head_dim).index_select(0, slots))
-
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         # src, dst: [num_copies] block ids. Gathered before written: a block freed and reused
         # as a destination in the same step still gives its old content to the copies reading it.
