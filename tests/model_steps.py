@@ -12,6 +12,7 @@ import torch
 
 from lorad.config import ModelConfig
 from lorad.config.adapters import AdapterArg, load_adapter
+from lorad.workers.batch import ForwardBatch
 from lorad.workers.models import model_class
 from lorad.workers.models.llama import LlamaForCausalLM
 from lorad.workers.parallel import TensorParallel
@@ -66,6 +67,37 @@ class Stream:
         """The blocks holding positions 0..num_tokens-1, as the planner hands them out."""
         block_size = self.block_size
         return self.blocks[:-(-num_tokens // block_size)]
+
+
+def prefill_rows(model, stream: Stream, sizes: list, block_size: int,
+                 device: torch.device | str = "cpu", neighbour: Stream | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill the stream's prompt in chunks of `sizes` (None: the rest), each beside a decode
+    of `neighbour` (token 11) when given -> (the last position's logits, [prompt positions,
+    hidden] every position's final hidden state)."""
+    logits, hidden = None, []
+    for size in sizes:
+        start = stream.num_cached
+        chunk = stream.prefill_chunk(size)
+        chunks = [chunk] if neighbour is None else [neighbour.decode_chunk(11), chunk]
+        first = len(chunks) - 1  # the chunk's rows follow the neighbour's one row
+        rows = torch.arange(first, first + stream.num_cached - start, device=device)
+        out, chunk_hidden = model.forward(ForwardBatch.build(chunks, block_size, device),
+                                          hidden_rows=rows)
+        hidden.append(chunk_hidden)
+        if chunk[3]:
+            logits = out[-1]
+    return logits, torch.cat(hidden)
+
+
+def kv_of(model, blocks: list[int], length: int) -> list[torch.Tensor]:
+    """Every layer's K and V of positions 0..length-1 held in `blocks`."""
+    kv = []
+    for layer in model.model.layers:
+        cache = layer.self_attn.kv_cache
+        kv += [cache.k[blocks].flatten(0, 1)[:length].clone(),
+               cache.v[blocks].flatten(0, 1)[:length].clone()]
+    return kv
 
 
 def make_streams(slots: list[int], prompt_lens: list[int], max_len: int, block_size: int,

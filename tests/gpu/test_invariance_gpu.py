@@ -18,7 +18,7 @@ import torch
 
 from lorad.workers.batch import ForwardBatch
 from lorad.workers.cuda_graph import DecodeGraphs
-from tests.model_steps import Stream, build_model
+from tests.model_steps import Stream, build_model, kv_of, prefill_rows
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
 
@@ -50,35 +50,14 @@ def new_stream(prompt: list[int], slot: int, index: int) -> Stream:
     return Stream(list(prompt), slot, blocks, BLOCK_SIZE, prompt_len=len(prompt))
 
 
-def forward(model, chunks, hidden_rows: list[int] | None = None):
-    """-> the sampled rows' logits, or (logits, the final hidden states of hidden_rows)."""
-    rows = None if hidden_rows is None else torch.tensor(hidden_rows, device=CUDA)
-    return model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, CUDA), hidden_rows=rows)
-
-
-def kv_of(model, stream: Stream, length: int) -> list[torch.Tensor]:
-    kv = []
-    for layer in model.model.layers:
-        cache = layer.self_attn.kv_cache
-        kv += [cache.k[stream.blocks].flatten(0, 1)[:length].clone(),
-               cache.v[stream.blocks].flatten(0, 1)[:length].clone()]
-    return kv
+def forward(model, chunks) -> torch.Tensor:
+    return model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, CUDA))
 
 
 def prefill(model, stream: Stream, sizes: list, neighbour: Stream | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (the last position's logits, [prompt positions, hidden] final hidden states)."""
-    logits, hidden = None, []
-    for size in sizes:
-        start = stream.num_cached
-        chunk = stream.prefill_chunk(size)
-        chunks = [chunk] if neighbour is None else [neighbour.decode_chunk(11), chunk]
-        first = len(chunks) - 1  # the chunk's rows follow the neighbour's one row
-        out, rows = forward(model, chunks, list(range(first, first + stream.num_cached - start)))
-        hidden.append(rows)
-        if chunk[3]:
-            logits = out[-1]
-    return logits, torch.cat(hidden)
+    return prefill_rows(model, stream, sizes, BLOCK_SIZE, CUDA, neighbour)
 
 
 @pytest.mark.parametrize("slot", [0, 1])
@@ -88,7 +67,7 @@ def test_every_chunking_gives_the_same_bits(model, slot):
     with torch.inference_mode():
         whole = new_stream(prompt, slot, 0)
         want_logits, want_hidden = prefill(model, whole, [None])
-        want_kv = kv_of(model, whole, PROMPT_LEN)
+        want_kv = kv_of(model, whole.blocks, PROMPT_LEN)
         runs = [(sizes, None) for sizes in CHUNKINGS]
         neighbour = new_stream(prompt[:50], 1 - slot, 10)
         forward(model, [neighbour.prefill_chunk()])
@@ -99,7 +78,7 @@ def test_every_chunking_gives_the_same_bits(model, slot):
             assert torch.equal(logits, want_logits), (slot, sizes[:3])
             differ = (hidden != want_hidden).any(1).nonzero().flatten().tolist()
             assert not differ, (slot, sizes[:3], "final hidden states differ at", differ[:8])
-            for i, (got, want) in enumerate(zip(kv_of(model, stream, PROMPT_LEN), want_kv)):
+            for i, (got, want) in enumerate(zip(kv_of(model, stream.blocks, PROMPT_LEN), want_kv)):
                 assert torch.equal(got, want), (slot, sizes[:3], i)
 
 

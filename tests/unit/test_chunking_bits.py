@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lorad.workers.batch import ForwardBatch
-from tests.model_steps import Stream, build_model
+from tests.model_steps import Stream, build_model, kv_of, prefill_rows
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
 
@@ -44,23 +44,8 @@ def prefill(model, prompt: list[int], sizes: list, slot: int, stream_index: int,
     position's final hidden state)."""
     blocks = list(range(1 + stream_index * PER_STREAM, 1 + (stream_index + 1) * PER_STREAM))
     stream = Stream(list(prompt), slot, blocks, BLOCK_SIZE)
-    logits, hidden = None, []
-    for size in sizes:
-        start = stream.num_cached
-        chunk = stream.prefill_chunk(size)
-        chunks = [chunk] if neighbour is None else [neighbour.decode_chunk(11), chunk]
-        first = len(chunks) - 1  # the chunk's rows follow the neighbour's one row
-        rows = torch.arange(first, first + stream.num_cached - start)
-        out, chunk_hidden = model.forward(ForwardBatch.build(chunks, BLOCK_SIZE), hidden_rows=rows)
-        hidden.append(chunk_hidden)
-        if chunk[3]:
-            logits = out[-1]
-    kv = []
-    for layer in model.model.layers:
-        cache = layer.self_attn.kv_cache
-        kv += [cache.k[blocks].flatten(0, 1)[:PROMPT_LEN].clone(),
-               cache.v[blocks].flatten(0, 1)[:PROMPT_LEN].clone()]
-    return logits, kv, torch.cat(hidden)
+    logits, hidden = prefill_rows(model, stream, sizes, BLOCK_SIZE, neighbour=neighbour)
+    return logits, kv_of(model, blocks, PROMPT_LEN), hidden
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
