@@ -24,7 +24,6 @@ from lorad.config import ConfigError, WorkerConfig
 from lorad.protocol import WorkerFailed, encode
 from lorad.protocol.curve import client_keys, make_clients
 from lorad.protocol.sockets import connect_pusher, connect_subscriber
-from lorad.workers.batch import MIN_ROWS
 from lorad.workers.cpu_threads import log_padding
 from lorad.workers.startup_clock import StartupClock
 from lorad.workers.status import LoopProgress, StatusThread
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("torch threads: %d%s", torch.get_num_threads(),
              " (--threads auto)" if cfg.num_threads is None else "")
     if not on_gpu:  # which products threads split differently: measured now, not mid-step
-        log_padding(torch.get_num_threads(), MIN_ROWS)
+        log_padding(torch.get_num_threads())
     _die_with_parent()
     ctx = zmq.Context()
     if cfg.nnodes > 1:  # tcp:// to another host: every socket a CURVE client

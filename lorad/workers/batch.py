@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorad.workers.cpu_threads import padding_for
-
-MIN_ROWS = 8
+from lorad.workers.cpu_threads import MIN_ROWS, padding_for
 
 
 def product_rows(num_rows: int) -> int:
@@ -27,7 +25,7 @@ def product_rows(num_rows: int) -> int:
     threads = torch.get_num_threads()
     if threads == 1:
         return rows
-    return padding_for(threads, MIN_ROWS).get(rows, rows)  # measured on first use
+    return padding_for(threads).get(rows, rows)  # measured on first use
 
 
 @dataclass(frozen=True)
