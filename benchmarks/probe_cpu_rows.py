@@ -11,25 +11,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 from lorad.workers.batch import MIN_ROWS, product_rows
+from lorad.workers.cpu_threads import differing_counts
 
 SHAPES = ((576, 1536), (1536, 576), (576, 576), (4096, 4096))  # (in, out): SmolLM2's, the 8B's
-
-
-def differing_counts(weight: torch.Tensor, x: torch.Tensor, threads: int, max_rows: int,
-                     padded: bool) -> list[int]:
-    torch.set_num_threads(1)
-    reference = torch.cat([F.linear(x[i:i + MIN_ROWS], weight)
-                           for i in range(0, x.shape[0], MIN_ROWS)])
-    torch.set_num_threads(threads)
-    bad = []
-    for m in range(MIN_ROWS, max_rows + 1):
-        rows = product_rows(m) if padded else m
-        if not torch.equal(F.linear(x[:rows], weight)[:m], reference[:m]):
-            bad.append(m)
-    return bad
 
 
 def main() -> None:
@@ -41,15 +27,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    gen = torch.Generator().manual_seed(0)
-    total = -(-(args.max_rows + 4) // MIN_ROWS) * MIN_ROWS
     print(f"torch {torch.__version__}, {args.dtype}, M {MIN_ROWS}..{args.max_rows}"
           f"{', padded by product_rows' if args.padded else ''}")
     for threads in (int(t) for t in args.threads.split(",")):
         for k, n in SHAPES:
-            weight = torch.randn(n, k, generator=gen).to(dtype)
-            x = torch.randn(total, k, generator=gen).to(dtype)
-            bad = differing_counts(weight, x, threads, args.max_rows, args.padded)
+            bad = differing_counts(threads, product_rows if args.padded else lambda m: m,
+                                   shape=(n, k), max_rows=args.max_rows, dtype=dtype)
             print(f"{threads} threads, in {k} out {n}: {len(bad)} counts differ {bad[:20]}",
                   flush=True)
 

@@ -53,22 +53,24 @@ def measure_padding(threads: int, matmul: Matmul = F.linear) -> dict[int, int]:
     return padding
 
 
-def differing_counts(threads: int, rows_for: Callable[[int], int],
-                     matmul: Matmul = F.linear) -> list[int]:
-    """The counts (MIN_ROWS..CHECK_MAX_ROWS) whose products of rows_for(count) rows at `threads`
-    threads give a row other bits than one thread's products of MIN_ROWS rows; torch's thread
-    count is restored."""
+def differing_counts(threads: int, rows_for: Callable[[int], int], matmul: Matmul = F.linear,
+                     shape: tuple[int, int] = (CHECK_WIDTH, CHECK_WIDTH),
+                     max_rows: int = CHECK_MAX_ROWS,
+                     dtype: torch.dtype = torch.float32) -> list[int]:
+    """The counts (MIN_ROWS..max_rows) whose products of rows_for(count) rows by a random
+    [out, in] = `shape` weight of `dtype` at `threads` threads give a row other bits than one
+    thread's products of MIN_ROWS rows; torch's thread count is restored."""
     gen = torch.Generator().manual_seed(20261205)
-    weight = torch.randn(CHECK_WIDTH, CHECK_WIDTH, generator=gen)
-    largest = max(rows_for(n) for n in range(MIN_ROWS, CHECK_MAX_ROWS + 1))
-    x = torch.randn(-(-(largest + 1) // MIN_ROWS) * MIN_ROWS, CHECK_WIDTH, generator=gen)
+    weight = torch.randn(shape, generator=gen).to(dtype)
+    largest = max(rows_for(n) for n in range(MIN_ROWS, max_rows + 1))
+    x = torch.randn(-(-(largest + 1) // MIN_ROWS) * MIN_ROWS, shape[1], generator=gen).to(dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         reference = torch.cat([matmul(x[i:i + MIN_ROWS], weight)
                                for i in range(0, x.shape[0], MIN_ROWS)])
         torch.set_num_threads(threads)
-        return [n for n in range(MIN_ROWS, CHECK_MAX_ROWS + 1)
+        return [n for n in range(MIN_ROWS, max_rows + 1)
                 if not torch.equal(matmul(x[:rows_for(n)], weight)[:n], reference[:n])]
     finally:
         torch.set_num_threads(before)
