@@ -117,16 +117,17 @@ def plan_model_matmuls(layers: list[tuple[object, torch.Tensor, torch.dtype | No
                        max_rows: int, tiles: MatmulTiles) -> dict:
     """layers: (layer, its weight, an out_dtype its base_matmul asks for, None for the model
     dtype); each layer's plans (its attribute `plans`, by out_dtype), measured once per distinct
-    shape, dtype and out_dtype. -> the plans by that key."""
+    shape, dtype, out_dtype and decode GEMV tile (the plan says whether that tile agrees). ->
+    the plans by that key."""
     started = time.monotonic()
     plans: dict = {}
     for layer, weight, out_dtype in layers:
-        key = (tuple(weight.shape), weight.dtype, out_dtype)
+        gemv = getattr(layer, "gemv", None)
+        key = (tuple(weight.shape), weight.dtype, out_dtype, gemv)
         if key not in plans:
-            plans[key] = plan_matmul(weight, out_dtype, max_rows, tiles,
-                                     getattr(layer, "gemv", None))
+            plans[key] = plan_matmul(weight, out_dtype, max_rows, tiles, gemv)
         layer.plans = {**(layer.plans or {}), out_dtype: plans[key]}
-    for (shape, _, out_dtype), plan in plans.items():
+    for (shape, _, out_dtype, _), plan in plans.items():
         log.info("matmul %s -> %s: cuBLAS at %d of %d row counts, row_matmul at the others%s",
                  shape, out_dtype or "model dtype", plan.num_cublas, max_rows,
                  "" if plan.gemv_agrees else "; decode GEMV not used")
