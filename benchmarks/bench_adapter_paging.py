@@ -14,7 +14,9 @@ Adapters are random PEFT folders of `--rank` on all seven projections (bf16), `-
 them written and the others hard links to those files (each still its own name, registry id
 and slot: 1,000 8B-shape adapters of rank 16 would need 84 GB of disk). Each burst runs twice
 with the same seed: the first registers every adapter it names, the second is measured. Run it
-from the repository root; it starts and stops the daemons itself.
+from the repository root; it starts and stops the daemons itself, prints a line with the
+elapsed time as each phase ends (a run cut by a time limit shows where it was), and keeps the
+daemons' logs and bench.py's records in --work.
 """
 
 from __future__ import annotations
@@ -27,26 +29,35 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import conditions
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 8013
+STARTED = time.monotonic()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.monotonic() - STARTED:6.1f} s] {message}", flush=True)
 
 
 def write_library(root: Path, model: str, num: int, distinct: int, rank: int) -> Path:
-    """root/a0000..: `distinct` random adapters, the rest hard links to their files."""
+    """root/a0000..: `distinct` random adapters, the rest hard links to their files. The distinct
+    ones are drawn on threads (torch's random draws and the file writes release the GIL): 64 of
+    the 8B shape at rank 16 take ~3 s each on one core."""
     from benchmarks.bench_engine import write_adapter
     from lorad.config import ModelConfig
 
     config = ModelConfig.from_dir(model)
-    for i in range(num):
+    missing = [i for i in range(distinct) if not (root / f"a{i:04d}").exists()]
+    with ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 1) // 2))) as pool:
+        list(pool.map(lambda i: write_adapter(root / f"a{i:04d}", config, rank, seed=1 + i),
+                      missing))
+    for i in range(distinct, num):
         folder = root / f"a{i:04d}"
         if folder.exists():
-            continue
-        if i < distinct:
-            write_adapter(folder, config, rank, seed=1 + i)
             continue
         folder.mkdir(parents=True)
         for name in ("adapter_config.json", "adapter_model.safetensors"):
@@ -65,7 +76,8 @@ def start(args, library: Path, slots: int, log: Path) -> subprocess.Popen:
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"lorad exited with {proc.returncode}; see {log}")
+            tail = "".join(log.read_text(errors="replace").splitlines(True)[-20:])
+            raise RuntimeError(f"lorad exited with {proc.returncode}; {log} ends:\n{tail}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/ready", timeout=2):
                 return proc
@@ -112,32 +124,44 @@ def figures(record: dict) -> dict:
 
 def run_daemon(args, library: Path, models: Path, slots: int, work: Path, tag: str) -> dict:
     proc = start(args, library, slots, work / f"{tag}.log")
+    progress(f"{tag}: ready ({slots} slots)")
     try:
         bench(args, models, work / f"{tag}-first.json")  # registers every adapter it names
+        progress(f"{tag}: first burst done (registers its adapters)")
         result = figures(bench(args, models, work / f"{tag}.json"))
+        progress(f"{tag}: measured burst: {result['tokens_s']:.1f} tokens/s, TTFT p50 / p99 "
+                 f"{result['ttft']} ms")
         if tag == "paged":
-            result["load"] = load_times(args, models, work)
+            result["load"] = load_times(args, models)
+            progress(f"{tag}: load times {result['load']}")
         return result
     finally:
         proc.terminate()
         proc.wait(60)
 
 
-def load_times(args, models: Path, work: Path) -> dict:
-    """TTFT (max_tokens 1, alone) of an adapter never used, then resident, then evicted."""
+def load_times(args, models: Path) -> dict:
+    """Time of a request for one token (alone, not streamed) on an adapter never used, then
+    resident, then evicted by args.slots + 1 others (back from the host cache)."""
     names = models.read_text().split()
     fresh = names[-1]
+    prompt = " ".join(["hello"] * args.prompt_len)
 
-    def ttft(name: str, tag: str) -> float:
-        record = bench(args, models, work / f"load-{tag}.json", model=name, requests=1,
-                       concurrency=1, max_tokens=1)
-        return record["requests"][0]["ttft_ms"]
+    def one_token(name: str) -> float:
+        body = json.dumps({"model": name, "prompt": prompt, "max_tokens": 1,
+                           "cache_prompt": False}).encode()  # a whole prefill each time
+        request = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        began = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as response:
+            response.read()
+        return (time.perf_counter() - began) * 1e3
 
-    first = ttft(fresh, "first")
-    resident = ttft(fresh, "resident")
-    for i, name in enumerate(names[:args.slots + 1]):  # push `fresh` out of its slot
-        ttft(name, f"evict{i}")
-    return {"first use": first, "resident": resident, "evicted": ttft(fresh, "evicted")}
+    first = one_token(fresh)
+    resident = one_token(fresh)
+    for name in names[:args.slots + 1]:  # push `fresh` out of its slot
+        one_token(name)
+    return {"first use": first, "resident": resident, "evicted": one_token(fresh)}
 
 
 def main() -> int:
@@ -157,14 +181,19 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--library", type=Path, help="where the adapters go (kept for reuse)")
+    parser.add_argument("--work", type=Path,
+                        help="where the daemons' logs and bench.py's records go (default: a new "
+                             "temporary folder)")
     parser.add_argument("--lorad-flag", action="append", default=[],
                         help="another flag for both daemons, e.g. --lorad-flag=--dtype=bfloat16")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="lorad-paging-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="lorad-paging-"))
+    work.mkdir(parents=True, exist_ok=True)
     library = args.library or Path(tempfile.gettempdir()) / (
         f"lorad-paging-{Path(args.model).name}-r{args.rank}-{args.distinct}")
     library.mkdir(parents=True, exist_ok=True)
     write_library(library, args.model, args.adapters, args.distinct, args.rank)
+    progress(f"library of {args.adapters} adapters in {library}")
     models = work / "models.txt"
     models.write_text("".join(f"a{i:04d}\n" for i in range(args.adapters)))
     paged = run_daemon(args, library, models, args.slots, work, "paged")
@@ -182,7 +211,7 @@ def main() -> int:
               f"{result['itl']} |")
     print(f"\npaged / resident throughput: {paged['tokens_s'] / resident['tokens_s']:.2f}")
     load = paged["load"]
-    print(f"one adapter alone, TTFT with max_tokens 1 (ms): first use {load['first use']:.1f} "
+    print(f"one adapter alone, a request for 1 token (ms): first use {load['first use']:.1f} "
           f"(registration and a copy from disk), evicted and back {load['evicted']:.1f} (a copy "
           f"from the host cache), resident {load['resident']:.1f}")
     return 0

@@ -125,7 +125,7 @@ for part in "${parts[@]}"; do
     ncu) bench ncu.log 120 ncu_decode_kernels --csv-out "$OUT/ncu" ;;
     paging) bench bench-paging.log 560 bench_adapter_paging --model scripts/configs/llama3-8b \
               --load-format random --lorad-flag=--dtype=bfloat16 --adapters 1000 --distinct 64 \
-              --rank 16 --slots 64 --zipf 1.0 --requests 512 --concurrency 64 ;;
+              --rank 16 --slots 64 --zipf 1.0 --requests 512 --concurrency 64 --work "$OUT/paging" ;;
     prefix)
       say "http_prefix.sh"
       OUT=$OUT timeout -k 10 560 bash benchmarks/http_prefix.sh 2>&1 | tee "$OUT/prefix.log"
