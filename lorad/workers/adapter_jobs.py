@@ -58,6 +58,8 @@ class AdapterJobs:
         ended = []
         for done in self.store.settle(agreed.adapter_settled, agreed.adapter_failed):
             if done.kind == "fetch":
+                log.debug("adapter id %d copied into slot %d in %.1f ms (queued %.1f ms)",
+                          done.adapter_id, done.slot, done.ran_ms, done.queued_ms)
                 failed = planner.adapter_fetched(done.adapter_id, done.slot, done.ok)
                 if failed:
                     ended.append((failed, f"adapter id {done.adapter_id} could not be read back "
@@ -68,7 +70,8 @@ class AdapterJobs:
             pinned = done.adapter_id in self._pinned_loads
             self._pinned_loads.discard(done.adapter_id)
             if done.ok:
-                log.info("adapter id %d registered", done.adapter_id)
+                log.info("adapter id %d registered (read and keyed in %.0f ms, queued %.0f ms)",
+                         done.adapter_id, done.ran_ms, done.queued_ms)
                 if pinned:
                     self.slots.pin(done.adapter_id)
             if self.rank == 0:  # the leader answers the LoadAdapter

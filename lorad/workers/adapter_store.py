@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -44,6 +45,9 @@ class Job:
     slot: int  # fetch: the device slot; register: 0
     future: Future  # -> an AdapterSpec (register) or None (fetch); raises ConfigError
     agreed_failed: bool = False
+    submitted: float = 0.0  # time.monotonic() at submit
+    started: float = 0.0  # when the jobs' thread took it up; 0 until then
+    finished: float = 0.0  # when it returned or raised there
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class Settled:
     adapter_id: int
     slot: int
     ok: bool
+    queued_ms: float = 0.0  # from submit until the jobs' thread took it up
+    ran_ms: float = 0.0  # on the jobs' thread
 
 
 class AdapterStore:
@@ -166,7 +172,17 @@ class AdapterStore:
     def _submit(self, kind: str, adapter_id: int, slot: int, fn, *args) -> None:
         number = self._next_number
         self._next_number += 1
-        self._jobs[number] = Job(number, kind, adapter_id, slot, self._executor.submit(fn, *args))
+        job = Job(number, kind, adapter_id, slot, Future(), submitted=time.monotonic())
+        job.future = self._executor.submit(self._timed, job, fn, *args)
+        self._jobs[number] = job
+
+    @staticmethod
+    def _timed(job: Job, fn, *args):
+        job.started = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            job.finished = time.monotonic()
 
     def _register(self, msg: LoadAdapter) -> AdapterSpec:
         stamp_before = _stamp_of(Path(msg.path + self._path_suffix), Path(msg.path))
@@ -189,7 +205,9 @@ class AdapterStore:
         self._copy(spec, slot)
 
     def _copy(self, spec: AdapterSpec, slot: int) -> None:
+        began = time.monotonic()
         shards = self._host.get(spec.adapter_id)
+        source = "the host cache" if shards is not None else "disk"
         if shards is not None:
             self._host.move_to_end(spec.adapter_id)
             self.num_host_hits += 1
@@ -203,12 +221,16 @@ class AdapterStore:
         # The slot's previous adapter has no sequence left: its last step's reads are done, on
         # every rank (they precede that step's last all-reduce, which precedes the leader's
         # sampling, which precedes this rank planning the step that evicted it).
+        read = time.monotonic()
         if self._stream is None:
             fill_slot(self.tables, slot, spec, shards)
-            return
-        with torch.cuda.stream(self._stream):  # beside the steps; done once synchronized
-            fill_slot(self.tables, slot, spec, shards)
-        self._stream.synchronize()
+        else:
+            with torch.cuda.stream(self._stream):  # beside the steps; done once synchronized
+                fill_slot(self.tables, slot, spec, shards)
+            self._stream.synchronize()
+        log.debug("adapter id %d into slot %d: shards from %s in %.1f ms, copied in %.1f ms",
+                  spec.adapter_id, slot, source, (read - began) * 1e3,
+                  (time.monotonic() - read) * 1e3)
 
     def _read_back(self, spec: AdapterSpec) -> dict:
         """The shards from disk (spec.path: the folder this rank registered), after checking
@@ -239,7 +261,10 @@ class AdapterStore:
             if ok:
                 self.specs[job.adapter_id] = spec
                 self.version += 1
-        return Settled(job.kind, job.adapter_id, job.slot, ok)
+        started = job.started or job.submitted
+        return Settled(job.kind, job.adapter_id, job.slot, ok,
+                       queued_ms=(started - job.submitted) * 1e3,
+                       ran_ms=max(0.0, job.finished - started) * 1e3)
 
 
 def _stamp(spec: AdapterSpec) -> tuple:

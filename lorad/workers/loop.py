@@ -38,6 +38,11 @@ from lorad.workers.status import LoopProgress, coordinator_alive
 log = logging.getLogger("lorad.worker")
 
 IDLE_POLL_MS = 20  # nothing live, nothing buffered: wait this long so idle ranks do not spin
+# Live requests but nothing ran last round (all waiting for an adapter's copy, say): wait this
+# long for a message before the next round. Spinning would hold the GIL, and the adapter jobs'
+# thread, which gives it up at each torch op, then waits a switch interval (5 ms) to get it back
+# each time: an 8B adapter's copy took ~35 s so, against ~0.1 s (benchmarks.probe_adapter_copy).
+WAITING_POLL_MS = 1
 HANDSHAKE_POLL_MS = 100
 ACCEPTED = (Hello, Admit, Cancel, Shutdown, LoadAdapter, UnloadAdapter)
 # Test hook, read only when set: the rank it names applies its next adapter admission as if the
@@ -85,6 +90,7 @@ class WorkerLoop:
         self._stall_at = _fault_step(STALL_RANK_ENV, rank)
         self._raise_at = _fault_step(RAISE_RANK_ENV, rank)
         self._num_model_steps = 0
+        self._ran_nothing = False  # the last round's plan had no chunk
         self.progress = progress or LoopProgress()
         self.progress.kv_blocks_free = engine.num_kv_blocks
 
@@ -100,7 +106,10 @@ class WorkerLoop:
             # 1. receive
             idle = (not self.planner.running and not self.planner.waiting
                     and not len(self.inbox) and not self.adapter_jobs.store.pending)
-            self._receive(IDLE_POLL_MS if idle else 0)
+            if idle:
+                self._receive(IDLE_POLL_MS)
+            else:
+                self._receive(WAITING_POLL_MS if self._ran_nothing and not len(self.inbox) else 0)
             self.progress.begin_round()  # from here on a blocked rank counts as stalled
             if self._step():
                 return 0
@@ -151,6 +160,7 @@ class WorkerLoop:
         # 5. sample on the leader, ids to every rank
         sampled = self._sample(plan, logits)
         # 6. apply and publish
+        self._ran_nothing = not plan.chunks
         events = self.planner.apply(plan, sampled)
         self._publish(plan, events)
         return False
