@@ -32,7 +32,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import conditions
+from benchmarks.common import conditions, start_lorad, stop_lorad
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 8013
@@ -66,25 +66,11 @@ def write_library(root: Path, model: str, num: int, distinct: int, rank: int) ->
 
 
 def start(args, library: Path, slots: int, log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "lorad.daemon", "--model", args.model, "--port", str(PORT),
-            "--adapter-dir", str(library), "--max-gpu-adapters", str(slots),
-            "--max-cpu-adapters", str(args.host_cache), "--max-lora-rank", str(args.rank),
-            "--load-format", args.load_format, "--parallel", str(args.parallel),
-            *args.lorad_flag]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = "".join(log.read_text(errors="replace").splitlines(True)[-20:])
-            raise RuntimeError(f"lorad exited with {proc.returncode}; {log} ends:\n{tail}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/ready", timeout=2):
-                return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"lorad did not get ready; see {log}")
+    return start_lorad(["--model", args.model, "--adapter-dir", str(library),
+                        "--max-gpu-adapters", str(slots), "--max-cpu-adapters",
+                        str(args.host_cache), "--max-lora-rank", str(args.rank),
+                        "--load-format", args.load_format, "--parallel", str(args.parallel),
+                        *args.lorad_flag], PORT, log)
 
 
 def bench(args, models: Path, out: Path, **overrides) -> dict:
@@ -136,8 +122,7 @@ def run_daemon(args, library: Path, models: Path, slots: int, work: Path, tag: s
             progress(f"{tag}: load times {result['load']}")
         return result
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop_lorad(proc)
 
 
 def load_times(args, models: Path) -> dict:

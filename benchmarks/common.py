@@ -1,6 +1,6 @@
 """What the benchmarks share: timing on the GPU (CUDA events, graph replays), the copy rate that
-the memory floors divide by, and the conditions line a table opens with (date, machine,
-versions, commit).
+the memory floors divide by, the conditions line a table opens with (date, machine,
+versions, commit), and starting a lorad daemon for the benchmarks that go through HTTP.
 
 Not a harness: each benchmark builds its own cases and prints its own table. Run the tools from
 the repository root as `python -m benchmarks.NAME`, so that this checkout's lorad is imported.
@@ -13,6 +13,9 @@ import importlib.metadata
 import platform
 import statistics
 import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -100,3 +103,34 @@ def conditions(device: torch.device | str | None = None) -> str:
         parts.append(device_name(device))
     parts += [versions(), f"Python {platform.python_version()}", f"commit {commit()}"]
     return "; ".join(parts)
+
+
+def start_lorad(flags: list[str], port: int, log: Path, timeout_s: float = 900
+                ) -> subprocess.Popen:
+    """`python -m lorad.daemon --port PORT FLAGS...` from the repository root, its output in
+    `log`; returns once /ready answers, raises RuntimeError if it exits or is not ready."""
+    argv = [sys.executable, "-m", "lorad.daemon", "--port", str(port), *flags]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = "".join(log.read_text(errors="replace").splitlines(True)[-20:])
+            raise RuntimeError(f"lorad exited with {proc.returncode}; {log} ends:\n{tail}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(0.5)
+    stop_lorad(proc)
+    raise RuntimeError(f"lorad was not ready in {timeout_s:.0f} s; see {log}")
+
+
+def stop_lorad(proc: subprocess.Popen) -> int:
+    """SIGTERM (lorad drains and stops its workers), SIGKILL after 60 s -> its exit status."""
+    proc.terminate()
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

@@ -25,6 +25,9 @@
 #             --no-prefix-cache (issue 31's targets)
 #   paging    bench_adapter_paging: a Zipf(1.0) burst over 1,000 adapters of rank 16 (64 distinct
 #             files) in 64 device slots against the same burst all resident (8B shape, bf16)
+#   determinism bench_determinism: lorad --deterministic against --no-deterministic (8B shape,
+#             bf16) at concurrency 1, 32, 64 and a prefill-heavy 32 x 1,024 in (issue 33's
+#             target: <= 3%); logs and bench.py's JSON in $OUT/determinism
 # Environment: OUT (default /tmp/lorad-gpu-session); LORAD_TEST_ARGS (default tests/gpu);
 # LORAD_TEST_LIMIT (seconds, default 540);
 # LORAD_BENCH_ARGS_<module>, e.g. LORAD_BENCH_ARGS_bench_engine="--quick", options for one
@@ -125,7 +128,10 @@ for part in "${parts[@]}"; do
     ncu) bench ncu.log 120 ncu_decode_kernels --csv-out "$OUT/ncu" ;;
     paging) bench bench-paging.log 560 bench_adapter_paging --model scripts/configs/llama3-8b \
               --load-format random --lorad-flag=--dtype=bfloat16 --adapters 1000 --distinct 64 \
-              --rank 16 --slots 64 --zipf 1.0 --requests 512 --concurrency 64 --work "$OUT/paging" ;;
+              --rank 16 --slots 64 --zipf 1.0 --requests 512 --concurrency 64 \
+              --work "$OUT/paging" ;;
+    determinism) bench bench-determinism.log 560 bench_determinism --work "$OUT/determinism" \
+                   --table-out "$OUT/bench-determinism.md" ;;
     prefix)
       say "http_prefix.sh"
       OUT=$OUT timeout -k 10 560 bash benchmarks/http_prefix.sh 2>&1 | tee "$OUT/prefix.log"
