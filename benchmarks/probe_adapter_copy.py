@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""How long one adapter's copy into a device slot takes on a thread beside a busy step loop: the
-copy alone, beside a thread spinning in Python (the worker loop polling with no timeout while
-requests wait for their adapters), and beside one that polls with a 1 ms timeout. Each factor
-is copied as the slot tables do (a slice from the safetensors file, copy_ on a side stream, the
-rank and scale written into device tables). Prints one line per case.
+"""How long one adapter's copy into a device slot takes on a thread beside the step loop: alone,
+beside a thread spinning in Python (a worker loop that polls with no timeout while its requests
+wait for their adapters), and beside one that polls with a 1 ms timeout (what the loop does
+now). The copy is the adapter jobs' own: read_shards + fill_slot into real slot tables of the
+model's shape (one slot each, the rank given); `--per-table` copies table by table as before
+(six torch calls a table instead of a handful for all). Prints one line per case.
 
     python -m benchmarks.probe_adapter_copy --model scripts/configs/llama3-8b --rank 16
 """
@@ -17,49 +18,60 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+from benchmarks.bench_engine import write_adapter
+from lorad.config import ModelConfig
+from lorad.config.adapters import layer_modules, projection_features, read_adapter
+from lorad.workers.loader import fill_slot, read_shards
+from lorad.workers.lora import LoraSlots
 
 
-def copy_adapter(weights: Path, tables: dict, stream, device) -> float:
+def make_tables(config: ModelConfig, rank: int, device: torch.device) -> dict:
+    """{(layer, module): LoraSlots} of two slots, unsplit (one rank), bf16 factors."""
+    tables = {}
+    for layer in range(config.num_hidden_layers):
+        for module in layer_modules(config, layer):
+            num_in, num_out = projection_features(config, module)
+            tables[(layer, module)] = LoraSlots(2, rank, num_in, num_out, (0, num_in),
+                                                (0, num_out), device, torch.bfloat16)
+    return tables
+
+
+def copy_once(tables: dict, spec, stream, per_table: bool) -> float:
     began = time.perf_counter()
-    with safe_open(str(weights), framework="pt", device="cpu") as f:
-        ctx = torch.cuda.stream(stream) if stream is not None else None
-        if ctx is not None:
-            ctx.__enter__()
-        for name in f.keys():
-            t = f.get_slice(name)[:]
-            table, ranks, scales = tables[t.shape]
-            table[0, :t.shape[0], :t.shape[1]].copy_(t)
-            ranks[0] = t.shape[0]
-            scales[0] = 2.0
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-            stream.synchronize()
+    shards = read_shards(tables, spec)
+    with torch.cuda.stream(stream) if stream is not None else _nothing():
+        if per_table:
+            for m in spec.modules:
+                tables[(m.layer, m.module)].fill(1, m, *shards[(m.layer, m.module)])
+        else:
+            fill_slot(tables, 1, spec, shards)
+    if stream is not None:
+        stream.synchronize()
     return (time.perf_counter() - began) * 1e3
 
 
-def main() -> int:
-    from benchmarks.bench_engine import write_adapter
-    from lorad.config import ModelConfig
+class _nothing:
+    def __enter__(self):
+        return self
 
+    def __exit__(self, *exc):
+        return False
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="scripts/configs/llama3-8b")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--per-table", action="store_true", help="copy table by table (as before)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    folder = Path(tempfile.mkdtemp(prefix="probe-copy-")) / "a"
-    write_adapter(folder, ModelConfig.from_dir(args.model), args.rank)
-    weights = folder / "adapter_model.safetensors"
-    tables = {}
-    with safe_open(str(weights), framework="pt", device="cpu") as f:
-        for name in f.keys():
-            shape = tuple(f.get_slice(name).get_shape())
-            if shape not in tables:
-                tables[shape] = (torch.empty((2, *shape), dtype=torch.bfloat16, device=device),
-                                 torch.zeros(2, dtype=torch.int32, device=device),
-                                 torch.zeros(2, dtype=torch.float32, device=device))
+    config = ModelConfig.from_dir(args.model)
+    folder = write_adapter(Path(tempfile.mkdtemp(prefix="probe-copy-")) / "a", config, args.rank)
+    spec = read_adapter(folder, "a", 1.0, 1, config)
+    tables = make_tables(config, args.rank, device)
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    copy_adapter(weights, tables, stream, device)  # page cache, allocator
+    copy_once(tables, spec, stream, args.per_table)  # the page cache, the allocator
     stop = threading.Event()
 
     def spin():
@@ -71,18 +83,20 @@ def main() -> int:
         while not stop.wait(0.001):
             pass
 
-    for case, target in (("alone", None), ("beside a Python spin", spin),
-                         ("beside a 1 ms poll", poll)):
+    size = (folder / "adapter_model.safetensors").stat().st_size / 2**20
+    for case, target, repeats in (("alone", None, 3), ("beside a Python spin", spin, 1),
+                                  ("beside a 1 ms poll", poll, 3)):
         stop.clear()
         thread = threading.Thread(target=target) if target else None
         if thread:
             thread.start()
-        times = [copy_adapter(weights, tables, stream, device) for _ in range(3)]
+        times = [copy_once(tables, spec, stream, args.per_table) for _ in range(repeats)]
         stop.set()
         if thread:
             thread.join()
-        print(f"{case}: {min(times):.1f} / {max(times):.1f} ms (min / max of 3), "
-              f"{len(tables)} shapes, {weights.stat().st_size / 2**20:.0f} MiB", flush=True)
+        print(f"{case}: {min(times):.1f} / {max(times):.1f} ms (min / max of {repeats}); "
+              f"{len(spec.modules)} factor pairs, {size:.0f} MiB, "
+              f"{'table by table' if args.per_table else 'fill_slot'}", flush=True)
     return 0
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from lorad.config import ConfigError, ModelConfig
 from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import AdapterSpec, layer_modules
-from lorad.workers.lora import table_dtype
+from lorad.workers.lora import fill_tables, table_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -163,12 +163,12 @@ def fill_slot(tables: dict, slot: int, spec: AdapterSpec, shards: dict) -> None:
     """Put an adapter's shards into `slot` of every table; tables it does not edit are cleared
     (the slot may have held an adapter that edits them)."""
     by_where = {(m.layer, m.module): m for m in spec.modules}
+    entries = []
     for where, table in tables.items():
         module = by_where.get(where)
-        if module is None:
-            table.clear(slot)
-        else:
-            table.fill(slot, module, *shards[where])
+        entries.append((table, None, None, None) if module is None
+                       else (table, module, *shards[where]))
+    fill_tables(slot, entries)
 
 
 class WholeTensor:
