@@ -68,6 +68,8 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     step = config.block_m
     parts = [decode_matmul(x[i:i + step], weight, config=config)
              for i in range(0, x.shape[0], step)]
+    if len(parts) == 1:  # a decode step: no copy (cat of one tensor is a kernel)
+        return parts[0]
     return torch.cat(parts) if parts else x.new_empty(0, weight.shape[0])
 
 
