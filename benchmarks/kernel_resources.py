@@ -33,8 +33,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from lorad.workers.kernels import (decode_gemv, fused_moe, fused_ops,  # noqa: E402
-                                   lora_expand, lora_shrink, oneshot_reduce, paged_attention,
-                                   row_matmul, token_draw)
+                                   lora_expand, lora_shrink, moe_glue, oneshot_reduce,
+                                   paged_attention, row_matmul, token_draw)
 from lorad.workers.kernels.configs import (DecodeAttentionConfig, ExpandConfig,  # noqa: E402
                                            ExpandSteps, GemvModelTiles, MoeConfig,
                                            ShrinkConfig, TileConfig)
@@ -196,8 +196,9 @@ def model_specs() -> list[Spec]:
 
 
 def moe_specs() -> list[Spec]:
-    """The fused MoE kernels at Qwen1.5-MoE-A2.7B's shape (scripts/configs/qwen1.5-moe-a2.7b:
-    hidden 2048, experts of intermediate 1408, top 4, bf16)."""
+    """The fused MoE kernels and the block's glue at Qwen1.5-MoE-A2.7B's shape
+    (scripts/configs/qwen1.5-moe-a2.7b: hidden 2048, 60 experts of intermediate 1408, top 4,
+    bf16)."""
     config = MoeConfig()
     tiles = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
     tables = {"pair_order_ptr": "i64", "tile_expert_ptr": "i32", "tile_start_ptr": "i32",
@@ -209,6 +210,17 @@ def moe_specs() -> list[Spec]:
         Spec(f"fused MoE, down x routing weight, {config}", fused_moe._down_kernel, tiles,
              config.num_warps, 3,
              {"h_ptr": "bf16", "w_ptr": "bf16", "weight_ptr": "bf16", **tables}, ("H", "N")),
+        Spec("MoE tile tables, one program", fused_moe._expert_tiles_kernel,
+             {"NUM_EXPERTS": 60, "BLOCK_M": config.block_m,
+              "BLOCK_P": fused_moe.TILE_KERNEL_MAX_PAIRS, "BLOCK_E": 64, "BLOCK_T": 128}, 4, 3,
+             {"experts_ptr": "i64", **tables}),
+        Spec("MoE route, 60 experts top 4", moe_glue._route_kernel,
+             {"TOP_K": 4, "NORM": False, "HAS_PADDING": True, "BLOCK_E": 64, "LOG_E": 6}, 1, 3,
+             {"logits_ptr": "bf16", "real_rows_ptr": "i1", "weights_ptr": "bf16",
+              "experts_ptr": "i64"}),
+        Spec("MoE epilogue, routed + sigmoid(gate) * shared", moe_glue._epilogue_kernel,
+             {"TOP_K": 4, "HAS_PADDING": True, "BLOCK": moe_glue.EPILOGUE_BLOCK}, 4, 3,
+             {"real_rows_ptr": "i1", "gate_ptr": "bf16"}, ("H",)),
     ]
 
 

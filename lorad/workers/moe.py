@@ -3,8 +3,10 @@ top-k router, routed experts split along their intermediate dimension, a shared 
 MLP, LoRA slots on its projections) scaled by its sigmoid gate, and one all-reduce for it all.
 
 Each row's arithmetic is its own (per-row products on the CPU, kernels/fused_moe.py's tiles on
-the kernel path), so its bits never depend on which other rows share the step or an expert. Not
-here: LoRA on the router, the gate or routed experts (lorad.config.adapters refuses them by name).
+the kernel path), so its bits never depend on which other rows share the step or an expert. The
+router's softmax/top-k and the gate's sigmoid are kernels/moe_math.py's ops on both paths (on the
+kernel path one route and one epilogue launch, kernels/moe_glue.py), so the paths agree on them.
+Not here: LoRA on the router, the gate or routed experts (lorad.config.adapters refuses them).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from lorad.workers.attention import AttentionContext
 from lorad.config.partition import balanced_split
 from lorad.workers.fused_linear import MergedColumnParallelLinear
 from lorad.workers.kernel_path import kernel_path
+from lorad.workers.kernels import moe_math
 from lorad.workers.kernels.configs import GemvConfig, MoeConfig
 from lorad.workers.layers import silu_and_mul
 from lorad.workers.linear import RowParallelLinear, check_shape, load_replicated
@@ -36,12 +39,6 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     narrow output (the router's experts, the gate's 1; MKL), and an expert's rows vary by step."""
     w_t = weight.t().unsqueeze(0).expand(x.shape[0], -1, -1)  # [num_rows, in, out]
     return torch.bmm(x.unsqueeze(1), w_t).squeeze(1)
-
-
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + exp(-x)) in x's dtype: torch.sigmoid's vector and scalar paths give an element
-    other bits by its place in the tensor on the CPU; exp, add and divide do not (as silu)."""
-    return 1 / (1 + torch.exp(-x))
 
 
 class ReplicatedLinear(nn.Module):
@@ -71,26 +68,32 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     step = config.block_m
     parts = [decode_matmul(x[i:i + step], weight, config=config)
              for i in range(0, x.shape[0], step)]
+    if len(parts) == 1:  # a decode step: no copy (cat of one tensor is a kernel)
+        return parts[0]
     return torch.cat(parts) if parts else x.new_empty(0, weight.shape[0])
 
 
 class TopKRouter(ReplicatedLinear):
     """Each row's top-k experts and their weights, as transformers' Qwen2MoeTopKRouter: softmax
-    in fp32 over the experts, top k, optionally renormalised, rounded to the model dtype."""
+    in fp32 over the experts, top k, optionally renormalised, rounded to the model dtype; in
+    kernels/moe_math.py's arithmetic, which the kernel path repeats bit for bit."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(config.hidden_size, config.num_experts, dtype, device)
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, real_rows: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_rows, hidden] -> (weights [num_rows, top_k] in x's dtype, experts
-        [num_rows, top_k] int64). Every rank computes the same bits from the same x."""
-        probs = torch.softmax(self(x), dim=-1, dtype=torch.float32)  # [num_rows, num_experts]
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        [num_rows, top_k] int64, each row's ascending; num_experts and 0 for the rows real_rows
+        ([num_rows] bool, None: all) marks as padding). Every rank computes the same bits from
+        the same x, on either path (moe_math.route)."""
+        logits = self(x)  # [num_rows, num_experts]
+        if kernel_path(x.device):
+            from lorad.workers.kernels.moe_glue import route  # the CPU never imports triton
+            return route(logits, self.top_k, self.norm_topk_prob, real_rows)
+        return moe_math.route(logits, self.top_k, self.norm_topk_prob, real_rows)
 
 
 class RoutedExperts(nn.Module):
@@ -155,6 +158,13 @@ class RoutedExperts(nn.Module):
                              real_rows=real_rows)
         return routed_experts_torch(x, self.gate_up, self.down, weights, experts, real_rows)
 
+    def pairs(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+              ) -> torch.Tensor:
+        """The kernel path's products, not yet added: [num_rows, top_k, hidden] float32, a
+        padding pair (expert num_experts) not written (kernels/fused_moe.py's expert_pairs)."""
+        from lorad.workers.kernels.fused_moe import expert_pairs  # the CPU never imports triton
+        return expert_pairs(x, self.gate_up, self.down, weights, experts, self.config)
+
 
 def routed_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                          weights: torch.Tensor, experts: torch.Tensor,
@@ -162,13 +172,14 @@ def routed_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     """The CPU path of RoutedExperts.forward, and the reference fused_moe is checked against:
     gate_up [num_experts, 2 * local, hidden], down [num_experts, hidden, local] -> [num_rows,
     hidden] float32, each row's experts added in ascending order, as transformers adds them;
-    zeros for rows that real_rows ([num_rows] bool, None: all) marks as padding."""
+    zeros for rows that real_rows ([num_rows] bool, None: all) marks as padding, and for pairs
+    of expert num_experts (none: the router's for padding)."""
     num_local = gate_up.shape[1] // 2
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
     if real_rows is not None:  # padding rows pick no expert (-1 matches none below)
         experts = torch.where(real_rows[:, None], experts, -1)
     for e in torch.unique(experts).tolist():  # sorted
-        if e < 0:
+        if not 0 <= e < gate_up.shape[0]:
             continue
         rows, slots = torch.nonzero(experts == e, as_tuple=True)  # each row at most once
         products = rowwise_linear(x[rows], gate_up[e])  # [num_expert_rows, 2 * local]
@@ -233,10 +244,16 @@ class SparseMoeBlock(nn.Module):
         ctx: the step's; its padding rows read no routed expert (a decode step of one sequence
         pads to MIN_ROWS rows, whose experts would otherwise be read too). None: every row is
         routed."""
-        weights, experts = self.gate.route(x)
-        routed = self.experts(x, weights, experts, None if ctx is None else ctx.real_rows)
+        real_rows = None if ctx is None else ctx.real_rows
+        weights, experts = self.gate.route(x, real_rows)
         # The gate scales the shared expert's sum over ranks; scaling each rank's share first
         # is the same sum, so one all-reduce carries both.
         shared = self.shared_expert.partial_sum(x, lora)
-        scale = sigmoid(self.shared_expert_gate(x)).float()  # [num_rows, 1]
+        gate = self.shared_expert_gate(x)  # [num_rows, 1] in x's dtype
+        if kernel_path(x.device):  # the routed sum, padding, gate and add in one epilogue
+            from lorad.workers.kernels.moe_glue import epilogue  # the CPU never imports triton
+            pairs = self.experts.pairs(x, weights, experts)
+            return self.tp.all_reduce(epilogue(pairs, gate, shared, real_rows)), None
+        routed = self.experts(x, weights, experts, real_rows)
+        scale = moe_math.sigmoid(gate).float()  # [num_rows, 1]
         return self.tp.all_reduce(routed + scale * shared), None

@@ -1,7 +1,9 @@
 """The fused MoE kernel on CUDA at Qwen1.5-MoE-A2.7B's expert shapes (hidden 2048, 60 experts
 of intermediate 1408, top 4; and one rank's 704 of them at --parallel 2): against the torch
-path with poisoned buffers, a row alone equal to the row in a batch, the expert tiles. The
-checks are tests/kernels/moe_kernel_checks.py's, which the CPU interpreter runs on tiny shapes.
+path with poisoned buffers, a row alone equal to the row in a batch, the expert tiles; the
+block's glue kernels (route, tile tables, epilogue, the block's kernel path) bit for bit against
+the torch ops they replace. The checks are tests/kernels/moe_kernel_checks.py's and
+moe_glue_checks.py's, which the CPU interpreter runs on tiny shapes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import importlib.util
 import pytest
 import torch
 
+from tests.kernels.moe_glue_checks import (check_block, check_epilogue, check_route,
+                                           check_route_picks, check_tiles_kernel)
 from tests.kernels.moe_kernel_checks import (check_expert_tiles, check_fused_moe,
                                              check_padding_rows, check_rows_alone)
 
@@ -45,3 +49,36 @@ def test_padding_rows(dtype, num_real):
 
 def test_expert_tiles():
     check_expert_tiles("cuda", num_rows=257, num_experts=60, top_k=4)
+
+
+# The block's glue kernels (kernels/moe_glue.py, the one-program tile tables): bit for bit
+# against the torch ops they replace, at the Qwen1.5-MoE-A2.7B shape (tests/kernels/
+# moe_glue_checks.py's checks).
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("num_rows", [1, 7, 33, 64, 256])
+def test_route(dtype, norm, num_rows):
+    check_route("cuda", DTYPES[dtype], num_rows, norm, num_experts=60, top_k=4)
+
+
+def test_route_ties():
+    check_route_picks("cuda")
+
+
+@pytest.mark.parametrize("num_rows", [1, 8, 33, 64, 128])
+def test_tiles_kernel(num_rows):
+    check_tiles_kernel("cuda", num_rows, num_experts=60, top_k=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [1, 8, 300])
+def test_epilogue(dtype, num_rows):
+    check_epilogue("cuda", DTYPES[dtype], num_rows=num_rows, hidden=2048, top_k=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [1, 8, 16, 33, 200])
+def test_block(dtype, num_rows):
+    check_block("cuda", DTYPES[dtype], num_rows, hidden=2048, num_experts=60, top_k=4,
+                inter=1408, shared_inter=5632)

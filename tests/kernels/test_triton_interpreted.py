@@ -25,6 +25,9 @@ Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3
 - moe_kernel_checks.py: the fused MoE kernel against the torch path (poisoned buffers), a row's
   bits alone and among rows of the same experts, the expert tiles; a tiny Qwen2-MoE's kernel
   path with two adapters against its torch path, and through the decode graphs' inputs.
+- moe_glue_checks.py: the MoE block's route, one-program tile tables and epilogue kernels bit
+  for bit against the torch ops they replace (ties, padding rows, poisoned outputs), and the
+  block's kernel path against its former composition.
 - row_matmul_checks.py: the row-invariant matmul bit-exact on integer inputs, a row's bits
   alone and in products of any row count, refused inputs.
 - oneshot_reduce_checks.py: the one-shot all-reduce's rank-ordered sum, alone and fused with
@@ -41,9 +44,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 from tests.kernels import (decode_gemv_checks, fused_ops_checks, lora_kernel_checks,
-                           model_kernel_checks, moe_kernel_checks, oneshot_reduce_checks,
-                           paged_attention_checks, row_matmul_checks, sampler_min_p_checks,
-                           token_draw_checks)
+                           model_kernel_checks, moe_glue_checks, moe_kernel_checks,
+                           oneshot_reduce_checks, paged_attention_checks, row_matmul_checks,
+                           sampler_min_p_checks, token_draw_checks)
 from tests.kernels.triton_interpreter import interpret_in_subprocess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -53,7 +56,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 MODULES = {module.__name__: module.CHECKS for module in (
     lora_kernel_checks, paged_attention_checks, fused_ops_checks, decode_gemv_checks,
     model_kernel_checks, token_draw_checks, sampler_min_p_checks, moe_kernel_checks,
-    oneshot_reduce_checks, row_matmul_checks)}
+    moe_glue_checks, oneshot_reduce_checks, row_matmul_checks)}
 # The modules' interpreter run times on a 2-core machine, longest first (2026-12-02: 118, 107,
 # 54, 39, 22, 11 s; moe_kernel_checks 2026-12-05: 75 s): two runners finish together when the
 # long runs start first.

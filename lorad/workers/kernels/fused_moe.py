@@ -1,12 +1,14 @@
 """Fused MoE: every routed expert of a layer in two launches, rows grouped by expert in tiles
-of block_m (row, expert) pairs built on the device (no host sync, so a CUDA graph can hold it):
-gate/up with silu(gate) * up in its epilogue, then down times the routing weight, in fp32.
+of block_m (row, expert) pairs built on the device (no host sync, so a CUDA graph can hold it;
+one launch up to TILE_KERNEL_MAX_PAIRS pairs, torch ops past it): gate/up with silu(gate) * up in
+its epilogue, then down times the routing weight, in fp32, one output per pair (expert_pairs).
 
 Row invariance: a tile holds pairs of one expert, one tile shape and one compiled variant serve
 every batch (the pair count is not specialized), each tile sweeps all of K in block_k steps (no
 split of K), and an MMA computes each output element from its own row alone: a row's bits never
 depend on which other rows picked the same expert. A row's experts are then added in ascending
-expert order, one after another (add_experts), as the torch path (moe.py) and transformers do.
+expert order, one after another (add_experts here, moe_glue.py's epilogue in the model), as the
+torch path (moe.py) and transformers do.
 Not here: the router, the shared expert, LoRA on experts, expert parallelism.
 """
 
@@ -47,6 +49,67 @@ def expert_tiles(experts: torch.Tensor, num_experts: int, block_m: int
     return (pair_order, torch.where(spare, -1, expert).to(torch.int32),
             torch.where(spare, 0, start).to(torch.int32),
             torch.where(spare, 0, count).to(torch.int32))
+
+
+# The most pairs the one-program tile kernel takes (a decode step of up to 128 rows at top 4);
+# more (prefill) take expert_tiles' torch ops, whose launches are a small share there.
+TILE_KERNEL_MAX_PAIRS = 512
+
+
+# No argument holds the pair count but num_pairs, never specialized: one variant for every step.
+@triton.jit(do_not_specialize=["num_pairs"])
+def _expert_tiles_kernel(experts_ptr, pair_order_ptr, tile_expert_ptr, tile_start_ptr,
+                         tile_count_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_T: tl.constexpr):
+    """expert_tiles in one program, for up to BLOCK_P pairs: the same tables, entry for entry."""
+    p = tl.arange(0, BLOCK_P)
+    in_p = p < num_pairs
+    flat = tl.load(experts_ptr + p, mask=in_p, other=NUM_EXPERTS).to(tl.int32)
+    # A stable sort by expert is a sort by (expert, pair): the keys are distinct.
+    keys = tl.sort(flat * BLOCK_P + p)
+    tl.store(pair_order_ptr + p, (keys % BLOCK_P).to(tl.int64), mask=in_p)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.histogram(flat, BLOCK_E, mask=in_p)  # [BLOCK_E]; bins from NUM_EXPERTS on: none
+    counts = tl.where(e < NUM_EXPERTS, counts, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, axis=0)
+    tiles_begin = tiles_end - tiles
+    pairs_begin = tl.cumsum(counts, axis=0) - counts
+    # [BLOCK_T, BLOCK_E]: tile t is expert e's when it lies in e's range (one e at most).
+    t = tl.arange(0, BLOCK_T)
+    own = (tiles_begin[None, :] <= t[:, None]) & (t[:, None] < tiles_end[None, :])
+    has_expert = tl.sum(own.to(tl.int32), axis=1) > 0
+    expert = tl.sum(tl.where(own, e[None, :], 0), axis=1)
+    within = t - tl.sum(tl.where(own, tiles_begin[None, :], 0), axis=1)
+    start = tl.sum(tl.where(own, pairs_begin[None, :], 0), axis=1) + within * BLOCK_M
+    count = tl.minimum(tl.sum(tl.where(own, counts[None, :], 0), axis=1) - within * BLOCK_M,
+                       BLOCK_M)
+    in_t = t < tl.cdiv(num_pairs, BLOCK_M) + NUM_EXPERTS
+    tl.store(tile_expert_ptr + t, tl.where(has_expert, expert, -1), mask=in_t)
+    tl.store(tile_start_ptr + t, tl.where(has_expert, start, 0), mask=in_t)
+    tl.store(tile_count_ptr + t, tl.where(has_expert, count, 0), mask=in_t)
+
+
+def expert_tiles_kernel(experts: torch.Tensor, num_experts: int, block_m: int,
+                        out: tuple[torch.Tensor, ...] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """expert_tiles' tables in one launch, for up to TILE_KERNEL_MAX_PAIRS pairs. out: the four
+    tables to write into (tests poison them); None: allocated."""
+    flat = experts.reshape(-1)
+    num_pairs = flat.numel()
+    assert num_pairs <= TILE_KERNEL_MAX_PAIRS and flat.is_contiguous()
+    num_tiles = cdiv(num_pairs, block_m) + num_experts
+    pair_order, tile_expert, tile_start, tile_count = out or (
+        torch.empty(num_pairs, dtype=torch.int64, device=flat.device),
+        *(torch.empty(num_tiles, dtype=torch.int32, device=flat.device) for _ in range(3)))
+    _expert_tiles_kernel[(1,)](
+        flat, pair_order, tile_expert, tile_start, tile_count, num_pairs,
+        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_P=TILE_KERNEL_MAX_PAIRS,
+        BLOCK_E=triton.next_power_of_2(num_experts + 1),
+        BLOCK_T=triton.next_power_of_2(cdiv(TILE_KERNEL_MAX_PAIRS, block_m) + num_experts),
+        num_warps=4)
+    return pair_order, tile_expert, tile_start, tile_count
 
 
 @triton.jit
@@ -137,32 +200,28 @@ def add_experts(pairs: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              experts: torch.Tensor, config: MoeConfig = MoeConfig(),
-              buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-              real_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """-> [num_rows, H] float32: every row's routed experts, weighted and summed, as moe.py's
-    torch path computes them (routed_experts_torch). x: [num_rows, K]; gate_up: [num_experts, 2N,
-    K] (each expert's gate rows then up rows); down: [num_experts, H, N]; weights, experts:
-    [num_rows, top_k] (the router's). buffers: (h [num_pairs, N] of x's dtype, pairs
-    [num_pairs, H] float32) to write into (tests poison them); None: allocated. real_rows:
-    [num_rows] bool, the rows that are not padding (None: all): the others read no expert and
-    get zeros, so a padded decode step reads the experts of its real rows only."""
+def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 weights: torch.Tensor, experts: torch.Tensor, config: MoeConfig = MoeConfig(),
+                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """-> [num_rows, top_k, H] float32: each (row, expert) pair's down product times its
+    weight, a padding pair (expert num_experts) not written. x: [num_rows, K]; gate_up:
+    [num_experts, 2N, K] (each expert's gate rows then up rows); down: [num_experts, H, N];
+    weights, experts: [num_rows, top_k], each row's experts ascending (moe_glue.route's).
+    buffers: (h [num_pairs, N] of x's dtype, pairs [num_pairs, H] float32) to write into
+    (tests poison them); None: allocated. The tile tables take one launch up to
+    TILE_KERNEL_MAX_PAIRS pairs (the same tables as expert_tiles')."""
     num_rows, top_k = experts.shape
     num_experts, two_n, num_in = gate_up.shape
     num_inter, hidden = two_n // 2, down.shape[1]
-    if num_inter == 0 or num_rows == 0:  # a rank with none of the intermediate size
-        return torch.zeros(num_rows, hidden, dtype=torch.float32, device=x.device)
-    if real_rows is not None:  # no expert (num_experts) for a padding row's pairs: no tile
-        experts = torch.where(real_rows[:, None], experts, num_experts)
-    experts, order = torch.sort(experts, dim=1)  # ascending: the order the sum takes
-    weights = weights.gather(1, order).reshape(-1)
-    pair_order, tile_expert, tile_start, tile_count = expert_tiles(experts, num_experts,
-                                                                   config.block_m)
     num_pairs = num_rows * top_k
     h, pairs = buffers or (
         torch.empty(num_pairs, num_inter, dtype=x.dtype, device=x.device),
         torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device))
+    if num_pairs == 0 or num_inter == 0:  # a rank with none of the intermediate size: zeros
+        return pairs.zero_().view(num_rows, top_k, hidden)
+    tables = expert_tiles_kernel if num_pairs <= TILE_KERNEL_MAX_PAIRS else expert_tiles
+    pair_order, tile_expert, tile_start, tile_count = tables(experts.contiguous(), num_experts,
+                                                             config.block_m)
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     tiles = tile_expert.shape[0]
     _gate_up_kernel[(tiles, cdiv(num_inter, config.block_n))](
@@ -173,7 +232,28 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         h, down, weights.contiguous(), pairs, pair_order, tile_expert, tile_start, tile_count,
         hidden, num_inter, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps)
-    total = add_experts(pairs.view(num_rows, top_k, hidden))
+    return pairs.view(num_rows, top_k, hidden)
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+              experts: torch.Tensor, config: MoeConfig = MoeConfig(),
+              buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+              real_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """-> [num_rows, H] float32: every row's routed experts, weighted and summed, as moe.py's
+    torch path computes them (routed_experts_torch), from weights and experts [num_rows, top_k]
+    in any order; the rest as expert_pairs. real_rows: [num_rows] bool, the rows that are not
+    padding (None: all): the others read no expert and get zeros, so a padded decode step reads
+    the experts of its real rows only. The block's kernel path takes expert_pairs and
+    moe_glue's epilogue instead (route sorts, the epilogue adds)."""
+    num_rows = experts.shape[0]
+    num_experts, two_n, _ = gate_up.shape
+    if two_n == 0 or num_rows == 0:  # a rank with none of the intermediate size
+        return torch.zeros(num_rows, down.shape[1], dtype=torch.float32, device=x.device)
+    if real_rows is not None:  # no expert (num_experts) for a padding row's pairs: no tile
+        experts = torch.where(real_rows[:, None], experts, num_experts)
+    experts, order = torch.sort(experts, dim=1)  # ascending: the order the sum takes
+    weights = weights.gather(1, order)
+    total = add_experts(expert_pairs(x, gate_up, down, weights, experts, config, buffers))
     if real_rows is None:
         return total
     return torch.where(real_rows[:, None], total, 0.0)  # no pair of a padding row was written

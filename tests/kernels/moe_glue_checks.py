@@ -1,0 +1,226 @@
+"""Checks of the MoE block's glue kernels (kernels/moe_glue.py's route and epilogue,
+kernels/fused_moe.py's one-program tile tables) against the torch ops they replace
+(kernels/moe_math.py, fused_moe.expert_tiles, fused_moe's old composition), bit for bit, on any
+device.
+
+test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1;
+tests/gpu/test_moe_kernel_gpu.py calls them on CUDA at Qwen1.5-MoE-A2.7B's shapes. Fresh random
+inputs, ties forced, padding rows, every buffer a kernel writes poisoned first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from tests.kernels.triton_interpreter import run_checks
+
+POISON = float("nan")
+INT_POISON = -7777
+
+
+def _logits(device, dtype, num_rows, num_experts, seed):
+    """Random logits with ties: in each row expert 7's logit copied to experts 3 and 11 (and,
+    in bf16, many more ties of rounding); a few rows all equal."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, num_experts, generator=gen) * 3
+    logits[:, [3, 11]] = logits[:, 7:8].clone()
+    logits[::5] = 0.5
+    return logits.to(dtype=dtype, device=device)
+
+
+def _real_rows(device, num_rows, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(num_rows, generator=gen) > 0.3).to(device)
+
+
+def check_route(device: str, dtype: torch.dtype, num_rows: int, norm: bool,
+                num_experts: int = 60, top_k: int = 4, seed: int = 0) -> None:
+    """moe_glue.route against moe_math.route, padding rows or none, poisoned outputs; and a
+    row's bits alone."""
+    from lorad.workers.kernels import moe_glue, moe_math
+    logits = _logits(device, dtype, num_rows, num_experts, seed)
+    where = f"route {dtype} rows {num_rows} norm {norm}"
+    for real_rows in (None, _real_rows(device, num_rows, seed)):
+        out = (torch.full((num_rows, top_k), POISON, dtype=dtype, device=device),
+               torch.full((num_rows, top_k), INT_POISON, dtype=torch.int64, device=device))
+        got = moe_glue.route(logits, top_k, norm, real_rows, out=out)
+        want = moe_math.route(logits, top_k, norm, real_rows)
+        for name, a, b in zip(("weights", "experts"), got, want):
+            if not torch.equal(a.cpu(), b.cpu()):
+                bad = int((a != b).any(1).sum())
+                raise AssertionError(f"{where} padding {real_rows is not None}: {name} differ "
+                                     f"in {bad} rows")
+    last = moe_glue.route(logits[-1:], top_k, norm)
+    if not all(torch.equal(a[0], b[-1]) for a, b in zip(last, moe_glue.route(logits, top_k,
+                                                                              norm))):
+        raise AssertionError(f"{where}: the last row alone gave other bits")
+
+
+def check_route_picks(device: str) -> None:
+    """moe_math.route's choices on ties: the lowest experts first (a row of equal logits picks
+    0..top_k-1, equal weights), as the kernel does (check_route)."""
+    from lorad.workers.kernels import moe_glue, moe_math
+    logits = torch.zeros(2, 8, device=device)
+    logits[1, [6, 2, 5]] = 1.0
+    for fn in (moe_math.route, moe_glue.route):
+        weights, experts = fn(logits, 3, False)
+        if experts.cpu().tolist() != [[0, 1, 2], [2, 5, 6]]:
+            raise AssertionError(f"{fn.__module__}: picked {experts.tolist()}")
+        if not torch.equal(weights[0], weights[0, :1].expand(3)):
+            raise AssertionError(f"{fn.__module__}: unequal weights of equal logits")
+
+
+def _sorted_experts(device, num_rows, num_experts, top_k, seed):
+    """Each row's top_k distinct experts ascending, padding rows (30%) all num_experts."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
+                           for _ in range(num_rows)]).sort(dim=1).values
+    real = _real_rows("cpu", num_rows, seed)
+    return torch.where(real[:, None], experts, num_experts).to(device)
+
+
+def check_tiles_kernel(device: str, num_rows: int, num_experts: int = 60, top_k: int = 4,
+                       block_m: int = 16, seed: int = 2) -> None:
+    """expert_tiles_kernel's four tables equal expert_tiles', entry for entry (poisoned)."""
+    from lorad.workers.kernels.fused_moe import expert_tiles, expert_tiles_kernel
+    from lorad.workers.kernels.launch_math import cdiv
+    experts = _sorted_experts(device, num_rows, num_experts, top_k, seed)
+    num_tiles = cdiv(num_rows * top_k, block_m) + num_experts
+    out = (torch.full((num_rows * top_k,), INT_POISON, dtype=torch.int64, device=device),
+           *(torch.full((num_tiles,), INT_POISON, dtype=torch.int32, device=device)
+             for _ in range(3)))
+    got = expert_tiles_kernel(experts, num_experts, block_m, out=out)
+    want = expert_tiles(experts, num_experts, block_m)
+    for name, a, b in zip(("pair_order", "tile_expert", "tile_start", "tile_count"), got, want):
+        if a.dtype != b.dtype or not torch.equal(a.cpu(), b.cpu()):
+            raise AssertionError(f"tiles, {num_rows} rows of {num_experts} experts top "
+                                 f"{top_k}: {name} differs")
+
+
+def check_epilogue(device: str, dtype: torch.dtype, num_rows: int = 9, hidden: int = 700,
+                   top_k: int = 4, seed: int = 3) -> None:
+    """moe_glue.epilogue against fused_moe's add_experts, torch's where, moe_math.sigmoid and
+    the add, with and without padding rows (their pairs NaN), gate logits past +-80 too."""
+    from lorad.workers.kernels.fused_moe import add_experts
+    from lorad.workers.kernels.moe_glue import epilogue
+    from lorad.workers.kernels.moe_math import sigmoid
+    gen = torch.Generator().manual_seed(seed)
+    pairs = torch.randn(num_rows, top_k, hidden, generator=gen).to(device)
+    gate = (torch.randn(num_rows, 1, generator=gen) * 30).to(dtype=dtype, device=device)
+    gate[:2, 0] = torch.tensor([95.0, -95.0])[:num_rows]  # exp_fp32's clamps
+    shared = torch.randn(num_rows, hidden, generator=gen).to(device)
+    for real_rows in (None, _real_rows(device, num_rows, seed)):
+        if real_rows is not None:
+            pairs[~real_rows] = POISON
+        out = torch.full_like(shared, POISON)
+        got = epilogue(pairs, gate, shared, real_rows, out=out)
+        routed = add_experts(pairs)
+        if real_rows is not None:
+            routed = torch.where(real_rows[:, None], routed, 0.0)
+        want = routed + sigmoid(gate).float() * shared
+        if not torch.equal(got.cpu(), want.cpu()):
+            raise AssertionError(f"epilogue {dtype} padding {real_rows is not None}: "
+                                 f"{int((got != want).any(1).sum())} rows differ")
+
+
+def _block(device, dtype, hidden, num_experts, top_k, inter, shared_inter, norm, seed):
+    from lorad.workers.moe import SparseMoeBlock
+    from lorad.workers.parallel import TensorParallel
+    from lorad.workers.tuning import Tuning
+    config = SimpleNamespace(hidden_size=hidden, num_experts=num_experts,
+                             num_experts_per_tok=top_k, norm_topk_prob=norm,
+                             moe_intermediate_size=inter,
+                             shared_expert_intermediate_size=shared_inter)
+    block = SparseMoeBlock(config, TensorParallel(0, 1, torch.device(device)), dtype,
+                           torch.device(device), Tuning())
+    gen = torch.Generator().manual_seed(seed)
+    for param in block.parameters():
+        fan_in = param.shape[-1]
+        param.data.copy_(torch.randn(param.shape, generator=gen) * fan_in ** -0.5)
+    return block
+
+
+def check_block(device: str, dtype: torch.dtype, num_rows: int, norm: bool = False,
+                hidden: int = 64, num_experts: int = 12, top_k: int = 4, inter: int = 32,
+                shared_inter: int = 48, seed: int = 5) -> None:
+    """SparseMoeBlock.forward on the kernel path (route, tiles, two expert kernels, epilogue)
+    against the composition it replaced there (moe_math.route, fused_moe with its sort and
+    add_experts, torch's sigmoid scale and add), bit for bit, with padding rows; and row 0
+    alone (among padding rows) against the row in a step of up to 16 rows."""
+    from lorad.workers.kernels import moe_math
+    from lorad.workers.kernels.fused_moe import fused_moe
+    from lorad.workers.lora_rows import LoraRows
+    block = _block(device, dtype, hidden, num_experts, top_k, inter, shared_inter, norm, seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, hidden, generator=gen).to(dtype=dtype, device=device)
+    real_rows = _real_rows(device, num_rows, seed)
+    real_rows[0] = True
+    lora = LoraRows(slots=(), groups=[])
+    where = f"block {dtype} rows {num_rows} norm {norm}"
+    with _kernel_path(device):
+        got, _ = block(x, lora, SimpleNamespace(real_rows=real_rows))
+        weights, experts = moe_math.route(block.gate(x), top_k, norm)
+        routed = fused_moe(x, block.experts.gate_up, block.experts.down, weights, experts,
+                           block.experts.config, real_rows=real_rows)
+        scale = moe_math.sigmoid(block.shared_expert_gate(x)).float()
+        want = routed + scale * block.shared_expert.partial_sum(x, lora)
+        if not torch.equal(got.cpu(), want.cpu()):
+            raise AssertionError(f"{where}: {int((got != want).any(1).sum())} rows differ from "
+                                 "the old composition")
+        padding = torch.zeros(7, dtype=torch.bool, device=device)
+        alone, _ = block(torch.cat([x[:1], x[:7]]), lora,
+                         SimpleNamespace(real_rows=torch.cat([real_rows[:1], padding])))
+    # Up to 16 rows only: past the decode GEMV's rows the shared expert's base matmul is
+    # another kernel (MKL's on the CPU), whose bits are not this block's.
+    if num_rows <= 16 and not torch.equal(alone[0].cpu(), got[0].cpu()):
+        raise AssertionError(f"{where}: row 0 alone gave other bits")
+
+
+class _kernel_path:
+    """The block's kernel path: on CPU tensors through LORAD_TEST_KERNELS_ON_CPU (CUDA has it)."""
+
+    def __init__(self, device: str) -> None:
+        self.on_cpu = device == "cpu"
+
+    def __enter__(self):
+        from lorad.workers.kernel_path import KERNELS_ON_CPU_ENV
+        if self.on_cpu:
+            os.environ[KERNELS_ON_CPU_ENV] = "1"
+
+    def __exit__(self, *exc):
+        from lorad.workers.kernel_path import KERNELS_ON_CPU_ENV
+        if self.on_cpu:
+            os.environ.pop(KERNELS_ON_CPU_ENV, None)
+
+
+CHECKS = {
+    **{f"route_{name}_{rows}_norm{int(norm)}": (check_route, dict(
+        dtype=dtype, num_rows=rows, norm=norm))
+       for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+       for rows in (1, 7, 33, 64) for norm in (False, True)},
+    "route_ties_lowest_first": (check_route_picks, {}),
+    **{f"tiles_kernel_{rows}": (check_tiles_kernel, dict(num_rows=rows))
+       for rows in (1, 7, 33, 64, 128)},
+    "tiles_kernel_few_experts": (check_tiles_kernel, dict(num_rows=40, num_experts=4, top_k=2)),
+    "tiles_kernel_16_experts": (check_tiles_kernel, dict(num_rows=50, num_experts=16, top_k=3)),
+    "epilogue_fp32": (check_epilogue, dict(dtype=torch.float32)),
+    "epilogue_bf16": (check_epilogue, dict(dtype=torch.bfloat16)),
+    "block_fp32_8": (check_block, dict(dtype=torch.float32, num_rows=8)),
+    "block_bf16_8_norm": (check_block, dict(dtype=torch.bfloat16, num_rows=8, norm=True)),
+    "block_fp32_16": (check_block, dict(dtype=torch.float32, num_rows=16)),
+    "block_fp32_33_norm": (check_block, dict(dtype=torch.float32, num_rows=33, norm=True)),
+    # 150 rows x 4: past TILE_KERNEL_MAX_PAIRS, expert_tiles' torch tables
+    "block_bf16_150": (check_block, dict(dtype=torch.bfloat16, num_rows=150)),
+}
+
+
+def main(names: list[str]) -> int:
+    return run_checks(CHECKS, names)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
