@@ -86,3 +86,23 @@ def test_stop_strings_and_logprobs_decode_without_drafts(start_lorad):
     assert counter(drafting.url, "lorad_draft_tokens_total") == 0
     for daemon in (drafting, reference):
         assert daemon.stop() == 0, daemon.log()[-4000:]
+
+
+def test_adapter_mix_compares_undrafted_runs(start_lorad, tiny_adapters):
+    """scripts/adapter_mix.py --draft against a drafting daemon at --parallel 2: the burst and
+    each pair's "draft": false run equal the solo runs of a daemon without drafting."""
+    from tests.integration.test_adapter_mix import run_mix
+
+    flags = ("--parallel", "2", "--kv-cache-blocks", "512", "--max-num-seqs", "48",
+             *adapter_flags(tiny_adapters))
+    drafting = start_lorad("--speculative-ngram", "4", *flags)
+    reference = start_lorad(*flags)
+    result = run_mix("--url", drafting.url, "--reference-url", reference.url, "--seeded",
+                     "--draft", "--prompt-lengths", "8,60", "--burst", "12",
+                     models=("tiny", "a@0.5", "b"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK: all 12 streams equal their solo runs, all 12 undrafted runs their solo runs" \
+        in result.stdout
+    assert counter(drafting.url, "lorad_draft_accepted_total") > 0
+    for daemon in (drafting, reference):
+        assert daemon.stop() == 0, daemon.log()[-4000:]
