@@ -239,20 +239,23 @@ class Planner:
     def _draft(self, budget: int, scheduled: list) -> dict[str, list[int]]:
         """4. draft tokens for the decodes that allow them -> request id -> its draft. Last, from
         what the step left: a draft never preempts, never takes a token or a block another
-        sequence asked for this step, never runs past max_tokens or the model's length."""
+        sequence asked for this step, nor the blocks the head of the queue waits for, and never
+        runs past max_tokens or the model's length."""
         drafts: dict[str, list[int]] = {}
+        blocks, block_size = self.blocks, self.blocks.block_size
+        held = blocks.blocks_for(self.waiting[0].num_tokens) if self.waiting else 0
         for seq, num in scheduled:
-            if budget <= 0:
+            if budget <= 0 or blocks.num_free_blocks <= held:
                 break
             if (num != 1 or not seq.draft or not seq.output_ids
                     or seq.num_computed + 1 != seq.num_tokens):
                 continue  # not a decode of a drafting sequence
+            room = (len(seq.block_table) + blocks.num_free_blocks - held) * block_size
             max_draft = min(self.limits.num_speculative, budget,
                             seq.sampling.max_tokens - len(seq.output_ids) - 1,
                             self.limits.max_model_len - seq.num_tokens - 1,
-                            self._free_capacity(seq) - 1)
-            if max_draft <= 0 or (self.blocks.num_shared
-                                  and self.forks.num_copies(seq, 1 + max_draft)):
+                            room - seq.num_computed - 1)
+            if max_draft <= 0 or (blocks.num_shared and self.forks.num_copies(seq, 1 + max_draft)):
                 continue
             if seq.ngrams is None:
                 seq.ngrams = NgramIndex()

@@ -177,3 +177,32 @@ def test_drafting_matches_the_undrafted_tokens_and_blocks_of_a_greedy_rule():
             p.apply(plan, sampled)
         outputs.append((seq.output_ids, p.blocks.num_cached_blocks))
     assert outputs[0] == outputs[1] and len(outputs[0][0]) == 40
+
+
+def test_drafts_leave_the_blocks_the_head_of_the_queue_waits_for():
+    p = planner(k=8, num_blocks=6, block_size=4, max_model_len=16)
+    two_started(p)
+    p.admit(Sequence("c", [9] * 10, GREEDY, 0, "", 3, draft=True))  # needs 3 blocks, 2 free
+    plan = p.plan()
+    assert [(c.request_id, c.num_draft) for c in plan.chunks] == [("a", 0), ("b", 0)]
+    assert p.blocks.num_free_blocks == 2
+    p = planner(k=8, num_blocks=8, block_size=4, max_model_len=16)
+    two_started(p)
+    p.admit(Sequence("c", [9] * 10, GREEDY, 0, "", 3, draft=True))
+    plan = p.plan()  # c starts on 3 of the 4 free blocks; a drafts into the last one
+    assert [(c.request_id, c.num_draft) for c in plan.chunks] == [("a", 4), ("b", 0), ("c", 0)]
+
+
+def test_a_drafted_chunk_samples_every_row_of_the_batch():
+    from lorad.workers.batch import ForwardBatch
+    from lorad.workers.step_plan import ScheduledChunk, StepPlan
+
+    chunks = [ScheduledChunk("p", [1, 2, 3], 0, [0], True, 0, 1.0, 3),  # a prompt, forked
+              ScheduledChunk("d", [5, 6, 7], 9, [1, 2], True, 1, 0.5, 4, 2),  # 2 drafts
+              ScheduledChunk("e", [8], 4, [3], True, 0, 1.0, 2)]
+    plan = StepPlan(1, chunks, [], {"p": ["p/1"]}, num_draft_tokens=2)
+    assert plan.sampled_request_ids == ["p", "p/1", "d", "d", "d", "e"]
+    assert plan.logits_rows == [0, 0, 1, 2, 3, 4]
+    batch = ForwardBatch.build(plan.batch_chunks(), block_size=8)
+    assert batch.sample_rows.tolist() == [2, 3, 4, 5, 6]
+    assert [s.num_prompt for s in batch.seqs] == [3, 0, 0]
