@@ -19,6 +19,9 @@ one burst mixes strengths of one adapter. --reference-url takes the solo runs fr
 re-chunked prompt, or the previous build). --resume runs the solo runs cold ("cache_prompt":
 false) and, after the burst, every (model id, prompt, mode) once more on --url with the prefix
 cache, its prompt's blocks cached by the burst: each resumed run must equal its cold one too.
+--draft runs every (model id, prompt, mode) once more on --url with "draft": false (lorad's
+switch for n-gram drafting, --speculative-ngram): on a drafting daemon each such run must equal
+its solo run, drafted, by token hashes too.
 
 Usage: adapter_mix.py --url http://127.0.0.1:8000 --models BASE,ADAPTER1,ADAPTER2 [options]
 """
@@ -87,7 +90,7 @@ def post(url: str, route: str, body: dict, timeout: float) -> tuple[http.client.
 
 
 def stream_run(url: str, key: Key, prompts: list[str | list[int]], args: argparse.Namespace,
-               cache_prompt: bool = True) -> Run:
+               cache_prompt: bool = True, draft: bool = True) -> Run:
     """POST one streamed request; its text, token ids and completion token count."""
     spec, prompt_index, mode = key
     model, strength = split_spec(spec)
@@ -98,6 +101,8 @@ def stream_run(url: str, key: Key, prompts: list[str | list[int]], args: argpars
         body["adapter_strength"] = strength
     if not cache_prompt:
         body["cache_prompt"] = False
+    if not draft:
+        body["draft"] = False
     body |= ({"temperature": 0} if mode == "greedy"
              else {**SEEDED, "seed": pair_seed(spec, prompt_index)})
     prompt = prompts[prompt_index]
@@ -185,9 +190,10 @@ def burst_plan(models: list[str], num_prompts: int, modes: list[str], size: int)
 
 
 def solo_runs(url: str, plan: list[Key], prompts: list[str | list[int]],
-              args: argparse.Namespace, cache_prompt: bool = True) -> dict[Key, Run]:
+              args: argparse.Namespace, cache_prompt: bool = True,
+              draft: bool = True) -> dict[Key, Run]:
     """Each key of the plan once, one request at a time."""
-    return {key: stream_run(url, key, prompts, args, cache_prompt)
+    return {key: stream_run(url, key, prompts, args, cache_prompt, draft)
             for key in dict.fromkeys(plan)}
 
 
@@ -276,6 +282,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="solo runs cold (cache_prompt false); after the burst each pair "
                              "once more with the prefix cache, compared with its cold run")
+    parser.add_argument("--draft", action="store_true",
+                        help='after the burst each pair once more with "draft": false, compared '
+                             "with its solo run (n-gram drafting off for that request)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
@@ -330,7 +339,13 @@ def main(argv: list[str] | None = None) -> int:
             resumed = list(solo_runs(args.url, plan, prompts, args).values())
         except RequestFailed as exc:
             errors.append(f"a resumed run: {exc}")
-    by_ids = all(r.token_ids is not None for r in [*solo.values(), *burst, *resumed]
+    undrafted: list[Run | None] = []
+    if args.draft:
+        try:
+            undrafted = list(solo_runs(args.url, plan, prompts, args, draft=False).values())
+        except RequestFailed as exc:
+            errors.append(f"an undrafted run: {exc}")
+    by_ids = all(r.token_ids is not None for r in [*solo.values(), *burst, *resumed, *undrafted]
                  if r is not None)
     if not by_ids:
         print("adapter_mix: warning: a server returned no token_ids (return_token_ids); "
@@ -338,13 +353,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     bad = mismatches(solo, burst, by_ids)
     bad_resumed = mismatches(solo, resumed, by_ids, "resumed run")
+    bad_resumed += mismatches(solo, undrafted, by_ids, "undrafted run")
     sampling = " and seeded (temperature 0.8, top_p 0.95)" if args.seeded else ""
     print(f"adapter_mix: {args.url} (solo runs from {args.reference_url or args.url}), "
           f"{'chat' if args.chat else 'completions'}, greedy{sampling}, {described}, "
           f"max_tokens {args.max_tokens}{', ignore_eos' if args.ignore_eos else ''}; compared by "
           f"{'token ids' if by_ids else 'text'}; {len(solo)} solo runs in {solo_s:.1f} s, "
           f"a burst of {size} concurrent streams in {burst_s:.1f} s"
-          f"{f', then {len(resumed)} resumed runs' if args.resume else ''}")
+          f"{f', then {len(resumed)} resumed runs' if args.resume else ''}"
+          f"{f', then {len(undrafted)} undrafted runs' if args.draft else ''}")
     print(summary(models, modes, solo, burst, bad))
     for line in bad + bad_resumed + errors:
         print(line)
@@ -354,11 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad or bad_resumed:
         names = sorted({line.split()[1] for line in bad + bad_resumed})
         print(f"adapter_mix: FAILED: {len(bad)} of {size} streams differ from their solo run, "
-              f"{len(bad_resumed)} of {len(resumed)} resumed runs from their cold run "
-              f"(models: {', '.join(names)})", file=sys.stderr)
+              f"{len(bad_resumed)} of {len(resumed) + len(undrafted)} resumed or undrafted runs "
+              f"from their cold or solo run (models: {', '.join(names)})", file=sys.stderr)
         return 1
     print(f"adapter_mix: OK: all {size} streams equal their solo runs"
-          f"{f', all {len(resumed)} resumed runs their cold runs' if args.resume else ''}")
+          f"{f', all {len(resumed)} resumed runs their cold runs' if args.resume else ''}"
+          f"{f', all {len(undrafted)} undrafted runs their solo runs' if args.draft else ''}")
     return 0
 
 

@@ -298,6 +298,10 @@ def _add_scheduler_flags(group) -> None:
     group.add_argument("--max-num-batched-tokens", type=positive_int, default=512, metavar="N",
                        help="most tokens in one step; longer prompts are prefilled in chunks "
                             "(default: %(default)s)")
+    group.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
+                       help="draft up to K tokens per decode by prompt lookup (the sequence's "
+                            "own earlier n-grams) and verify them in one step; a request's "
+                            '"draft": false opts out (default: 0, off)')
     group.add_argument("--block-size", type=positive_int, default=16, metavar="N",
                        help="tokens per KV cache block (default: %(default)s)")
     kv = group.add_mutually_exclusive_group()
@@ -387,6 +391,7 @@ def parse_args(argv: list[str] | None = None, node: bool = False) -> ServeConfig
             port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
             dist_backend=args.dist_backend, all_reduce=args.all_reduce,
             enforce_eager=args.enforce_eager, deterministic=args.deterministic,
+            speculative_ngram=args.speculative_ngram,
             prefix_cache=args.prefix_cache, kv_spill_dir=_spill_dir(args),
             kv_spill_bytes=args.kv_spill_bytes, max_model_len=args.max_model_len,
             max_num_seqs=_none_if_auto(args.max_num_seqs),

@@ -26,6 +26,9 @@ ALL_REDUCES = ("auto", "nccl", "oneshot")
 # seed in the shapes config.json gives, no checkpoint read (benchmarks, bring-up of new shapes).
 LOAD_FORMATS = ("auto", "safetensors", "random")
 # Ranks report twice a second; a deadline shorter than this would flag ordinary scheduling noise.
+# --speculative-ngram: a decode's verify step runs 1 + K positions eagerly; past 16 a guess from
+# a lookup is rarely right that far, and the step's rows grow for nothing.
+MAX_SPECULATIVE_NGRAM = 16
 MIN_STEP_TIMEOUT_S = 1.0
 
 
@@ -80,6 +83,7 @@ class ServeConfig:
     prefix_cache: bool = True  # reuse cached KV blocks of equal prefixes (workers/prefix_cache.py)
     # Batch-invariant arithmetic (--no-deterministic: cuBLAS at every row count on a GPU).
     deterministic: bool = True
+    speculative_ngram: int = 0  # draft tokens per decode by prompt lookup; 0: no drafting
     kv_spill_dir: str | None = None  # absolute, checked writable; None: no disk spill
     kv_spill_bytes: int = 8 << 30  # per rank
     max_model_len: int | None = None
@@ -135,6 +139,10 @@ class ServeConfig:
         _positive("--max-model-len", self.max_model_len, allow_none=True)
         _positive("--max-num-seqs", self.max_num_seqs, allow_none=True)
         _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
+        if (not isinstance(self.speculative_ngram, int) or isinstance(self.speculative_ngram, bool)
+                or not 0 <= self.speculative_ngram <= MAX_SPECULATIVE_NGRAM):
+            raise ConfigError(f"--speculative-ngram must be 0..{MAX_SPECULATIVE_NGRAM}, "
+                              f"got {self.speculative_ngram!r}")
         _positive("--block-size", self.block_size)
         _positive("--kv-cache-blocks", self.kv_cache_blocks, allow_none=True)
         _positive("--kv-cache-memory", self.kv_cache_memory, allow_none=True)
@@ -209,6 +217,7 @@ class WorkerConfig:
     all_reduce: str = "nccl"  # ALL_REDUCES, checked with the flags by ServeConfig
     enforce_eager: bool = False
     deterministic: bool = True  # False: no matmul plans (matmul_plan.py), cuBLAS at every count
+    speculative_ngram: int = 0  # draft tokens per decode (workers/ngram_draft.py); 0: off
     prefix_cache: bool = True
     kv_spill_dir: str | None = None  # each rank's store is its rank-R subfolder
     kv_spill_bytes: int = 8 << 30

@@ -184,7 +184,7 @@ class EngineClient:
     def admit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
               adapter_id: int = 0, adapter_key: str = "", grammar: str = "", n: int = 1,
               queue: asyncio.Queue | None = None, cache_prompt: bool = True,
-              adapter_strength: float = 1.0) -> list[str]:
+              adapter_strength: float = 1.0, draft: bool = True) -> list[str]:
         """Publish the admission of one prompt's n choices (adapter id 0, key "": the base model;
         grammar "": unconstrained) and return the choices' request ids; `queue` (a new one if
         None) yields their SeqOutputs, then, for each choice, a finished SeqOutput or a
@@ -195,7 +195,7 @@ class EngineClient:
         # Published first: an Admit over the frame limit raises ProtocolError and leaves nothing
         # registered (and no gap in `seq`).
         self._publish(Admit(self._next_seq, request_id, prompt_ids, sampling, adapter_id,
-                            adapter_key, grammar, n, cache_prompt, adapter_strength))
+                            adapter_key, grammar, n, cache_prompt, adapter_strength, draft))
         ids = choice_ids(request_id, n)
         for choice_id in ids:
             self._queues[choice_id] = queue

@@ -79,8 +79,8 @@ class _Choice:
 async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: str,
                    prompts: list[Prompt], stop: tuple[str, ...], adapter_id: int = 0,
                    adapter_key: str = "", grammar: str = "", n: int = 1,
-                   cache_prompt: bool = True,
-                   adapter_strength: float = 1.0) -> AsyncIterator[Delta]:
+                   cache_prompt: bool = True, adapter_strength: float = 1.0,
+                   draft: bool = True) -> AsyncIterator[Delta]:
     """Yield every choice's deltas, interleaved as their tokens arrive, until each choice has
     yielded one with a finish reason; raise GenerationError when any choice fails (the others
     are cancelled: one error ends the whole request).
@@ -90,11 +90,15 @@ async def generate(engine: EngineClient, tokenizer: ModelTokenizer, request_id: 
     """
     queue: asyncio.Queue = asyncio.Queue()  # every choice's outputs, in arrival order
     choices: dict[str, _Choice] = {}
+    # A stop string is matched here, on text: the tokens a drafted step emits after a match
+    # would be counted in usage and return_token_ids, where one token a step would have stopped.
+    draft = draft and not stop
     try:
         for i, prompt in enumerate(prompts):
             prompt_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             ids = engine.admit(prompt_id, prompt.token_ids, prompt.sampling, adapter_id,
-                               adapter_key, grammar, n, queue, cache_prompt, adapter_strength)
+                               adapter_key, grammar, n, queue, cache_prompt, adapter_strength,
+                               draft)
             for j, choice_id in enumerate(ids):
                 # The workers send a prompt's values with its first choice (echo takes n = 1).
                 echo = prompt.sampling.prompt_logprobs >= 0 and j == 0

@@ -84,6 +84,12 @@ class Metrics:
             "lorad_model_tokens", "Tokens the workers ran through the model (prompt chunks, "
             "decodes and recomputes after preemption), from the leader's step results: the "
             "choices of one prompt (n) run its prompt once", registry=registry)
+        self.draft_tokens = Counter(
+            "lorad_draft_tokens", "Draft tokens (--speculative-ngram) the model verified, from "
+            "the leader's step results (part of lorad_model_tokens_total)", registry=registry)
+        self.draft_accepted = Counter(
+            "lorad_draft_accepted", "Draft tokens the sequences took: each one a generated token "
+            "that needed no step of its own", registry=registry)
         self.first_token = Histogram(
             "lorad_time_to_first_token_seconds", "From the request's arrival to its first "
             "generated token reaching the coordinator", ["model"], buckets=FIRST_TOKEN_BUCKETS,
@@ -182,6 +188,9 @@ class Metrics:
         """EngineClient's per-StepResult hook."""
         now = time.monotonic()
         self.model_tokens.inc(result.num_model_tokens)
+        if result.num_draft_tokens:
+            self.draft_tokens.inc(result.num_draft_tokens)
+            self.draft_accepted.inc(result.num_draft_accepted)
         if self._engine_busy and self._last_step_at is not None:
             self.step_interval.observe(now - self._last_step_at)
         self._last_step_at = now

@@ -26,6 +26,7 @@ def probe_body(state) -> dict:
         "queued": state.admission.num_queued, "open_requests": state.admission.num_open,
         "running": engine.load.num_running, "waiting": engine.load.num_waiting,
         "deterministic": state.deterministic,
+        "speculative_ngram": state.speculative_ngram,
         "prefix_cache": {"enabled": state.prefix_cache,
                          "prompt_tokens": state.metrics.num_prompt_tokens,
                          "cached_tokens": state.metrics.num_cached_prompt_tokens},

@@ -70,6 +70,7 @@ class AppState:
     status: str = "serving"
     prefix_cache: bool = True  # --no-prefix-cache turns it off, for /health
     deterministic: bool = True  # --no-deterministic turns it off, for /health
+    speculative_ngram: int = 0  # --speculative-ngram, for /health
     created: int = field(default_factory=lambda: int(time.time()))
     # The served adapters as they change while serving; None: the start adapters, fixed.
     catalog: AdapterCatalog | None = None
@@ -228,7 +229,7 @@ async def _generate(request: web.Request, state: AppState, format_cls: type[Comp
         deltas = generate(state.engine, state.model.tokenizer, fmt.response_id, prompts,
                           options.stop, choice.adapter_id, choice.adapter_key,
                           constraint.grammar if constraint else "", options.n,
-                          options.cache_prompt, strength)
+                          options.cache_prompt, strength, options.draft)
         deltas = state.metrics.observe(state.admission.bounded(deltas, ticket), choice.model_id,
                                        started)
         async with aclosing(deltas):

@@ -62,6 +62,8 @@ class SamplingOptions:
     # lorad extension: the multiplier of the chosen adapter's scales, 0..MAX_ADAPTER_STRENGTH;
     # None: absent (1.0). routes.py refuses it on a request for the base model.
     adapter_strength: float | None = None
+    # lorad extension: false keeps this request's decodes to one token a step (no n-gram draft)
+    draft: bool = True
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,7 @@ def _options(body: dict, max_tokens_field: str, num_logprobs: int | None,
         stop_token_ids=parse_stop_token_ids(body.get("stop_token_ids")),
         min_tokens=min_tokens,
         cache_prompt=_bool(body, "cache_prompt", True),
+        draft=_bool(body, "draft", True),
         return_token_ids=_bool(body, "return_token_ids", False),
         adapter_strength=_number(body, "adapter_strength", None,
                                  lambda v: 0 <= v <= MAX_ADAPTER_STRENGTH,

@@ -96,7 +96,8 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
                                  config.adapter_dir, config.pinned_adapters)
         state = AppState(model, engine, Admission(max_queued, config.request_timeout), Metrics(),
                          prefix_cache=config.prefix_cache, catalog=catalog,
-                         deterministic=config.deterministic)
+                         deterministic=config.deterministic,
+                         speculative_ngram=config.speculative_ngram)
         engine.on_step_result = state.metrics.step_result
         engine.start()
         runner = await _start_http(state, config)
@@ -274,6 +275,7 @@ def _worker_config(config: ServeConfig, model: ServedModel, runtime_dir: Path,
         coordinator_pid=os.getpid(), log_level=config.log_level,
         load_format=config.load_format, all_reduce=config.all_reduce,
         enforce_eager=config.enforce_eager, deterministic=config.deterministic,
+        speculative_ngram=config.speculative_ngram,
         prefix_cache=config.prefix_cache, kv_spill_dir=config.kv_spill_dir,
         kv_spill_bytes=config.kv_spill_bytes, kernel_cache_dir=config.kernel_cache_dir,
         adapters=[spec.to_worker_dict() for spec in model.adapters],

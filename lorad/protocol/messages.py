@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 # 11: Admit.adapter_strength (per-request strength)
 # 12: Admit.adapter_id (a registry id; the planner places it in a device slot), LoadAdapter,
 # UnloadAdapter, AdapterLoaded, AdapterRefused, RankStatus' adapter slot and cache counts
-PROTOCOL_VERSION = 12
+# 13: Admit.draft, StepResult.num_draft_tokens and num_draft_accepted (n-gram drafting)
+PROTOCOL_VERSION = 13
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; keeps a step result's size bounded
 MAX_CHOICES = 16  # n: choices of one prompt, each a live sequence after the shared prefill
 # adapter_strength: 4x the adapter's scales is past any use seen (1..2 is common) and keeps a
@@ -133,6 +134,9 @@ class Admit:
     # lorad's "adapter_strength": the multiplier of the adapter's scales for this request alone,
     # 0..MAX_ADAPTER_STRENGTH; 1.0 for the base model.
     adapter_strength: float = 1.0
+    # lorad's "draft": whether the workers may draft this request's tokens (--speculative-ngram;
+    # workers/ngram_draft.py says which requests they never draft for).
+    draft: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
@@ -258,6 +262,9 @@ class StepResult:
     num_waiting: int
     num_free_blocks: int
     num_model_tokens: int = 0  # tokens the step ran through the model (prefill chunks, decodes)
+    # N-gram drafting: draft tokens the step verified, and those of them the sequences took.
+    num_draft_tokens: int = 0
+    num_draft_accepted: int = 0
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,9 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [num_rows] int64: KV slot (block * block_size + offset), -1 = pad
     row_adapter_slots: torch.Tensor  # [num_rows] int64: each row's adapter slot (0 for padding)
     seqs: list[SeqChunk]
-    sample_rows: torch.Tensor  # [num_sampled] int64: rows whose logits are returned, in order
+    # [num_sampled] int64: rows whose logits are returned, in order: a sampling chunk's last, or
+    # a drafted chunk's every row
+    sample_rows: torch.Tensor
     num_tokens: int  # real (unpadded) rows
     # The same per-sequence facts as `seqs`, as device tensors, for kernels and CUDA graphs
     # (which cannot walk a Python list):
@@ -74,9 +76,9 @@ class ForwardBatch:
     def build(cls, chunks: list[tuple[list[int], int, list[int], bool, int]], block_size: int,
               device: torch.device | str = "cpu", min_rows: int = MIN_ROWS) -> "ForwardBatch":
         """chunks: (new_token_ids, start_position, block_table, wants_sample, adapter_slot[,
-        adapter_strength[, prompt_len]]) (strength 1.0 when absent; prompt_len, the sequence's
-        prompt tokens, when absent: a chunk of one token that samples is a decode, any other
-        all prompt)."""
+        adapter_strength[, prompt_len[, num_draft]]]) (strength 1.0 when absent; prompt_len, the
+        sequence's prompt tokens, when absent: a chunk of one token that samples is a decode,
+        any other all prompt; num_draft: a sampling chunk's last 1 + num_draft rows sample)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -101,7 +103,8 @@ class ForwardBatch:
                 row_adapters.append(adapter_slot)
                 row_strengths.append(strength)
             if wants_sample:
-                sample_rows.append(len(ids) - 1)
+                num_draft = chunk[7] if len(chunk) > 7 else 0
+                sample_rows.extend(range(len(ids) - 1 - num_draft, len(ids)))
         num_tokens = len(ids)
         pad = max(0, min_rows - num_tokens)
         if torch.device(device).type == "cpu":

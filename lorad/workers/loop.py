@@ -29,6 +29,7 @@ from lorad.workers.engine import Engine
 from lorad.workers import logprobs, prompt_logprobs
 from lorad.workers.grammar import GrammarRows
 from lorad.workers.logits_processors import LogitsTransforms, rows_to_transform
+from lorad.workers.ngram_draft import accepted_tokens, may_draft
 from lorad.workers.planner import Planner, PlannerLimits, StepPlan
 from lorad.workers.sampler import Sampler
 from lorad.workers.sequence import Sequence
@@ -65,7 +66,8 @@ class WorkerLoop:
         self.sub = sub
         self.push = push
         self.is_leader = rank == 0
-        limits = PlannerLimits(engine.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        limits = PlannerLimits(engine.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
+                               cfg.speculative_ngram)
         opened = RankSpill.open(cfg, engine)
         self.spill, spill_index = opened if opened is not None else (None, None)
         slots = AdapterSlots(engine.store.capacity.num_slots, engine.resident,
@@ -100,7 +102,8 @@ class WorkerLoop:
             if not self.coordinator_alive():
                 return 1
             self._receive(HANDSHAKE_POLL_MS)
-        log.info("ready; serving")
+        log.info("ready; serving%s", f" (n-gram drafting: up to {self.cfg.speculative_ngram} "
+                 "tokens a decode)" if self.cfg.speculative_ngram else "")
         self.progress.phase = "serving"
         while self.coordinator_alive():
             # 1. receive
@@ -271,7 +274,8 @@ class WorkerLoop:
         # it its adapter's device slot when it starts.
         seq = Sequence(ids[0], list(msg.prompt_ids), msg.sampling, 0, msg.adapter_key,
                        arrival=msg.seq, fork_ids=ids[1:], cache_prompt=msg.cache_prompt,
-                       adapter_strength=msg.adapter_strength, adapter_id=adapter_id)
+                       adapter_strength=msg.adapter_strength, adapter_id=adapter_id,
+                       draft=may_draft(msg))
         # Every rank decides alone; a rank that decides otherwise has another live set, and the
         # agreement right after this fails the step on every rank before the model runs.
         refusal = (self.engine.adapter_refusal(adapter_id, msg.adapter_key)
@@ -305,10 +309,27 @@ class WorkerLoop:
             if rows:  # logit_bias, min_tokens, penalties: those rows only, in place
                 self.transforms.apply(logits, rows,
                                       [self.planner.sequence(request_ids[i]) for i in rows])
-            sampled = self.sampler.sample(logits, request_ids, params)
+            drafted = plan.num_draft_tokens > 0
+            sampled = self.sampler.sample(logits, request_ids, params, keep_drawn=drafted)
             self.grammars.advance(request_ids, sampled)
             self._step_logprobs = logprobs.complete(pending, request_ids, sampled)
+            if drafted:
+                self._put_back_uniforms(plan, sampled)
+        # Every row of a drafted chunk: each rank takes the accepted ones itself (apply).
         return broadcast_ids(self.engine.tp, sampled, len(request_ids))
+
+    def _put_back_uniforms(self, plan: StepPlan, sampled: list[int]) -> None:
+        """A drafted chunk's rows after the first rejected one emit nothing: their uniforms go
+        back to the request's stream, so a seeded stream draws the same ones drafted or not."""
+        row = 0
+        for chunk in plan.chunks:
+            if not chunk.sample:
+                continue
+            num_rows = 1 + chunk.num_draft
+            if chunk.num_draft:
+                taken = accepted_tokens(sampled[row:row + num_rows], chunk.token_ids[1:])
+                self.sampler.put_back(chunk.request_id, len(taken))
+            row += num_rows + len(plan.forks.get(chunk.request_id, ()))
 
     # --- 6. publish ---------------------------------------------------------------------------
 
@@ -332,7 +353,8 @@ class WorkerLoop:
         events = prompt_logprobs.attach(events, self._step_prompt, self.planner)
         self._step_prompt = {}
         num_model_tokens = sum(len(c.token_ids) for c in plan.chunks)
-        self.push.send(encode(StepResult(plan.step, events, *load, num_model_tokens)))
+        self.push.send(encode(StepResult(plan.step, events, *load, num_model_tokens,
+                                         plan.num_draft_tokens, self.planner.num_draft_accepted)))
         self._published_load = load
 
 

@@ -9,6 +9,8 @@ cached blocks of its longest cached prefix (never the block of its last token, w
 be sampled) and prefills from there, and apply() registers every block a step fills
 (prefix_cache.py). A sequence with an adapter id starts once its adapter is in a device slot
 (adapter_slots.py): the head of the queue waits for its copy, the next ones' are started with it.
+With --speculative-ngram, a decode may carry draft tokens (ngram_draft.py) from what the step
+left of the budget and the free blocks, and apply() takes the ones its sampled rows accepted.
 Grammar state is not handled here; echo's rows are prompt_logprobs.py's.
 """
 
@@ -21,6 +23,7 @@ from lorad.protocol.messages import MAX_PROMPT_LOGPROBS_PER_STEP, SeqOutput
 from lorad.workers.adapter_slots import AdapterSlots
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.fork import Forks
+from lorad.workers.ngram_draft import NgramIndex, accepted_tokens
 from lorad.workers.prefix_cache import PrefixReuse
 from lorad.workers.spill_index import SpillIndex
 from lorad.workers.sequence import Sequence, SeqStatus
@@ -34,6 +37,7 @@ class PlannerLimits:
     max_num_seqs: int  # live sequences holding KV blocks at once
     max_num_batched_tokens: int  # tokens (decode + prefill chunks) in one step
     max_model_len: int  # prompt + output never exceeds this
+    num_speculative: int = 0  # --speculative-ngram: draft tokens a decode carries at most
 
 
 class Planner:
@@ -57,6 +61,7 @@ class Planner:
         self.forks = Forks(blocks)
         self._copies: list[tuple[int, int]] = []  # this plan's copies on write
         self._prompt_rows_left = 0  # echo's share of the step being planned (_chunk_size)
+        self.num_draft_accepted = 0  # draft tokens the sequences took in the last apply()
 
     # --- the live set -------------------------------------------------------------------------
 
@@ -142,7 +147,8 @@ class Planner:
         if len(scheduled) < len(self.running):  # else every running sequence got its decode
             budget = self._continue_prefills(budget, scheduled, preempted)
         budget = self._start_waiting(budget, scheduled, preempted)  # 3. new and preempted ones
-        chunks = [self._chunk(seq, num) for seq, num in scheduled]
+        drafts = self._draft(budget, scheduled) if self.limits.num_speculative else {}
+        chunks = [self._chunk(seq, num, drafts.get(seq.request_id, ())) for seq, num in scheduled]
         forks = {}
         if self.forks.unforked:  # prefills of several choices that complete in this step
             forks = {seq.request_id: list(seq.fork_ids) for seq, num in scheduled
@@ -150,7 +156,8 @@ class Planner:
         copies, self._copies = self._copies, []
         fetches = self.adapters.take_fetches() if self.adapters is not None else []
         spill = self.reuse.end_plan() if self.reuse is not None else ([], [], [])
-        return StepPlan(self.step, chunks, preempted, forks, copies, *spill, fetches)
+        return StepPlan(self.step, chunks, preempted, forks, copies, *spill, fetches,
+                        sum(len(d) for d in drafts.values()))
 
     def _schedule_decodes(self, budget: int, scheduled: list, preempted: list[str]) -> int:
         """1. every decode gets its next token; -> the budget left. Runs for every sequence every
@@ -228,6 +235,36 @@ class Planner:
             scheduled.append((seq, num))
             budget -= num
         return budget
+
+    def _draft(self, budget: int, scheduled: list) -> dict[str, list[int]]:
+        """4. draft tokens for the decodes that allow them -> request id -> its draft. Last, from
+        what the step left: a draft never preempts, never takes a token or a block another
+        sequence asked for this step, nor the blocks the head of the queue waits for, and never
+        runs past max_tokens or the model's length."""
+        drafts: dict[str, list[int]] = {}
+        blocks, block_size = self.blocks, self.blocks.block_size
+        held = blocks.blocks_for(self.waiting[0].num_tokens) if self.waiting else 0
+        for seq, num in scheduled:
+            if budget <= 0 or blocks.num_free_blocks <= held:
+                break
+            if (num != 1 or not seq.draft or not seq.output_ids
+                    or seq.num_computed + 1 != seq.num_tokens):
+                continue  # not a decode of a drafting sequence
+            room = (len(seq.block_table) + blocks.num_free_blocks - held) * block_size
+            max_draft = min(self.limits.num_speculative, budget,
+                            seq.sampling.max_tokens - len(seq.output_ids) - 1,
+                            self.limits.max_model_len - seq.num_tokens - 1,
+                            room - seq.num_computed - 1)
+            if max_draft <= 0 or (blocks.num_shared and self.forks.num_copies(seq, 1 + max_draft)):
+                continue
+            if seq.ngrams is None:
+                seq.ngrams = NgramIndex()
+            draft = seq.ngrams.propose(seq, max_draft)
+            if draft:
+                self._allocate_for(seq, 1 + len(draft))
+                drafts[seq.request_id] = draft
+                budget -= len(draft)
+        return drafts
 
     def _place_adapters(self) -> None:
         """Plan the copies of the adapters the waiting sequences need, in queue order, from the
@@ -319,31 +356,37 @@ class Planner:
         _insert_by_arrival(self.waiting, seq)
         preempted.append(seq.request_id)
 
-    def _chunk(self, seq: Sequence, num: int) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, num: int, draft=()) -> ScheduledChunk:
         start = seq.num_computed
         num_tokens = len(seq.prompt_ids) + len(seq.output_ids)
         if num == 1 and start + 1 == num_tokens:  # a decode: its last token, no slicing
-            token_ids = [seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]]
+            token_ids = [seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1], *draft]
         else:
             token_ids = seq.token_slice(start, start + num)
         return ScheduledChunk(seq.request_id, token_ids, start, list(seq.block_table),
                               start + num == num_tokens, seq.adapter_slot, seq.adapter_strength,
-                              len(seq.prompt_ids))
+                              len(seq.prompt_ids), len(draft))
 
     # --- apply --------------------------------------------------------------------------------
 
     def apply(self, plan: StepPlan, sampled: list[int]) -> list[SeqOutput]:
-        """Advance by one planned step; `sampled` holds one id per sampling chunk, in order."""
+        """Advance by one planned step; `sampled` holds one id per sampled row
+        (plan.sampled_request_ids), in order."""
         if plan.step != self.step:
             raise RuntimeError(f"applying step {plan.step} but the last plan was {self.step}")
         num_sampling = len(plan.sampled_request_ids)
         if len(sampled) != num_sampling:
             raise RuntimeError(f"{len(sampled)} sampled ids for {num_sampling} sampling sequences")
         events, self._events = self._events, []
+        self.num_draft_accepted = 0
         tokens = iter(sampled)
         reuse, block_size = self.reuse, self.blocks.block_size
         for chunk in plan.chunks:
             seq = self._by_id[chunk.request_id]
+            if chunk.num_draft:
+                rows = [next(tokens) for _ in range(1 + chunk.num_draft)]
+                events.append(self._take_drafted(seq, chunk, rows))
+                continue
             seq.num_computed += len(chunk.token_ids)
             if (reuse is not None and seq.num_computed // block_size > seq.num_indexed_blocks
                     and seq.cache_prompt):
@@ -367,6 +410,27 @@ class Planner:
                                         len(member.prompt_ids), None, None,
                                         member.num_cached_tokens))
         return events
+
+    def _take_drafted(self, seq: Sequence, chunk: ScheduledChunk, rows: list[int]) -> SeqOutput:
+        """A drafted decode takes its accepted tokens one by one, as that many decodes would,
+        up to a finish. Its last token's and the accepted drafts' KV is now computed; a rejected
+        draft's lies past num_computed, never read, and is overwritten before the cache could
+        index its block (register() hashes computed full blocks only)."""
+        taken = accepted_tokens(rows, chunk.token_ids[1:])
+        self.num_draft_accepted += len(taken) - 1
+        reason, num = None, 0
+        while reason is None and num < len(taken):
+            seq.output_ids.append(taken[num])
+            num += 1
+            reason = self._finish_reason(seq, taken[num - 1])
+        seq.num_computed += num
+        if (self.reuse is not None and seq.cache_prompt
+                and seq.num_computed // self.blocks.block_size > seq.num_indexed_blocks):
+            self.reuse.register(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+        return SeqOutput(seq.request_id, taken[:num], reason, len(seq.prompt_ids), None, None,
+                         seq.num_cached_tokens)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         children = self.forks.fork(seq)

@@ -7,7 +7,10 @@ generator gives a block the same values as as many single draws; tests/unit/test
 checks it): a torch op per row per step cost more host time than the rest of a step's sampling.
 Warping follows transformers' order (temperature, then top-k, then top-p keeping at least one
 token), then min_p, in fp32. A constrained row arrives already masked (grammar.py), and a row
-with logit_bias or penalties already transformed (logits_processors.py), before this runs.
+with logit_bias or penalties already transformed (logits_processors.py), before this runs. A
+drafted chunk's rows (ngram_draft.py) each draw the request's next uniform, in row order; the
+rows after the first rejected one emit nothing, and put_back() returns their uniforms, so a
+request consumes one uniform per token it emits, drafted or not.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
         self._uniforms: dict[str, list[float]] = {}  # each request's next ones, last first
+        # request id -> the uniforms the last sample() drew for it, in order, when it kept them
+        self._drawn: dict[str, list[float]] | None = None
 
     def add(self, request_id: str, seed: int) -> None:
         gen = torch.Generator(device="cpu")
@@ -45,9 +50,17 @@ class Sampler:
             left.extend(reversed(drawn.tolist()))
         return left.pop()
 
+    def put_back(self, request_id: str, num_used: int) -> None:
+        """Give the uniforms the last sample(keep_drawn=True) drew for this request after its
+        first num_used back to its stream: its next draws take them again, in order."""
+        unused = self._drawn.get(request_id, [])[num_used:]
+        self._uniforms[request_id].extend(reversed(unused))  # the list is last first
+
     def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams]) -> list[int]:
-        """logits: [num_sampled, vocab]; one id per row, in row order."""
+               params: list[SamplingParams], keep_drawn: bool = False) -> list[int]:
+        """logits: [num_sampled, vocab]; one id per row, in row order. keep_drawn: remember
+        each request's uniforms for put_back (a step with drafted chunks)."""
+        self._drawn = {} if keep_drawn else None
         if not request_ids:
             return []
         logits = logits.float()
@@ -75,6 +88,9 @@ class Sampler:
         copy: torch's blocking copy from host memory syncs the stream, so a copy per row could
         make each row wait for the rows before it to finish."""
         uniforms = [self._next_uniform(request_ids[i]) for i in rows]  # float32 values
+        if self._drawn is not None:
+            for i, u in zip(rows, uniforms):
+                self._drawn.setdefault(request_ids[i], []).append(u)
         if not kernel_path(logits.device):
             tokens = []
             for i, u in zip(rows, uniforms):

@@ -53,6 +53,10 @@ class Sequence:
     # The adapter's registry id (0: the base model); None: adapter_slot is fixed as given (a
     # planner without device slot management, as in unit tests).
     adapter_id: int | None = None
+    # N-gram drafting (ngram_draft.py): whether the planner may draft for it (the request allows
+    # it and asks for nothing drafting leaves out), and its n-gram index, made at its first draft.
+    draft: bool = False
+    ngrams: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

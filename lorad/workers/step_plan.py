@@ -26,6 +26,9 @@ class ScheduledChunk(NamedTuple):
     # The sequence's prompt tokens: the chunk's tokens before this position are prompt, the
     # others generated (batch.SeqChunk.num_prompt). None: told by the chunk's shape.
     prompt_len: int | None = None
+    # Draft tokens (ngram_draft.py): a decode's chunk is its last token and then these guesses,
+    # and every one of its 1 + num_draft rows samples; the sequence takes accepted_tokens.
+    num_draft: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,26 +50,35 @@ class StepPlan:
     # (adapter id, device slot): adapters to copy into a slot (adapter_slots.py), in order; each
     # copy's outcome is agreed at a later step, and only then do its sequences start.
     adapter_fetches: list[tuple[int, int]] = field(default_factory=list)
+    num_draft_tokens: int = 0  # the chunks' num_draft, summed
 
     @property
     def sampled_request_ids(self) -> list[str]:
-        """One per sampled token, in order: each sampling chunk's, then its forks'."""
-        ids = [c.request_id for c in self.chunks if c.sample]
-        if not self.forks:
-            return ids
-        return [r for request_id in ids for r in (request_id, *self.forks.get(request_id, ()))]
+        """One per sampled token, in order: each sampling chunk's (1 + num_draft of them),
+        then its forks'."""
+        if not self.forks and not self.num_draft_tokens:
+            return [c.request_id for c in self.chunks if c.sample]
+        return [r for c in self.chunks if c.sample
+                for r in ((c.request_id,) * (1 + c.num_draft)
+                          + tuple(self.forks.get(c.request_id, ())))]
 
     @property
     def logits_rows(self) -> list[int]:
-        """For each sampled token, its row of the forward's logits (one row per sampling
-        chunk; a fork's choices read their parent's)."""
-        ids = [c.request_id for c in self.chunks if c.sample]
-        return [k for k, request_id in enumerate(ids)
-                for _ in range(1 + len(self.forks.get(request_id, ())))]
+        """For each sampled token, its row of the forward's logits (1 + num_draft rows per
+        sampling chunk; a fork's choices read their parent's last)."""
+        rows: list[int] = []
+        start = 0  # the chunk's first row
+        for chunk in self.chunks:
+            if chunk.sample:
+                num = 1 + chunk.num_draft
+                rows.extend(range(start, start + num))
+                rows.extend([start + num - 1] * len(self.forks.get(chunk.request_id, ())))
+                start += num
+        return rows
 
     def batch_chunks(self) -> list[tuple]:
         """The plan in the form `ForwardBatch.build` takes: each chunk but its request id,
-        (token_ids, start, block_table, sample, adapter_slot, adapter_strength, prompt_len), by
-        a tuple slice
-        (5 attribute reads per chunk were a fifth of the planner's step at 256 sequences)."""
+        (token_ids, start, block_table, sample, adapter_slot, adapter_strength, prompt_len,
+        num_draft), by a tuple slice (5 attribute reads per chunk were a fifth of the planner's
+        step at 256 sequences)."""
         return [c[1:] for c in self.chunks]

@@ -124,6 +124,9 @@ def test_byte_sizes(text, expected):
     (["--all-reduce", "ring"], "--all-reduce"),
     (["--threads", "0"], "--threads"),
     (["--threads", "many"], "--threads"),
+    (["--speculative-ngram", "-1"], "--speculative-ngram"),
+    (["--speculative-ngram", "17"], "--speculative-ngram must be 0..16"),
+    (["--speculative-ngram", "four"], "--speculative-ngram"),
     (["--all-reduce", "oneshot", "--device", "cpu", "--parallel", "2"],
      "--all-reduce oneshot needs CUDA"),
     (["--all-reduce", "oneshot"], "--parallel 2 or more"),
@@ -148,6 +151,11 @@ def test_prefix_cache_and_spill_flags(tmp_path):
     assert (config.kv_spill_dir, config.kv_spill_bytes) == (str(tmp_path / "spill"), 2 << 30)
     assert (tmp_path / "spill").is_dir()  # made and checked writable at once
     assert parse_args(["--model", "m", "--no-prefix-cache"]).prefix_cache is False
+
+
+def test_speculative_ngram_is_off_unless_asked():
+    assert parse_args(["--model", "m"]).speculative_ngram == 0
+    assert parse_args(["--model", "m", "--speculative-ngram", "4"]).speculative_ngram == 4
 
 
 def test_step_timeout():

@@ -31,6 +31,8 @@ MESSAGES = [
     Admit(6, "cmpl-n", [1, 2], SAMPLING, 0, "", "", 16),
     Admit(7, "cmpl-s", [1, 2], SAMPLING, 2, "sha256:" + "cd" * 32, adapter_strength=0.5),
     Admit(8, "cmpl-s0", [1], SAMPLING, 2, "sha256:" + "cd" * 32, adapter_strength=0.0),
+    Admit(9, "cmpl-d", [1, 2], SAMPLING, 0, "", draft=False),
+    StepResult(11, [SeqOutput("d", [5, 6, 7], None, 2)], 1, 0, 5, 4, 2),
     StepResult(9, [SeqOutput("a", [5], None, 3, [TokenLogprobs(-0.25, [5, 7], [-0.25, -2.5])]),
                    SeqOutput("b", [2], "stop", 9, [TokenLogprobs(-3.0, [], [])])], 1, 0, 120),
     Admit(5, "cmpl-l", [1], SamplingParams(0.0, 1.0, 0, 1, 4, [2], False, 20), 0, ""),
@@ -58,7 +60,7 @@ def test_round_trip(msg):
 def test_int_is_accepted_for_float():
     frame = bytes([Admit.KIND]) + msgpack.packb(
         [1, "r", [1], [1, 1, 0, 0, 4, [], False, -1, 0, 0, 1, 0, [[7, 5]], [], 0, -1], 0, "", "",
-         1, True, 1.0])
+         1, True, 1.0, True])
     sampling = decode(frame, (Admit,)).sampling
     assert sampling.temperature == 1.0 and sampling.repetition_penalty == 1.0
     assert type(sampling.temperature) is float and type(sampling.repetition_penalty) is float
@@ -164,7 +166,7 @@ def test_rejections(frame, accept):
 
 def test_the_step_result_frame_of_the_rejections_decodes_with_good_values():
     frame = _frame(StepResult.KIND, [1, [["a", [5], None, 3, None, None, 16],
-                                     ["b", [], "stop", 4, None, None, 0]], 1, 0, 9, 0])
+                                     ["b", [], "stop", 4, None, None, 0]], 1, 0, 9, 0, 0, 0])
     assert decode(frame, (StepResult,)) == StepResult(
         1, [SeqOutput("a", [5], None, 3, num_cached_tokens=16), SeqOutput("b", [], "stop", 4)],
         1, 0, 9, 0)

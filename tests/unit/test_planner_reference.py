@@ -89,8 +89,8 @@ def run_trace(seed: int) -> tuple[int, int]:
         fast, reference = (p.plan() for p in planners)
         assert fast == reference, (seed, arrival)
         assert fast.batch_chunks() == [(c.token_ids, c.start, c.block_table, c.sample,
-                                         c.adapter_slot, c.adapter_strength, c.prompt_len)
-                                        for c in reference.chunks]
+                                         c.adapter_slot, c.adapter_strength, c.prompt_len,
+                                         c.num_draft) for c in reference.chunks]
         num_preempted += len(fast.preempted)
         num_decodes += sum(len(c.token_ids) == 1 and c.sample for c in fast.chunks)
         sampled = [rng.choice([STOP, 5, 6, 7]) for _ in fast.sampled_request_ids]

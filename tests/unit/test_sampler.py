@@ -173,3 +173,44 @@ def test_device_columns_start_each_row_on_16_bytes(num):
     assert values.tolist() == columns
     assert all(values[row].data_ptr() % 16 == 0 for row in range(6))
 
+
+
+def test_a_drafted_stream_draws_the_uniforms_of_the_undrafted_one():
+    """Rows of a drafted chunk each draw the next uniform; put_back returns those of the rows
+    after the first rejected one. Seeded or greedy, beside a neighbour, the tokens and the
+    uniforms left in the stream are those of one row per step."""
+    from lorad.workers.ngram_draft import accepted_tokens
+
+    def logits_after(tokens: list[int]) -> torch.Tensor:  # [vocab]: a fake model's row
+        gen = torch.Generator().manual_seed(hash(tuple(tokens[-3:])) % 2**31)
+        return torch.randn(12, generator=gen) * 3
+
+    for params in (sp(temperature=0.8, top_k=6, seed=77), sp(temperature=0.0)):
+        plain = Sampler()
+        plain.add("a", 77)
+        tokens = [1, 2]
+        for _ in range(40):
+            tokens.append(plain.sample(logits_after(tokens)[None], ["a"], [params])[0])
+        drafted = Sampler()
+        drafted.add("n", 5)  # a neighbour drawing from its own stream in the same steps
+        drafted.add("a", 77)
+        mine, step = [1, 2], 0
+        while len(mine) < len(tokens):
+            step += 1
+            # a draft right for a while, then wrong: what a lookup would guess
+            draft = tokens[len(mine):len(mine) + step % 4] + [0] * (step % 3)
+            rows = [logits_after(mine + draft[:i]) for i in range(1 + len(draft))]
+            ids = ["n"] + ["a"] * len(rows)
+            sampled = drafted.sample(torch.stack([rows[0]] + rows), ids,
+                                     [sp(seed=5)] + [params] * len(rows), keep_drawn=True)
+            taken = accepted_tokens(sampled[1:], draft)
+            drafted.put_back("a", len(taken))
+            mine += taken
+        assert mine[:len(tokens)] == tokens
+        if params.temperature:
+            assert len(set(tokens)) > 3
+            extra = len(mine) - len(tokens)  # the last step may have emitted past the end
+            for _ in range(extra):
+                plain._next_uniform("a")
+            assert [drafted._next_uniform("a") for _ in range(70)] == \
+                [plain._next_uniform("a") for _ in range(70)]

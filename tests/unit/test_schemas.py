@@ -186,6 +186,14 @@ def test_chat_unsupported_features_are_refused_not_ignored(patch, param):
     _refused(parse_chat, {**CHAT, **patch}, param)
 
 
+def test_draft_on_both_routes():
+    assert parse_completion(COMPLETION).options.draft
+    assert not parse_completion({**COMPLETION, "draft": False}).options.draft
+    assert parse_chat({**CHAT, "draft": True}).options.draft
+    _refused(parse_chat, {**CHAT, "draft": "no"}, "draft")
+    _refused(parse_completion, {**COMPLETION, "draft": 0}, "draft")
+
+
 def test_return_token_ids_on_both_routes():
     assert parse_completion({**COMPLETION, "return_token_ids": True}).options.return_token_ids
     assert parse_chat({**CHAT, "return_token_ids": True}).options.return_token_ids
