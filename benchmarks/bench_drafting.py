@@ -118,6 +118,7 @@ def run_point(args, model: str, workload: str, concurrency: int, first: int) -> 
             run = {"wall_s": wall_s, "num_tokens": sum(len(r.token_ids) for r in got),
                    "num_decode_tokens": sum(len(r.token_ids) - 1 for r in got),
                    "num_decode_steps": sum(r.num_steps - 1 for r in got),
+                   "decode_steps_each": [r.num_steps - 1 for r in got],
                    "num_drafted": delta["draft_tokens_total"],
                    "num_accepted": delta["draft_accepted_total"],
                    "num_steps": delta["step_interval_seconds_count"],
