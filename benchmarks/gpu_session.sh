@@ -28,6 +28,11 @@
 #   determinism bench_determinism: lorad --deterministic against --no-deterministic (8B shape,
 #             bf16) at concurrency 1, 32, 64 and a prefill-heavy 32 x 1,024 in (issue 33's
 #             target: <= 3%); logs and bench.py's JSON in $OUT/determinism
+#   drafting  bench_drafting: --speculative-ngram 4 against "draft": false, editing and chat at
+#             concurrency 1 and 8 (issue 33: >= 1.8x editing, one stream; chat <= 3%); log and
+#             results.json in $OUT/drafting. No real checkpoint here: it runs on random 8B weights
+#             (bf16), so acceptance is a random model's loops, not editing (the model through
+#             LORAD_BENCH_ARGS_bench_drafting, e.g. "--model DIR --load-format auto")
 # Environment: OUT (default /tmp/lorad-gpu-session); LORAD_TEST_ARGS (default tests/gpu);
 # LORAD_TEST_LIMIT (seconds, default 540);
 # LORAD_BENCH_ARGS_<module>, e.g. LORAD_BENCH_ARGS_bench_engine="--quick", options for one
@@ -132,6 +137,11 @@ for part in "${parts[@]}"; do
               --work "$OUT/paging" ;;
     determinism) bench bench-determinism.log 560 bench_determinism --work "$OUT/determinism" \
                    --table-out "$OUT/bench-determinism.md" ;;
+    drafting)
+      # The defaults come first: a --model in LORAD_BENCH_ARGS_bench_drafting comes later and wins.
+      bench bench-drafting.log 560 bench_drafting --model scripts/configs/llama3-8b \
+        --load-format random --dtype bfloat16 --work "$OUT/drafting" \
+        --table-out "$OUT/bench-drafting.md" ;;
     prefix)
       say "http_prefix.sh"
       OUT=$OUT timeout -k 10 560 bash benchmarks/http_prefix.sh 2>&1 | tee "$OUT/prefix.log"
