@@ -19,6 +19,10 @@ NGRAM_MAX = 3
 # A lone repeated token predicts little, and a drafted step runs eagerly on a GPU (no decode
 # graph), so a weak guess costs more than it wins.
 NGRAM_MIN = 2
+# A sequence whose draft was wholly rejected skips drafting for 1, 2, 4, ... decodes (up to this)
+# before it tries again; a taken draft resets it. Text that does not repeat itself then stops
+# paying for rows nobody takes (SmolLM2 chat at 8 streams on a CPU: +9% time a token without it).
+MAX_BACKOFF = 16
 
 
 class NgramIndex:
@@ -77,6 +81,15 @@ def accepted_tokens(row_tokens: list[int], draft: list[int]) -> list[int]:
         if row_tokens[i] != token:
             return row_tokens[:i + 1]
     return list(row_tokens[:len(draft) + 1])
+
+
+def note_outcome(seq: Sequence, num_accepted: int) -> None:
+    """After a drafted decode: back off from drafting when nothing was taken (MAX_BACKOFF)."""
+    if num_accepted:
+        seq.draft_backoff = 0
+    else:
+        seq.draft_backoff = min(MAX_BACKOFF, 2 * seq.draft_backoff or 1)
+        seq.draft_skips_left = seq.draft_backoff
 
 
 def may_draft(admit: Admit) -> bool:

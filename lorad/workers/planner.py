@@ -23,7 +23,7 @@ from lorad.protocol.messages import MAX_PROMPT_LOGPROBS_PER_STEP, SeqOutput
 from lorad.workers.adapter_slots import AdapterSlots
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.fork import Forks
-from lorad.workers.ngram_draft import NgramIndex, accepted_tokens
+from lorad.workers.ngram_draft import NgramIndex, accepted_tokens, note_outcome
 from lorad.workers.prefix_cache import PrefixReuse
 from lorad.workers.spill_index import SpillIndex
 from lorad.workers.sequence import Sequence, SeqStatus
@@ -250,6 +250,9 @@ class Planner:
             if (num != 1 or not seq.draft or not seq.output_ids
                     or seq.num_computed + 1 != seq.num_tokens):
                 continue  # not a decode of a drafting sequence
+            if seq.draft_skips_left:  # its last draft was wholly rejected (note_outcome)
+                seq.draft_skips_left -= 1
+                continue
             room = (len(seq.block_table) + blocks.num_free_blocks - held) * block_size
             max_draft = min(self.limits.num_speculative, budget,
                             seq.sampling.max_tokens - len(seq.output_ids) - 1,
@@ -418,6 +421,7 @@ class Planner:
         index its block (register() hashes computed full blocks only)."""
         taken = accepted_tokens(rows, chunk.token_ids[1:])
         self.num_draft_accepted += len(taken) - 1
+        note_outcome(seq, len(taken) - 1)
         reason, num = None, 0
         while reason is None and num < len(taken):
             seq.output_ids.append(taken[num])

@@ -57,6 +57,10 @@ class Sequence:
     # it and asks for nothing drafting leaves out), and its n-gram index, made at its first draft.
     draft: bool = False
     ngrams: object | None = None
+    # After a draft of which nothing was taken, the decodes that skip drafting before the next
+    # try (draft_backoff, doubling up to ngram_draft.MAX_BACKOFF), and how many are left.
+    draft_backoff: int = 0
+    draft_skips_left: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

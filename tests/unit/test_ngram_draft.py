@@ -206,3 +206,30 @@ def test_a_drafted_chunk_samples_every_row_of_the_batch():
     batch = ForwardBatch.build(plan.batch_chunks(), block_size=8)
     assert batch.sample_rows.tolist() == [2, 3, 4, 5, 6]
     assert [s.num_prompt for s in batch.seqs] == [3, 0, 0]
+
+
+def test_a_wholly_rejected_draft_backs_off_doubling_and_a_taken_one_resets():
+    p = planner()
+    seq = started(p, [1, 2, 3, 1, 2, 3, 1, 2], 3)
+
+    def decode(rows_of) -> int:
+        """One step whose sequence ends in "2 3" (so a draft is found: fake ids, no model);
+        rows_of(draft) -> the sampled rows. -> the step's number of draft tokens."""
+        seq.output_ids[-2:] = [2, 3] if len(seq.output_ids) > 1 else seq.output_ids[-2:]
+        plan = p.plan()
+        (chunk,) = plan.chunks
+        p.apply(plan, rows_of(chunk.token_ids[1:]))
+        return chunk.num_draft
+
+    def reject(draft):  # every row differs from its draft token: nothing taken
+        return [7] * (1 + len(draft))
+
+    def accept(draft):  # every draft token taken, then a bonus token
+        return [*draft, 7]
+
+    assert decode(reject) == 4 and seq.draft_backoff == 1
+    assert decode(reject) == 0  # skipped once
+    assert decode(reject) == 4 and seq.draft_backoff == 2
+    assert [decode(reject) for _ in range(2)] == [0, 0]  # skipped twice
+    assert decode(accept) == 4 and seq.draft_backoff == 0
+    assert decode(reject) == 4  # a taken draft: the next decode drafts at once
