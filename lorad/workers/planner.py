@@ -254,7 +254,7 @@ class Planner:
                 seq.draft_skips_left -= 1
                 continue
             room = (len(seq.block_table) + blocks.num_free_blocks - held) * block_size
-            max_draft = min(self.limits.num_speculative, budget,
+            max_draft = min(seq.draft_limit or self.limits.num_speculative, budget,
                             seq.sampling.max_tokens - len(seq.output_ids) - 1,
                             self.limits.max_model_len - seq.num_tokens - 1,
                             room - seq.num_computed - 1)
@@ -421,7 +421,7 @@ class Planner:
         index its block (register() hashes computed full blocks only)."""
         taken = accepted_tokens(rows, chunk.token_ids[1:])
         self.num_draft_accepted += len(taken) - 1
-        note_outcome(seq, len(taken) - 1)
+        note_outcome(seq, chunk.num_draft, len(taken) - 1)
         reason, num = None, 0
         while reason is None and num < len(taken):
             seq.output_ids.append(taken[num])

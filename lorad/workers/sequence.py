@@ -61,6 +61,9 @@ class Sequence:
     # try (draft_backoff, doubling up to ngram_draft.MAX_BACKOFF), and how many are left.
     draft_backoff: int = 0
     draft_skips_left: int = 0
+    # The most draft tokens its next draft may have (its last one's accepted count + 1, after a
+    # partly taken draft); 0: the planner's limit (--speculative-ngram).
+    draft_limit: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

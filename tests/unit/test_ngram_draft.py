@@ -229,7 +229,24 @@ def test_a_wholly_rejected_draft_backs_off_doubling_and_a_taken_one_resets():
 
     assert decode(reject) == 4 and seq.draft_backoff == 1
     assert decode(reject) == 0  # skipped once
-    assert decode(reject) == 4 and seq.draft_backoff == 2
+    assert decode(reject) == 1 and seq.draft_backoff == 2  # 1: none taken of the last
     assert [decode(reject) for _ in range(2)] == [0, 0]  # skipped twice
-    assert decode(accept) == 4 and seq.draft_backoff == 0
-    assert decode(reject) == 4  # a taken draft: the next decode drafts at once
+    assert decode(accept) == 1 and seq.draft_backoff == 0
+    assert decode(reject) == 4  # a wholly taken draft: the next decode drafts at once, whole
+
+
+def test_a_partly_taken_draft_limits_the_next_to_one_more_than_it_took():
+    p = planner()
+    seq = started(p, [1, 2, 3, 1, 2, 3, 1, 2], 3)
+
+    def decode(num_taken: int) -> int:
+        seq.output_ids[-2:] = [2, 3] if len(seq.output_ids) > 1 else seq.output_ids[-2:]
+        plan = p.plan()
+        (chunk,) = plan.chunks
+        draft = chunk.token_ids[1:]
+        p.apply(plan, [*draft[:num_taken], 7, *[7] * (len(draft) - num_taken)])
+        return chunk.num_draft
+
+    assert decode(1) == 4  # one of four taken
+    assert decode(2) == 2  # at most 1 + 1; both taken: no limit
+    assert decode(4) == 4
