@@ -32,7 +32,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import conditions, start_lorad, stop_lorad
+from benchmarks.common import bench_py, conditions, figures, start_lorad, stop_lorad
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 8013
@@ -77,35 +77,15 @@ def bench(args, models: Path, out: Path, **overrides) -> dict:
     """scripts/bench.py once -> its --json record, plus its printed table."""
     flags = {"requests": args.requests, "concurrency": args.concurrency,
              "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, **overrides}
-    argv = [sys.executable, str(REPO / "scripts" / "bench.py"), "--url",
-            f"http://127.0.0.1:{PORT}", "--no-model-check", "--warmup", "0", "--json", str(out),
+    argv = ["--url", f"http://127.0.0.1:{PORT}", "--no-model-check", "--warmup", "0",
             "--seed", str(args.seed)]
     if "model" in overrides:
-        argv += ["--model", overrides.pop("model")]
-        flags.pop("model", None)
+        argv += ["--model", flags.pop("model")]
     else:
         argv += ["--models-from-file", str(models), "--zipf", str(args.zipf)]
     for name, value in flags.items():
         argv += [f"--{name.replace('_', '-')}", str(value)]
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench.py failed:\n{done.stdout}\n{done.stderr}")
-    record = json.loads(out.read_text())
-    record["table"] = done.stdout
-    return record
-
-
-def figures(record: dict) -> dict:
-    """Throughput and TTFT percentiles from a bench.py table and record."""
-    rows = {}
-    for line in record["table"].splitlines():
-        parts = [p.strip() for p in line.strip("|").split("|")]
-        if len(parts) == 2:
-            rows[parts[0]] = parts[1]
-    return {"tokens_s": float(rows["output tokens/s"]),
-            "ttft": rows["time to first token p50 / p99 (ms)"],
-            "itl": rows["inter-token latency p50 / p99 (ms)"],
-            "used": sorted({r["model"] for r in record["requests"]})}
+    return bench_py(argv, out)
 
 
 def run_daemon(args, library: Path, models: Path, slots: int, work: Path, tag: str) -> dict:

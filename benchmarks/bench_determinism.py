@@ -21,7 +21,6 @@ import argparse
 import json
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_adapter_paging import figures
-from benchmarks.common import REPO, conditions, start_lorad, stop_lorad
+from benchmarks.common import bench_py, conditions, figures, start_lorad, stop_lorad
 
 PORT = 8014
 TARGET_PCT = 3.0
@@ -93,18 +91,11 @@ def served_models() -> list[str]:
 
 def bench(args, point: Point, models: list[str], out: Path, warmup: int) -> dict:
     """scripts/bench.py once, round-robin over `models` -> its --json record and its table."""
-    argv = [sys.executable, str(REPO / "scripts" / "bench.py"), "--url",
-            f"http://127.0.0.1:{PORT}", "--model", ",".join(models), "--json", str(out),
-            "--seed", str(args.seed), "--warmup", str(warmup),
-            "--concurrency", str(point.concurrency), "--requests", str(point.num_requests),
-            "--prompt-len", str(point.prompt_len), "--max-tokens", str(point.max_tokens)]
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=1800)
-    out.with_suffix(".txt").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench.py failed ({out.with_suffix('.txt')}):\n{done.stderr}")
-    record = json.loads(out.read_text())
-    record["table"] = done.stdout
-    return record
+    return bench_py(["--url", f"http://127.0.0.1:{PORT}", "--model", ",".join(models),
+                     "--seed", str(args.seed), "--warmup", str(warmup),
+                     "--concurrency", str(point.concurrency), "--requests",
+                     str(point.num_requests), "--prompt-len", str(point.prompt_len),
+                     "--max-tokens", str(point.max_tokens)], out, timeout_s=1800)
 
 
 def p50(cell: str) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import platform
 import statistics
 import subprocess
@@ -134,3 +135,32 @@ def stop_lorad(proc: subprocess.Popen) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+def bench_py(flags: list[str], out: Path, timeout_s: float = 3600) -> dict:
+    """scripts/bench.py once with `flags` and `--json out` -> its record, with its printed table
+    under "table" (figures() reads it); its output also goes to out.txt. Raises RuntimeError
+    with that output when it fails."""
+    argv = [sys.executable, str(REPO / "scripts" / "bench.py"), *flags, "--json", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=timeout_s)
+    out.with_suffix(".txt").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench.py failed ({out.with_suffix('.txt')}):\n{done.stdout}\n"
+                           f"{done.stderr}")
+    record = json.loads(out.read_text())
+    record["table"] = done.stdout
+    return record
+
+
+def figures(record: dict) -> dict:
+    """Throughput, TTFT and ITL percentiles from a bench_py() record's table, and the model ids
+    its requests used."""
+    rows = {}
+    for line in record["table"].splitlines():
+        parts = [p.strip() for p in line.strip("|").split("|")]
+        if len(parts) == 2:
+            rows[parts[0]] = parts[1]
+    return {"tokens_s": float(rows["output tokens/s"]),
+            "ttft": rows["time to first token p50 / p99 (ms)"],
+            "itl": rows["inter-token latency p50 / p99 (ms)"],
+            "used": sorted({r["model"] for r in record["requests"]})}
