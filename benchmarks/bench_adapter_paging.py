@@ -32,15 +32,13 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import bench_py, conditions, figures, start_lorad, stop_lorad
+from benchmarks.common import (add_run_flags, bench_py, conditions, figures, open_work_dir,
+                               say, start_lorad, stop_lorad)
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 8013
-STARTED = time.monotonic()
 
 
-def progress(message: str) -> None:
-    print(f"[{time.monotonic() - STARTED:6.1f} s] {message}", flush=True)
 
 
 def write_library(root: Path, model: str, num: int, distinct: int, rank: int) -> Path:
@@ -90,16 +88,16 @@ def bench(args, models: Path, out: Path, **overrides) -> dict:
 
 def run_daemon(args, library: Path, models: Path, slots: int, work: Path, tag: str) -> dict:
     proc = start(args, library, slots, work / f"{tag}.log")
-    progress(f"{tag}: ready ({slots} slots)")
+    say(f"{tag}: ready ({slots} slots)")
     try:
         bench(args, models, work / f"{tag}-first.json")  # registers every adapter it names
-        progress(f"{tag}: first burst done (registers its adapters)")
+        say(f"{tag}: first burst done (registers its adapters)")
         result = figures(bench(args, models, work / f"{tag}.json"))
-        progress(f"{tag}: measured burst: {result['tokens_s']:.1f} tokens/s, TTFT p50 / p99 "
+        say(f"{tag}: measured burst: {result['tokens_s']:.1f} tokens/s, TTFT p50 / p99 "
                  f"{result['ttft']} ms")
         if tag == "paged":
             result["load"] = load_times(args, models)
-            progress(f"{tag}: load times {result['load']}")
+            say(f"{tag}: load times {result['load']}")
         return result
     finally:
         stop_lorad(proc)
@@ -146,39 +144,38 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--library", type=Path, help="where the adapters go (kept for reuse)")
-    parser.add_argument("--work", type=Path,
-                        help="where the daemons' logs and bench.py's records go (default: a new "
-                             "temporary folder)")
-    parser.add_argument("--lorad-flag", action="append", default=[],
-                        help="another flag for both daemons, e.g. --lorad-flag=--dtype=bfloat16")
+    add_run_flags(parser, "the daemons' logs and bench.py's records")
     args = parser.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="lorad-paging-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = open_work_dir(args.work, "lorad-paging-")
     library = args.library or Path(tempfile.gettempdir()) / (
         f"lorad-paging-{Path(args.model).name}-r{args.rank}-{args.distinct}")
     library.mkdir(parents=True, exist_ok=True)
     write_library(library, args.model, args.adapters, args.distinct, args.rank)
-    progress(f"library of {args.adapters} adapters in {library}")
+    say(f"library of {args.adapters} adapters in {library}")
     models = work / "models.txt"
     models.write_text("".join(f"a{i:04d}\n" for i in range(args.adapters)))
     paged = run_daemon(args, library, models, args.slots, work, "paged")
     resident = run_daemon(args, library, models, max(args.slots, len(paged["used"])), work,
                           "resident")
-    print(f"{conditions()}\nworkload: {args.requests} requests at concurrency "
-          f"{args.concurrency}, Zipf {args.zipf:g} over {args.adapters} adapters "
-          f"({args.distinct} distinct files) of rank {args.rank}; {len(paged['used'])} used; "
-          f"{args.prompt_len} in / {args.max_tokens} out; logs in {work}\n")
-    print("| run | slots | output tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |")
-    print("|---|---|---|---|---|")
+    load = paged["load"]
+    lines = [f"{conditions()}\nworkload: {args.requests} requests at concurrency "
+             f"{args.concurrency}, Zipf {args.zipf:g} over {args.adapters} adapters "
+             f"({args.distinct} distinct files) of rank {args.rank}; {len(paged['used'])} used; "
+             f"{args.prompt_len} in / {args.max_tokens} out; logs in {work}\n",
+             "| run | slots | output tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
+             "|---|---|---|---|---|"]
     for tag, result, slots in (("paged", paged, args.slots),
                                ("all used resident", resident, len(paged["used"]))):
-        print(f"| {tag} | {slots} | {result['tokens_s']:.1f} | {result['ttft']} | "
-              f"{result['itl']} |")
-    print(f"\npaged / resident throughput: {paged['tokens_s'] / resident['tokens_s']:.2f}")
-    load = paged["load"]
-    print(f"one adapter alone, a request for 1 token (ms): first use {load['first use']:.1f} "
-          f"(registration and a copy from disk), evicted and back {load['evicted']:.1f} (a copy "
-          f"from the host cache), resident {load['resident']:.1f}")
+        lines.append(f"| {tag} | {slots} | {result['tokens_s']:.1f} | {result['ttft']} | "
+                     f"{result['itl']} |")
+    lines += [f"\npaged / resident throughput: {paged['tokens_s'] / resident['tokens_s']:.2f}",
+              f"one adapter alone, a request for 1 token (ms): first use "
+              f"{load['first use']:.1f} (registration and a copy from disk), evicted and back "
+              f"{load['evicted']:.1f} (a copy from the host cache), resident "
+              f"{load['resident']:.1f}"]
+    print("\n".join(lines), flush=True)
+    if args.table_out:
+        args.table_out.write_text("\n".join(lines) + "\n")
     return 0
 
 

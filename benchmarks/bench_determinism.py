@@ -20,23 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
 import sys
-import tempfile
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench_py, conditions, figures, start_lorad, stop_lorad
+from benchmarks.common import (add_run_flags, bench_py, conditions, figures, open_work_dir,
+                               say, start_lorad, stop_lorad)
 
 PORT = 8014
 TARGET_PCT = 3.0
 POINTS = "c1:1:16:128:64,c32:32:64:128:128,c64:64:64:128:128,prefill32:32:64:1024:16"
 MODES = ("deterministic", "no-deterministic")
-STARTED = time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -65,9 +62,6 @@ def parse_points(text: str) -> list[Point]:
     return points
 
 
-def say(message: str) -> None:
-    """A progress line with the seconds since start: a run cut off by a timeout shows where."""
-    print(f"[{time.monotonic() - STARTED:6.1f} s] {message}", flush=True)
 
 
 def write_adapters(work: Path, model: str, num: int, rank: int) -> list[str]:
@@ -181,12 +175,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2,
                         help="bench.py's unmeasured requests before each point (default: 2)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work", type=Path,
-                        help="where the daemons' logs, the adapters and bench.py's JSON go "
-                        "(default: a new temporary folder)")
-    parser.add_argument("--table-out", type=Path, help="also write the table and verdict here")
-    parser.add_argument("--lorad-flag", action="append", default=[],
-                        help="another flag for both daemons, e.g. --lorad-flag=--enforce-eager")
+    add_run_flags(parser, "the daemons' logs, the adapters and bench.py's JSON")
     args = parser.parse_args()
     if args.adapters < 0 or args.rank <= 0:
         parser.error("--adapters must be 0 or more and --rank positive")
@@ -195,10 +184,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    # `timeout` sends SIGTERM: exit through the finally blocks so no daemon outlives the run.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    args.work = args.work or Path(tempfile.mkdtemp(prefix="lorad-determinism-"))
-    args.work.mkdir(parents=True, exist_ok=True)
+    args.work = open_work_dir(args.work, "lorad-determinism-")
     adapter_flags = write_adapters(args.work, args.model, args.adapters, args.rank)
     if args.adapters:
         say(f"wrote {args.adapters} adapters of rank {args.rank} under {args.work / 'adapters'}")

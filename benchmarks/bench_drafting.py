@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
 import sys
-import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_determinism import say
-from benchmarks.common import conditions, start_lorad, stop_lorad
+from benchmarks.common import (add_run_flags, conditions, open_work_dir, say, start_lorad,
+                               stop_lorad)
 from benchmarks.drafting_prompts import EDIT_INSTRUCTION, PARAGRAPHS, QUESTIONS
 
 PORT = 8015
@@ -219,11 +217,7 @@ def parse_args() -> argparse.Namespace:
                         help="runs of each mode a point, A B B A (default 2)")
     parser.add_argument("--editing-max-tokens", type=int, default=192)
     parser.add_argument("--chat-max-tokens", type=int, default=128)
-    parser.add_argument("--work", type=Path, help="where the daemon's log and results.json go "
-                        "(default: a new temporary folder)")
-    parser.add_argument("--table-out", type=Path, help="also write the table and verdicts here")
-    parser.add_argument("--lorad-flag", action="append", default=[],
-                        help="another flag for the daemon, e.g. --lorad-flag=--enforce-eager")
+    add_run_flags(parser, "the daemon's log and results.json")
     args = parser.parse_args()
     args.workloads = args.workloads.split(",")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -236,10 +230,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    # `timeout` sends SIGTERM: exit through the finally block so the daemon does not outlive it.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    args.work = args.work or Path(tempfile.mkdtemp(prefix="lorad-drafting-"))
-    args.work.mkdir(parents=True, exist_ok=True)
+    args.work = open_work_dir(args.work, "lorad-drafting-")
     log = args.work / "lorad.log"
     flags = ["--model", args.model, "--load-format", args.load_format, "--dtype", args.dtype,
              "--speculative-ngram", str(args.ngram), *args.lorad_flag]

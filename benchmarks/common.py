@@ -12,9 +12,11 @@ import datetime
 import importlib.metadata
 import json
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -164,3 +166,31 @@ def figures(record: dict) -> dict:
             "ttft": rows["time to first token p50 / p99 (ms)"],
             "itl": rows["inter-token latency p50 / p99 (ms)"],
             "used": sorted({r["model"] for r in record["requests"]})}
+
+
+_STARTED = time.monotonic()
+
+
+def say(message: str) -> None:
+    """A progress line with the seconds since the benchmark started, flushed at once: a run cut
+    by a time limit shows where it was."""
+    print(f"[{time.monotonic() - _STARTED:6.1f} s] {message}", flush=True)
+
+
+def add_run_flags(parser, what: str) -> None:
+    """--work, --table-out and --lorad-flag, as the benchmarks that start daemons take them;
+    `what`: what goes into --work."""
+    parser.add_argument("--work", type=Path,
+                        help=f"where {what} go (default: a new temporary folder)")
+    parser.add_argument("--table-out", type=Path, help="also write the table and verdicts here")
+    parser.add_argument("--lorad-flag", action="append", default=[],
+                        help="another flag for the daemons, e.g. --lorad-flag=--enforce-eager")
+
+
+def open_work_dir(work: Path | None, prefix: str) -> Path:
+    """The run's folder (a new temporary one when None), and SIGTERM (`timeout`) turned into an
+    exit through the callers' finally blocks, so that no daemon outlives the run."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    work = work or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    return work
