@@ -57,9 +57,7 @@ class AdapterJobs:
         because their adapter's copy failed (the leader publishes them as failed)."""
         ended = []
         for done in self.store.settle(agreed.adapter_settled, agreed.adapter_failed):
-            if done.kind == "fetch":
-                log.debug("adapter id %d copied into slot %d in %.1f ms (queued %.1f ms)",
-                          done.adapter_id, done.slot, done.ran_ms, done.queued_ms)
+            if done.kind == "fetch":  # its time: adapter_store._copy's debug line
                 failed = planner.adapter_fetched(done.adapter_id, done.slot, done.ok)
                 if failed:
                     ended.append((failed, f"adapter id {done.adapter_id} could not be read back "

@@ -29,7 +29,7 @@ from lorad.workers.engine import Engine
 from lorad.workers import logprobs, prompt_logprobs
 from lorad.workers.grammar import GrammarRows
 from lorad.workers.logits_processors import LogitsTransforms, rows_to_transform
-from lorad.workers.ngram_draft import accepted_tokens, may_draft
+from lorad.workers.ngram_draft import may_draft
 from lorad.workers.planner import Planner, PlannerLimits, StepPlan
 from lorad.workers.sampler import Sampler
 from lorad.workers.sequence import Sequence
@@ -165,6 +165,8 @@ class WorkerLoop:
         # 6. apply and publish
         self._ran_nothing = not plan.chunks
         events = self.planner.apply(plan, sampled)
+        if self.is_leader and plan.num_draft_tokens:
+            self._put_back_uniforms(plan, events)
         self._publish(plan, events)
         return False
 
@@ -309,27 +311,22 @@ class WorkerLoop:
             if rows:  # logit_bias, min_tokens, penalties: those rows only, in place
                 self.transforms.apply(logits, rows,
                                       [self.planner.sequence(request_ids[i]) for i in rows])
-            drafted = plan.num_draft_tokens > 0
-            sampled = self.sampler.sample(logits, request_ids, params, keep_drawn=drafted)
+            sampled = self.sampler.sample(logits, request_ids, params,
+                                          keep_drawn=plan.num_draft_tokens > 0)
             self.grammars.advance(request_ids, sampled)
             self._step_logprobs = logprobs.complete(pending, request_ids, sampled)
-            if drafted:
-                self._put_back_uniforms(plan, sampled)
         # Every row of a drafted chunk: each rank takes the accepted ones itself (apply).
         return broadcast_ids(self.engine.tp, sampled, len(request_ids))
 
-    def _put_back_uniforms(self, plan: StepPlan, sampled: list[int]) -> None:
+    def _put_back_uniforms(self, plan: StepPlan, events: list[SeqOutput]) -> None:
         """A drafted chunk's rows after the first rejected one emit nothing: their uniforms go
-        back to the request's stream, so a seeded stream draws the same ones drafted or not."""
-        row = 0
-        for chunk in plan.chunks:
-            if not chunk.sample:
-                continue
-            num_rows = 1 + chunk.num_draft
-            if chunk.num_draft:
-                taken = accepted_tokens(sampled[row:row + num_rows], chunk.token_ids[1:])
-                self.sampler.put_back(chunk.request_id, len(taken))
-            row += num_rows + len(plan.forks.get(chunk.request_id, ()))
+        back to the request's stream, so a seeded stream draws the same ones drafted or not.
+        The tokens each took are its event's (planner.apply; a finished one draws no more)."""
+        drafted = {c.request_id for c in plan.chunks if c.num_draft}
+        # apply() appends a drafted chunk's event after any it had pending: the last one counts
+        taken = {e.request_id: len(e.token_ids) for e in events if e.request_id in drafted}
+        for request_id, num in taken.items():
+            self.sampler.put_back(request_id, num)
 
     # --- 6. publish ---------------------------------------------------------------------------
 

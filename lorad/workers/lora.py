@@ -101,10 +101,7 @@ class LoraSlots(nn.Module):
 
     def clear(self, slot: int) -> None:
         """The slot's adapter does not edit this projection (its rows add no delta here)."""
-        self.ranks[slot] = 0
-        self.scales[slot] = 0.0
-        self.rank_table[slot] = 0
-        self.scale_table[slot] = 0.0
+        fill_tables(slot, [(self, None, None, None)])
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, rows: LoraRows | None) -> torch.Tensor:
         """out + (scale * (x A^T) B^T) * strength for each row, by its slot (and its request's
