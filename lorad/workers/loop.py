@@ -25,6 +25,7 @@ from lorad.workers.adapter_jobs import AdapterJobs
 from lorad.workers.adapter_slots import AdapterSlots
 from lorad.workers.agreement import Inbox, StepAgreement, agree_step, broadcast_ids, live_digest
 from lorad.workers.block_manager import BlockManager
+from lorad.workers.cpu_threads import MIN_ROWS
 from lorad.workers.engine import Engine
 from lorad.workers import logprobs, prompt_logprobs
 from lorad.workers.grammar import GrammarRows
@@ -67,7 +68,8 @@ class WorkerLoop:
         self.push = push
         self.is_leader = rank == 0
         limits = PlannerLimits(engine.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
-                               cfg.speculative_ngram)
+                               cfg.speculative_ngram,
+                               MIN_ROWS if engine.tp.device.type == "cpu" else None)
         opened = RankSpill.open(cfg, engine)
         self.spill, spill_index = opened if opened is not None else (None, None)
         slots = AdapterSlots(engine.store.capacity.num_slots, engine.resident,

@@ -87,7 +87,8 @@ def note_outcome(seq: Sequence, num_drafted: int, num_accepted: int) -> None:
     """After a drafted decode: the next draft is at most one longer than what was taken of this
     one (all taken: no limit), and a draft of which nothing was taken backs off (MAX_BACKOFF):
     rows that the text's own repeats do not support cost a step time and give nothing."""
-    seq.draft_limit = 0 if num_accepted == num_drafted else num_accepted + 1
+    seq.draft_taken_whole = num_accepted == num_drafted
+    seq.draft_limit = 0 if seq.draft_taken_whole else num_accepted + 1
     if num_accepted:
         seq.draft_backoff = 0
     else:

@@ -38,6 +38,10 @@ class PlannerLimits:
     max_num_batched_tokens: int  # tokens (decode + prefill chunks) in one step
     max_model_len: int  # prompt + output never exceeds this
     num_speculative: int = 0  # --speculative-ngram: draft tokens a decode carries at most
+    # A step of up to this many rows costs what one of fewer does (the CPU's products have at
+    # least cpu_threads.MIN_ROWS rows): drafts fill those rows first, and only a sequence whose
+    # last draft was wholly taken drafts past them. None: no such rows (CUDA).
+    draft_free_rows: int | None = None
 
 
 class Planner:
@@ -244,6 +248,9 @@ class Planner:
         drafts: dict[str, list[int]] = {}
         blocks, block_size = self.blocks, self.blocks.block_size
         held = blocks.blocks_for(self.waiting[0].num_tokens) if self.waiting else 0
+        free_rows = self.limits.draft_free_rows
+        if free_rows is not None:
+            free_rows -= sum(num for _, num in scheduled)
         for seq, num in scheduled:
             if budget <= 0 or blocks.num_free_blocks <= held:
                 break
@@ -260,6 +267,10 @@ class Planner:
                             room - seq.num_computed - 1)
             if max_draft <= 0 or (blocks.num_shared and self.forks.num_copies(seq, 1 + max_draft)):
                 continue
+            if free_rows is not None and not seq.draft_taken_whole:
+                max_draft = min(max_draft, free_rows)  # only rows that cost nothing
+                if max_draft <= 0:
+                    continue
             if seq.ngrams is None:
                 seq.ngrams = NgramIndex()
             draft = seq.ngrams.propose(seq, max_draft)
@@ -267,6 +278,8 @@ class Planner:
                 self._allocate_for(seq, 1 + len(draft))
                 drafts[seq.request_id] = draft
                 budget -= len(draft)
+                if free_rows is not None:
+                    free_rows -= len(draft)
         return drafts
 
     def _place_adapters(self) -> None:

@@ -64,6 +64,9 @@ class Sequence:
     # The most draft tokens its next draft may have (its last one's accepted count + 1, after a
     # partly taken draft); 0: the planner's limit (--speculative-ngram).
     draft_limit: int = 0
+    # Its last draft was wholly taken: it may draft into rows that cost a step time
+    # (PlannerLimits.draft_free_rows).
+    draft_taken_whole: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -58,8 +58,11 @@ def test_drafted_streams_equal_undrafted_solo_runs(start_lorad, tiny_adapters, p
         batch = bodies(temperature, seed)
         solo = token_ids([post(f"{reference.url}/v1/completions", body)[1] for body in batch])
         assert all(len(ids) == MAX_TOKENS for ids in solo)
+        # Bursts of 4: on the CPU a step drafts into the rows up to MIN_ROWS (8) that it
+        # computes anyway, and past them only for a sequence whose last draft was wholly taken.
         accepted = counter(drafting.url, "lorad_draft_accepted_total")
-        assert token_ids(burst_replies(drafting.url, batch)) == solo
+        got = [*burst_replies(drafting.url, batch[:4]), *burst_replies(drafting.url, batch[4:])]
+        assert token_ids(got) == solo
         assert counter(drafting.url, "lorad_draft_accepted_total") > accepted  # it did draft
         accepted = counter(drafting.url, "lorad_draft_accepted_total")
         off = [{**body, "draft": False} for body in batch]
@@ -98,10 +101,10 @@ def test_adapter_mix_compares_undrafted_runs(start_lorad, tiny_adapters):
     drafting = start_lorad("--speculative-ngram", "4", *flags)
     reference = start_lorad(*flags)
     result = run_mix("--url", drafting.url, "--reference-url", reference.url, "--seeded",
-                     "--draft", "--prompt-lengths", "8,60", "--burst", "12",
+                     "--draft", "--prompt-lengths", "8,60", "--burst", "4",
                      models=("tiny", "a@0.5", "b"))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK: all 12 streams equal their solo runs, all 12 undrafted runs their solo runs" \
+    assert "OK: all 4 streams equal their solo runs, all 4 undrafted runs their solo runs" \
         in result.stdout
     assert counter(drafting.url, "lorad_draft_accepted_total") > 0
     for daemon in (drafting, reference):

@@ -76,9 +76,10 @@ def test_requests_that_may_not_be_drafted_for():
 
 # --- in the planner -------------------------------------------------------------------------
 
-def planner(k=4, num_blocks=64, block_size=4, budget=32, max_model_len=64) -> Planner:
-    return Planner(PlannerLimits(8, budget, max_model_len, k), BlockManager(num_blocks,
-                                                                            block_size))
+def planner(k=4, num_blocks=64, block_size=4, budget=32, max_model_len=64,
+            free_rows=None) -> Planner:
+    return Planner(PlannerLimits(8, budget, max_model_len, k, free_rows),
+                   BlockManager(num_blocks, block_size))
 
 
 def started(p: Planner, prompt: list[int], first: int, rid="a", **sampling) -> Sequence:
@@ -114,6 +115,29 @@ def test_drafts_are_capped_by_max_tokens_the_model_length_and_the_budget():
     p = planner(k=8, budget=3)
     started(p, [1, 2, 1], 2)
     assert p.plan().chunks[0].num_draft == 2
+
+
+def test_on_the_cpu_drafts_fill_the_rows_a_step_computes_anyway():
+    """draft_free_rows (the CPU's MIN_ROWS): rows up to it cost nothing, so any draft may fill
+    them; past them only a sequence whose last draft was wholly taken drafts."""
+    p = planner(k=4, free_rows=8)
+    started(p, [1, 2, 1, 2, 1, 2], 1, rid="a")
+    assert p.plan().chunks[0].num_draft == 4  # 1 + 4 rows of 8
+    p = planner(k=4, free_rows=8, num_blocks=128, budget=64)
+    seqs = [Sequence(str(i), [1, 2, 1, 2, 1, 2], GREEDY, 0, "", i + 1, draft=True)
+            for i in range(6)]
+    for seq in seqs:
+        p.admit(seq)
+    plan = p.plan()  # the six prefills
+    p.apply(plan, [1] * 6)
+    plan = p.plan()  # 6 decodes leave 2 free rows: the first takes them, the rest none
+    assert [c.num_draft for c in plan.chunks] == [2, 0, 0, 0, 0, 0]
+    p.apply(plan, [2, 1, 7, *[7] * 5])  # "0" takes both drafts and a bonus token
+    assert seqs[0].draft_taken_whole and not seqs[1].draft_taken_whole
+    seqs[0].output_ids[-3:] = [1, 2, 1]  # still repeating
+    plan = p.plan()  # "0" may draft past the free rows; the others still may not
+    assert [c.num_draft for c in plan.chunks] == [4, 0, 0, 0, 0, 0]
+    assert plan.num_draft_tokens == 4
 
 
 def two_started(p: Planner) -> None:
