@@ -1,5 +1,14 @@
-"""How many rows a CPU product takes (batch.product_rows): at least MIN_ROWS, and at more than
-one torch thread more where this machine's threaded matmuls split a count differently, measured.
+"""The CPU's products at any torch thread count with one thread's bits: `linear`, and how many
+rows a product takes (batch.product_rows): at least MIN_ROWS, and at more than one torch thread
+more where this machine's threaded matmuls split a count differently, measured.
+
+`linear` at T > 1 threads computes x W^T of a few rows as T column blocks of W in one torch.bmm,
+a one-thread product per block side by side, each reading only its block of W: SmolLM2's step
+products at 8 rows and 2 threads 1.77x one thread's speed, against 1.31x with MKL's own threads
+(benchmarks/probe_cpu_split.py); and a column's sums are one thread's whatever the rows. Each
+process checks that on first use, every count from MIN_ROWS to CHECK_MAX_ROWS against one
+thread's products; where a block split would give other bits (another torch or BLAS), it keeps
+F.linear with the padding below.
 
 MKL's threaded sgemm gives a product of some row counts other bits than one thread does: it
 splits the rows between threads, and a part of 1 to 3 rows takes another kernel (torch 2.13, MKL
@@ -25,9 +34,53 @@ log = logging.getLogger("lorad.worker")
 MIN_ROWS = 8
 CHECK_MAX_ROWS = 64
 CHECK_WIDTH = 512  # in and out features: the counts measured did not depend on the shape
+# linear's column blocks have at least this many columns: MKL computes a block of 2, 3 or 5 to 11
+# columns with other sums than the whole weight's (torch 2.13; 1, 4 and 12 on agree).
+MIN_BLOCK_WIDTH = 16
+# From this many rows on MKL's own threads are faster (SmolLM2's step at 2 threads: 192 rows
+# 252 vs 255 ms, 512 rows 519 vs 621; 128 rows 176 vs 144), and at those counts they keep one
+# thread's bits too (none from 12 to 1,024 rows differ here, probe_cpu_rows.py).
+SPLIT_MAX_ROWS = 192
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _padding: dict[int, dict[int, int]] = {}  # threads -> {row count: the count it is padded to}
+_split_keeps_bits: dict[int, bool] = {}  # threads -> whether column_blocks has one thread's bits
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) for the CPU path (any device: CUDA tensors go to F.linear): at more
+    than one torch thread, for fewer than SPLIT_MAX_ROWS fp32 rows of 2 dimensions and a weight
+    whose out features split into one block a thread of MIN_BLOCK_WIDTH columns or more,
+    column_blocks, when this process measured that it keeps one thread's bits."""
+    threads = torch.get_num_threads()
+    if (threads > 1 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] < SPLIT_MAX_ROWS
+            and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and weight.shape[0] % threads == 0
+            and weight.shape[0] >= threads * MIN_BLOCK_WIDTH and weight.is_contiguous()
+            and split_keeps_bits(threads)):
+        return column_blocks(x, weight, threads)
+    return F.linear(x, weight)
+
+
+def column_blocks(x: torch.Tensor, weight: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """x weight^T as num_blocks blocks of weight's rows (the output's columns), one product each
+    in one torch.bmm; weight contiguous, its rows a multiple of num_blocks."""
+    out_features = weight.shape[0]
+    blocks = weight.view(num_blocks, out_features // num_blocks, weight.shape[1])
+    out = torch.bmm(x.expand(num_blocks, *x.shape), blocks.transpose(1, 2))
+    return out.transpose(0, 1).reshape(x.shape[0], out_features)
+
+
+def split_keeps_bits(threads: int) -> bool:
+    """Whether column_blocks at `threads` threads gives every count from MIN_ROWS to
+    CHECK_MAX_ROWS one thread's bits (measured on first use in this process)."""
+    if threads not in _split_keeps_bits:
+        _split_keeps_bits[threads] = not any(
+            differing_counts(threads, lambda num_rows: num_rows,
+                             lambda x, w: column_blocks(x, w, threads),
+                             shape=(threads * width, CHECK_WIDTH))
+            for width in (MIN_BLOCK_WIDTH, -(-CHECK_WIDTH // threads)))
+    return _split_keeps_bits[threads]
 
 
 def padding_for(threads: int) -> dict[int, int]:
@@ -77,7 +130,11 @@ def differing_counts(threads: int, rows_for: Callable[[int], int], matmul: Matmu
 
 
 def log_padding(threads: int) -> None:
-    """Measure now (a worker at start) and say what is padded."""
+    """Measure now (a worker at start) and say how products are split and what is padded."""
+    if threads > 1:
+        log.info("torch threads: %d; fp32 products %s", threads,
+                 "in column blocks, a thread each (one thread's bits)" if split_keeps_bits(threads)
+                 else "by MKL's threads: column blocks would change their bits on this CPU")
     padding = padding_for(threads)
     if padding:
         log.info("torch threads: products of %s rows are padded (threaded MKL splits them "

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from lorad.workers import cpu_threads
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.linear import Plans, base_matmul, check_shape
 from lorad.workers.lora import LoraSlots, add_lora_deltas, matmul_with_deltas
@@ -130,7 +130,7 @@ class FusedColumnParallelLinear(nn.Module):
             return outs, deltas
         # One product per part, as each part's weight alone would give (the CPU's bits); the
         # bias added after it, so a row's bits are the product's plus its own bias.
-        outs = [F.linear(x, self.part_weight(shard_id)) for shard_id in self.parts]
+        outs = [cpu_threads.linear(x, self.part_weight(shard_id)) for shard_id in self.parts]
         if self.bias is not None:
             outs = [out + self.part_bias(shard_id) for out, shard_id in zip(outs, self.parts)]
         return add_lora_deltas(loras, outs, x, lora_rows), (None,) * len(outs)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lorad.workers import cpu_threads
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.lora import LoraSlots, PendingShrink, matmul_and_shrink, matmul_with_deltas
 from lorad.workers.lora_rows import LoraRows
@@ -55,7 +56,7 @@ def base_matmul(x: torch.Tensor, weight: torch.Tensor, gemv: "GemvConfig | None"
             from lorad.workers.kernels.row_matmul import row_matmul
             return row_matmul(x, weight, out_dtype, tile)
     if out_dtype is None or out_dtype == x.dtype:
-        return F.linear(x, weight)
+        return cpu_threads.linear(x, weight)
     return torch.mm(x, weight.t(), out_dtype=out_dtype)
 
 
@@ -166,7 +167,7 @@ class RowParallelLinear(nn.Module):
         # The partial sums are added across ranks; rounding each to bf16 first would make the
         # result depend on the world size more than it must.
         if x.dtype == torch.float32:
-            return F.linear(x, self.weight)
+            return cpu_threads.linear(x, self.weight)
         if x.is_cuda:
             # cuBLAS and the GEMV accumulate in fp32 and hand the fp32 sum back unrounded.
             return base_matmul(x, self.weight, self.gemv, torch.float32, pdl_rows, self.plans)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lorad.workers import cpu_threads
 from lorad.workers.kernels.configs import GemvConfig, MatmulConfig, MatmulTiles
 
 log = logging.getLogger("lorad.worker")
@@ -61,7 +62,7 @@ def cublas_matmul(x: torch.Tensor, weight: torch.Tensor,
     """The cuBLAS call base_matmul makes: x weight^T rounded to x's dtype, or its fp32 sum
     (on CPU tensors, in tests, the CPU path's: no mm there gives an fp32 sum of bf16)."""
     if out_dtype is None or out_dtype == x.dtype:
-        return F.linear(x, weight)
+        return cpu_threads.linear(x, weight)
     if not x.is_cuda:
         return F.linear(x.float(), weight.float())
     return torch.mm(x, weight.t(), out_dtype=out_dtype)
