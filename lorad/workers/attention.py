@@ -16,6 +16,7 @@ kernels instead (attention_cuda.py); this is the reference they are compared wit
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,10 +42,12 @@ class SeqGroup:
     together in batched products of the shapes each would have alone; shared by every layer."""
 
     rows: torch.Tensor  # [num_seqs, num_tokens] int64: each sequence's rows of the batch
-    # [num_seqs, num_keys] int64: the KV slot of each key position, num_keys the longest
-    # context rounded up to KEY_BLOCK; positions past a sequence's context read slot 0, masked
-    key_slots: torch.Tensor
-    past_context: torch.Tensor  # [num_seqs, num_keys, 1, 1] bool: positions past the context
+    # [num_seqs, num_keys / block_size] int64: the KV blocks holding each sequence's key
+    # positions, num_keys the longest context rounded up to KEY_BLOCK; the blocks past a
+    # sequence's context are block 0's (their scores masked, their values zeroed)
+    key_blocks: torch.Tensor
+    # [num_past] int64: positions past each context, as rows of the [num_seqs * num_keys] keys
+    past_context: torch.Tensor
     # [num_seqs, num_tokens, num_keys] bool, True = may attend (causal, within the context)
     causal_mask: torch.Tensor
 
@@ -76,21 +79,21 @@ class AttentionContext:
 
 def _group(chunks: list, block_size: int, device: torch.device) -> SeqGroup:
     n = chunks[0].num_tokens
-    num_keys = max(-(-c.context_len // KEY_BLOCK) for c in chunks) * KEY_BLOCK
-    slots = torch.zeros(len(chunks), num_keys, dtype=torch.int64)
+    # Whole blocks are gathered: num_keys is a multiple of the block size too.
+    step = KEY_BLOCK * block_size // math.gcd(KEY_BLOCK, block_size)
+    num_keys = max(-(-c.context_len // step) for c in chunks) * step
+    blocks = torch.zeros(len(chunks), num_keys // block_size, dtype=torch.int64)
     for i, c in enumerate(chunks):
         num_blocks = -(-c.context_len // block_size)
-        blocks = torch.tensor(c.block_table[:num_blocks], dtype=torch.int64)
-        own = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()
-        slots[i, :c.context_len] = own[:c.context_len]
+        blocks[i, :num_blocks] = torch.tensor(c.block_table[:num_blocks], dtype=torch.int64)
     context = torch.tensor([c.context_len for c in chunks])
     starts = torch.tensor([c.token_start for c in chunks])
     # The chunk holds the last n positions of its context.
     query_pos = context[:, None] - n + torch.arange(n)[None, :]  # [num_seqs, n]
     key_pos = torch.arange(num_keys)
-    return SeqGroup((starts[:, None] + torch.arange(n)[None, :]).to(device), slots.to(device),
-                    (key_pos[None, :] >= context[:, None])[:, :, None, None].to(device),
-                    (key_pos[None, None, :] <= query_pos[:, :, None]).to(device))
+    past = torch.nonzero((key_pos[None, :] >= context[:, None]).flatten()).squeeze(1)
+    return SeqGroup((starts[:, None] + torch.arange(n)[None, :]).to(device), blocks.to(device),
+                    past.to(device), (key_pos[None, None, :] <= query_pos[:, :, None]).to(device))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
@@ -105,17 +108,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     group = num_q_heads // num_kv_heads
     cache.write(k, v, ctx.write_rows, ctx.write_slots)
     out = torch.zeros(num_rows, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
-    k_all = cache.k.view(-1, num_kv_heads, head_dim)
-    v_all = cache.v.view(-1, num_kv_heads, head_dim)
     for seqs in ctx.groups:
         num_seqs, n = seqs.rows.shape
         shape = (num_seqs, -1, num_kv_heads, head_dim)
-        # [num_seqs, num_keys, kv_heads, head_dim]. Past a context, the keys are whatever slot 0
-        # holds (their scores are masked) and the values zeros, as alone: a probability of 0
-        # times a value adds +-0 to a sum, which changes no bit.
-        keys = k_all.index_select(0, seqs.key_slots.flatten()).view(shape)
-        values = v_all.index_select(0, seqs.key_slots.flatten()).view(shape)
-        values.masked_fill_(seqs.past_context, 0)
+        # [num_seqs, num_keys, kv_heads, head_dim]. Past a context, the keys are whatever their
+        # blocks hold (their scores are masked) and the values zeros, as alone: a probability of
+        # 0 times a value adds +-0 to a sum, which changes no bit.
+        keys = cache.k.index_select(0, seqs.key_blocks.flatten()).view(shape)
+        values = cache.v.index_select(0, seqs.key_blocks.flatten())
+        values.view(-1, num_kv_heads, head_dim).index_fill_(0, seqs.past_context, 0)
+        values = values.view(shape)
         # Query heads of one KV head are consecutive: [num_seqs, kv_heads, group * n, head_dim].
         q_seqs = q[seqs.rows.flatten()].view(num_seqs, n, num_kv_heads, group, head_dim)
         q_seqs = q_seqs.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * n,
