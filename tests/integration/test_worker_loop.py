@@ -372,7 +372,7 @@ class FakeEngine:
     """The engine's surface the loop uses, at world size 1: always predicts token 5."""
 
     def __init__(self) -> None:
-        self.tp = SimpleNamespace(rank=0, world_size=1, cpu_group=None, device="cpu")
+        self.tp = SimpleNamespace(rank=0, world_size=1, cpu_group=None, device=torch.device("cpu"))
         self.num_kv_blocks = 16
         self.block_size = BLOCK_SIZE
         self.max_num_seqs = 4
@@ -416,11 +416,11 @@ def test_digest_mismatch_fails_the_step_and_the_loop_goes_on(tmp_path, monkeypat
     pub, pull = bind_publisher(ctx, "inproc://admit"), bind_puller(ctx, "inproc://results")
     sub, push = connect_subscriber(ctx, "inproc://admit"), connect_pusher(ctx, "inproc://results")
     pull.setsockopt(zmq.RCVTIMEO, 10_000)  # a hung loop fails the test instead of blocking it
-    worker = loop_module.WorkerLoop(cfg, 0, FakeEngine(), sub, push)
     exit_code = []
-    thread = threading.Thread(target=lambda: exit_code.append(worker.run()), daemon=True)
-    thread.start()
-    try:
+    try:  # the sockets close whatever fails: a context left open hangs a later GC's term()
+        worker = loop_module.WorkerLoop(cfg, 0, FakeEngine(), sub, push)
+        thread = threading.Thread(target=lambda: exit_code.append(worker.run()), daemon=True)
+        thread.start()
         pub.send(encode(Hello(PROTOCOL_VERSION, "fake")))
         assert isinstance(decode(pull.recv(), (Ready,)), Ready)
         pub.send(encode(Admit(1, "a", [7, 8, 9], greedy(100, ignore_eos=True), 0, "")))
