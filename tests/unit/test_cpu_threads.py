@@ -72,5 +72,9 @@ def test_column_blocks_are_the_product_and_the_check_finds_other_sums():
         return F.linear(x[:, :256], weight[:, :256]) + F.linear(x[:, 256:], weight[:, 256:])
 
     assert differing_counts(2, lambda n: n, other_order) != []
-    torch.set_num_threads(1)  # one thread: F.linear itself
-    assert torch.equal(cpu_threads.linear(x, weight), F.linear(x, weight))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # one thread: F.linear itself
+        assert torch.equal(cpu_threads.linear(x, weight), F.linear(x, weight))
+    finally:
+        torch.set_num_threads(before)
