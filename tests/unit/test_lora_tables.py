@@ -4,6 +4,7 @@ Llama are tests/integration/test_lora_logits.py's (which compares the logits acr
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lorad.config import ModelConfig
@@ -13,6 +14,9 @@ from tests.integration.test_lora_logits import checkpoint  # noqa: F401  (a fixt
 from tests.tiny_adapters import cast_adapter
 
 
+# One torch thread: the CPU's products of more threads are column blocks in one torch.bmm
+# (cpu_threads.linear), and this test counts the bmm calls of LoRA products.
+@pytest.mark.usefixtures("one_thread")
 def test_tables_only_where_an_adapter_edits(checkpoint, monkeypatch):
     """In-process, world 1: an unedited module has no tables, ranks are padded per module, and a
     step without adapter rows makes no LoRA product at all."""
