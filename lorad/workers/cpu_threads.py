@@ -112,7 +112,7 @@ def differing_counts(threads: int, rows_for: Callable[[int], int], matmul: Matmu
                      dtype: torch.dtype = torch.float32) -> list[int]:
     """The counts (MIN_ROWS..max_rows) whose products of rows_for(count) rows by a random
     [out, in] = `shape` weight of `dtype` at `threads` threads give a row other bits than one
-    thread's products of MIN_ROWS rows; torch's thread count is restored."""
+    thread's F.linear of MIN_ROWS rows; torch's thread count is restored."""
     gen = torch.Generator().manual_seed(20261205)
     weight = torch.randn(shape, generator=gen).to(dtype)
     largest = max(rows_for(n) for n in range(MIN_ROWS, max_rows + 1))
@@ -120,7 +120,7 @@ def differing_counts(threads: int, rows_for: Callable[[int], int], matmul: Matmu
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        reference = torch.cat([matmul(x[i:i + MIN_ROWS], weight)
+        reference = torch.cat([F.linear(x[i:i + MIN_ROWS], weight)
                                for i in range(0, x.shape[0], MIN_ROWS)])
         torch.set_num_threads(threads)
         return [n for n in range(MIN_ROWS, max_rows + 1)
