@@ -27,17 +27,15 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from benchmarks.common import (add_run_flags, conditions, open_work_dir, say, start_lorad,
-                               stop_lorad)
+from benchmarks.common import (DEMO_MODEL, add_run_flags, conditions, open_work_dir, say,
+                               start_lorad, stop_lorad)
 from benchmarks.drafting_prompts import EDIT_INSTRUCTION, PARAGRAPHS, QUESTIONS
 
 PORT = 8015
 URL = f"http://127.0.0.1:{PORT}"
-DEMO_MODEL = Path.home() / ".cache" / "lorad" / "SmolLM2-135M-Instruct"
 MODES = ("undrafted", "drafted")
 TARGET_SPEEDUP = 1.8  # editing, one stream
 TARGET_COST_PCT = 3.0  # chat, any concurrency

@@ -21,12 +21,11 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from benchmarks.common import (REPO, add_run_flags, bench_py, conditions, figures, open_work_dir,
-                               say, start_lorad, stop_lorad)
+from benchmarks.common import (DEMO_MODEL, REPO, add_run_flags, bench_py, conditions, figures,
+                               open_work_dir, say, start_lorad, stop_lorad)
 
 PORT = 8016
 URL = f"http://127.0.0.1:{PORT}"
-DEMO_MODEL = Path.home() / ".cache" / "lorad" / "SmolLM2-135M-Instruct"
 ADAPTERS = ("uppercase", "pirate")
 TARGET_SPEEDUP = 1.8
 QUESTIONS = ("Why is the sky blue?", "Name three uses of a paperclip.",

@@ -9,6 +9,7 @@ the repository root as `python -m benchmarks.NAME`, so that this checkout's lora
 from __future__ import annotations
 
 import datetime
+import os
 import importlib.metadata
 import json
 import platform
@@ -24,6 +25,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+# Where serve-demo and the tests keep the converted demo model (tests/conftest.py's rule).
+DEMO_MODEL = Path(os.environ.get("LORAD_DEMO_MODEL_DIR") or Path(
+    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lorad/SmolLM2-135M-Instruct")
 VERSIONS = ("torch", "triton", "transformers", "peft")
 
 

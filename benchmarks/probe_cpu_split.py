@@ -38,19 +38,11 @@ def step_ms(matmul, weights: list[torch.Tensor], rows: dict[int, torch.Tensor],
 
 def differing_widths(threads: int, widths: range, in_features: int = 576) -> list[int]:
     """Block widths whose column_blocks product at `threads` threads differs from one thread's
-    F.linear of the whole weight, at any row count from 8 to 63."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(64, in_features, generator=gen)
-    bad = []
-    for width in widths:
-        weight = torch.randn(threads * width, in_features, generator=gen)
-        torch.set_num_threads(1)
-        reference = torch.cat([F.linear(x[i:i + 8], weight) for i in range(0, 64, 8)])
-        torch.set_num_threads(threads)
-        if any(not torch.equal(cpu_threads.column_blocks(x[:n], weight, threads),
-                               reference[:n]) for n in range(8, 64)):
-            bad.append(width)
-    return bad
+    F.linear of the whole weight, at any row count from 8 to 63 (cpu_threads.differing_counts)."""
+    return [width for width in widths if cpu_threads.differing_counts(
+        threads, lambda num_rows: num_rows,
+        lambda x, w: cpu_threads.column_blocks(x, w, threads),
+        shape=(threads * width, in_features), max_rows=63)]
 
 
 def main() -> None:

@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import REPO, conditions
+from benchmarks.common import DEMO_MODEL, REPO, conditions
 from lorad.config import ModelConfig
 from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import AdapterArg, load_adapter
@@ -33,8 +32,6 @@ from lorad.workers.tuning import Tuning
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
 PROMPT_ID_RANGE = (100, 1000)
-DEMO_MODEL = Path(os.environ.get("LORAD_DEMO_MODEL_DIR") or Path(
-    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lorad/SmolLM2-135M-Instruct")
 DEMO_ADAPTERS = [str(REPO / "demo/adapters/uppercase"), str(REPO / "demo/adapters/pirate")]
 
 
