@@ -157,15 +157,16 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     started = time.monotonic()
     model, tables, specs = build(args)
-    max_seqs = max(args.batches + [b for b, _ in args.mixed]) + 2 + -(-max(
-        args.prefill + [p for _, p in args.mixed]) // args.prefill_chunk)
+    max_seqs = max(args.batches + [b for b, _ in args.mixed], default=0) + 2 + -(-max(
+        args.prefill + [p for _, p in args.mixed], default=0) // args.prefill_chunk)
     per_seq = -(-max(args.context + 1, args.prefill_chunk) // BLOCK_SIZE)
     model.allocate_kv_cache(1 + max_seqs * per_seq, BLOCK_SIZE)
     for cache in model.kv_caches():  # random KV: never time attention on zeros
         cache.k.normal_()
         cache.v.normal_()
     gen = torch.Generator().manual_seed(0)
-    points = [(b, 0) for b in args.batches] + [(0, p) for p in args.prefill] + args.mixed
+    points = [(b, 0) for b in args.batches if b] + [(0, p) for p in args.prefill if p]
+    points += [(b, p) for b, p in args.mixed if b + p]
     steps, seen = [], set()
     for level in [lv for lv in args.levels if lv <= args.slots]:
         for rows, tokens in points:
