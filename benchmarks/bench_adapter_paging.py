@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import (add_run_flags, bench_py, conditions, figures, open_work_dir,
-                               say, start_lorad, stop_lorad)
+                               print_table, say, start_lorad, stop_lorad)
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 8013
@@ -173,9 +173,7 @@ def main() -> int:
               f"{load['first use']:.1f} (registration and a copy from disk), evicted and back "
               f"{load['evicted']:.1f} (a copy from the host cache), resident "
               f"{load['resident']:.1f}"]
-    print("\n".join(lines), flush=True)
-    if args.table_out:
-        args.table_out.write_text("\n".join(lines) + "\n")
+    print_table(lines, args.table_out)
     return 0
 
 

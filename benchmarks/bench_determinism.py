@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import (add_run_flags, bench_py, conditions, figures, open_work_dir,
-                               say, start_lorad, stop_lorad)
+                               print_table, say, start_lorad, stop_lorad)
 
 PORT = 8014
 TARGET_PCT = 3.0
@@ -195,9 +195,7 @@ def main() -> int:
              f"{args.rank} (requests round-robin over the base model and them); random prompts, "
              f"ignore_eos, greedy; {args.warmup} warm-up requests a point; logs in {args.work}",
              "", *table(args.points, runs), "", verdict(args.points, runs)]
-    print("\n".join(lines), flush=True)
-    if args.table_out:
-        args.table_out.write_text("\n".join(lines) + "\n")
+    print_table(lines, args.table_out)
     return 0
 
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import (DEMO_MODEL, add_run_flags, conditions, open_work_dir, say,
-                               start_lorad, stop_lorad)
+from benchmarks.common import (DEMO_MODEL, add_run_flags, conditions, open_work_dir, print_table,
+                               say, start_lorad, stop_lorad)
 from benchmarks.drafting_prompts import EDIT_INSTRUCTION, PARAGRAPHS, QUESTIONS
 
 PORT = 8015
@@ -261,9 +261,7 @@ def main() -> int:
              f"mode a point, alternating; max_tokens {args.editing_max_tokens} editing, "
              f"{args.chat_max_tokens} chat; log and results.json in {args.work}", "",
              *report(args, points)]
-    print("\n".join(lines), flush=True)
-    if args.table_out:
-        args.table_out.write_text("\n".join(lines) + "\n")
+    print_table(lines, args.table_out)
     return 0
 
 

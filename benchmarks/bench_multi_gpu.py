@@ -241,7 +241,8 @@ def cmd_bench(args) -> int:
         return 1
     print(f"\n# {conditions(args.device)}; backend {args.backend}")
     print(f"{Path(args.config).name} decode, {args.dtype}, random weights, context "
-          f"{args.context}, median of {args.steps} steps (rank 0, host-synced step incl. batch build + argmax); "
+          f"{args.context}, median of {args.steps} steps (rank 0, host-synced step incl. batch "
+          "build + argmax); "
           f"collectives alone: {2 * next(iter(rows.values()))['layers'] + 1} all-reduces of "
           "[max(batch, 8), hidden] + the logits "
           "all-gather, timed in a loop on the same ranks.\n")

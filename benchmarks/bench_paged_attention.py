@@ -122,7 +122,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_paged_attention: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
 
     device = torch.device("cuda")
     num_blocks = max(args.batches) * max(args.contexts) // BLOCK_SIZE

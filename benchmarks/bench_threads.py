@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.common import (DEMO_MODEL, REPO, add_run_flags, bench_py, conditions, figures,
-                               open_work_dir, say, start_lorad, stop_lorad)
+                               open_work_dir, print_table, say, start_lorad, stop_lorad)
 
 PORT = 8016
 URL = f"http://127.0.0.1:{PORT}"
@@ -117,9 +117,7 @@ def main() -> int:
     lines.append(f"token ids: {len(differ)} of {num} greedy completions differ from the first "
                  f"--threads {counts[0]} run's (none may)")
     lines += [f"  {d}" for d in differ[:20]]
-    print("\n".join(lines), flush=True)
-    if args.table_out:
-        args.table_out.write_text("\n".join(lines) + "\n")
+    print_table(lines, args.table_out)
     return 1 if differ else 0
 
 

@@ -191,6 +191,13 @@ def add_run_flags(parser, what: str) -> None:
                         help="another flag for the daemons, e.g. --lorad-flag=--enforce-eager")
 
 
+def print_table(lines: list[str], table_out: Path | None) -> None:
+    """Print the table and verdicts, and write them to --table-out when given."""
+    print("\n".join(lines), flush=True)
+    if table_out:
+        table_out.write_text("\n".join(lines) + "\n")
+
+
 def open_work_dir(work: Path | None, prefix: str) -> Path:
     """The run's folder (a new temporary one when None), and SIGTERM (`timeout`) turned into an
     exit through the callers' finally blocks, so that no daemon outlives the run."""
