@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 from lorad.config import ModelConfig  # noqa: E402
 from lorad.config.adapters import AdapterArg, layer_modules, load_adapter  # noqa: E402
 from lorad.config.adapters import module_name, projection_features  # noqa: E402
-from lorad.workers.batch import ForwardBatch  # noqa: E402
+from lorad.workers.batch import MIN_ROWS, ForwardBatch  # noqa: E402
 from lorad.workers.cuda_graph import DecodeGraphs  # noqa: E402
 from lorad.workers.fused_linear import FusedColumnParallelLinear  # noqa: E402
 from lorad.workers.linear import RowParallelLinear  # noqa: E402
@@ -113,6 +113,10 @@ def parse_args() -> argparse.Namespace:
                    help="launch lorad's Triton kernels without programmatic dependent launch "
                         "(kernels/pdl.py), to measure what it saves (the same as every "
                         "variant's and main's pdl.max_rows=0+pdl.max_rows_with_lora=0)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="measure matmul plans first, as lorad's default --deterministic does "
+                        "(cuBLAS only at the row counts where it keeps a row's bits); without "
+                        "it cuBLAS at every count, as --no-deterministic")
     p.add_argument("--table-out", help="also write the markdown table to this file")
     p.add_argument("--json-out", help="also write the step-time table (lorad-step-table/1, "
                    "docs/capacity.md) of the decode and prefill rows and an adapter's copy "
@@ -726,6 +730,8 @@ def main() -> int:
         return 2
     variants = tuning_variants(args.variant)
     model = build_lorad(config, max_batch, blocks_per_seq, without_pdl(Tuning(), args.no_pdl))
+    if args.deterministic:  # before any graph captures the matmuls, as the engine does
+        model.plan_matmuls(max(max_batch, prefill_seqs * prefill_len, MIN_ROWS))
     print(f"lorad model built ({time.monotonic() - started:.0f}s)", flush=True)
     if "base" in cases:
         graphs = capture(model, args, 0)
@@ -782,7 +788,9 @@ def main() -> int:
         f" CUDA {torch.version.cuda}; {conditions()}",
         f"measured here: device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write), "
         f"bf16 matmul {flops / 1e12:.0f} TFLOP/s (8192^3, random data)",
-        f"model {Path(args.config).name}: random weights, bf16, world size 1, graphs captured "
+        f"model {Path(args.config).name}: random weights, bf16, world size 1, matmul "
+        f"{'plans (--deterministic)' if args.deterministic else 'cuBLAS at every row count'}, "
+        f"graphs captured "
         f"for up to {max(args.batches)} sequences and --max-model-len {args.max_model_len}, "
         f"programmatic dependent launch {pdl_text}; "
         f"lorad peak memory {peak_gib:.1f} GiB",
