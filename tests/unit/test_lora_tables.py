@@ -4,19 +4,18 @@ Llama are tests/integration/test_lora_logits.py's (which compares the logits acr
 
 from __future__ import annotations
 
-import pytest
+import sys
+
 import torch
 
 from lorad.config import ModelConfig
 from lorad.config.adapters import AdapterArg, load_adapter
+from lorad.workers import lora
 from tests.integration.test_lora_logits import BLOCK_SIZE, MODEL, SEQS
 from tests.integration.test_lora_logits import checkpoint  # noqa: F401  (a fixture)
 from tests.tiny_adapters import cast_adapter
 
 
-# One torch thread: the CPU's products of more threads are column blocks in one torch.bmm
-# (cpu_threads.linear), and this test counts the bmm calls of LoRA products.
-@pytest.mark.usefixtures("one_thread")
 def test_tables_only_where_an_adapter_edits(checkpoint, monkeypatch):
     """In-process, world 1: an unedited module has no tables, ranks are padded per module, and a
     step without adapter rows makes no LoRA product at all."""
@@ -39,9 +38,17 @@ def test_tables_only_where_an_adapter_edits(checkpoint, monkeypatch):
     assert k0.ranks == [0, 0, 8] and down1.ranks == [0, 0, 5]
     assert down1.lora_b.shape == (3, MODEL["hidden_size"], 5)
 
+    # The LoRA products: torch.bmm called from lora.py (attention and, at more than one
+    # thread, cpu_threads.linear make their own)
     calls = []
     real_bmm = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(1) or real_bmm(*a))
+
+    def bmm(*args):
+        if sys._getframe(1).f_code.co_filename == lora.__file__:
+            calls.append(1)
+        return real_bmm(*args)
+
+    monkeypatch.setattr(torch, "bmm", bmm)
     ids = SEQS["X"][:5]
     model(ForwardBatch.build([(ids, 0, [0, 1], True, 0)], BLOCK_SIZE))
     assert calls == []

