@@ -38,6 +38,7 @@ from lorad.workers.rotary_attention import RotaryInputs, RotaryPagedAttention
 from lorad.workers.tuning import Tuning
 
 if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
+    from lorad.workers.kernels.configs import MatmulTiles
     from lorad.workers.kernels.lora_common import LoraDelta
 
 
@@ -185,14 +186,7 @@ class LlamaForCausalLM(nn.Module):
         bits for every base projection and the LM head, products of 1..max_rows rows
         (matmul_plan.py), and hand each layer its plans. -> the plans by (shape, dtype,
         out_dtype)."""
-        from lorad.workers.matmul_plan import plan_model_matmuls
-        layers = []
-        for module in self.modules():
-            if isinstance(module, (FusedColumnParallelLinear, ParallelLMHead)):
-                layers.append((module, module.weight, None))
-            elif isinstance(module, RowParallelLinear):
-                layers.append((module, module.weight, module.matmul_out_dtype()))
-        return plan_model_matmuls(layers, max_rows, self.tuning.matmul)
+        return plan_module_matmuls(self, max_rows, self.tuning.matmul)
 
     def load_weights(self, model_dir: str) -> None:
         # A tied checkpoint may still carry lm_head.weight: the embedding's copy is the one used.
@@ -334,3 +328,16 @@ class LlamaForCausalLM(nn.Module):
                 _, extra = self.model.norm.add_and_norm(delta[hidden_rows], hidden[hidden_rows])
         logits = self.lm_head(normed)
         return logits if hidden_rows is None else (logits, extra)
+
+
+def plan_module_matmuls(root: nn.Module, max_rows: int, tiles: MatmulTiles) -> dict:
+    """The matmul plans (matmul_plan.py) of every base projection and LM head under root (a
+    model, or one of its blocks in a test), handed to each layer. -> the plans by key."""
+    from lorad.workers.matmul_plan import plan_model_matmuls
+    layers = []
+    for module in root.modules():
+        if isinstance(module, (FusedColumnParallelLinear, ParallelLMHead)):
+            layers.append((module, module.weight, None))
+        elif isinstance(module, RowParallelLinear):
+            layers.append((module, module.weight, module.matmul_out_dtype()))
+    return plan_model_matmuls(layers, max_rows, tiles)
