@@ -181,10 +181,12 @@ class MatmulTiles:
     the decode GEMV's bits at every count tried; against cuBLAS, 16 x 64 at 1-16 rows 0.95-1.17x
     (o, down, gate/up; q/k/v 0.7x), 64 x 64 at 64-128 rows 0.89-0.99x (down, gate/up: the
     counts where cuBLAS splits K are down's), 64 x 128 at 256-512 0.57-0.74x, 128 x 256 at
-    1,024 and more 0.79-0.93x. The plan takes row_matmul only where cuBLAS splits K."""
+    1,024 and more 0.79-0.93x. The plan takes row_matmul only where cuBLAS splits K. 16 x 64
+    keeps its time to 32 rows (down: 46.8-47.0 us at 24 and 32, cuBLAS 47.4; 64 x 64 77.9 and
+    72.5: lorad --deterministic's cost at 32 streams was +8.5-9.5% with 64 x 64 there)."""
 
     bands: tuple[tuple[int, MatmulConfig], ...] = (
-        (16, MatmulConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)),
+        (32, MatmulConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)),
         (128, MatmulConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)),
         (768, MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)),
         (1 << 30, MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8,
