@@ -166,11 +166,13 @@ class RowParallelLinear(nn.Module):
     def _partial_fp32(self, x: torch.Tensor, pdl_rows: int) -> torch.Tensor:
         # The partial sums are added across ranks; rounding each to bf16 first would make the
         # result depend on the world size more than it must.
+        if x.is_cuda:
+            # cuBLAS and the GEMV accumulate in fp32 and hand the fp32 sum back unrounded; an
+            # fp32 model's too go through the plans (cuBLAS alone gave a row other bits with the
+            # row count: the MoE shared expert's fp32 down_proj on an H100).
+            return base_matmul(x, self.weight, self.gemv, torch.float32, pdl_rows, self.plans)
         if x.dtype == torch.float32:
             return cpu_threads.linear(x, self.weight)
-        if x.is_cuda:
-            # cuBLAS and the GEMV accumulate in fp32 and hand the fp32 sum back unrounded.
-            return base_matmul(x, self.weight, self.gemv, torch.float32, pdl_rows, self.plans)
         # The CPU has no mm with an fp32 output for bf16 inputs (torch 2.13); the CPU path is for
         # tests and small models, so upcasting the shard each step is acceptable there.
         return F.linear(x.float(), self.weight.float())

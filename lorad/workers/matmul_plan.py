@@ -123,6 +123,9 @@ def plan_model_matmuls(layers: list[tuple[object, torch.Tensor, torch.dtype | No
     started = time.monotonic()
     plans: dict = {}
     for layer, weight, out_dtype in layers:
+        # base_matmul looks a plan up by None where out_dtype is the inputs' (an fp32 model's
+        # fp32 partial sums): keyed by float32 there, the plan was never found
+        out_dtype = None if out_dtype == weight.dtype else out_dtype
         gemv = getattr(layer, "gemv", None)
         key = (tuple(weight.shape), weight.dtype, out_dtype, gemv)
         if key not in plans:
