@@ -9,9 +9,9 @@ the repository root as `python -m benchmarks.NAME`, so that this checkout's lora
 from __future__ import annotations
 
 import datetime
-import os
 import importlib.metadata
 import json
+import os
 import platform
 import signal
 import statistics

@@ -30,6 +30,12 @@ if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
 Plans = dict | None
 
 
+def plan_key(dtype: torch.dtype, out_dtype: torch.dtype | None) -> torch.dtype | None:
+    """A layer's plans are keyed by out_dtype, None where it is the inputs' own dtype (an fp32
+    model's fp32 partial sums are the model dtype's products)."""
+    return None if out_dtype == dtype else out_dtype
+
+
 def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ...]) -> None:
     if tuple(got) != tuple(want):
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(got)}, expected {want}")
@@ -45,7 +51,7 @@ def base_matmul(x: torch.Tensor, weight: torch.Tensor, gemv: "GemvConfig | None"
     (cuBLAS's are not; pdl_rows: the step's PDL row limit); else, where the layer's measured
     plan says cuBLAS would split K, row_matmul; cuBLAS otherwise."""
     if kernel_path(x.device):
-        plan = None if plans is None else plans.get(None if out_dtype == x.dtype else out_dtype)
+        plan = None if plans is None else plans.get(plan_key(x.dtype, out_dtype))
         if gemv is not None and (plan is None or plan.gemv_agrees):
             from lorad.workers.kernels import decode_gemv  # lazily: the CPU never imports triton
             # The tile's block_m is the most rows the GEMV takes (supports says).
@@ -166,13 +172,11 @@ class RowParallelLinear(nn.Module):
     def _partial_fp32(self, x: torch.Tensor, pdl_rows: int) -> torch.Tensor:
         # The partial sums are added across ranks; rounding each to bf16 first would make the
         # result depend on the world size more than it must.
-        if x.is_cuda:
+        if x.is_cuda or x.dtype == torch.float32:
             # cuBLAS and the GEMV accumulate in fp32 and hand the fp32 sum back unrounded; an
-            # fp32 model's too go through the plans (cuBLAS alone gave a row other bits with the
+            # fp32 model's go through the plans too (cuBLAS alone gave a row other bits with the
             # row count: the MoE shared expert's fp32 down_proj on an H100).
             return base_matmul(x, self.weight, self.gemv, torch.float32, pdl_rows, self.plans)
-        if x.dtype == torch.float32:
-            return cpu_threads.linear(x, self.weight)
         # The CPU has no mm with an fp32 output for bf16 inputs (torch 2.13); the CPU path is for
         # tests and small models, so upcasting the shard each step is acceptable there.
         return F.linear(x.float(), self.weight.float())

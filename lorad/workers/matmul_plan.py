@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from lorad.workers import cpu_threads
 from lorad.workers.kernels.configs import GemvConfig, MatmulConfig, MatmulTiles
+from lorad.workers.linear import plan_key
 
 log = logging.getLogger("lorad.worker")
 
@@ -123,9 +124,7 @@ def plan_model_matmuls(layers: list[tuple[object, torch.Tensor, torch.dtype | No
     started = time.monotonic()
     plans: dict = {}
     for layer, weight, out_dtype in layers:
-        # base_matmul looks a plan up by None where out_dtype is the inputs' (an fp32 model's
-        # fp32 partial sums): keyed by float32 there, the plan was never found
-        out_dtype = None if out_dtype == weight.dtype else out_dtype
+        out_dtype = plan_key(weight.dtype, out_dtype)  # as base_matmul looks the plan up
         gemv = getattr(layer, "gemv", None)
         key = (tuple(weight.shape), weight.dtype, out_dtype, gemv)
         if key not in plans:
