@@ -1,5 +1,6 @@
-"""This rank's adapters: the registry (id -> validated folder), a host cache of factor shards, and
-the jobs that register an adapter (validate, key) or copy one into a device slot.
+"""This rank's adapters: the registry (id -> validated folder), a host cache of factor shards
+(adapter_host_cache), and the jobs that register an adapter (validate, key) or copy one into a
+device slot.
 
 Jobs run in the order submitted, on one thread beside the step loop (on CUDA the copy runs on its
 own stream, synchronized before the job counts as done). Their outcome is agreed by the ranks
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import WEIGHTS_FILE, AdapterSpec, read_adapter
 from lorad.config.peft_config import CONFIG_FILE
 from lorad.protocol.messages import LoadAdapter
+from lorad.workers.adapter_host_cache import HostCache
 from lorad.workers.loader import fill_slot, read_shards
 
 log = logging.getLogger("lorad.worker")
@@ -71,7 +72,7 @@ class AdapterStore:
         self.max_cpu_adapters = max_cpu_adapters
         self.specs: dict[int, AdapterSpec] = {}  # registered on every rank
         self._staged: dict[int, AdapterSpec] = {}  # validated here, outcome not agreed yet
-        self._host: OrderedDict[int, dict] = OrderedDict()  # id -> shards, least recent first
+        self._host = HostCache(tables, max_cpu_adapters, pin=device.type == "cuda")
         # id -> (size, inode, mtime) of its files when their key was last computed
         self._checked: dict[int, tuple] = {}
         self._jobs: dict[int, Job] = {}
@@ -158,7 +159,7 @@ class AdapterStore:
         cache is the jobs' thread's: its entry goes in job order."""
         self.specs.pop(adapter_id, None)
         self.version += 1
-        self._executor.submit(self._host.pop, adapter_id, None)
+        self._executor.submit(self._host.drop, adapter_id)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=False)
@@ -209,15 +210,10 @@ class AdapterStore:
         shards = self._host.get(spec.adapter_id)
         source = "the host cache" if shards is not None else "disk"
         if shards is not None:
-            self._host.move_to_end(spec.adapter_id)
             self.num_host_hits += 1
         else:
-            shards = self._read_back(spec)
+            shards = self._host.put(spec.adapter_id, self._read_back(spec))
             self.num_disk_reads += 1
-            if self.max_cpu_adapters:
-                self._host[spec.adapter_id] = shards
-                while len(self._host) > self.max_cpu_adapters:
-                    self._host.popitem(last=False)
         # The slot's previous adapter has no sequence left: its last step's reads are done, on
         # every rank (they precede that step's last all-reduce, which precedes the leader's
         # sampling, which precedes this rank planning the step that evicted it).

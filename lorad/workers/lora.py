@@ -322,12 +322,16 @@ def fill_tables(slot: int, entries: list[tuple[LoraSlots, LoraModule | None, tor
         scale_views.append(table.scale_table[slot:slot + 1])
         ranks.append(r)
         scales.append(scale)
+    # Asynchronous on CUDA (the caller synchronizes its stream): from page-locked shards (the
+    # host cache's) a DMA each, and from pageable ones the driver stages them before returning.
     if dsts:
-        torch._foreach_copy_(dsts, srcs)
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
     tails = [t for t in tails if t.numel()]
     if tails:
         torch._foreach_zero_(tails)
     if entries:
         # Scales rounded to fp32 here, as torch's `fp32 * scale` rounds them.
-        torch._foreach_copy_(rank_views, torch.tensor(ranks, dtype=torch.int32).split(1))
-        torch._foreach_copy_(scale_views, torch.tensor(scales, dtype=torch.float32).split(1))
+        torch._foreach_copy_(rank_views, torch.tensor(ranks, dtype=torch.int32).split(1),
+                             non_blocking=True)
+        torch._foreach_copy_(scale_views, torch.tensor(scales, dtype=torch.float32).split(1),
+                             non_blocking=True)
