@@ -19,6 +19,8 @@
 #             probe_matmul_rows (which row counts change a row's bits in cuBLAS and the GEMV)
 #             and probe_row_matmul (row_matmul's tiles: bits against the GEMV, speed);
 #   rowmm     probe_row_matmul alone;
+#   copy      probe_adapter_copy: one 8B rank-16 adapter into an fp32 slot from the file's
+#             shards, through the host cache from disk, and from a cached (page-locked) entry;
 #   ncu       ncu_decode_kernels (CSVs in $OUT/ncu)
 #   prefix    http_prefix.sh: the prefix cache over HTTP (8B shape, bf16): 64 conversations of 4
 #             turns over a 2,000-token system prompt, cache on and off; decode with and without
@@ -129,6 +131,10 @@ for part in "${parts[@]}"; do
       bench matmul-rows.log 90 probe_matmul_rows
       bench row-matmul.log 180 probe_row_matmul ;;
     rowmm) bench row-matmul.log 180 probe_row_matmul ;;
+    copy)
+      for source in file disk cache; do
+        bench "adapter-copy-$source.log" 100 probe_adapter_copy --source "$source"
+      done ;;
     graph) bench graph-profile.log 150 profile_graph --trace-out "$OUT/traces" ;;
     ncu) bench ncu.log 120 ncu_decode_kernels --csv-out "$OUT/ncu" ;;
     paging) bench bench-paging.log 560 bench_adapter_paging --model scripts/configs/llama3-8b \
