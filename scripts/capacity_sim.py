@@ -77,18 +77,24 @@ class Replica:
                 num = min(seq.prompt_len - seq.num_computed, budget)
                 scheduled.append((seq, num))
                 budget -= num
-        while self.waiting and budget and len(self.running) < cfg.max_num_seqs:  # 3. new ones
-            head = self.waiting[0]
-            if not self.ready(head.adapter, now):
-                self._place_adapters(now)
-                break  # first come, first served: nobody overtakes the head
-            self.waiting.popleft()
-            if head.adapter:
-                self.users[head.adapter] = self.users.get(head.adapter, 0) + 1
-                self.slots.move_to_end(head.adapter)
-            self.running.append(head)
-            num = min(head.prompt_len, budget)
-            scheduled.append((head, num))
+        i, kept = 0, 0  # 3. new ones; kept: places left to those whose copies run
+        while i < len(self.waiting) and budget and len(self.running) + kept < cfg.max_num_seqs:
+            seq = self.waiting[i]
+            if not self.ready(seq.adapter, now):
+                if i == 0:
+                    self._place_adapters(now)
+                if seq.adapter not in self.slots:
+                    break  # no slot could be had: nobody goes ahead of it
+                kept += 1
+                i += 1
+                continue  # its copy runs: those behind it with ready adapters go ahead
+            del self.waiting[i]
+            if seq.adapter:
+                self.users[seq.adapter] = self.users.get(seq.adapter, 0) + 1
+                self.slots.move_to_end(seq.adapter)
+            self.running.append(seq)
+            num = min(seq.prompt_len, budget)
+            scheduled.append((seq, num))
             budget -= num
         return scheduled
 

@@ -8,7 +8,8 @@ prompt share its prefill (fork.py). With prefix caching on, a sequence that star
 cached blocks of its longest cached prefix (never the block of its last token, which must run to
 be sampled) and prefills from there, and apply() registers every block a step fills
 (prefix_cache.py). A sequence with an adapter id starts once its adapter is in a device slot
-(adapter_slots.py): the head of the queue waits for its copy, the next ones' are started with it.
+(adapter_slots.py): the head of the queue waits for its copy, the next ones' are started with it,
+and sequences behind it whose adapters are in a slot go ahead meanwhile.
 With --speculative-ngram, a decode may carry draft tokens (ngram_draft.py) from what the step
 left of the budget and the free blocks, and apply() takes the ones its sampled rows accepted.
 Grammar state is not handled here; echo's rows are prompt_logprobs.py's.
@@ -201,34 +202,49 @@ class Planner:
         return budget
 
     def _start_waiting(self, budget: int, scheduled: list, preempted: list[str]) -> int:
+        """3. waiting sequences start in queue order (first come, first served), except that
+        while one waits for its adapter's copy, those behind it whose adapters are in a slot
+        (or that have none) may go ahead, leaving it the blocks of its prompt and its place
+        among the running sequences: it starts once its copy is agreed (a bounded wait that
+        nobody behind it prolongs). One whose adapter has no slot yet (none could be had) stops
+        the queue: sequences behind it would hold the slots it waits for."""
         # A sequence starts only when the free pool holds its whole prompt (plus any tokens it
         # recomputes), counting what this pass already promised: starting it on a partial chunk
         # would only get it preempted again by the first decode that needs a block.
         num_promised = 0
-        # Choices not forked yet count as running: a prompt starts only with room for all.
+        # Choices not forked yet count as running: a prompt starts only with room for all; so
+        # do the sequences passed over while their copies run.
         num_unforked = sum(len(s.fork_ids) for s in self.running) if self.forks.unforked else 0
-        while (self.waiting and budget > 0 and len(self.running) + num_unforked
-               + len(self.waiting[0].fork_ids) < self.limits.max_num_seqs):
-            seq = self.waiting[0]
+        i = 0
+        while (i < len(self.waiting) and budget > 0 and len(self.running) + num_unforked
+               + len(self.waiting[i].fork_ids) < self.limits.max_num_seqs):
+            seq = self.waiting[i]
             if seq.adapter_id and not self.adapters.is_ready(seq.adapter_id):
-                self._place_adapters()
-                break  # it starts once its adapter's copy is agreed, still at the head
+                if i == 0:
+                    self._place_adapters()
+                if seq.adapter_id not in self.adapters.fetching:
+                    break  # no slot could be had: nobody goes ahead of it
+                num_promised += self.blocks.blocks_for(seq.num_tokens)
+                num_unforked += 1 + len(seq.fork_ids)
+                i += 1
+                continue  # it starts once its adapter's copy is agreed, still in its place
             num_blocks = self.blocks.blocks_for(seq.num_tokens)
             hits, on_disk = self.reuse.lookup(seq) if self.reuse is not None else ([], [])
             # Cached blocks nobody holds leave the free pool when taken; held ones cost nothing.
             num_taken = num_blocks - len(hits) + (self.blocks.num_evictable(hits) if hits else 0)
             if (seq.request_id in preempted
                     or num_taken > self.blocks.num_free_blocks - num_promised):
-                break  # first come, first served: nobody overtakes the head of the queue
+                break  # first come, first served: nobody overtakes it
             if on_disk:
-                self.reuse.start_restore(seq, hits, on_disk)
+                if i == 0:
+                    self.reuse.start_restore(seq, hits, on_disk)
                 break  # it starts next step, from its restored blocks, still at the head
             if hits:
                 self.reuse.take(seq, hits)
             num = self._chunk_size(seq, budget)
             if num == 0:  # echo's share of the step is spent
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             if seq.adapter_id:
                 seq.adapter_slot = self.adapters.acquire(seq.adapter_id)
             seq.status = SeqStatus.RUNNING

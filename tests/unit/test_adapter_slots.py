@@ -1,6 +1,7 @@
 """AdapterSlots (the planner's device slot decisions) and the planner's use of them: placement,
 LRU eviction of unread adapters only, pins, a failed copy, unloads, and sequences that start only
-once their adapter's copy is agreed, in queue order."""
+once their adapter's copy is agreed, in queue order, with those behind whose adapters are in a
+slot going ahead meanwhile."""
 
 from __future__ import annotations
 
@@ -74,12 +75,48 @@ def test_the_planner_starts_a_sequence_once_its_adapters_copy_is_agreed():
     planner.apply(plan, [5])
     planner.cancel("r1")
     plan = planner.plan()
-    assert plan.chunks == [] and plan.adapter_fetches == [(2, 1)]
-    planner.apply(plan, [])
-    assert planner.plan().chunks == []  # the copy is not agreed yet
+    # r2's copy into the freed slot is planned, and r3 (no adapter) goes ahead while it runs.
+    assert plan.adapter_fetches == [(2, 1)]
+    assert [(c.request_id, c.adapter_slot) for c in plan.chunks] == [("r3", 0)]
+    planner.apply(plan, [5])
+    assert [c.request_id for c in planner.plan().chunks] == ["r3"]  # the copy is not agreed
     planner.adapter_fetched(2, 1, True)
     plan = planner.plan()
-    assert [(c.request_id, c.adapter_slot) for c in plan.chunks] == [("r2", 1), ("r3", 0)]
+    assert [(c.request_id, c.adapter_slot) for c in plan.chunks] == [("r3", 0), ("r2", 1)]
+
+
+def test_while_a_copy_runs_those_behind_go_ahead_leaving_its_blocks_and_its_place():
+    """r1's adapter is being copied: r2 (resident adapter), r3 and r4 (base) start meanwhile,
+    r5 does not (it would take the last of the 4 places among the running sequences, which r1
+    keeps); r1 starts as soon as its copy is agreed."""
+    planner = Planner(PlannerLimits(4, 64, 32), BlockManager(32, 4),
+                      adapters=AdapterSlots(2, resident={2: 1}))
+    for rid, arrival, adapter_id in (("r1", 1, 1), ("r2", 2, 2), ("r3", 3, 0), ("r4", 4, 0),
+                                     ("r5", 5, 2)):
+        planner.admit(_seq(rid, arrival, adapter_id))
+    plan = planner.plan()
+    assert plan.adapter_fetches == [(1, 2)]
+    assert [c.request_id for c in plan.chunks] == ["r2", "r3", "r4"]
+    planner.apply(plan, [5, 5, 5])
+    assert [c.request_id for c in planner.plan().chunks] == ["r2", "r3", "r4"]
+    planner.adapter_fetched(1, 2, True)
+    plan = planner.plan()
+    assert [c.request_id for c in plan.chunks] == ["r2", "r3", "r4", "r1"]  # decodes first
+    assert [s.request_id for s in planner.waiting] == ["r5"]
+
+
+def test_those_that_go_ahead_leave_the_blocks_of_the_waiting_prompt():
+    """8 blocks of 4 tokens: r1 (adapter 1, being copied) needs 5 blocks for its 17-token
+    prompt, so r2 (3 blocks) may go ahead and r3 (1 block) may not: 5 + 3 + 1 > 8."""
+    planner = Planner(PlannerLimits(8, 64, 32), BlockManager(8, 4), adapters=AdapterSlots(1))
+    sampling = SamplingParams(0.0, 1.0, 0, 0, 4, [], True)
+    for rid, arrival, adapter_id, length in (("r1", 1, 1, 17), ("r2", 2, 0, 9), ("r3", 3, 0, 1)):
+        planner.admit(Sequence(rid, list(range(1, length + 1)), sampling, 0,
+                               f"k{adapter_id}" if adapter_id else "", arrival,
+                               adapter_id=adapter_id))
+    plan = planner.plan()
+    assert plan.adapter_fetches == [(1, 1)]
+    assert [c.request_id for c in plan.chunks] == ["r2"]
 
 
 def test_a_failed_copy_ends_only_its_adapters_sequences():
@@ -88,14 +125,16 @@ def test_a_failed_copy_ends_only_its_adapters_sequences():
     planner.admit(_seq("r2", 2, 0))
     plan = planner.plan()
     assert plan.adapter_fetches == [(3, 1)]
-    planner.apply(plan, [])
+    assert [c.request_id for c in plan.chunks] == ["r2"]  # goes ahead while the copy runs
+    planner.apply(plan, [5])
     assert planner.adapter_fetched(3, 1, False) == ["r1"]
     assert [c.request_id for c in planner.plan().chunks] == ["r2"]
 
 
 def test_no_adapter_starves_behind_a_resident_one():
     """One slot, adapter 1 resident and busy: a request for adapter 2 waits for the slot, and
-    the adapter-1 requests that came after it wait behind it (nobody overtakes the head)."""
+    the adapter-1 requests that came after it wait behind it (nobody overtakes a head whose
+    adapter has no slot: they would keep the slot busy)."""
     planner = Planner(PlannerLimits(8, 64, 32), BlockManager(64, 4),
                       adapters=AdapterSlots(1, resident={1: 1}))
     planner.admit(_seq("a0", 1, 1))
