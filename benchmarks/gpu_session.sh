@@ -36,7 +36,8 @@
 #             (bf16), so acceptance is a random model's loops, not editing (the model through
 #             LORAD_BENCH_ARGS_bench_drafting, e.g. "--model DIR --load-format auto")
 # Environment: OUT (default /tmp/lorad-gpu-session); LORAD_TEST_ARGS (default tests/gpu);
-# LORAD_TEST_LIMIT (seconds, default 540);
+# LORAD_TEST_LIMIT (seconds, default 540); LORAD_PART_LIMIT (seconds): at most this for any
+# benchmark (one call of the device tool is 600 s);
 # LORAD_BENCH_ARGS_<module>, e.g. LORAD_BENCH_ARGS_bench_engine="--quick", options for one
 # benchmark. Everything at once is more than 10 minutes: ask for parts.
 set -uo pipefail
@@ -74,6 +75,7 @@ fi
 bench() {  # log name, time limit s, module[, its arguments]: one benchmark or profile
   local log=$1 limit=$2 module=$3
   shift 3
+  (( limit > ${LORAD_PART_LIMIT:-limit} )) && limit=$LORAD_PART_LIMIT
   local var="LORAD_BENCH_ARGS_$module" extra=()
   read -ra extra <<<"${!var:-}"
   say "$module $* ${extra[*]}"
