@@ -81,7 +81,10 @@ class HostCache:
         self._entries.pop(adapter_id, None)
 
     def _allocate(self) -> int:
-        buffer = torch.empty(self.slot_bytes, dtype=torch.uint8)
+        # Whole pages of its own: two registrations must not share a page.
+        buffer = torch.empty(self.slot_bytes + PAGE, dtype=torch.uint8)
+        start = -buffer.data_ptr() % PAGE
+        buffer = buffer[start:start + self.slot_bytes]
         if self.pin:
             # Registered for the process's life: the driver releases it at exit. torch's
             # pin_memory would round the size up to a power of two.

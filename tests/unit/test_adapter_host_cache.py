@@ -87,6 +87,14 @@ def check_fill_through_the_cache(tmp_path, device: str) -> None:
         assert _same(_slot_contents(tables, 2), expected[spec.name]), spec.name
     assert len(cache) == 1 and cache.get(narrow.adapter_id) is None
     assert cache.num_bytes == cache.slot_bytes
+    # Host slots of whole pages (two page-locked ranges must not share one), each its own.
+    two = HostCache(tables, 2, pin=device == "cuda")
+    for spec in (wide, narrow):
+        two.put(spec.adapter_id, read_shards(tables, spec))
+    assert [b.data_ptr() % 4096 for b in two._buffers] == [0, 0]
+    for spec in (wide, narrow):
+        fill_slot_(2, spec, two.get(spec.adapter_id))
+        assert _same(_slot_contents(tables, 2), expected[spec.name]), spec.name
     # A host slot holds the largest adapter the tables hold, every table at its full rank.
     assert cache.slot_bytes >= sum(t.lora_a[0].nbytes + t.lora_b[0].nbytes
                                    for t in tables.values())
