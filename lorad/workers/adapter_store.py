@@ -69,7 +69,6 @@ class AdapterStore:
         self.tables = tables  # {(layer, module): LoraSlots}
         self.model_config = model_config
         self.capacity = capacity
-        self.max_cpu_adapters = max_cpu_adapters
         self.specs: dict[int, AdapterSpec] = {}  # registered on every rank
         self._staged: dict[int, AdapterSpec] = {}  # validated here, outcome not agreed yet
         self._host = HostCache(tables, max_cpu_adapters, pin=device.type == "cuda")
