@@ -2,12 +2,12 @@
 """How long one adapter's copy into a device slot takes on a thread beside the step loop: alone,
 beside a thread spinning in Python (a worker loop that polls with no timeout while its requests
 wait for their adapters), and beside one that polls with a 1 ms timeout (what the loop does
-now). The copy is the adapter jobs' own: read_shards + fill_slot into real slot tables of the
-model's shape (one slot each, the rank given), from the file's pageable shards as before the host
-cache (`--source file`), through the host cache from disk (`disk`: read, put into a host slot,
-copy; what a cache miss costs) or from a cached entry (`cache`: the copy alone; page-locked on
-CUDA). `--per-table` copies table by table (six torch calls a table instead of a handful for
-all). Prints one line per case.
+now). The copy is the adapter jobs' own, into real slot tables of the model's shape (one slot
+each, the rank given): from the file's pageable shards through safetensors and fill_slot, as
+before the host cache (`--source file`); through the host cache from disk (`disk`: one read, a
+put into a host slot, the copy; what a cache miss costs); or from a cached entry (`cache`: the
+copy alone; page-locked on CUDA). `--per-table` copies the file's shards table by table (six
+torch calls a table). Prints one line per case.
 
     python -m benchmarks.probe_adapter_copy --model scripts/configs/llama3-8b --rank 16
 """
@@ -45,20 +45,22 @@ def make_tables(config: ModelConfig, rank: int, device: torch.device,
 def copy_once(tables: dict, spec, stream, per_table: bool, source: str,
               cache: HostCache) -> float:
     began = time.perf_counter()
-    if source == "file":
+    if source == "file" or per_table:
         shards = read_shards(tables, spec)
     elif source == "disk":
-        shards = cache.put(spec.adapter_id, read_shards(tables, spec))
+        cache.drop(spec.adapter_id)
+        entry = cache.put(spec.adapter_id, cache.read(spec))
     else:
-        shards = cache.get(spec.adapter_id) or cache.put(spec.adapter_id,
-                                                         read_shards(tables, spec))
+        entry = cache.get(spec.adapter_id) or cache.put(spec.adapter_id, cache.read(spec))
         began = time.perf_counter()  # a hit: the copy alone
     with torch.cuda.stream(stream) if stream is not None else _nothing():
         if per_table:
             for m in spec.modules:
                 tables[(m.layer, m.module)].fill(1, m, *shards[(m.layer, m.module)])
-        else:
+        elif source == "file":
             fill_slot(tables, 1, spec, shards)
+        else:
+            cache.fill(1, spec, entry)
     if stream is not None:
         stream.synchronize()
     return (time.perf_counter() - began) * 1e3
@@ -117,7 +119,8 @@ def main() -> int:
             thread.join()
         print(f"{case}: {min(times):.1f} / {max(times):.1f} ms (min / max of {repeats}); "
               f"{len(spec.modules)} factor pairs, {size:.0f} MiB, "
-              f"{'table by table' if args.per_table else 'fill_slot'}, source {args.source}, "
+              f"{'table by table' if args.per_table else 'all tables at once'}, source "
+              f"{args.source}, "
               f"{args.table_dtype} tables", flush=True)
     return 0
 

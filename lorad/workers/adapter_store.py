@@ -27,7 +27,6 @@ from lorad.config.adapters import WEIGHTS_FILE, AdapterSpec, read_adapter
 from lorad.config.peft_config import CONFIG_FILE
 from lorad.protocol.messages import LoadAdapter
 from lorad.workers.adapter_host_cache import HostCache
-from lorad.workers.loader import fill_slot, read_shards
 
 log = logging.getLogger("lorad.worker")
 
@@ -206,33 +205,34 @@ class AdapterStore:
 
     def _copy(self, spec: AdapterSpec, slot: int) -> None:
         began = time.monotonic()
-        shards = self._host.get(spec.adapter_id)
-        source = "the host cache" if shards is not None else "disk"
-        if shards is not None:
+        entry = self._host.get(spec.adapter_id)
+        source = "the host cache" if entry is not None else "disk"
+        if entry is not None:
             self.num_host_hits += 1
         else:
-            shards = self._host.put(spec.adapter_id, self._read_back(spec))
+            self._check_files(spec)
+            entry = self._host.put(spec.adapter_id, self._host.read(spec))
             self.num_disk_reads += 1
         # The slot's previous adapter has no sequence left: its last step's reads are done, on
         # every rank (they precede that step's last all-reduce, which precedes the leader's
         # sampling, which precedes this rank planning the step that evicted it).
         read = time.monotonic()
         if self._stream is None:
-            fill_slot(self.tables, slot, spec, shards)
+            self._host.fill(slot, spec, entry)
         else:
             with torch.cuda.stream(self._stream):  # beside the steps; done once synchronized
-                fill_slot(self.tables, slot, spec, shards)
+                self._host.fill(slot, spec, entry)
             self._stream.synchronize()
         log.debug("adapter id %d into slot %d: shards from %s in %.1f ms, copied in %.1f ms",
                   spec.adapter_id, slot, source, (read - began) * 1e3,
                   (time.monotonic() - read) * 1e3)
 
-    def _read_back(self, spec: AdapterSpec) -> dict:
-        """The shards from disk (spec.path: the folder this rank registered), after checking
-        that the files still have the registered key: a folder edited in place since its load
-        must not be served under the old identity. The key is computed again only when a file's
-        size, inode or modification time moved since it was last checked. (A file replaced
-        between the check and the read is not caught; replace folders by rename, or reload.)"""
+    def _check_files(self, spec: AdapterSpec) -> None:
+        """Before a read from disk (spec.path: the folder this rank registered): the files must
+        still have the registered key, since a folder edited in place since its load must not
+        be served under the old identity. The key is computed again only when a file's size,
+        inode or modification time moved since it was last checked. (A file replaced between
+        the check and the read is not caught; replace folders by rename, or reload.)"""
         stamp = _stamp(spec)
         if self._checked.get(spec.adapter_id) != stamp:
             again = read_adapter(Path(spec.path), spec.name, spec.strength, spec.adapter_id,
@@ -242,7 +242,6 @@ class AdapterStore:
                                   f"key {again.key[:16]}..., registered {spec.key[:16]}...); "
                                   "reload it")
             self._checked[spec.adapter_id] = stamp
-        return read_shards(self.tables, spec)
 
     def _read(self, path: str, name: str, strength: float, adapter_id: int) -> AdapterSpec:
         folder = Path(path + self._path_suffix)

@@ -1,14 +1,18 @@
-"""The adapter host cache (--max-cpu-adapters): what a slot gets through it is what a copy
-straight from the file gives, bit for bit (bf16 factors widened into fp32 tables, ranks below the
-tables' with zeroed tails), whichever host slot and whatever an earlier adapter left there; least
-recently used entries go first; a capacity of 0 keeps nothing."""
+"""The adapter host cache (--max-cpu-adapters) and its reads and copies: what a slot gets
+through it is what a copy straight from the file gives (loader.read_shards + fill_slot), bit for
+bit: bf16 factors widened into fp32 tables, ranks below the tables' with zeroed tails, whichever
+host slot and whatever an earlier adapter left there, at --parallel 1 and on rank 1 of 2. A copy
+is a handful of torch calls (each gives up the GIL beside the step loop); least recently used
+entries go first; a capacity of 0 keeps nothing."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.overrides import TorchFunctionMode
 
-from lorad.config import ModelConfig
+from lorad.config import ConfigError, ModelConfig
 from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import AdapterArg, load_adapter
 from lorad.workers.adapter_host_cache import HostCache
@@ -19,9 +23,9 @@ from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
 
 
-def _tables(config: ModelConfig, device: str = "cpu") -> dict:
-    model = LlamaForCausalLM(config, TensorParallel(0, 1, torch.device(device)), torch.float32,
-                             torch.device(device))
+def _tables(config: ModelConfig, device: str = "cpu", rank: int = 0, world: int = 1) -> dict:
+    model = LlamaForCausalLM(config, TensorParallel(rank, world, torch.device(device)),
+                             torch.float32, torch.device(device))
     return model.add_lora_tables((), LoraCapacity(3, True, 8))  # fp32 tables of rank 8
 
 
@@ -37,34 +41,36 @@ def _specs(tmp_path, base, config):
 
 
 def _slot_contents(tables: dict, slot: int) -> list:
-    return [(t.ranks[slot], t.scales[slot], t.lora_a[slot].clone(), t.lora_b[slot].clone())
+    return [(t.ranks[slot], t.scales[slot], int(t.rank_table[slot]), float(t.scale_table[slot]),
+             t.lora_a[slot].to("cpu", copy=True), t.lora_b[slot].to("cpu", copy=True))
             for t in tables.values()]
 
 
 def _same(left: list, right: list) -> bool:
-    return all(ra == rb and sa == sb and torch.equal(a1, a2) and torch.equal(b1, b2)
-               for (ra, sa, a1, b1), (rb, sb, a2, b2) in zip(left, right, strict=True))
+    return all(x[:4] == y[:4] and torch.equal(x[4], y[4]) and torch.equal(x[5], y[5])
+               for x, y in zip(left, right, strict=True))
 
 
-def test_a_slot_filled_through_the_cache_equals_a_copy_from_the_file(tmp_path):
-    check_fill_through_the_cache(tmp_path, "cpu")
+@pytest.mark.parametrize("rank,world", [(0, 1), (1, 2)])
+def test_a_slot_filled_through_the_cache_equals_a_copy_from_the_file(tmp_path, rank, world):
+    check_fill_through_the_cache(tmp_path, "cpu", rank, world)
 
 
-def check_fill_through_the_cache(tmp_path, device: str) -> None:
+def check_fill_through_the_cache(tmp_path, device: str, rank: int = 0, world: int = 1) -> None:
     """On CUDA the host slots are page-locked and the copies run on a side stream, as the
     adapter jobs run them (AdapterStore._copy)."""
     base = make_tiny_llama(tmp_path / "base")
     config = ModelConfig.from_dir(base)
-    tables = _tables(config, device)
+    tables = _tables(config, device, rank, world)
     wide, narrow = _specs(tmp_path, base, config)
     stream = torch.cuda.Stream() if device == "cuda" else None
 
-    def fill_slot_(slot, spec, shards):
+    def fill(cache, slot, spec, entry):
         if stream is None:
-            return fill_slot(tables, slot, spec, shards)
-        stream.wait_stream(torch.cuda.current_stream())  # the clones of what was there
+            return cache.fill(slot, spec, entry)
+        stream.wait_stream(torch.cuda.current_stream())  # the reads of what was there
         with torch.cuda.stream(stream):
-            fill_slot(tables, slot, spec, shards)
+            cache.fill(slot, spec, entry)
         stream.synchronize()
 
     assert {m.dtype for m in wide.modules} == {"BF16"}
@@ -75,29 +81,58 @@ def check_fill_through_the_cache(tmp_path, device: str) -> None:
     cache = HostCache(tables, 1, pin=device == "cuda")
     # One host slot for both, in turn: narrow lands where wide's factors were.
     for spec in (wide, narrow, wide):
-        views = cache.put(spec.adapter_id, read_shards(tables, spec))
-        assert all(v.dtype == torch.float32 and v.is_pinned() == (device == "cuda")
-                   for pair in views.values() for v in pair)
-        fill_slot_(2, spec, views)
+        entry = cache.put(spec.adapter_id, cache.read(spec))
+        assert all(b.is_pinned() == (device == "cuda") for b in cache._buffers)
+        fill(cache, 2, spec, entry)
         assert _same(_slot_contents(tables, 2), expected[spec.name]), spec.name
         # From the cache again, over what the other adapter left in the device slot.
         other = narrow if spec is wide else wide
-        fill_slot_(2, other, read_shards(tables, other))
-        fill_slot_(2, spec, cache.get(spec.adapter_id))
+        fill_slot(tables, 2, other, read_shards(tables, other))
+        fill(cache, 2, spec, cache.get(spec.adapter_id))
         assert _same(_slot_contents(tables, 2), expected[spec.name]), spec.name
     assert len(cache) == 1 and cache.get(narrow.adapter_id) is None
     assert cache.num_bytes == cache.slot_bytes
-    # Host slots of whole pages (two page-locked ranges must not share one), each its own.
-    two = HostCache(tables, 2, pin=device == "cuda")
-    for spec in (wide, narrow):
-        two.put(spec.adapter_id, read_shards(tables, spec))
-    assert [b.data_ptr() % 4096 for b in two._buffers] == [0, 0]
-    for spec in (wide, narrow):
-        fill_slot_(2, spec, two.get(spec.adapter_id))
-        assert _same(_slot_contents(tables, 2), expected[spec.name]), spec.name
     # A host slot holds the largest adapter the tables hold, every table at its full rank.
     assert cache.slot_bytes >= sum(t.lora_a[0].nbytes + t.lora_b[0].nbytes
                                    for t in tables.values())
+    # Host slots of whole pages (two page-locked ranges must not share one), each its own.
+    two = HostCache(tables, 2, pin=device == "cuda")
+    for spec in (wide, narrow):
+        two.put(spec.adapter_id, two.read(spec))
+    assert [b.data_ptr() % 4096 for b in two._buffers] == [0, 0]
+    for spec in (narrow, wide):
+        fill(two, 2, spec, two.get(spec.adapter_id))
+        assert _same(_slot_contents(tables, 2), expected[spec.name]), spec.name
+
+
+class _CountCalls(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") != "__get__":  # attributes (.shape) keep the GIL
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_copy_is_a_handful_of_torch_calls_once_its_views_exist(tmp_path):
+    """224 factor pairs on an 8B adapter made the copy ~3,600 calls, each a trip through the
+    GIL beside the step loop; a read, put and fill of a layout seen before are a few, whatever
+    the number of tables (this tiny model has 14; counted calls include tensor methods)."""
+    base = make_tiny_llama(tmp_path / "base")
+    config = ModelConfig.from_dir(base)
+    tables = _tables(config)
+    wide, _ = _specs(tmp_path, base, config)
+    cache = HostCache(tables, 1, pin=False)
+    cache.fill(1, wide, cache.put(1, cache.read(wide)))  # views made here
+    cache.drop(1)
+    with _CountCalls() as calls:
+        cache.fill(1, wide, cache.put(1, cache.read(wide)))
+    assert calls.count <= 10 < len(tables), calls.count
+    with _CountCalls() as calls:
+        cache.fill(1, wide, cache.get(1))
+    assert calls.count <= 7, calls.count
 
 
 def test_least_recently_used_entries_go_first_and_capacity_0_keeps_nothing(tmp_path):
@@ -105,19 +140,36 @@ def test_least_recently_used_entries_go_first_and_capacity_0_keeps_nothing(tmp_p
     config = ModelConfig.from_dir(base)
     tables = _tables(config)
     spec = _specs(tmp_path, base, config)[1]
-    shards = read_shards(tables, spec)
     cache = HostCache(tables, 2, pin=False)
     for adapter_id in (1, 2):
-        cache.put(adapter_id, shards)
+        cache.put(adapter_id, cache.read(spec))
     assert cache.get(1) is not None  # 2 is now the least recent
-    cache.put(3, shards)
+    cache.put(3, cache.read(spec))
     assert [cache.get(i) is not None for i in (1, 2, 3)] == [True, False, True]
     assert cache.num_bytes == 2 * cache.slot_bytes  # 3 took 2's host slot
     cache.drop(1)
-    cache.put(4, shards)  # into 1's host slot, with no eviction
+    cache.put(4, cache.read(spec))  # into 1's host slot, with no eviction
     assert [cache.get(i) is not None for i in (3, 4)] == [True, True]
     assert cache.num_bytes == 2 * cache.slot_bytes
     none = HostCache(tables, 0, pin=False)
-    views = none.put(1, shards)
-    assert torch.equal(views[next(iter(views))][0], shards[next(iter(shards))][0])
-    assert none.get(1) is None and len(none) == 0 and none.num_bytes == none.slot_bytes
+    entry = none.put(1, none.read(spec))
+    assert entry.slot == 0 and none.get(1) is None and len(none) == 0
+    assert none.num_bytes == none.slot_bytes
+
+
+def test_a_file_cut_short_or_missing_a_tensor_is_refused_naming_it(tmp_path):
+    base = make_tiny_llama(tmp_path / "base")
+    config = ModelConfig.from_dir(base)
+    tables = _tables(config)
+    spec = _specs(tmp_path, base, config)[1]
+    cache = HostCache(tables, 1, pin=False)
+    weights = tmp_path / "narrow" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    save_file({k: v for k, v in tensors.items() if k != spec.modules[0].a_tensor}, weights)
+    with pytest.raises(ConfigError, match=f"no tensor '{spec.modules[0].a_tensor}'"):
+        cache.read(spec)
+    save_file(tensors, weights)
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-64])
+    with pytest.raises(ConfigError, match="adapter 'narrow'"):
+        cache.read(spec)
