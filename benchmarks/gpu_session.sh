@@ -29,10 +29,10 @@
 #             files) in 64 device slots against the same burst all resident (8B shape, bf16)
 #   determinism bench_determinism: lorad --deterministic against --no-deterministic (8B shape,
 #             bf16) at concurrency 1, 32, 64 and a prefill-heavy 32 x 1,024 in (issue 33's
-#             target: <= 3%); logs and bench.py's JSON in $OUT/determinism
+#             target: <= 3%); logs and bench.py's JSON in $OUT/determinism.tar.gz
 #   drafting  bench_drafting: --speculative-ngram 4 against "draft": false, editing and chat at
 #             concurrency 1 and 8 (issue 33: >= 1.8x editing, one stream; chat <= 3%); log and
-#             results.json in $OUT/drafting. No real checkpoint here: it runs on random 8B weights
+#             results.json in $OUT/drafting.tar.gz. No real checkpoint here: it runs on random 8B weights
 #             (bf16), so acceptance is a random model's loops, not editing (the model through
 #             LORAD_BENCH_ARGS_bench_drafting, e.g. "--model DIR --load-format auto")
 # Environment: OUT (default /tmp/lorad-gpu-session); LORAD_TEST_ARGS (default tests/gpu);
@@ -156,6 +156,14 @@ for part in "${parts[@]}"; do
       status[prefix.log]=${PIPESTATUS[0]} ;;
     *) echo "gpu_session: unknown part $part (see the header of $0)" >&2; status[$part]=2 ;;
   esac
+done
+
+# The device tool brings back only so many files: each benchmark's work folder (daemon logs,
+# bench.py's records) comes back as one archive.
+for work in paging determinism drafting; do
+  if [[ -d $OUT/$work ]]; then
+    tar czf "$OUT/$work.tar.gz" -C "$OUT" "$work" && rm -rf "${OUT:?}/$work"
+  fi
 done
 
 say "summary"
