@@ -32,9 +32,9 @@
 #             target: <= 3%); logs and bench.py's JSON in $OUT/determinism.tar.gz
 #   drafting  bench_drafting: --speculative-ngram 4 against "draft": false, editing and chat at
 #             concurrency 1 and 8 (issue 33: >= 1.8x editing, one stream; chat <= 3%); log and
-#             results.json in $OUT/drafting.tar.gz. No real checkpoint here: it runs on random 8B weights
-#             (bf16), so acceptance is a random model's loops, not editing (the model through
-#             LORAD_BENCH_ARGS_bench_drafting, e.g. "--model DIR --load-format auto")
+#             results.json in $OUT/drafting.tar.gz. No real checkpoint here: it runs on random
+#             8B weights (bf16), so acceptance is a random model's loops, not editing (the model
+#             through LORAD_BENCH_ARGS_bench_drafting, e.g. "--model DIR --load-format auto")
 # Environment: OUT (default /tmp/lorad-gpu-session); LORAD_TEST_ARGS (default tests/gpu);
 # LORAD_TEST_LIMIT (seconds, default 540); LORAD_PART_LIMIT (seconds): at most this for any
 # benchmark (one call of the device tool is 600 s);
