@@ -92,7 +92,11 @@ def run_daemon(args, library: Path, models: Path, slots: int, work: Path, tag: s
     try:
         bench(args, models, work / f"{tag}-first.json")  # registers every adapter it names
         say(f"{tag}: first burst done (registers its adapters)")
+        before = slot_counters()
         result = figures(bench(args, models, work / f"{tag}.json"))
+        result["counters"] = {name: value - before[name]
+                              for name, value in slot_counters().items()}
+        say(f"{tag}: the measured burst's slot counters (rank 0): {result['counters']}")
         say(f"{tag}: measured burst: {result['tokens_s']:.1f} tokens/s, TTFT p50 / p99 "
                  f"{result['ttft']} ms")
         if tag == "paged":
@@ -101,6 +105,16 @@ def run_daemon(args, library: Path, models: Path, slots: int, work: Path, tag: s
         return result
     finally:
         stop_lorad(proc)
+
+
+COUNTERS = ("adapter_loads", "adapter_host_hits", "adapter_disk_reads", "adapter_evictions")
+
+
+def slot_counters() -> dict:
+    """Rank 0's adapter slot and cache counters, from /health (docs/adapters.md)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=30) as response:
+        rank = json.loads(response.read())["ranks"][0]
+    return {name: rank[name] for name in COUNTERS}
 
 
 def load_times(args, models: Path) -> dict:
@@ -168,7 +182,12 @@ def main() -> int:
                                ("all used resident", resident, len(paged["used"]))):
         lines.append(f"| {tag} | {slots} | {result['tokens_s']:.1f} | {result['ttft']} | "
                      f"{result['itl']} |")
+    counters = paged["counters"]
     lines += [f"\npaged / resident throughput: {paged['tokens_s'] / resident['tokens_s']:.2f}",
+              f"paged, the measured burst (rank 0): {counters['adapter_loads']} copies into a "
+              f"slot ({counters['adapter_host_hits']} from the host cache, "
+              f"{counters['adapter_disk_reads']} from disk), "
+              f"{counters['adapter_evictions']} evictions",
               f"one adapter alone, a request for 1 token (ms): first use "
               f"{load['first use']:.1f} (registration and a copy from disk), evicted and back "
               f"{load['evicted']:.1f} (a copy from the host cache), resident "
