@@ -26,7 +26,8 @@
 #             turns over a 2,000-token system prompt, cache on and off; decode with and without
 #             --no-prefix-cache (issue 31's targets)
 #   paging    bench_adapter_paging: a Zipf(1.0) burst over 1,000 adapters of rank 16 (64 distinct
-#             files) in 64 device slots against the same burst all resident (8B shape, bf16)
+#             files) in 64 device slots against the same burst all resident (8B shape, bf16);
+#             the daemons log each copy's times (debug), in $OUT/paging.tar.gz
 #   determinism bench_determinism: lorad --deterministic against --no-deterministic (8B shape,
 #             bf16) at concurrency 1, 32, 64 and a prefill-heavy 32 x 1,024 in (issue 33's
 #             target: <= 3%); logs and bench.py's JSON in $OUT/determinism.tar.gz
@@ -140,7 +141,8 @@ for part in "${parts[@]}"; do
     graph) bench graph-profile.log 150 profile_graph --trace-out "$OUT/traces" ;;
     ncu) bench ncu.log 120 ncu_decode_kernels --csv-out "$OUT/ncu" ;;
     paging) bench bench-paging.log 560 bench_adapter_paging --model scripts/configs/llama3-8b \
-              --load-format random --lorad-flag=--dtype=bfloat16 --adapters 1000 --distinct 64 \
+              --load-format random --lorad-flag=--dtype=bfloat16 --lorad-flag=--log-level=debug \
+              --adapters 1000 --distinct 64 \
               --rank 16 --slots 64 --zipf 1.0 --requests 512 --concurrency 64 \
               --work "$OUT/paging" ;;
     determinism) bench bench-determinism.log 560 bench_determinism --work "$OUT/determinism" \
