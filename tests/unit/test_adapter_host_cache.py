@@ -40,6 +40,13 @@ def _specs(tmp_path, base, config):
             for i, (name, folder) in enumerate((("wide", wide), ("narrow", narrow)))]
 
 
+def _cpu_setup(tmp_path) -> tuple[dict, list]:
+    """(fp32 CPU tables of a tiny Llama, [its wide and narrow adapters] (_specs))."""
+    base = make_tiny_llama(tmp_path / "base")
+    config = ModelConfig.from_dir(base)
+    return _tables(config), _specs(tmp_path, base, config)
+
+
 def _slot_contents(tables: dict, slot: int) -> list:
     return [(t.ranks[slot], t.scales[slot], int(t.rank_table[slot]), float(t.scale_table[slot]),
              t.lora_a[slot].to("cpu", copy=True), t.lora_b[slot].to("cpu", copy=True))
@@ -120,10 +127,7 @@ def test_a_copy_is_a_handful_of_torch_calls_once_its_views_exist(tmp_path):
     """224 factor pairs on an 8B adapter made the copy ~3,600 calls, each a trip through the
     GIL beside the step loop; a read, put and fill of a layout seen before are a few, whatever
     the number of tables (this tiny model has 14; counted calls include tensor methods)."""
-    base = make_tiny_llama(tmp_path / "base")
-    config = ModelConfig.from_dir(base)
-    tables = _tables(config)
-    wide, _ = _specs(tmp_path, base, config)
+    tables, (wide, _) = _cpu_setup(tmp_path)
     cache = HostCache(tables, 1, pin=False)
     cache.fill(1, wide, cache.put(1, cache.read(wide)))  # views made here
     cache.drop(1)
@@ -136,10 +140,7 @@ def test_a_copy_is_a_handful_of_torch_calls_once_its_views_exist(tmp_path):
 
 
 def test_least_recently_used_entries_go_first_and_capacity_0_keeps_nothing(tmp_path):
-    base = make_tiny_llama(tmp_path / "base")
-    config = ModelConfig.from_dir(base)
-    tables = _tables(config)
-    spec = _specs(tmp_path, base, config)[1]
+    tables, (_, spec) = _cpu_setup(tmp_path)
     cache = HostCache(tables, 2, pin=False)
     for adapter_id in (1, 2):
         cache.put(adapter_id, cache.read(spec))
@@ -158,10 +159,7 @@ def test_least_recently_used_entries_go_first_and_capacity_0_keeps_nothing(tmp_p
 
 
 def test_a_file_cut_short_or_missing_a_tensor_is_refused_naming_it(tmp_path):
-    base = make_tiny_llama(tmp_path / "base")
-    config = ModelConfig.from_dir(base)
-    tables = _tables(config)
-    spec = _specs(tmp_path, base, config)[1]
+    tables, (_, spec) = _cpu_setup(tmp_path)
     cache = HostCache(tables, 1, pin=False)
     weights = tmp_path / "narrow" / "adapter_model.safetensors"
     tensors = load_file(weights)
