@@ -134,11 +134,9 @@ class Engine:
         else:
             model.load_weights(cfg.model_dir)
         clock.mark("weights")
-        # A host cache only where adapters can outnumber the slots: else no copy repeats, and
-        # on a GPU each cached adapter holds a slot's bytes of page-locked memory.
-        pages = capacity.runtime or len(adapters) > capacity.num_slots
         store = AdapterStore(model.add_lora_tables(adapters, capacity), model_config, capacity,
-                             cfg.max_cpu_adapters if pages else 0, device, _path_suffix(rank))
+                             capacity.host_cache_size(len(adapters), cfg.max_cpu_adapters),
+                             device, _path_suffix(rank))
         resident = start_slots(adapters, capacity.num_slots, set(cfg.pinned_adapters))
         for spec in adapters:
             store.add_started(spec, resident.get(spec.adapter_id))

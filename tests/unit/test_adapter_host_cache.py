@@ -171,3 +171,9 @@ def test_a_file_cut_short_or_missing_a_tensor_is_refused_naming_it(tmp_path):
     weights.write_bytes(data[:-64])
     with pytest.raises(ConfigError, match="adapter 'narrow'"):
         cache.read(spec)
+
+
+def test_a_host_cache_only_where_adapters_can_outnumber_the_slots():
+    assert LoraCapacity(8, True, 16).host_cache_size(0, 64) == 64  # run-time adapters
+    assert LoraCapacity(2, False, 16).host_cache_size(3, 64) == 64  # 3 start adapters, 2 slots
+    assert LoraCapacity(3, False, 16).host_cache_size(3, 64) == 0  # each keeps its slot
