@@ -298,10 +298,10 @@ def fill_tables(slot: int, entries: list[tuple[LoraSlots, LoraModule | None, tor
     """Put shards (LoraSlots.shard) into `slot` of each entry's table, with the module's rank and
     scale; an entry of module None clears the table's slot (its adapter does not edit it).
 
-    A handful of torch calls for all the tables, not six per table: the copy runs on the adapter
-    jobs' thread beside the step loop, and each torch call gives up the GIL and may wait a
-    switch interval to get it back, which made an 8B adapter's ~2,700 calls take ~0.3-0.9 s
-    against ~50 ms alone (benchmarks.probe_adapter_copy)."""
+    A handful of foreach calls for the copies, though each table's slot is sliced anew (six
+    views a table). The adapter jobs, which copy beside the step loop where every torch call
+    waits for the GIL, go through adapter_host_cache instead, whose views are made once; this
+    serves the start's copies (loader.load_adapter_weights), a lit slot and LoraSlots.fill."""
     dsts, srcs, tails, rank_views, scale_views, ranks, scales = [], [], [], [], [], [], []
     for table, module, a, b in entries:
         r = 0 if module is None else module.rank
