@@ -235,10 +235,10 @@ class Planner:
             if (seq.request_id in preempted
                     or num_taken > self.blocks.num_free_blocks - num_promised):
                 break  # first come, first served: nobody overtakes it
-            if on_disk:
-                if i == 0:
+            if on_disk:  # the head starts next step, from its restored blocks, still first;
+                if i == 0:  # one behind a copy does not go ahead (its restore waits its turn)
                     self.reuse.start_restore(seq, hits, on_disk)
-                break  # it starts next step, from its restored blocks, still at the head
+                break
             if hits:
                 self.reuse.take(seq, hits)
             num = self._chunk_size(seq, budget)
