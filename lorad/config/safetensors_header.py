@@ -53,21 +53,27 @@ def read_safetensors_header(path: str | os.PathLike, label: str) -> SafetensorsH
     """Parse and check the header of `path`; errors are ConfigError prefixed with `label`."""
     try:
         with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise ConfigError(f"{label}: the file is {file_size} bytes, too short for a "
-                                  "safetensors header (8-byte length + JSON)")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES:
-                raise ConfigError(f"{label}: header length {header_len} is absurd "
-                                  f"(over {MAX_HEADER_BYTES} bytes); not a safetensors file?")
-            if header_len > file_size - 8:
-                raise ConfigError(f"{label}: header length {header_len} runs past the end of "
-                                  f"the file ({file_size} bytes)")
-            raw = f.read(header_len)
+            return read_open_safetensors_header(f, label)
     except OSError as exc:
         raise ConfigError(f"{label}: cannot read: {exc.strerror or exc}") from None
+
+
+def read_open_safetensors_header(f, label: str) -> SafetensorsHeader:
+    """The same from a file open for binary reading at its start, left just past the header
+    (where the data begins), for a caller that reads the data next. OSError is the caller's."""
+    file_size = os.fstat(f.fileno()).st_size
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise ConfigError(f"{label}: the file is {file_size} bytes, too short for a "
+                          "safetensors header (8-byte length + JSON)")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > MAX_HEADER_BYTES:
+        raise ConfigError(f"{label}: header length {header_len} is absurd "
+                          f"(over {MAX_HEADER_BYTES} bytes); not a safetensors file?")
+    if header_len > file_size - 8:
+        raise ConfigError(f"{label}: header length {header_len} runs past the end of "
+                          f"the file ({file_size} bytes)")
+    raw = f.read(header_len)
     header = _parse_json(raw, label)
     data_start = 8 + header_len
     metadata = _check_metadata(header.pop("__metadata__", {}), label)

@@ -29,7 +29,7 @@ import torch
 
 from lorad.config import ConfigError
 from lorad.config.adapters import AdapterSpec
-from lorad.config.safetensors_header import read_safetensors_header
+from lorad.config.safetensors_header import read_open_safetensors_header
 from lorad.workers.loader import WholeTensor
 from lorad.workers.lora import STORED_DTYPES
 
@@ -81,14 +81,13 @@ class HostCache:
         LoraSlots.shard cuts them), read from its weights file in one call: views of the
         staging buffer, valid until the next read. ConfigError names the file."""
         label = f"adapter {spec.name!r} ({spec.weights_file})"
-        header = read_safetensors_header(spec.weights_file, label)
-        size = header.file_size - header.data_start
-        if size > self._staging.numel():
-            self._staging = torch.empty(size, dtype=torch.uint8)
-            self._staged.clear()
         try:
             with open(spec.weights_file, "rb") as f:
-                f.seek(header.data_start)
+                header = read_open_safetensors_header(f, label)  # f is at the data now
+                size = header.file_size - header.data_start
+                if size > self._staging.numel():
+                    self._staging = torch.empty(size, dtype=torch.uint8)
+                    self._staged.clear()
                 got = f.readinto(memoryview(self._staging.numpy())[:size])  # without the GIL
         except OSError as exc:
             raise ConfigError(f"{label}: cannot read: {exc.strerror or exc}") from None
