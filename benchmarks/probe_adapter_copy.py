@@ -49,9 +49,11 @@ def copy_once(tables: dict, spec, stream, per_table: bool, source: str,
         shards = read_shards(tables, spec)
     elif source == "disk":
         cache.drop(spec.adapter_id)
-        entry = cache.put(spec.adapter_id, cache.read(spec))
+        host_slot = cache.put(spec.adapter_id, cache.read(spec))
     else:
-        entry = cache.get(spec.adapter_id) or cache.put(spec.adapter_id, cache.read(spec))
+        host_slot = cache.get(spec.adapter_id)
+        if host_slot is None:
+            host_slot = cache.put(spec.adapter_id, cache.read(spec))
         began = time.perf_counter()  # a hit: the copy alone
     with torch.cuda.stream(stream) if stream is not None else _nothing():
         if per_table:
@@ -60,7 +62,7 @@ def copy_once(tables: dict, spec, stream, per_table: bool, source: str,
         elif source == "file":
             fill_slot(tables, 1, spec, shards)
         else:
-            cache.fill(1, spec, entry)
+            cache.fill(1, spec, host_slot)
     if stream is not None:
         stream.synchronize()
     return (time.perf_counter() - began) * 1e3

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import mmap
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
@@ -35,14 +34,6 @@ from lorad.workers.lora import STORED_DTYPES
 
 ALIGN = 64  # bytes: each factor starts at a multiple of this, so any dtype's view is aligned
 MAX_LAYOUTS = 8  # file layouts whose staging views are kept (adapters of one recipe share one)
-
-
-@dataclass(frozen=True)
-class HostEntry:
-    """An adapter in a host slot: which one, and its edited tables with their ranks."""
-
-    slot: int
-    layout: tuple[tuple[tuple[int, str], int], ...]  # ((layer, module), rank) per edited table
 
 
 class HostCache:
@@ -61,7 +52,8 @@ class HostCache:
         self._full: list[dict] = []  # per host slot: where -> (A, B) at the tables' full rank
         self._ranked: list[dict] = []  # per host slot: (where, rank) -> (A[:rank], B[:, :rank])
         self._holds: list[tuple | None] = []  # per host slot: the layout its zeros fit
-        self._entries: OrderedDict[int, HostEntry] = OrderedDict()  # least recently used first
+        self._entries: OrderedDict[int, int] = OrderedDict()  # id -> host slot, least
+        # recently used first
         self._device: dict[int, dict] = {}  # device slot -> where -> its views
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._staged: OrderedDict[tuple, dict] = OrderedDict()  # file layout -> shard views
@@ -130,16 +122,16 @@ class HostCache:
 
     # --- the host slots -----------------------------------------------------------------------
 
-    def get(self, adapter_id: int) -> HostEntry | None:
-        """The adapter's entry, now the most recently used; None when not cached."""
-        entry = self._entries.get(adapter_id)
-        if entry is not None:
+    def get(self, adapter_id: int) -> int | None:
+        """The adapter's host slot, now the most recently used; None when not cached."""
+        slot = self._entries.get(adapter_id)
+        if slot is not None:
             self._entries.move_to_end(adapter_id)
-        return entry
+        return slot
 
-    def put(self, adapter_id: int, shards: dict) -> HostEntry:
-        """Shards ({(layer, module): (A, B)} in the file's dtype, `read`'s) -> an entry holding
-        the same values in a host slot, in the tables' dtype. Cached as the most recent entry,
+    def put(self, adapter_id: int, shards: dict) -> int:
+        """Shards ({(layer, module): (A, B)} in the file's dtype, `read`'s) -> the host slot
+        now holding the same values, in the tables' dtype. Cached as the most recent entry,
         evicting the least recent one when full; with a capacity of 0 it stays valid until the
         next put."""
         self.drop(adapter_id)
@@ -158,10 +150,9 @@ class HostCache:
             dsts += views
             srcs += shards[where]
         torch._foreach_copy_(dsts, srcs)  # widens exactly where the tables' dtype is wider
-        entry = HostEntry(slot, layout)
         if self.max_adapters:
-            self._entries[adapter_id] = entry
-        return entry
+            self._entries[adapter_id] = slot
+        return slot
 
     def drop(self, adapter_id: int) -> None:
         """Forget an adapter's entry (unloaded, or read again); its host slot is kept."""
@@ -169,8 +160,8 @@ class HostCache:
 
     # --- into a device slot -------------------------------------------------------------------
 
-    def fill(self, slot: int, spec: AdapterSpec, entry: HostEntry) -> None:
-        """Copy an entry into device slot `slot` with the modules' ranks and scales; the tables
+    def fill(self, slot: int, spec: AdapterSpec, host_slot: int) -> None:
+        """Copy a host slot's adapter into device slot `slot` with the modules' ranks and scales; the tables
         it does not edit get rank 0 (what fill_tables gives, in a handful of torch calls: the
         factors at full rank, zeros past the rank included). Asynchronous on CUDA: the caller
         synchronizes its stream."""
@@ -179,7 +170,7 @@ class HostCache:
             views = self._device[slot] = {
                 where: (t.lora_a[slot], t.lora_b[slot], t.rank_table[slot:slot + 1],
                         t.scale_table[slot:slot + 1]) for where, t in self.tables.items()}
-        full = self._full[entry.slot]
+        full = self._full[host_slot]
         by_where = {(m.layer, m.module): m for m in spec.modules}
         dsts, srcs, rank_views, scale_views, ranks, scales = [], [], [], [], [], []
         for where, table in self.tables.items():
@@ -209,13 +200,13 @@ class HostCache:
     def _take_slot(self) -> int:
         """A host slot no entry holds: a free one, a new one while fewer than the capacity (or
         the one staging slot) exist, else the least recently used entry's."""
-        used = {entry.slot for entry in self._entries.values()}
+        used = set(self._entries.values())
         free = next((slot for slot in range(len(self._buffers)) if slot not in used), None)
         if free is not None:
             return free
         if len(self._buffers) < max(1, self.max_adapters):
             return self._allocate()
-        return self._entries.popitem(last=False)[1].slot
+        return self._entries.popitem(last=False)[1]
 
     def _allocate(self) -> int:
         # Zeros in whole pages of its own (an anonymous mapping): two page-locked ranges must

@@ -205,23 +205,23 @@ class AdapterStore:
 
     def _copy(self, spec: AdapterSpec, slot: int) -> None:
         began = time.monotonic()
-        entry = self._host.get(spec.adapter_id)
-        source = "the host cache" if entry is not None else "disk"
-        if entry is not None:
+        host_slot = self._host.get(spec.adapter_id)
+        source = "the host cache" if host_slot is not None else "disk"
+        if host_slot is not None:
             self.num_host_hits += 1
         else:
             self._check_files(spec)
-            entry = self._host.put(spec.adapter_id, self._host.read(spec))
+            host_slot = self._host.put(spec.adapter_id, self._host.read(spec))
             self.num_disk_reads += 1
         # The slot's previous adapter has no sequence left: its last step's reads are done, on
         # every rank (they precede that step's last all-reduce, which precedes the leader's
         # sampling, which precedes this rank planning the step that evicted it).
         read = time.monotonic()
         if self._stream is None:
-            self._host.fill(slot, spec, entry)
+            self._host.fill(slot, spec, host_slot)
         else:
             with torch.cuda.stream(self._stream):  # beside the steps; done once synchronized
-                self._host.fill(slot, spec, entry)
+                self._host.fill(slot, spec, host_slot)
             self._stream.synchronize()
         log.debug("adapter id %d into slot %d: shards from %s in %.1f ms, copied in %.1f ms",
                   spec.adapter_id, slot, source, (read - began) * 1e3,

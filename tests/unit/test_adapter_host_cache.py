@@ -72,12 +72,12 @@ def check_fill_through_the_cache(tmp_path, device: str, rank: int = 0, world: in
     wide, narrow = _specs(tmp_path, base, config)
     stream = torch.cuda.Stream() if device == "cuda" else None
 
-    def fill(cache, slot, spec, entry):
+    def fill(cache, slot, spec, host_slot):
         if stream is None:
-            return cache.fill(slot, spec, entry)
+            return cache.fill(slot, spec, host_slot)
         stream.wait_stream(torch.cuda.current_stream())  # the reads of what was there
         with torch.cuda.stream(stream):
-            cache.fill(slot, spec, entry)
+            cache.fill(slot, spec, host_slot)
         stream.synchronize()
 
     assert {m.dtype for m in wide.modules} == {"BF16"}
@@ -88,9 +88,9 @@ def check_fill_through_the_cache(tmp_path, device: str, rank: int = 0, world: in
     cache = HostCache(tables, 1, pin=device == "cuda")
     # One host slot for both, in turn: narrow lands where wide's factors were.
     for spec in (wide, narrow, wide):
-        entry = cache.put(spec.adapter_id, cache.read(spec))
+        host_slot = cache.put(spec.adapter_id, cache.read(spec))
         assert all(b.is_pinned() == (device == "cuda") for b in cache._buffers)
-        fill(cache, 2, spec, entry)
+        fill(cache, 2, spec, host_slot)
         assert _same(_slot_contents(tables, 2), expected[spec.name]), spec.name
         # From the cache again, over what the other adapter left in the device slot.
         other = narrow if spec is wide else wide
@@ -153,8 +153,8 @@ def test_least_recently_used_entries_go_first_and_capacity_0_keeps_nothing(tmp_p
     assert [cache.get(i) is not None for i in (3, 4)] == [True, True]
     assert cache.num_bytes == 2 * cache.slot_bytes
     none = HostCache(tables, 0, pin=False)
-    entry = none.put(1, none.read(spec))
-    assert entry.slot == 0 and none.get(1) is None and len(none) == 0
+    host_slot = none.put(1, none.read(spec))
+    assert host_slot == 0 and none.get(1) is None and len(none) == 0
     assert none.num_bytes == none.slot_bytes
 
 
