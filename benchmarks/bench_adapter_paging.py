@@ -39,8 +39,6 @@ REPO = Path(__file__).resolve().parent.parent
 PORT = 8013
 
 
-
-
 def write_library(root: Path, model: str, num: int, distinct: int, rank: int) -> Path:
     """root/a0000..: `distinct` random adapters, the rest hard links to their files. The distinct
     ones are drawn on threads (torch's random draws and the file writes release the GIL): 64 of

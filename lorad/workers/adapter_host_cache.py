@@ -30,7 +30,7 @@ from lorad.config import ConfigError
 from lorad.config.adapters import AdapterSpec
 from lorad.config.safetensors_header import read_open_safetensors_header
 from lorad.workers.loader import WholeTensor
-from lorad.workers.lora import STORED_DTYPES
+from lorad.workers.lora import STORED_DTYPES, write_ranks_and_scales
 
 ALIGN = 64  # bytes: each factor starts at a multiple of this, so any dtype's view is aligned
 MAX_LAYOUTS = 8  # file layouts whose staging views are kept (adapters of one recipe share one)
@@ -187,13 +187,7 @@ class HostCache:
             scales.append(scale)
         if dsts:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
-        if rank_views:
-            # Scales rounded to fp32 here, as torch's `fp32 * scale` rounds them.
-            torch._foreach_copy_(rank_views, torch.tensor(ranks, dtype=torch.int32).split(1),
-                                 non_blocking=True)
-            torch._foreach_copy_(scale_views,
-                                 torch.tensor(scales, dtype=torch.float32).split(1),
-                                 non_blocking=True)
+        write_ranks_and_scales(rank_views, scale_views, ranks, scales)
 
     # --- allocation ---------------------------------------------------------------------------
 

@@ -322,14 +322,21 @@ def fill_tables(slot: int, entries: list[tuple[LoraSlots, LoraModule | None, tor
         scale_views.append(table.scale_table[slot:slot + 1])
         ranks.append(r)
         scales.append(scale)
-    # Asynchronous on CUDA (the caller synchronizes its stream): from page-locked shards (the
-    # host cache's) a DMA each, and from pageable ones the driver stages them before returning.
+    # Ordered on the current stream; from pageable shards the driver stages each copy before
+    # returning, so no wait for each one.
     if dsts:
         torch._foreach_copy_(dsts, srcs, non_blocking=True)
     tails = [t for t in tails if t.numel()]
     if tails:
         torch._foreach_zero_(tails)
-    if entries:
+    write_ranks_and_scales(rank_views, scale_views, ranks, scales)
+
+
+def write_ranks_and_scales(rank_views: list[torch.Tensor], scale_views: list[torch.Tensor],
+                           ranks: list[int], scales: list[float]) -> None:
+    """Each table's slot rank and scale (rank_table[slot:slot + 1] views and their values) for
+    the kernels, in two calls, ordered on the current stream."""
+    if rank_views:
         # Scales rounded to fp32 here, as torch's `fp32 * scale` rounds them.
         torch._foreach_copy_(rank_views, torch.tensor(ranks, dtype=torch.int32).split(1),
                              non_blocking=True)
