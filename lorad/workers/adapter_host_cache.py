@@ -22,6 +22,7 @@ synchronized (AdapterStore._copy), and the staging buffer only by `read`, after 
 from __future__ import annotations
 
 import mmap
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -57,6 +58,15 @@ class HostCache:
         self._device: dict[int, dict] = {}  # device slot -> where -> its views
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._staged: OrderedDict[tuple, dict] = OrderedDict()  # file layout -> shard views
+        # Page-locked host slots are unregistered before their memory is unmapped: a range
+        # still registered when unmapped stays registered, and a later mapping at the same
+        # address (another engine in this process) could not be registered (cudaError 712).
+        self._registered: list[int] = []  # data pointers of the page-locked host slots
+        self._unregister = weakref.finalize(self, _unregister, self._registered)
+
+    def close(self) -> None:
+        """Unpin the host slots (once every copy out of them is synchronized); no use after."""
+        self._unregister()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -207,12 +217,13 @@ class HostCache:
         # not share a page, and torch's pin_memory would round the size up to a power of two.
         buffer = torch.frombuffer(mmap.mmap(-1, self.slot_bytes), dtype=torch.uint8)
         if self.pin:
-            # Registered for the process's life: the driver releases it at exit.
+            # Unregistered by close() or when this cache is collected (before its buffers are).
             error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), self.slot_bytes,
                                                               0))
             if error:
                 raise RuntimeError(f"page-locking {self.slot_bytes} bytes of host memory for the "
                                    f"adapter host cache failed (cudaError {error})")
+            self._registered.append(buffer.data_ptr())
         full = {}
         for where, table in self.tables.items():
             a_start, b_start = self._offsets[where]
@@ -224,6 +235,12 @@ class HostCache:
         self._ranked.append({})
         self._holds.append(None)
         return len(self._buffers) - 1
+
+
+def _unregister(pointers: list[int]) -> None:
+    for pointer in pointers:
+        torch.cuda.cudart().cudaHostUnregister(pointer)
+    pointers.clear()
 
 
 def _round_up(n: int, multiple: int) -> int:

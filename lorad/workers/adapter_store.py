@@ -161,6 +161,7 @@ class AdapterStore:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=False)
+        self._host.close()
 
     @property
     def pending(self) -> bool:
