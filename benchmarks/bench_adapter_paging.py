@@ -148,7 +148,8 @@ def main() -> int:
     parser.add_argument("--distinct", type=int, default=200)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--slots", type=int, default=64)
-    parser.add_argument("--host-cache", type=int, default=64)
+    parser.add_argument("--host-cache", default="auto",
+                        help="--max-cpu-adapters of the paged daemon: N or auto (lorad's default)")
     parser.add_argument("--zipf", type=float, default=1.0)
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -173,7 +174,8 @@ def main() -> int:
     lines = [f"{conditions()}\nworkload: {args.requests} requests at concurrency "
              f"{args.concurrency}, Zipf {args.zipf:g} over {args.adapters} adapters "
              f"({args.distinct} distinct files) of rank {args.rank}; {len(paged['used'])} used; "
-             f"{args.prompt_len} in / {args.max_tokens} out; logs in {work}\n",
+             f"{args.prompt_len} in / {args.max_tokens} out; paged: --max-cpu-adapters "
+             f"{args.host_cache}; logs in {work}\n",
              "| run | slots | output tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
              "|---|---|---|---|---|"]
     for tag, result, slots in (("paged", paged, args.slots),

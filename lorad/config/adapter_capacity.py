@@ -43,11 +43,11 @@ class LoraCapacity:
                                      else largest)
         return cls(num_slots, runtime, max_rank)
 
-    def host_cache_size(self, num_start: int, max_cpu_adapters: int) -> int:
-        """The host cache's capacity: --max-cpu-adapters where adapters can outnumber the slots
-        (run-time adapters, or more start adapters than slots), else 0: every adapter keeps
-        its slot, no copy repeats, and on a GPU each entry would hold a slot's bytes of
-        page-locked memory for nothing."""
+    def host_cache_size(self, num_start: int, max_cpu_adapters: int | None) -> int | None:
+        """The host cache's capacity: --max-cpu-adapters (None: auto, sized by the worker from
+        its host memory) where adapters can outnumber the slots (run-time adapters, or more
+        start adapters than slots), else 0: every adapter keeps its slot, no copy repeats, and
+        on a GPU each entry would hold a slot's bytes of page-locked memory for nothing."""
         return max_cpu_adapters if self.runtime or num_start > self.num_slots else 0
 
     def refusal(self, modules: tuple[LoraModule, ...]) -> str | None:

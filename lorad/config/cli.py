@@ -64,6 +64,16 @@ def positive_int_or_auto(text: str) -> int | str:
                                          f"got {text!r}") from None
 
 
+def non_negative_int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return non_negative_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an integer, 0 or more, or auto, "
+                                         f"got {text!r}") from None
+
+
 def port_number(text: str) -> int:
     try:
         value = int(text, 10)
@@ -238,9 +248,11 @@ def _add_adapter_flags(group) -> None:
                        help="device slots for adapters; more registered adapters take turns, "
                             "least recently used first (default: the --adapter count, or at "
                             "least 8 with --adapter-dir or --admin-key-file)")
-    group.add_argument("--max-cpu-adapters", type=non_negative_int, default=64, metavar="N",
-                       help="adapters whose factors each worker keeps in host memory beyond "
-                            "the device slots (default: %(default)s)")
+    group.add_argument("--max-cpu-adapters", type=non_negative_int_or_auto, default="auto",
+                       metavar="N", help="adapters whose factors each worker keeps in host "
+                       "memory beyond the device slots; auto: as many as fill a quarter of the "
+                       "host memory available at the start, shared by this host's workers "
+                       "(default: %(default)s)")
     group.add_argument("--max-lora-rank", type=positive_int, metavar="N",
                        help="the largest rank the slot tables hold for adapters loaded while "
                             "serving (default: 16, or the largest --adapter rank)")
@@ -404,7 +416,8 @@ def parse_args(argv: list[str] | None = None, node: bool = False) -> ServeConfig
             adapters=adapters, api_key=api_key,
             kernel_cache_dir=resolve_kernel_cache_dir(args.kernel_cache_dir, os.environ),
             admin_key=admin_key, adapter_dir=_adapter_dir(args.adapter_dir),
-            max_gpu_adapters=args.max_gpu_adapters, max_cpu_adapters=args.max_cpu_adapters,
+            max_gpu_adapters=args.max_gpu_adapters,
+            max_cpu_adapters=_none_if_auto(args.max_cpu_adapters),
             max_lora_rank=args.max_lora_rank, pinned_adapters=tuple(args.pin_adapter))
     except ConfigError as exc:
         parser.error(str(exc))

@@ -106,11 +106,12 @@ class ServeConfig:
     kernel_cache_dir: str | None = None  # checked writable by the CLI; None: Triton's default
     # Adapters while serving: the admin key of the load/unload routes (None: off), the folder
     # whose subfolders are servable by name, device slots (None: auto, adapter_capacity.py),
-    # adapters kept in host memory per rank, the tables' rank, the names never evicted.
+    # adapters kept in host memory per rank (None: auto, adapter_host_cache.auto_capacity), the
+    # tables' rank, the names never evicted.
     admin_key: str | None = field(default=None, repr=False)
     adapter_dir: str | None = None
     max_gpu_adapters: int | None = None
-    max_cpu_adapters: int = 64
+    max_cpu_adapters: int | None = None
     max_lora_rank: int | None = None
     pinned_adapters: tuple[str, ...] = ()
 
@@ -232,7 +233,8 @@ class WorkerConfig:
     lora_slots: int | None = None
     lora_runtime: bool = False
     lora_max_rank: int = 0
-    max_cpu_adapters: int = 0  # factor shards kept in host memory per rank, by recent use
+    # Factor shards kept in host memory per rank, by recent use (None: auto).
+    max_cpu_adapters: int | None = 0
     pinned_adapters: list[int] = field(default_factory=list)  # ids never evicted from a slot
 
     @property

@@ -35,6 +35,10 @@ from lorad.workers.lora import STORED_DTYPES, write_ranks_and_scales
 
 ALIGN = 64  # bytes: each factor starts at a multiple of this, so any dtype's view is aligned
 MAX_LAYOUTS = 8  # file layouts whose staging views are kept (adapters of one recipe share one)
+# --max-cpu-adapters auto (auto_capacity): the share of the host memory available at the start
+# that the host caches of this host's ranks may fill, and the capacity where that is not known.
+AUTO_SHARE = 0.25
+DEFAULT_CAPACITY = 64
 
 
 class HostCache:
@@ -42,13 +46,7 @@ class HostCache:
         self.tables = tables  # {(layer, module): LoraSlots}
         self.max_adapters = max_adapters
         self.pin = pin  # page-lock each host slot (cudaHostRegister) as it is allocated
-        # Each table's A [max_rank, in] and B [out, max_rank], as in a device slot.
-        self._offsets, offset = {}, 0
-        for where, table in tables.items():
-            a_bytes, b_bytes = table.lora_a[0].nbytes, table.lora_b[0].nbytes
-            self._offsets[where] = (offset, offset + _round_up(a_bytes, ALIGN))
-            offset += _round_up(a_bytes, ALIGN) + _round_up(b_bytes, ALIGN)
-        self.slot_bytes = _round_up(offset, mmap.PAGESIZE)
+        self._offsets, self.slot_bytes = _slot_layout(tables)
         self._buffers: list[torch.Tensor] = []  # host slots allocated so far
         self._full: list[dict] = []  # per host slot: where -> (A, B) at the tables' full rank
         self._ranked: list[dict] = []  # per host slot: (where, rank) -> (A[:rank], B[:, :rank])
@@ -235,6 +233,35 @@ class HostCache:
         self._ranked.append({})
         self._holds.append(None)
         return len(self._buffers) - 1
+
+
+def host_slot_bytes(tables: dict) -> int:
+    """The bytes of one host slot: every table's A and B of one device slot, aligned."""
+    return _slot_layout(tables)[1]
+
+
+def auto_capacity(tables: dict, available_bytes: int | None, num_host_ranks: int) -> int:
+    """--max-cpu-adapters auto: the host slots that fill AUTO_SHARE of the host memory available
+    at the start (MemAvailable), split evenly between this host's ranks; DEFAULT_CAPACITY where
+    that cannot be told. Host slots are allocated as adapters first come in, so a capacity
+    never reached costs nothing."""
+    slot_bytes = host_slot_bytes(tables)
+    if not slot_bytes:
+        return 0
+    if available_bytes is None:
+        return DEFAULT_CAPACITY
+    return int(available_bytes * AUTO_SHARE) // max(1, num_host_ranks) // slot_bytes
+
+
+def _slot_layout(tables: dict) -> tuple[dict, int]:
+    """-> ({where: (A's offset, B's offset)}, the slot's bytes): each table's A [max_rank, in]
+    and B [out, max_rank], as in a device slot."""
+    offsets, offset = {}, 0
+    for where, table in tables.items():
+        a_bytes, b_bytes = table.lora_a[0].nbytes, table.lora_b[0].nbytes
+        offsets[where] = (offset, offset + _round_up(a_bytes, ALIGN))
+        offset += _round_up(a_bytes, ALIGN) + _round_up(b_bytes, ALIGN)
+    return offsets, _round_up(offset, mmap.PAGESIZE)
 
 
 def _unregister(pointers: list[int]) -> None:

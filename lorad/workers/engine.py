@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lorad.config import ConfigError, ModelConfig, WorkerConfig
 from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import AdapterSpec, load_adapter
+from lorad.workers.adapter_host_cache import auto_capacity, host_slot_bytes
 from lorad.workers.adapter_store import ADAPTER_PATH_SUFFIX_ENV, AdapterStore
 from lorad.workers.agreement import RegistryDigest, agree_min, check_registry
 from lorad.workers.batch import MIN_ROWS, ForwardBatch
@@ -134,8 +135,9 @@ class Engine:
         else:
             model.load_weights(cfg.model_dir)
         clock.mark("weights")
-        store = AdapterStore(model.add_lora_tables(adapters, capacity), model_config, capacity,
-                             capacity.host_cache_size(len(adapters), cfg.max_cpu_adapters),
+        tables = model.add_lora_tables(adapters, capacity)
+        store = AdapterStore(tables, model_config, capacity,
+                             _host_cache_size(cfg, capacity, tables, len(adapters), tp),
                              device, _path_suffix(rank))
         resident = start_slots(adapters, capacity.num_slots, set(cfg.pinned_adapters))
         for spec in adapters:
@@ -290,6 +292,21 @@ def weight_bytes(model_config: ModelConfig, rank: int, world_size: int, dtype: t
     add_adapter_tables(model.lora_target, adapters, capacity, model_config)
     tensors = itertools.chain(model.parameters(), model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _host_cache_size(cfg: WorkerConfig, capacity: LoraCapacity, tables: dict,
+                     num_start: int, tp: TensorParallel) -> int:
+    """--max-cpu-adapters, auto resolved here (from the host memory available now); logged."""
+    size = capacity.host_cache_size(num_start, cfg.max_cpu_adapters)
+    if size is None:
+        available = available_bytes(torch.device("cpu"))
+        size = auto_capacity(tables, available, len(tp.host_ranks))
+        shown = "not known" if available is None else f"{available / 2**30:.1f} GiB"
+        log.info("adapter host cache: up to %d adapters of %.1f MiB, %.1f GiB (--max-cpu-adapters "
+                 "auto: host memory available %s, %d rank(s) on this host)", size,
+                 host_slot_bytes(tables) / 2**20, size * host_slot_bytes(tables) / 2**30, shown,
+                 len(tp.host_ranks))
+    return size
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -6,6 +6,7 @@ beside the other streams' decodes, equals every stream's solo run by token ids."
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -76,3 +77,8 @@ def test_moe_adapters_from_a_folder_in_one_slot_equal_them_given_at_start(moe_fi
         assert "streams equal their solo runs" in result.stdout
     finally:
         assert daemon.stop() == 0, daemon.log()[-4000:]
+    # No --max-cpu-adapters: each rank sized its host cache from its host's memory.
+    sized = re.findall(r"rank (\d)\] INFO adapter host cache: up to (\d+) adapters .*"
+                       r"--max-cpu-adapters auto: .* 2 rank\(s\) on this host", daemon.log())
+    assert sorted(rank for rank, _ in sized) == ["0", "1"], daemon.log()[-4000:]
+    assert all(int(size) > 0 for _, size in sized)

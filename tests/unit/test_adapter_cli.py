@@ -176,6 +176,11 @@ def test_slot_flags_resolve_the_capacity_the_workers_get(base_dir, adapters, tmp
     worker = _worker_config(config, served, tmp_path, "id")
     assert (worker.lora_slots, worker.lora_runtime, worker.lora_max_rank) == (8, True, 16)
     assert (worker.max_cpu_adapters, worker.pinned_adapters) == (3, [2])
+    auto = parse_args(["--model", str(base_dir), "--admin-key-file", str(key_file)])
+    assert auto.max_cpu_adapters is None  # auto, the default: sized by each worker
+    assert parse_args(["--model", str(base_dir), "--admin-key-file", str(key_file),
+                       "--max-cpu-adapters", "auto"]).max_cpu_adapters is None
+    assert _worker_config(auto, load_served_model(auto), tmp_path, "id").max_cpu_adapters is None
     plain = load_served_model(parse_args(["--model", str(base_dir), "--adapter", f"a={good}"]))
     assert (plain.capacity.num_slots, plain.capacity.runtime) == (1, False)
 

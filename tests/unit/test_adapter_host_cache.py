@@ -7,6 +7,8 @@ entries go first; a capacity of 0 keeps nothing."""
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -15,7 +17,8 @@ from torch.overrides import TorchFunctionMode
 from lorad.config import ConfigError, ModelConfig
 from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import AdapterArg, load_adapter
-from lorad.workers.adapter_host_cache import HostCache
+from lorad.workers.adapter_host_cache import (ALIGN, DEFAULT_CAPACITY, HostCache, auto_capacity,
+                                              host_slot_bytes)
 from lorad.workers.loader import fill_slot, read_shards
 from lorad.workers.models.llama import LlamaForCausalLM
 from lorad.workers.parallel import TensorParallel
@@ -177,3 +180,18 @@ def test_a_host_cache_only_where_adapters_can_outnumber_the_slots():
     assert LoraCapacity(8, True, 16).host_cache_size(0, 64) == 64  # run-time adapters
     assert LoraCapacity(2, False, 16).host_cache_size(3, 64) == 64  # 3 start adapters, 2 slots
     assert LoraCapacity(3, False, 16).host_cache_size(3, 64) == 0  # each keeps its slot
+    assert LoraCapacity(8, True, 16).host_cache_size(0, None) is None  # auto: the worker's
+    assert LoraCapacity(3, False, 16).host_cache_size(3, None) == 0
+
+
+def test_auto_capacity_fills_a_quarter_of_the_available_memory_between_the_ranks(tmp_path):
+    tables = _tables(ModelConfig.from_dir(make_tiny_llama(tmp_path / "base")))
+    slot = host_slot_bytes(tables)
+    factors = sum(t.lora_a[0].nbytes + t.lora_b[0].nbytes for t in tables.values())
+    assert factors <= slot < factors + len(tables) * 2 * ALIGN + mmap.PAGESIZE
+    assert slot == HostCache(tables, 1, pin=False).slot_bytes
+    assert auto_capacity(tables, 100 * slot, 1) == 25
+    assert auto_capacity(tables, 100 * slot, 2) == 12  # each of 2 ranks: 12.5 slots' bytes
+    assert auto_capacity(tables, 3 * slot, 1) == 0  # not one slot: one host slot stages copies
+    assert auto_capacity(tables, None, 1) == DEFAULT_CAPACITY  # no /proc/meminfo
+    assert auto_capacity({}, 100 * slot, 1) == 0  # no tables (--max-gpu-adapters 0)
