@@ -22,6 +22,9 @@
 #   copy      probe_adapter_copy: one 8B rank-16 adapter into an fp32 slot from the file's
 #             shards, through the host cache from disk, and from a cached (page-locked) entry;
 #   ncu       ncu_decode_kernels (CSVs in $OUT/ncu)
+#   capacity  check_capacity: this GPU's step table (bench_engine --json-out), then 3 bursts of
+#             bench.py (128 requests, 32 at once, 128 in / 128 out, base + 2 random rank-16 adapters, 8B shape,
+#             bf16) against capacity.py's prediction (issue 35: within 15%); $OUT/capacity.tar.gz
 #   prefix    http_prefix.sh: the prefix cache over HTTP (8B shape, bf16): 64 conversations of 4
 #             turns over a 2,000-token system prompt, cache on and off; decode with and without
 #             --no-prefix-cache (issue 31's targets)
@@ -152,6 +155,8 @@ for part in "${parts[@]}"; do
       bench bench-drafting.log 560 bench_drafting --model scripts/configs/llama3-8b \
         --load-format random --dtype bfloat16 --work "$OUT/drafting" \
         --table-out "$OUT/bench-drafting.md" ;;
+    capacity) bench bench-capacity.log 560 check_capacity --device cuda --concurrency 32 \
+                --requests 128 --work "$OUT/capacity" --table-out "$OUT/bench-capacity.md" ;;
     prefix)
       say "http_prefix.sh"
       OUT=$OUT timeout -k 10 560 bash benchmarks/http_prefix.sh 2>&1 | tee "$OUT/prefix.log"
@@ -162,7 +167,7 @@ done
 
 # The device tool brings back only so many files: each benchmark's work folder (daemon logs,
 # bench.py's records) comes back as one archive.
-for work in paging determinism drafting; do
+for work in paging determinism drafting capacity; do
   if [[ -d $OUT/$work ]]; then
     tar czf "$OUT/$work.tar.gz" -C "$OUT" "$work" && rm -rf "${OUT:?}/$work"
   fi

@@ -259,3 +259,21 @@ def test_a_level_of_one_decode_step_borrows_the_nearest_intercept():
     table = table_mod.StepTable({"format": table_mod.FORMAT, "steps": steps})
     assert table.fixed_ms(4) == 10
     assert table.step_ms(8, 0, 4) == 50  # the line through (0, 10) and (4, 30)
+
+
+def test_check_capacity_reads_capacity_reports(tmp_path):
+    from benchmarks import check_capacity
+
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(flat_table().data))
+    requests = [{"model": m, "ok": True, "error": "", "ttft_ms": 1500.0, "prompt_tokens": 20,
+                 "cached_tokens": None, "output_tokens": 10} for m in ("base", "a")]
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"workload": "independent", "conditions": [], "concurrency": 1,
+                                 "wall_s": 0.2, "models": ["base", "a"], "requests": requests}))
+    args = check_capacity.parse_args(["--device", "cpu", "--concurrency", "1"])
+    measured, predicted, report = check_capacity.check(args, path, bench, "base")
+    assert measured == {"output tokens/s": 100.0, "TTFT p50 (ms)": 1500.0,
+                        "TTFT p99 (ms)": 1500.0}  # 1,500.0 in the report
+    assert predicted["output tokens/s"] == pytest.approx(100.0, rel=0.01)
+    assert "| TTFT p50 (ms) | 1,500.0 |" in report

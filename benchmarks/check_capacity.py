@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""scripts/capacity.py checked against measured bursts, in one command: the step table of this
+machine (benchmarks.step_table on the CPU, bench_engine --json-out on a GPU), one lorad daemon,
+--runs bursts of scripts/bench.py over the base model and its adapters, and `capacity.py burst
+--check` on each. Prints measured against predicted output tokens/s and TTFT p50 / p99 with the
+ratios, and whether each is within --tolerance (issue 35: throughput and TTFT p50 within 15%).
+
+    python -m benchmarks.check_capacity                  (CPU: SmolLM2 and the demo adapters)
+    python -m benchmarks.check_capacity --device cuda    (a GPU: random 8B-shape weights, bf16,
+                                                          --random-adapters of rank 16)
+
+Run it from the repository root; it starts and stops the daemon itself and keeps the table, the
+daemon's log, bench.py's records and capacity.py's reports in --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import (DEMO_MODEL, REPO, add_run_flags, bench_py, conditions,
+                               open_work_dir, print_table, say, start_lorad, stop_lorad)
+
+PORT = 8015
+DEMO_ADAPTERS = [REPO / "demo/adapters/uppercase", REPO / "demo/adapters/pirate"]
+GPU_MODEL = REPO / "scripts/configs/llama3-8b"
+FIGURES = ("output tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)")
+CHECKED = ("output tokens/s", "TTFT p50 (ms)")  # issue 35's two; p99 is shown
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", help=f"model folder (default: {DEMO_MODEL} on the CPU, "
+                   f"{GPU_MODEL.relative_to(REPO)} with random weights on a GPU)")
+    p.add_argument("--adapter", action="append", type=Path, metavar="DIR",
+                   help="adapter folders served beside the base (default on the CPU: the demo "
+                        "adapters)")
+    p.add_argument("--random-adapters", type=int, default=2,
+                   help="on a GPU without --adapter: this many random adapters of rank 16 on "
+                        "all seven projections, bf16")
+    p.add_argument("--threads", type=int, default=1, help="CPU: torch threads, table and daemon")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument("--table", type=Path, help="a step table to use instead of measuring one")
+    add_run_flags(p, "the table, the daemon's log, bench.py's records and capacity.py's reports")
+    args = p.parse_args(argv)
+    on_gpu = args.device == "cuda"
+    args.model = args.model or str(GPU_MODEL if on_gpu else DEMO_MODEL)
+    if args.adapter is None:
+        args.adapter = [] if on_gpu else DEMO_ADAPTERS
+    return args
+
+
+def measure_table(args, adapters: list[Path], out: Path, log: Path) -> None:
+    """This machine's step table, by the tool of its device."""
+    if args.device == "cpu":
+        argv = ["-m", "benchmarks.step_table", "--model", args.model, "--threads",
+                str(args.threads), "--prefill-chunk", str(args.prompt_len), "--out", str(out)]
+        for folder in adapters:
+            argv += ["--adapter", str(folder)]
+    else:
+        argv = ["-m", "benchmarks.bench_engine", "--config", args.model, "--cases",
+                "base,one,mixed4", "--batches", "1,2,4,8,16,32,64", "--eager-batches", "1,8,32",
+                "--prefill", f"1x{args.prompt_len},4x{args.prompt_len}", "--hf-batches", "",
+                "--json-out", str(out)]
+    with open(log, "wb") as f:
+        done = subprocess.run([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT,
+                              cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"the step table failed (exit {done.returncode}); see {log}")
+
+
+def daemon_flags(args, adapters: list[Path]) -> list[str]:
+    flags = ["--model", args.model, "--max-num-seqs", str(args.concurrency)]
+    if args.device == "cpu":
+        flags += ["--threads", str(args.threads)]
+    else:
+        flags += ["--load-format", "random", "--dtype", "bfloat16"]
+    for folder in adapters:
+        flags += ["--adapter", f"{folder.name}={folder}"]
+    return flags + args.lorad_flag
+
+
+def model_ids() -> list[str]:
+    """The base model's id first, then each adapter's (GET /v1/models)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=30) as response:
+        return [m["id"] for m in json.loads(response.read())["data"]]
+
+
+def check(args, table: Path, record: Path, base: str) -> tuple[dict, dict, str]:
+    """capacity.py burst --check -> (measured, predicted, its report)."""
+    argv = [sys.executable, str(REPO / "scripts/capacity.py"), "burst", "--table", str(table),
+            "--check", str(record), "--base-model", base, "--max-num-seqs",
+            str(args.concurrency), "--tolerance", str(args.tolerance)]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
+    if done.returncode not in (0, 1):  # 1: outside the tolerance, still a report
+        raise RuntimeError(f"capacity.py failed:\n{done.stdout}{done.stderr}")
+    measured, predicted = {}, {}
+    for line in done.stdout.splitlines():
+        parts = [p.strip() for p in line.strip().strip("|").split("|")]
+        if len(parts) >= 3 and parts[0] in FIGURES:
+            measured[parts[0]], predicted[parts[0]] = (float(parts[1].replace(",", "")),
+                                                       float(parts[2].replace(",", "")))
+    if set(measured) != set(FIGURES):
+        raise RuntimeError(f"capacity.py's report lacks a figure:\n{done.stdout}")
+    return measured, predicted, done.stdout
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    work = open_work_dir(args.work, "lorad-capacity-check-")
+    adapters = list(args.adapter)
+    if args.device == "cuda" and not adapters and args.random_adapters:
+        from benchmarks.bench_engine import write_adapter
+        from lorad.config import ModelConfig
+
+        config = ModelConfig.from_dir(args.model)
+        for i in range(args.random_adapters):
+            folder = work / "adapters" / f"r{i}"
+            if not folder.exists():
+                write_adapter(folder, config, 16, seed=1 + i)
+            adapters.append(folder)
+    table = args.table
+    if table is None:
+        table = work / "table.json"
+        measure_table(args, adapters, table, work / "table.log")
+        say(f"step table in {table}")
+    proc = start_lorad(daemon_flags(args, adapters), PORT, work / "lorad.log")
+    records = []
+    try:
+        ids = model_ids()
+        say(f"lorad ready, serving {', '.join(ids)}")
+        for run in range(args.runs):
+            record = work / f"burst{run}.json"
+            bench_py(["--url", f"http://127.0.0.1:{PORT}", "--model", ",".join(ids),
+                      "--concurrency", str(args.concurrency), "--requests", str(args.requests),
+                      "--prompt-len", str(args.prompt_len), "--max-tokens",
+                      str(args.max_tokens), "--seed", str(run)], record)
+            records.append(record)
+            say(f"burst {run + 1} of {args.runs} done")
+    finally:
+        stop_lorad(proc)
+    lines = [f"{conditions(args.device if args.device == 'cuda' else None)}",
+             f"model {args.model} ({args.device}) with {len(adapters)} adapter(s); bench.py "
+             f"--concurrency {args.concurrency} --requests {args.requests} --prompt-len "
+             f"{args.prompt_len} --max-tokens {args.max_tokens} over {len(ids)} model ids; "
+             f"table {table}; work in {work}", "",
+             "| run | " + " | ".join(f"{f}: measured / predicted (ratio)" for f in FIGURES) +
+             " |", "|---|" + "---|" * len(FIGURES)]
+    misses = 0
+    for run, record in enumerate(records):
+        measured, predicted, report = check(args, table, record, ids[0])
+        (work / f"check{run}.txt").write_text(report)
+        cells = []
+        for name in FIGURES:
+            ratio = predicted[name] / measured[name]
+            cells.append(f"{measured[name]:,.1f} / {predicted[name]:,.1f} ({ratio:.2f})")
+            if name in CHECKED and abs(ratio - 1) > args.tolerance:
+                misses += 1
+        lines.append(f"| {run + 1} | " + " | ".join(cells) + " |")
+    lines += ["", f"verdict: {'within' if not misses else 'NOT within'} {args.tolerance:.0%} "
+              f"for {' and '.join(CHECKED)} in every run ({misses} figure(s) outside)"]
+    print_table(lines, args.table_out)
+    return 0 if not misses else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
