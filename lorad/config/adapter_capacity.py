@@ -4,7 +4,9 @@ The coordinator and every worker resolve the same LoraCapacity from the command 
 adapters given at start, so an adapter the coordinator accepts at run time fits every rank's
 tables. Without a run-time source of adapters (--admin-key-file, --adapter-dir) the tables cover
 exactly what the start adapters edit, as small as they can be; with one, every projection of every
-layer gets a table of --max-lora-rank, in fp32 (which holds any factor dtype exactly).
+layer gets a table of --max-lora-rank, in fp32 (which holds any factor dtype exactly), or in the
+dtype --lora-dtype names (half the bytes in bf16 or fp16: device slots, host cache, and what the
+LoRA kernels read), which then refuses an adapter whose factors it cannot hold exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from lorad.config.lora_module import LoraModule
 DEFAULT_RUNTIME_SLOTS = 8
 # The rank tables are sized for with run-time adapters and no --max-lora-rank (vLLM's default).
 DEFAULT_RUNTIME_MAX_RANK = 16
+# --lora-dtype's names -> the safetensors dtype of the factors the tables hold.
+LORA_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 @dataclass(frozen=True)
@@ -25,23 +29,34 @@ class LoraCapacity:
     num_slots: int  # device slots for adapters; slot 0, the base model, is not one of them
     runtime: bool  # adapters may be registered after the start: tables on every projection
     max_rank: int  # with runtime: the rank every table holds; else the start adapters' largest
+    # The safetensors dtype of the tables (--lora-dtype: F32, BF16, F16); None: auto (fp32 with
+    # run-time adapters, else the start adapters' common dtype or fp32: loader.add_adapter_tables)
+    dtype: str | None = None
 
     @classmethod
     def resolve(cls, start_modules: list[tuple[LoraModule, ...]], runtime: bool,
-                max_gpu_adapters: int | None, max_lora_rank: int | None) -> "LoraCapacity":
-        """start_modules: each start adapter's modules. Errors name the flag."""
+                max_gpu_adapters: int | None, max_lora_rank: int | None,
+                lora_dtype: str | None = None) -> "LoraCapacity":
+        """start_modules: each start adapter's modules; lora_dtype: a LORA_DTYPES name or None
+        (auto). Errors name the flag."""
         num_start = len(start_modules)
         largest = max((m.rank for mods in start_modules for m in mods), default=0)
         if max_lora_rank is not None and largest > max_lora_rank:
             raise ConfigError(f"--max-lora-rank {max_lora_rank}: an adapter given at start has "
                               f"rank {largest}")
+        dtype = None if lora_dtype is None else LORA_DTYPES[lora_dtype]
+        for modules in start_modules:
+            problem = _inexact(modules, dtype)
+            if problem is not None:
+                raise ConfigError(f"--lora-dtype {lora_dtype}: an adapter given at start: "
+                                  f"{problem}")
         if max_gpu_adapters is not None:
             num_slots = max_gpu_adapters
         else:
             num_slots = max(num_start, DEFAULT_RUNTIME_SLOTS) if runtime else num_start
         max_rank = max_lora_rank or (max(largest, DEFAULT_RUNTIME_MAX_RANK) if runtime
                                      else largest)
-        return cls(num_slots, runtime, max_rank)
+        return cls(num_slots, runtime, max_rank, dtype)
 
     def host_cache_size(self, num_start: int, max_cpu_adapters: int | None) -> int | None:
         """The host cache's capacity: --max-cpu-adapters (None: auto, sized by the worker from
@@ -61,4 +76,17 @@ class LoraCapacity:
             m = over[0]
             return (f"module {m.full_name} has rank {m.rank}, above the {self.max_rank} the slot "
                     f"tables hold (--max-lora-rank)")
+        return _inexact(modules, self.dtype)
+
+
+def _inexact(modules: tuple[LoraModule, ...], dtype: str | None) -> str | None:
+    """Why tables of `dtype` cannot hold these factors exactly, or None (fp32 holds every stored
+    dtype; bf16 and fp16 only their own)."""
+    if dtype in (None, "F32"):
         return None
+    for m in modules:
+        if m.dtype != dtype:
+            name = next(k for k, v in LORA_DTYPES.items() if v == dtype)
+            return (f"module {m.full_name} stores {m.dtype} factors, which the {name} slot "
+                    f"tables (--lora-dtype) do not hold exactly")
+    return None

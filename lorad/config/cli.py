@@ -15,6 +15,7 @@ import re
 import sys
 from pathlib import Path
 
+from lorad.config.adapter_capacity import LORA_DTYPES
 from lorad.config.adapters import AdapterArg
 from lorad.config.cluster import DEFAULT_MASTER_PORT, ClusterConfig
 from lorad.config.errors import ConfigError
@@ -256,6 +257,11 @@ def _add_adapter_flags(group) -> None:
     group.add_argument("--max-lora-rank", type=positive_int, metavar="N",
                        help="the largest rank the slot tables hold for adapters loaded while "
                             "serving (default: 16, or the largest --adapter rank)")
+    group.add_argument("--lora-dtype", choices=("auto", *LORA_DTYPES), default="auto",
+                       help="the dtype of the adapter slot tables; auto: float32 with adapters "
+                            "loaded while serving, else the --adapters' own dtype; bfloat16 or "
+                            "float16 halve the tables and refuse an adapter stored otherwise "
+                            "(default: %(default)s)")
 
 
 def _adapter_args(pairs: list[tuple[str, str]],
@@ -418,7 +424,8 @@ def parse_args(argv: list[str] | None = None, node: bool = False) -> ServeConfig
             admin_key=admin_key, adapter_dir=_adapter_dir(args.adapter_dir),
             max_gpu_adapters=args.max_gpu_adapters,
             max_cpu_adapters=_none_if_auto(args.max_cpu_adapters),
-            max_lora_rank=args.max_lora_rank, pinned_adapters=tuple(args.pin_adapter))
+            max_lora_rank=args.max_lora_rank, pinned_adapters=tuple(args.pin_adapter),
+            lora_dtype=_none_if_auto(args.lora_dtype))
     except ConfigError as exc:
         parser.error(str(exc))
 

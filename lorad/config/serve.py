@@ -114,6 +114,7 @@ class ServeConfig:
     max_cpu_adapters: int | None = None
     max_lora_rank: int | None = None
     pinned_adapters: tuple[str, ...] = ()
+    lora_dtype: str | None = None  # --lora-dtype (a LORA_DTYPES name); None: auto
 
     @property
     def runtime_adapters(self) -> bool:
@@ -233,6 +234,7 @@ class WorkerConfig:
     lora_slots: int | None = None
     lora_runtime: bool = False
     lora_max_rank: int = 0
+    lora_dtype: str | None = None  # the tables' safetensors dtype (F32, BF16, F16); None: auto
     # Factor shards kept in host memory per rank, by recent use (None: auto).
     max_cpu_adapters: int | None = 0
     pinned_adapters: list[int] = field(default_factory=list)  # ids never evicted from a slot
@@ -244,7 +246,7 @@ class WorkerConfig:
     @property
     def lora_capacity(self) -> LoraCapacity:
         num_slots = len(self.adapters) if self.lora_slots is None else self.lora_slots
-        return LoraCapacity(num_slots, self.lora_runtime, self.lora_max_rank)
+        return LoraCapacity(num_slots, self.lora_runtime, self.lora_max_rank, self.lora_dtype)
 
     @property
     def admit_endpoint(self) -> str:

@@ -76,7 +76,8 @@ def load_served_model(config: ServeConfig) -> ServedModel:
     if tokenizer.eos_token_id is not None:
         stop_ids = tuple(dict.fromkeys(stop_ids + (tokenizer.eos_token_id,)))
     capacity = LoraCapacity.resolve([a.modules for a in adapters], config.runtime_adapters,
-                                    config.max_gpu_adapters, config.max_lora_rank)
+                                    config.max_gpu_adapters, config.max_lora_rank,
+                                    config.lora_dtype)
     check_slots(capacity, len(adapters), len(config.pinned_adapters))
     return ServedModel(name=config.served_name, tokenizer=tokenizer,
                        max_model_len=config.max_model_len or limit,

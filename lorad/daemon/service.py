@@ -280,7 +280,8 @@ def _worker_config(config: ServeConfig, model: ServedModel, runtime_dir: Path,
         kv_spill_bytes=config.kv_spill_bytes, kernel_cache_dir=config.kernel_cache_dir,
         adapters=[spec.to_worker_dict() for spec in model.adapters],
         lora_slots=model.capacity.num_slots, lora_runtime=model.capacity.runtime,
-        lora_max_rank=model.capacity.max_rank, max_cpu_adapters=config.max_cpu_adapters,
+        lora_max_rank=model.capacity.max_rank, lora_dtype=model.capacity.dtype,
+        max_cpu_adapters=config.max_cpu_adapters,
         pinned_adapters=[a.adapter_id for a in model.adapters
                          if a.name in config.pinned_adapters])
 

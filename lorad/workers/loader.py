@@ -24,7 +24,7 @@ from torch import nn
 from lorad.config import ConfigError, ModelConfig
 from lorad.config.adapter_capacity import LoraCapacity
 from lorad.config.adapters import AdapterSpec, layer_modules
-from lorad.workers.lora import fill_tables, table_dtype
+from lorad.workers.lora import STORED_DTYPES, fill_tables, table_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -109,7 +109,7 @@ def add_adapter_tables(target_of: Callable[[int, str], nn.Module],
     rank any adapter gives that projection, all in lora.table_dtype of the stored dtypes. With
     one: slots 0..capacity.num_slots; with run-time adapters on every projection an adapter
     may edit in each layer of model_config (adapters.layer_modules) at capacity.max_rank in
-    fp32, else as above.
+    fp32, else as above; in capacity.dtype where --lora-dtype names one.
 
     target_of(layer, module) is the projection; it has `add_lora_slots(num_slots, max_rank,
     dtype)`."""
@@ -124,6 +124,8 @@ def add_adapter_tables(target_of: Callable[[int, str], nn.Module],
                     for layer in range(model_config.num_hidden_layers)
                     for module in layer_modules(model_config, layer)}
         dtype = torch.float32  # holds any adapter's factors exactly, whatever it stores
+    if capacity is not None and capacity.dtype is not None:
+        dtype = STORED_DTYPES[capacity.dtype]  # --lora-dtype: holds what it admits exactly
     if num_slots == 1:
         return {}
     return {where: target_of(*where).add_lora_slots(num_slots, rank, dtype)

@@ -181,6 +181,21 @@ def test_slot_flags_resolve_the_capacity_the_workers_get(base_dir, adapters, tmp
     assert parse_args(["--model", str(base_dir), "--admin-key-file", str(key_file),
                        "--max-cpu-adapters", "auto"]).max_cpu_adapters is None
     assert _worker_config(auto, load_served_model(auto), tmp_path, "id").max_cpu_adapters is None
+    # --lora-dtype: the tables' dtype, agreed through the worker config; start adapters it
+    # cannot hold exactly are refused at start, naming the flag and the module.
+    half = parse_args(["--model", str(base_dir), "--admin-key-file", str(key_file),
+                       "--lora-dtype", "bfloat16"])
+    assert load_served_model(half).capacity.dtype == "BF16"
+    assert _worker_config(half, load_served_model(half), tmp_path, "id").lora_capacity.dtype == \
+        "BF16"
+    assert load_served_model(auto).capacity.dtype is None
+    with pytest.raises(ConfigError, match=r"--lora-dtype float16: an adapter given at start: "
+                       r"module model\.layers\.\d+\.\S+ stores F32 factors"):
+        load_served_model(parse_args(["--model", str(base_dir), "--adapter", f"a={good}",
+                                      "--lora-dtype", "float16"]))
+    wide = load_served_model(parse_args(["--model", str(base_dir), "--adapter", f"a={good}",
+                                         "--lora-dtype", "float32"]))
+    assert (wide.capacity.dtype, wide.capacity.runtime) == ("F32", False)
     plain = load_served_model(parse_args(["--model", str(base_dir), "--adapter", f"a={good}"]))
     assert (plain.capacity.num_slots, plain.capacity.runtime) == (1, False)
 
