@@ -259,9 +259,9 @@ def _add_adapter_flags(group) -> None:
                             "serving (default: 16, or the largest --adapter rank)")
     group.add_argument("--lora-dtype", choices=("auto", *LORA_DTYPES), default="auto",
                        help="the dtype of the adapter slot tables; auto: float32 with adapters "
-                            "loaded while serving, else the --adapters' own dtype; bfloat16 or "
-                            "float16 halve the tables and refuse an adapter stored otherwise "
-                            "(default: %(default)s)")
+                            "loaded while serving, else the dtype the --adapters store (float32 "
+                            "where they differ); bfloat16 or float16 halve the tables and refuse "
+                            "an adapter stored otherwise (default: %(default)s)")
 
 
 def _adapter_args(pairs: list[tuple[str, str]],
