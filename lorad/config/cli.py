@@ -55,24 +55,21 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def positive_int_or_auto(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return positive_int(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, "
-                                         f"got {text!r}") from None
+def _or_auto(parse, expected: str):
+    """A type for argparse: "auto", or what `parse` accepts (its refusal names `expected`)."""
+    def parse_or_auto(text: str) -> int | str:
+        if text == "auto":
+            return text
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected {expected} or auto, got {text!r}"
+                                             ) from None
+    return parse_or_auto
 
 
-def non_negative_int_or_auto(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return non_negative_int(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected an integer, 0 or more, or auto, "
-                                         f"got {text!r}") from None
+positive_int_or_auto = _or_auto(positive_int, "a positive integer")
+non_negative_int_or_auto = _or_auto(non_negative_int, "an integer, 0 or more,")
 
 
 def port_number(text: str) -> int:
