@@ -2,7 +2,7 @@
 adapter jobs' own CUDA stream): a seeded burst over the base model and adapters a, b and c in one
 slot equals the solo runs of the daemon serving them all resident (tests/gpu/
 test_adapter_mix_gpu.py's), and the 1,000-adapter burst of tests/integration/test_many_adapters.py
-runs on the GPU too.
+runs on the GPU too; bf16 slot tables (--lora-dtype) give a bf16 adapter fp32 tables' tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from tests.daemons import adapter_flags, start_daemon
 from tests.gpu.test_adapter_mix_gpu import MODELS, ON_GPU, served  # noqa: F401 (a fixture)
+from tests.integration.test_lora_dtype import check_lora_dtype
 from tests.integration.test_many_adapters import check_burst_over_200, start_library_daemon
 from tests.integration.test_adapter_mix import LENGTHS, run_mix
 from tests.tiny_adapters import make_peft_adapter
@@ -47,3 +48,8 @@ def many(tiny_model, tmp_path_factory):
 
 def test_a_burst_over_200_adapters_in_8_slots_on_the_gpu(many):
     check_burst_over_200(many)
+
+
+def test_bf16_tables_serve_bf16_adapters_as_fp32_tables_do_on_the_gpu(tiny_model, tmp_path):
+    """--lora-dtype bfloat16 on the GPU: the same tokens as fp32 tables, fp32 adapters refused."""
+    check_lora_dtype(tiny_model, tmp_path, *ON_GPU)

@@ -14,6 +14,11 @@ from tests.tiny_adapters import make_peft_adapter
 
 
 def test_bf16_tables_serve_bf16_adapters_exactly_and_refuse_fp32_ones(tiny_model, tmp_path):
+    check_lora_dtype(tiny_model, tmp_path, "--parallel", "2")
+
+
+def check_lora_dtype(tiny_model, tmp_path, *placement: str) -> None:
+    """The check, with the daemons' placement flags (tests/gpu runs it on a GPU)."""
     library = tmp_path / "library"
     half = make_peft_adapter(tiny_model, library / "half", r=4, seed=5)
     weights = half / "adapter_model.safetensors"
@@ -21,7 +26,7 @@ def test_bf16_tables_serve_bf16_adapters_exactly_and_refuse_fp32_ones(tiny_model
     make_peft_adapter(tiny_model, library / "full", r=4, seed=6)  # fp32 factors
     tokens = {}
     for dtype in ("auto", "bfloat16"):
-        daemon = start_daemon(tiny_model, "--parallel", "2", "--kv-cache-blocks", "256",
+        daemon = start_daemon(tiny_model, *placement, "--kv-cache-blocks", "256",
                               "--adapter-dir", str(library), "--lora-dtype", dtype)
         try:
             status, reply = complete(daemon.url, "half")
