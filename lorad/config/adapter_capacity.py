@@ -36,19 +36,21 @@ class LoraCapacity:
     @classmethod
     def resolve(cls, start_modules: list[tuple[LoraModule, ...]], runtime: bool,
                 max_gpu_adapters: int | None, max_lora_rank: int | None,
-                lora_dtype: str | None = None) -> "LoraCapacity":
-        """start_modules: each start adapter's modules; lora_dtype: a LORA_DTYPES name or None
-        (auto). Errors name the flag."""
+                lora_dtype: str | None = None,
+                start_names: list[str] | None = None) -> "LoraCapacity":
+        """start_modules: each start adapter's modules (start_names: their names, for errors);
+        lora_dtype: a LORA_DTYPES name or None (auto). Errors name the flag."""
         num_start = len(start_modules)
         largest = max((m.rank for mods in start_modules for m in mods), default=0)
         if max_lora_rank is not None and largest > max_lora_rank:
             raise ConfigError(f"--max-lora-rank {max_lora_rank}: an adapter given at start has "
                               f"rank {largest}")
         dtype = None if lora_dtype is None else LORA_DTYPES[lora_dtype]
-        for modules in start_modules:
+        for i, modules in enumerate(start_modules):
             problem = _inexact(modules, dtype)
             if problem is not None:
-                raise ConfigError(f"--lora-dtype {lora_dtype}: an adapter given at start: "
+                which = f" ({start_names[i]!r})" if start_names else ""
+                raise ConfigError(f"--lora-dtype {lora_dtype}: an adapter given at start{which}: "
                                   f"{problem}")
         if max_gpu_adapters is not None:
             num_slots = max_gpu_adapters

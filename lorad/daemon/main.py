@@ -77,7 +77,7 @@ def load_served_model(config: ServeConfig) -> ServedModel:
         stop_ids = tuple(dict.fromkeys(stop_ids + (tokenizer.eos_token_id,)))
     capacity = LoraCapacity.resolve([a.modules for a in adapters], config.runtime_adapters,
                                     config.max_gpu_adapters, config.max_lora_rank,
-                                    config.lora_dtype)
+                                    config.lora_dtype, [a.name for a in adapters])
     check_slots(capacity, len(adapters), len(config.pinned_adapters))
     return ServedModel(name=config.served_name, tokenizer=tokenizer,
                        max_model_len=config.max_model_len or limit,

@@ -189,8 +189,8 @@ def test_slot_flags_resolve_the_capacity_the_workers_get(base_dir, adapters, tmp
     assert _worker_config(half, load_served_model(half), tmp_path, "id").lora_capacity.dtype == \
         "BF16"
     assert load_served_model(auto).capacity.dtype is None
-    with pytest.raises(ConfigError, match=r"--lora-dtype float16: an adapter given at start: "
-                       r"module model\.layers\.\d+\.\S+ stores F32 factors"):
+    with pytest.raises(ConfigError, match=r"--lora-dtype float16: an adapter given at start "
+                       r"\('a'\): module model\.layers\.\d+\.\S+ stores F32 factors"):
         load_served_model(parse_args(["--model", str(base_dir), "--adapter", f"a={good}",
                                       "--lora-dtype", "float16"]))
     wide = load_served_model(parse_args(["--model", str(base_dir), "--adapter", f"a={good}",
