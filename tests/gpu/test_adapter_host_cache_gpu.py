@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from tests.unit.test_adapter_host_cache import check_fill_through_the_cache
+from tests.unit.test_adapter_host_cache import check_bf16_tables, check_fill_through_the_cache
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -17,6 +17,10 @@ pytestmark = [pytest.mark.gpu,
 
 def test_a_slot_filled_through_the_pinned_cache_equals_a_copy_from_the_file(tmp_path):
     check_fill_through_the_cache(tmp_path, "cuda")
+
+
+def test_bf16_tables_through_the_pinned_cache_hold_a_bf16_adapter_exactly(tmp_path):
+    check_bf16_tables(tmp_path, "cuda")
 
 
 def test_a_cache_after_a_collected_one_pins_its_slots(tmp_path):

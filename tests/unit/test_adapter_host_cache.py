@@ -198,24 +198,32 @@ def test_auto_capacity_fills_a_quarter_of_the_available_memory_between_the_ranks
 
 
 def test_bf16_tables_hold_a_bf16_adapter_exactly_in_half_the_bytes(tmp_path):
+    check_bf16_tables(tmp_path, "cpu")
+
+
+def check_bf16_tables(tmp_path, device: str) -> None:
     """--lora-dtype bfloat16 with run-time adapters: bf16 slot tables and host slots; a bf16
-    adapter's factors there are, widened, the fp32 tables' own; an fp32 adapter is refused."""
+    adapter's factors there are, widened, the fp32 tables' own; an fp32 adapter is refused.
+    (On CUDA, page-locked host slots; the copy is synchronized before it is read.)"""
     base = make_tiny_llama(tmp_path / "base")
     config = ModelConfig.from_dir(base)
     capacity = LoraCapacity(3, True, 8, "BF16")
-    model = LlamaForCausalLM(config, TensorParallel(0, 1, torch.device("cpu")), torch.float32,
-                             torch.device("cpu"))
-    tables, wide_tables = model.add_lora_tables((), capacity), _tables(config)
+    model = LlamaForCausalLM(config, TensorParallel(0, 1, torch.device(device)), torch.float32,
+                             torch.device(device))
+    tables, wide_tables = model.add_lora_tables((), capacity), _tables(config, device)
     assert {t.lora_a.dtype for t in tables.values()} == {torch.bfloat16}
     wide, narrow = _specs(tmp_path, base, config)
     assert capacity.refusal(wide.modules) is None
     refusal = capacity.refusal(narrow.modules)
     assert "stores F32 factors" in refusal and "bfloat16" in refusal and "--lora-dtype" in refusal
-    cache, wide_cache = HostCache(tables, 1, pin=False), HostCache(wide_tables, 1, pin=False)
+    pin = device == "cuda"
+    cache, wide_cache = HostCache(tables, 1, pin=pin), HostCache(wide_tables, 1, pin=pin)
     assert cache.slot_bytes <= wide_cache.slot_bytes // 2 + 2 * ALIGN * len(tables) + mmap.PAGESIZE
     fill_slot(tables, 1, wide, read_shards(tables, wide))
     fill_slot(wide_tables, 1, wide, read_shards(wide_tables, wide))
     cache.fill(2, wide, cache.put(wide.adapter_id, cache.read(wide)))
+    if pin:
+        torch.cuda.synchronize()
     assert _same(_slot_contents(tables, 2), _slot_contents(tables, 1))
     for where, table in tables.items():
         assert torch.equal(table.lora_a[2].float(), wide_tables[where].lora_a[1]), where
