@@ -23,8 +23,9 @@
 #             shards, through the host cache from disk, and from a cached (page-locked) entry;
 #   ncu       ncu_decode_kernels (CSVs in $OUT/ncu)
 #   capacity  check_capacity: this GPU's step table (bench_engine --json-out), then 3 bursts of
-#             bench.py (128 requests, 32 at once, 128 in / 128 out, base + 2 random rank-16 adapters, 8B shape,
-#             bf16) against capacity.py's prediction (issue 35: within 15%); $OUT/capacity.tar.gz
+#             bench.py (128 requests, 32 at once, 128 in / 128 out, base + 2 random rank-16
+#             adapters, 8B shape, bf16) against capacity.py's prediction (issue 35: within 15%);
+#             $OUT/capacity.tar.gz
 #   prefix    http_prefix.sh: the prefix cache over HTTP (8B shape, bf16): 64 conversations of 4
 #             turns over a 2,000-token system prompt, cache on and off; decode with and without
 #             --no-prefix-cache (issue 31's targets)

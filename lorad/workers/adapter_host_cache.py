@@ -60,11 +60,11 @@ class HostCache:
         # still registered when unmapped stays registered, and a later mapping at the same
         # address (another engine in this process) could not be registered (cudaError 712).
         self._registered: list[int] = []  # data pointers of the page-locked host slots
-        self._unregister = weakref.finalize(self, _unregister, self._registered)
+        self._unpin = weakref.finalize(self, _unregister, self._registered)
 
     def close(self) -> None:
         """Unpin the host slots (once every copy out of them is synchronized); no use after."""
-        self._unregister()
+        self._unpin()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -169,8 +169,8 @@ class HostCache:
     # --- into a device slot -------------------------------------------------------------------
 
     def fill(self, slot: int, spec: AdapterSpec, host_slot: int) -> None:
-        """Copy a host slot's adapter into device slot `slot` with the modules' ranks and scales; the tables
-        it does not edit get rank 0 (what fill_tables gives, in a handful of torch calls: the
+        """Copy a host slot's adapter into device slot `slot` with the modules' ranks and
+        scales; the tables it does not edit get rank 0 (what fill_tables gives, in a handful of torch calls: the
         factors at full rank, zeros past the rank included). Asynchronous on CUDA: the caller
         synchronizes its stream."""
         views = self._device.get(slot)

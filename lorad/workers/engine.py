@@ -301,11 +301,11 @@ def _host_cache_size(cfg: WorkerConfig, capacity: LoraCapacity, tables: dict,
     if size is None:
         available = available_bytes(torch.device("cpu"))
         size = auto_capacity(tables, available, len(tp.host_ranks))
+        slot_bytes = host_slot_bytes(tables)
         shown = "not known" if available is None else f"{available / 2**30:.1f} GiB"
         log.info("adapter host cache: up to %d adapters of %.1f MiB, %.1f GiB (--max-cpu-adapters "
                  "auto: host memory available %s, %d rank(s) on this host)", size,
-                 host_slot_bytes(tables) / 2**20, size * host_slot_bytes(tables) / 2**30, shown,
-                 len(tp.host_ranks))
+                 slot_bytes / 2**20, size * slot_bytes / 2**30, shown, len(tp.host_ranks))
     return size
 
 
