@@ -18,17 +18,16 @@ the points. Does not compare tokens: tests/gpu holds what --deterministic promis
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import (add_run_flags, bench_py, conditions, figures, open_work_dir,
-                               print_table, say, start_lorad, stop_lorad)
+                               print_table, say, served_models, start_lorad,
+                               stop_lorad)
 
 PORT = 8014
 TARGET_PCT = 3.0
@@ -78,11 +77,6 @@ def write_adapters(work: Path, model: str, num: int, rank: int) -> list[str]:
     return flags
 
 
-def served_models() -> list[str]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=30) as response:
-        return [card["id"] for card in json.load(response)["data"]]
-
-
 def bench(args, point: Point, models: list[str], out: Path, warmup: int) -> dict:
     """scripts/bench.py once, round-robin over `models` -> its --json record and its table."""
     return bench_py(["--url", f"http://127.0.0.1:{PORT}", "--model", ",".join(models),
@@ -108,7 +102,7 @@ def run_mode(args, mode: str, points: list[Point], adapter_flags: list[str]) -> 
     try:
         ready = re.search(r"ready in .*", log.read_text(errors="replace"))
         say(f"{mode}: {ready.group(0) if ready else 'ready'}")
-        models = served_models()
+        models = served_models(PORT)
         widest = Point("warm-up", max(p.concurrency for p in points),
                        max(p.concurrency for p in points), max(p.prompt_len for p in points), 4)
         bench(args, widest, models, args.work / f"{mode}-warm-up.json", warmup=0)

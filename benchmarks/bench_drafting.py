@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.common import (DEMO_MODEL, add_run_flags, conditions, open_work_dir, print_table,
-                               say, start_lorad, stop_lorad)
+                               say, served_models, start_lorad, stop_lorad)
 from benchmarks.drafting_prompts import EDIT_INSTRUCTION, PARAGRAPHS, QUESTIONS
 
 PORT = 8015
@@ -238,8 +238,7 @@ def main() -> int:
     try:
         ready = re.search(r"ready in .*", log.read_text(errors="replace"))
         say(ready.group(0) if ready else "ready")
-        with urllib.request.urlopen(f"{URL}/v1/models", timeout=30) as response:
-            model = json.load(response)["data"][0]["id"]
+        model = served_models(PORT)[0]
         widest = max(args.concurrency)
         for workload in args.workloads:  # unmeasured: the first requests of each shape
             for draft in (False, True):

@@ -22,7 +22,8 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.common import (DEMO_MODEL, REPO, add_run_flags, bench_py, conditions, figures,
-                               open_work_dir, print_table, say, start_lorad, stop_lorad)
+                               open_work_dir, print_table, say, served_models, start_lorad,
+                               stop_lorad)
 
 PORT = 8016
 URL = f"http://127.0.0.1:{PORT}"
@@ -56,8 +57,7 @@ def run_one(args, threads: str, round_: int) -> dict:
              *args.lorad_flag]
     proc = start_lorad(flags, PORT, log)
     try:
-        with urllib.request.urlopen(f"{URL}/v1/models", timeout=30) as response:
-            model_ids = [m["id"] for m in json.load(response)["data"]]
+        model_ids = served_models(PORT)
         record = bench_py(["--url", URL, "--model", ",".join(model_ids), "--chat",
                            "--concurrency", str(args.concurrency), "--requests",
                            str(args.requests), "--max-tokens", str(args.max_tokens),

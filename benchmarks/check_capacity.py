@@ -16,16 +16,18 @@ daemon's log, bench.py's records and capacity.py's reports in --work.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import (DEMO_MODEL, REPO, add_run_flags, bench_py, conditions,
-                               open_work_dir, print_table, say, start_lorad, stop_lorad)
+                               open_work_dir, print_table, say, served_models, start_lorad,
+                               stop_lorad)
+
+sys.path.insert(0, str(REPO / "scripts"))  # scripts/ tools import their siblings by name
+import capacity  # noqa: E402
 
 PORT = 8015
 DEMO_ADAPTERS = [REPO / "demo/adapters/uppercase", REPO / "demo/adapters/pirate"]
@@ -93,29 +95,15 @@ def daemon_flags(args, adapters: list[Path]) -> list[str]:
     return flags + args.lorad_flag
 
 
-def model_ids() -> list[str]:
-    """The base model's id first, then each adapter's (GET /v1/models)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=30) as response:
-        return [m["id"] for m in json.loads(response.read())["data"]]
-
-
 def check(args, table: Path, record: Path, base: str) -> tuple[dict, dict, str]:
-    """capacity.py burst --check -> (measured, predicted, its report)."""
-    argv = [sys.executable, str(REPO / "scripts/capacity.py"), "burst", "--table", str(table),
-            "--check", str(record), "--base-model", base, "--max-num-seqs",
-            str(args.concurrency), "--tolerance", str(args.tolerance)]
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
-    if done.returncode not in (0, 1):  # 1: outside the tolerance, still a report
-        raise RuntimeError(f"capacity.py failed:\n{done.stdout}{done.stderr}")
-    measured, predicted = {}, {}
-    for line in done.stdout.splitlines():
-        parts = [p.strip() for p in line.strip().strip("|").split("|")]
-        if len(parts) >= 3 and parts[0] in FIGURES:
-            measured[parts[0]], predicted[parts[0]] = (float(parts[1].replace(",", "")),
-                                                       float(parts[2].replace(",", "")))
-    if set(measured) != set(FIGURES):
-        raise RuntimeError(f"capacity.py's report lacks a figure:\n{done.stdout}")
-    return measured, predicted, done.stdout
+    """capacity.py burst --check, in this process -> (measured, predicted, its report)."""
+    flags = capacity.parse_args(["burst", "--table", str(table), "--check", str(record),
+                                 "--base-model", base, "--max-num-seqs", str(args.concurrency),
+                                 "--tolerance", str(args.tolerance)])
+    steps = capacity.StepTable.from_file(str(table))
+    run = capacity.burst_check(flags, steps)
+    report, _ = capacity.burst_report(flags, steps, run)
+    return {name: run["measured"][name] for name in FIGURES}, run["predicted"], report
 
 
 def main(argv=None) -> int:
@@ -140,7 +128,7 @@ def main(argv=None) -> int:
     proc = start_lorad(daemon_flags(args, adapters), PORT, work / "lorad.log")
     records = []
     try:
-        ids = model_ids()
+        ids = served_models(PORT)
         say(f"lorad ready, serving {', '.join(ids)}")
         for run in range(args.runs):
             record = work / f"burst{run}.json"

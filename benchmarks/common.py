@@ -143,6 +143,12 @@ def stop_lorad(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
+def served_models(port: int) -> list[str]:
+    """The model ids a daemon on `port` serves: the base model first, then each adapter."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as response:
+        return [card["id"] for card in json.load(response)["data"]]
+
+
 def bench_py(flags: list[str], out: Path, timeout_s: float = 3600) -> dict:
     """scripts/bench.py once with `flags` and `--json out` -> its record, with its printed table
     under "table" (figures() reads it); its output also goes to out.txt. Raises RuntimeError

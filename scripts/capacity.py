@@ -180,7 +180,9 @@ def _lengths(median: int, sigma: float) -> str:
     return f"{median}" if sigma <= 0 else f"lognormal (median {median}, sigma {sigma:g})"
 
 
-def burst_report(args, table: StepTable) -> tuple[str, bool]:
+def burst_check(args, table: StepTable) -> dict:
+    """The burst simulated: --check's (a bench.py record, whose workload then sets args' burst
+    fields) or the flags' -> {"adapters", "measured" (None without --check), "predicted"}."""
     measured = None
     if args.check:
         measured = read_bench(args.check, args.base_model)
@@ -197,6 +199,14 @@ def burst_report(args, table: StepTable) -> tuple[str, bool]:
     predicted = {"output tokens/s": sum(r.num_output for r in done) / out["wall_s"],
                  "TTFT p50 (ms)": 1e3 * percentile([r.ttft for r in done], 50),
                  "TTFT p99 (ms)": 1e3 * percentile([r.ttft for r in done], 99)}
+    return {"adapters": adapters, "measured": measured, "predicted": predicted}
+
+
+def burst_report(args, table: StepTable, run: dict | None = None) -> tuple[str, bool]:
+    """burst_check's figures (`run`, else simulated now) as capacity.py prints them, and whether
+    the prediction is within --tolerance of a --check record."""
+    run = run or burst_check(args, table)
+    adapters, measured, predicted = run["adapters"], run["measured"], run["predicted"]
     lines = [f"table:     {table.describe()}",
              f"burst:     {args.requests} requests at concurrency {args.concurrency}, prompt "
              f"{args.prompt_len}, output {args.max_tokens}, rotating over adapters {adapters} "
