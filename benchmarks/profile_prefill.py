@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_engine import (BLOCK_SIZE, CUDA, PROMPT_ID_RANGE, build_lorad,
                                      load_adapters, write_adapter)
+from lorad.workers.batch import MIN_ROWS
 from benchmarks.common import REPO, conditions, time_cuda
 from lorad.config import ModelConfig
 from lorad.workers.batch import ForwardBatch
@@ -53,6 +54,10 @@ def main() -> int:
     p.add_argument("--cases", default="base:1x512,one:1x512,base:1x2048,one:1x2048,"
                                       "base:8x256,many:8x256")
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--deterministic", action="store_true",
+                   help="measure matmul plans first, as lorad's default --deterministic does "
+                        "(row_matmul at the row counts where cuBLAS gives other bits); without "
+                        "it cuBLAS at every count, as --no-deterministic")
     args = p.parse_args()
     print(conditions(CUDA))
     config = ModelConfig.from_dir(args.config)
@@ -61,6 +66,9 @@ def main() -> int:
     most_seqs = max(int(c.split(":")[1].split("x")[0]) for c in cases)
     blocks_per_seq = -(-most_tokens // BLOCK_SIZE)
     model = build_lorad(config, most_seqs, blocks_per_seq)
+    if args.deterministic:
+        model.plan_matmuls(max(most_seqs * most_tokens, MIN_ROWS))
+    print(f"matmul plans: {'measured (--deterministic)' if args.deterministic else 'none'}")
     with tempfile.TemporaryDirectory() as tmp:
         load_adapters(model, write_adapter(Path(tmp), config, 16), 64)
     summary = []
