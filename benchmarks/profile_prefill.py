@@ -6,13 +6,16 @@ and the top ones listed.
 
 Cases: `--cases base:1x512,one:1x512,base:1x2048,one:1x2048,many:8x256` = SLOTS:SEQSxTOKENS,
 SLOTS one of base (slot 0), one (slot 1 on every prompt), many (prompt i on slot 1 + i).
+Each case also reports the host's time to queue the step and its busiest host ops.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -48,12 +51,28 @@ def prefill_chunks(case: str, blocks_per_seq: int) -> list[tuple]:
             for i, slot in enumerate(slots)]
 
 
+def host_seconds(fn, repeats: int) -> float:
+    """Median seconds until fn() returns, the device's work synced before each run but not in
+    it: the host's cost of queueing an eager step (as long as the step when the host is the
+    bottleneck)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default=str(REPO / "scripts/configs/llama3-8b"))
     p.add_argument("--cases", default="base:1x512,one:1x512,base:1x2048,one:1x2048,"
                                       "base:8x256,many:8x256")
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--trace-out", type=Path, help="a folder: each case's Chrome trace (host "
+                   "and device, gzipped) written there")
     p.add_argument("--deterministic", action="store_true",
                    help="measure matmul plans first, as lorad's default --deterministic does "
                         "(row_matmul at the row counts where cuBLAS gives other bits); without "
@@ -76,26 +95,36 @@ def main() -> int:
         batch = ForwardBatch.build(prefill_chunks(case, blocks_per_seq), BLOCK_SIZE, CUDA)
         with torch.inference_mode():
             seconds = time_cuda(lambda: model.forward(batch), 3, warmup=1)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            host = host_seconds(lambda: model.forward(batch), 3)
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 model.forward(batch)
                 torch.cuda.synchronize()
-        kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+        if args.trace_out:
+            args.trace_out.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(args.trace_out / f"{case.replace(':', '-')}.json.gz"))
+        events = prof.key_averages()
+        kernels = [e for e in events if e.device_time_total > 0]
         by_group: dict[str, float] = {}
         for e in kernels:
             by_group[group_of(e.key)] = by_group.get(group_of(e.key), 0.0) + e.device_time_total
         total = sum(by_group.values())
-        summary.append((case, seconds * 1e3, total / 1e3, by_group))
-        print(f"\n{case}: step {seconds * 1e3:.2f} ms, kernels {total / 1e3:.2f} ms")
+        summary.append((case, seconds * 1e3, host * 1e3, total / 1e3, by_group))
+        print(f"\n{case}: step {seconds * 1e3:.2f} ms, host {host * 1e3:.2f} ms (forward's "
+              f"return, no sync), kernels {total / 1e3:.2f} ms")
+        print("| host op | calls | self CPU us | mean us |\n|---|---|---|---|")
+        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:args.top]:
+            print(f"| {e.key[:80]} | {e.count} | {e.self_cpu_time_total:.0f} | "
+                  f"{e.self_cpu_time_total / e.count:.1f} |")
         print("| kernel | calls | total us | mean us |\n|---|---|---|---|")
         for e in sorted(kernels, key=lambda e: -e.device_time_total)[:args.top]:
             print(f"| {e.key[:80]} | {e.count} | {e.device_time_total:.0f} | "
                   f"{e.device_time_total / e.count:.1f} |")
-    print("\n| case | step ms | kernels ms | matmul | lora | attention | other |")
-    print("|---|---|---|---|---|---|---|")
-    for case, step_ms, kernel_ms, by_group in summary:
+    print("\n| case | step ms | host ms | kernels ms | matmul | lora | attention | other |")
+    print("|---|---|---|---|---|---|---|---|")
+    for case, step_ms, host_ms, kernel_ms, by_group in summary:
         cells = " | ".join(f"{by_group.get(g, 0.0) / 1e3:.2f}"
                            for g in ("matmul", "lora", "attention", "other"))
-        print(f"| {case} | {step_ms:.2f} | {kernel_ms:.2f} | {cells} |")
+        print(f"| {case} | {step_ms:.2f} | {host_ms:.2f} | {kernel_ms:.2f} | {cells} |")
     return 0
 
 
