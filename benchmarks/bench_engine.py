@@ -117,6 +117,10 @@ def parse_args() -> argparse.Namespace:
                    help="measure matmul plans first, as lorad's default --deterministic does "
                         "(cuBLAS only at the row counts where it keeps a row's bits); without "
                         "it cuBLAS at every count, as --no-deterministic")
+    p.add_argument("--mixed-step-graphs", action="store_true",
+                   help="eager and prefill rows through the piecewise graphs of steps with "
+                        "prompt chunks (workers/mixed_graph.py), as lorad --mixed-step-graphs "
+                        "runs them")
     p.add_argument("--table-out", help="also write the markdown table to this file")
     p.add_argument("--json-out", help="also write the step-time table (lorad-step-table/1, "
                    "docs/capacity.md) of the decode and prefill rows and an adapter's copy "
@@ -311,10 +315,7 @@ def time_decode(model, graphs: DecodeGraphs | None, slots: list[int], args,
     steps = list(decode_steps(slots, args.context, blocks_per_seq, args.warmup + args.steps))
 
     def step(chunks):
-        if graphs is not None:
-            logits = graphs.run(chunks)
-        else:
-            logits = model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, CUDA))
+        logits = graphs.run(chunks) if graphs is not None else eager_step(model, chunks, args)
         return logits.argmax(-1).tolist()  # the leader's sync each step
 
     for chunks in steps[:args.warmup]:
@@ -332,6 +333,32 @@ def time_decode(model, graphs: DecodeGraphs | None, slots: list[int], args,
     if graphs is not None:
         replay = time_cuda(graphs.graph_for(len(slots), any(slots)).replay, args.steps, warmup=1)
     return per_step, replay, clock.summary()
+
+
+def eager_step(model, chunks: list, args) -> torch.Tensor:
+    """A step the worker runs without decode graphs: through the mixed-step graphs where
+    --mixed-step-graphs captured them (args.mixed), else eagerly."""
+    mixed = getattr(args, "mixed", None)
+    if mixed is not None and mixed.can_run(chunks):
+        return mixed.run(chunks)
+    return model.forward(ForwardBatch.build(chunks, BLOCK_SIZE, CUDA))
+
+
+def capture_mixed(model, args, num_adapters: int, max_rows: int) -> None:
+    """args.mixed: the mixed-step graphs of --mixed-step-graphs for up to max_rows rows (None
+    without the flag, or when the capture fails: then those rows run eagerly, and say so)."""
+    args.mixed = None
+    if not args.mixed_step_graphs:
+        return
+    from lorad.workers.mixed_graph import MixedGraphs
+    mixed = MixedGraphs(model, max_rows, BLOCK_SIZE, num_adapters)
+    try:
+        mixed.capture()
+    except Exception as exc:
+        traceback.print_exc()
+        add_row("mixed-step graph capture", "-", "-", None, note=f"failed, eager instead: {exc}")
+        return
+    args.mixed = mixed
 
 
 class HostClock:
@@ -477,8 +504,7 @@ def bench_prefill(model, case: str, args, flops: float, floor: Floor, label: str
                    list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), True, slot)
                   for i, slot in enumerate(slots)]
         try:
-            batch = ForwardBatch.build(chunks, BLOCK_SIZE, CUDA)
-            seconds = time_cuda(lambda: model.forward(batch), 3, warmup=1)
+            seconds = time_cuda(lambda: eager_step(model, chunks, args), 3, warmup=1)
         except Exception as exc:
             traceback.print_exc()
             add_row(f"prefill {case}{label}", shape, "eager", None, note=f"failed: {exc}")
@@ -733,12 +759,15 @@ def main() -> int:
     if args.deterministic:  # before any graph captures the matmuls, as the engine does
         model.plan_matmuls(max(max_batch, prefill_seqs * prefill_len, MIN_ROWS))
     print(f"lorad model built ({time.monotonic() - started:.0f}s)", flush=True)
+    mixed_rows = max(args.eager_batches + [prefill_seqs * prefill_len, MIN_ROWS])
     if "base" in cases:
         graphs = capture(model, args, 0)
+        capture_mixed(model, args, 0, mixed_rows)
         bench_decode(model, graphs, Floor(model, bandwidth), ["base"], args, blocks_per_seq)
         del graphs
         if args.prefill:
             bench_prefill(model, "base", args, flops, Floor(model, bandwidth))
+        args.mixed = None
         gc.collect()
         torch.cuda.empty_cache()
     tmp = tempfile.TemporaryDirectory(prefix="bench_engine")
@@ -755,6 +784,7 @@ def main() -> int:
             copy_ms = time_adapter_copy(tables, first, 5, CUDA)
         del tables
         graphs = capture(model, args, args.num_adapters)
+        capture_mixed(model, args, args.num_adapters, mixed_rows)
         floor = Floor(model, bandwidth)
         bench_decode(model, graphs, floor, adapter_cases, args, blocks_per_seq)
         if args.prefill and "many" in adapter_cases:
@@ -783,6 +813,8 @@ def main() -> int:
     pdl_text = "off" if args.no_pdl else (f"up to {pdl_config.max_rows} rows "
                                           f"({pdl_config.max_rows_with_lora} in steps with LoRA "
                                           "launches)")
+    mixed_text = ("through the mixed-step graphs (--mixed-step-graphs)"
+                  if args.mixed_step_graphs else "eager")
     lines = [
         f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB),"
         f" CUDA {torch.version.cuda}; {conditions()}",
@@ -792,7 +824,8 @@ def main() -> int:
         f"{'plans (--deterministic)' if args.deterministic else 'cuBLAS at every row count'}, "
         f"graphs captured "
         f"for up to {max(args.batches)} sequences and --max-model-len {args.max_model_len}, "
-        f"programmatic dependent launch {pdl_text}; "
+        f"programmatic dependent launch {pdl_text}; rows of mode eager (prefill rows too) "
+        f"{mixed_text}; "
         f"lorad peak memory {peak_gib:.1f} GiB",
         f"decode: {args.context} tokens of KV per sequence, {args.steps} timed steps after "
         f"{args.warmup}; step ms = inputs + forward + argmax to the host, as the worker runs "

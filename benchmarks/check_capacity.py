@@ -73,10 +73,16 @@ def measure_table(args, adapters: list[Path], out: Path, log: Path) -> None:
         for folder in adapters:
             argv += ["--adapter", str(folder)]
     else:
+        # The daemon's own arithmetic (matmul plans) and its adapters: "many" over as many
+        # adapters as it serves gives the eager and prompt steps with adapters (a prompt step
+        # with LoRA rows costs the host far more than one without).
         argv = ["-m", "benchmarks.bench_engine", "--config", args.model, "--cases",
-                "base,one,mixed4", "--batches", "1,2,4,8,16,32,64", "--eager-batches", "1,8,32",
+                "base,one,many", "--num-adapters", str(max(len(adapters), 1)),
+                "--batches", "1,2,4,8,16,32,64", "--eager-batches", "1,8,32",
                 "--prefill", f"1x{args.prompt_len},4x{args.prompt_len}", "--hf-batches", "",
-                "--json-out", str(out)]
+                "--deterministic", "--json-out", str(out)]
+        if "--mixed-step-graphs" in args.lorad_flag:
+            argv.append("--mixed-step-graphs")
     with open(log, "wb") as f:
         done = subprocess.run([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT,
                               cwd=REPO)

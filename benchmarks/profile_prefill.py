@@ -73,6 +73,9 @@ def main() -> int:
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--trace-out", type=Path, help="a folder: each case's Chrome trace (host "
                    "and device, gzipped) written there")
+    p.add_argument("--mixed-step-graphs", action="store_true",
+                   help="also time each case through the piecewise graphs of steps with prompt "
+                        "chunks (workers/mixed_graph.py), as lorad --mixed-step-graphs runs it")
     p.add_argument("--deterministic", action="store_true",
                    help="measure matmul plans first, as lorad's default --deterministic does "
                         "(row_matmul at the row counts where cuBLAS gives other bits); without "
@@ -90,9 +93,19 @@ def main() -> int:
     print(f"matmul plans: {'measured (--deterministic)' if args.deterministic else 'none'}")
     with tempfile.TemporaryDirectory() as tmp:
         load_adapters(model, write_adapter(Path(tmp), config, 16), 64)
+    mixed = None
+    if args.mixed_step_graphs:
+        from lorad.workers.mixed_graph import MixedGraphs
+        mixed = MixedGraphs(model, most_seqs * most_tokens, BLOCK_SIZE, 64)
+        mixed.capture()
     summary = []
     for case in cases:
-        batch = ForwardBatch.build(prefill_chunks(case, blocks_per_seq), BLOCK_SIZE, CUDA)
+        chunks = prefill_chunks(case, blocks_per_seq)
+        batch = ForwardBatch.build(chunks, BLOCK_SIZE, CUDA)
+        pieces = None
+        if mixed is not None:
+            pieces = (time_cuda(lambda: mixed.run(chunks), 5, warmup=2),
+                      host_seconds(lambda: mixed.run(chunks), 5))
         with torch.inference_mode():
             seconds = time_cuda(lambda: model.forward(batch), 3, warmup=1)
             host = host_seconds(lambda: model.forward(batch), 3)
@@ -103,12 +116,14 @@ def main() -> int:
             args.trace_out.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(args.trace_out / f"{case.replace(':', '-')}.json.gz"))
         events = prof.key_averages()
-        kernels = [e for e in events if e.device_time_total > 0]
+        # Kernels only: an aten op's device time is its kernels' again.
+        kernels = [e for e in events if e.device_time_total > 0
+                   and not e.key.startswith(("aten::", "cuda", "cuLaunch"))]
         by_group: dict[str, float] = {}
         for e in kernels:
             by_group[group_of(e.key)] = by_group.get(group_of(e.key), 0.0) + e.device_time_total
         total = sum(by_group.values())
-        summary.append((case, seconds * 1e3, host * 1e3, total / 1e3, by_group))
+        summary.append((case, seconds * 1e3, host * 1e3, total / 1e3, by_group, pieces))
         print(f"\n{case}: step {seconds * 1e3:.2f} ms, host {host * 1e3:.2f} ms (forward's "
               f"return, no sync), kernels {total / 1e3:.2f} ms")
         print("| host op | calls | self CPU us | mean us |\n|---|---|---|---|")
@@ -119,12 +134,15 @@ def main() -> int:
         for e in sorted(kernels, key=lambda e: -e.device_time_total)[:args.top]:
             print(f"| {e.key[:80]} | {e.count} | {e.device_time_total:.0f} | "
                   f"{e.device_time_total / e.count:.1f} |")
-    print("\n| case | step ms | host ms | kernels ms | matmul | lora | attention | other |")
-    print("|---|---|---|---|---|---|---|---|")
-    for case, step_ms, host_ms, kernel_ms, by_group in summary:
+    print("\n| case | step ms | host ms | kernels ms | matmul | lora | attention | other | "
+          "pieces: step ms | pieces: host ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for case, step_ms, host_ms, kernel_ms, by_group, pieces in summary:
         cells = " | ".join(f"{by_group.get(g, 0.0) / 1e3:.2f}"
                            for g in ("matmul", "lora", "attention", "other"))
-        print(f"| {case} | {step_ms:.2f} | {host_ms:.2f} | {kernel_ms:.2f} | {cells} |")
+        graphs = " | ".join(f"{x * 1e3:.2f}" for x in pieces) if pieces else " | "
+        print(f"| {case} | {step_ms:.2f} | {host_ms:.2f} | {kernel_ms:.2f} | {cells} | "
+              f"{graphs} |")
     return 0
 
 

@@ -296,6 +296,12 @@ def _add_parallel_flags(group) -> None:
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs for decode steps "
                             "(graphs are used on CUDA otherwise, at any --parallel)")
+    group.add_argument("--mixed-step-graphs", action=argparse.BooleanOptionalAction,
+                       default=False,
+                       help="on CUDA, capture steps with prompt chunks too (prefill, mixed, "
+                            "drafted), in pieces between the layers' attention, which runs "
+                            "eagerly: the host no longer queues every kernel of such a step; "
+                            "not over gloo (default: off)")
     group.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                        help="a stream's tokens do not depend on what shares its steps (the "
                             "default); --no-deterministic: on a GPU, cuBLAS at every row count, "
@@ -405,7 +411,8 @@ def parse_args(argv: list[str] | None = None, node: bool = False) -> ServeConfig
             cluster=cluster_config(args, node),
             port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
             dist_backend=args.dist_backend, all_reduce=args.all_reduce,
-            enforce_eager=args.enforce_eager, deterministic=args.deterministic,
+            enforce_eager=args.enforce_eager, mixed_step_graphs=args.mixed_step_graphs,
+            deterministic=args.deterministic,
             speculative_ngram=args.speculative_ngram,
             prefix_cache=args.prefix_cache, kv_spill_dir=_spill_dir(args),
             kv_spill_bytes=args.kv_spill_bytes, max_model_len=args.max_model_len,

@@ -129,11 +129,15 @@ def paged_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cach
 
 
 def _attend_mixed(q: torch.Tensor, cache: PagedKVCache, ctx: CudaAttentionContext, scale: float,
-                  config: DecodeAttentionConfig) -> torch.Tensor:
+                  config: DecodeAttentionConfig, out: torch.Tensor | None = None) -> torch.Tensor:
     """A mixed or prefill step: the prefill kernel over the sequences with prompt tokens, then
-    the decode kernel over the generated tokens' rows, written into theirs; padding rows zero."""
+    the decode kernel over the generated tokens' rows, written into theirs; padding rows zero.
+    out: [num_rows, q_heads * head_dim] to write (a graph's static tensor); None: a new one."""
     num_rows, num_q_heads, head_dim = q.shape
-    out = torch.zeros(num_rows, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.zeros(num_rows, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
+    else:
+        out.zero_()
     prompt = ctx.prompt_seqs
     if prompt is not None:
         paged_prefill_attention(q, cache.k, cache.v, prompt.block_tables, prompt.context_lens,
@@ -150,18 +154,19 @@ def _attend_mixed(q: torch.Tensor, cache: PagedKVCache, ctx: CudaAttentionContex
 
 def attend_cuda(q: torch.Tensor, cache: PagedKVCache, ctx: CudaAttentionContext, scale: float,
                 config: DecodeAttentionConfig = DecodeAttentionConfig(),
-                pdl_rows: int = 0) -> torch.Tensor:
+                pdl_rows: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """The attention alone, the step's K/V being in the cache already (the model's fused rotary
     kernel writes them). q: [num_rows, q_heads, head_dim] -> [num_rows, q_heads * head_dim],
     zero on padding rows. config: the decode kernels' settings; pdl_rows: the step's PDL row
-    limit (kernels/pdl.py)."""
+    limit (kernels/pdl.py); out: the output tensor to write (None: a new one)."""
     num_rows, num_q_heads, head_dim = q.shape
     num_seqs = ctx.context_lens.shape[0]
     if not ctx.is_decode:
-        return _attend_mixed(q, cache, ctx, scale, config)
+        return _attend_mixed(q, cache, ctx, scale, config, out)
     # Rows past the last sequence pad the batch to MIN_ROWS: the kernel writes them with zeros,
     # as on the CPU path.
-    out = torch.empty(num_rows, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(num_rows, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
     return paged_decode_attention(q[:num_seqs], cache.k, cache.v, ctx.block_tables,
                                   ctx.context_lens, scale, out=out, config=config,
                                   pdl_rows=pdl_rows)

@@ -31,6 +31,7 @@ from lorad.workers.batch import MIN_ROWS, ForwardBatch
 from lorad.workers.cuda_graph import DecodeGraphs
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.loader import add_adapter_tables
+from lorad.workers.mixed_graph import MixedGraphs
 from lorad.workers.models import model_class
 from lorad.workers.models.llama import LlamaForCausalLM
 from lorad.workers.tuning import Tuning
@@ -89,6 +90,8 @@ class Engine:
     store: AdapterStore  # every registered adapter, their copies into device slots
     resident: dict[int, int]  # adapter id -> device slot of the start adapters copied at start
     graphs: DecodeGraphs | None = None  # captured decode graphs; None: every step runs eagerly
+    # Captured graphs of steps with prompt chunks (--mixed-step-graphs); None: those run eagerly
+    mixed_graphs: MixedGraphs | None = None
     max_num_seqs: int = 0  # sequences a step runs at most, agreed by the ranks at start
     startup_phases: list[StartupPhase] = dataclasses.field(default_factory=list)  # for Ready
 
@@ -166,9 +169,10 @@ class Engine:
         elif kernel_path(device):
             log.info("matmul plans: none (--no-deterministic): cuBLAS at every row count")
         graphs = _capture_decode_graphs(cfg, model, tp, capacity.num_slots, max_num_seqs)
+        mixed_graphs = _capture_mixed_graphs(cfg, model, tp, capacity.num_slots)
         clock.mark("graphs")
         engine = cls(tp, model_config, model, registry, num_blocks, cfg.block_size, adapters,
-                     store, resident, graphs, max_num_seqs)
+                     store, resident, graphs, mixed_graphs, max_num_seqs)
         engine.warm_up(cfg)
         clock.mark("warm-up")
         engine.startup_phases = clock.phases()
@@ -228,6 +232,9 @@ class Engine:
         chunks = plan.batch_chunks()
         if hidden_rows is None and self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.run(chunks)
+        if (hidden_rows is None and self.mixed_graphs is not None
+                and self.mixed_graphs.can_run(chunks)):
+            return self.mixed_graphs.run(chunks)
         batch = ForwardBatch.build(chunks, self.block_size, self.tp.device, min_rows=MIN_ROWS)
         if hidden_rows is None:
             return self.model.forward(batch)
@@ -253,6 +260,18 @@ def _capture_decode_graphs(cfg: WorkerConfig, model: LlamaForCausalLM, tp: Tenso
     segmented = tp.world_size > 1 and tp.backend == "gloo"
     graphs = DecodeGraphs(model, max_num_seqs, cfg.max_model_len, cfg.block_size,
                           num_adapters, segmented=segmented)
+    graphs.capture()
+    return graphs
+
+
+def _capture_mixed_graphs(cfg: WorkerConfig, model: LlamaForCausalLM, tp: TensorParallel,
+                          num_adapters: int) -> MixedGraphs | None:
+    """Graphs of steps with prompt chunks, in pieces between the attention (mixed_graph.py):
+    with --mixed-step-graphs, on CUDA where the collectives are captured too (not over gloo)."""
+    if (tp.device.type != "cuda" or cfg.enforce_eager or not cfg.mixed_step_graphs
+            or (tp.world_size > 1 and tp.backend == "gloo")):
+        return None
+    graphs = MixedGraphs(model, cfg.max_num_batched_tokens, cfg.block_size, num_adapters)
     graphs.capture()
     return graphs
 

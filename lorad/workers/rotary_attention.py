@@ -54,6 +54,9 @@ class RotaryPagedAttention(nn.Module):
         self.scale = head_dim ** -0.5
         self.kv_cache: PagedKVCache | None = None  # allocate_kv_cache
         self.decode: DecodeAttentionConfig | None = None  # the decode kernels' (tune())
+        # While a mixed step's graph is captured in pieces (mixed_graph.py): the object that
+        # runs this layer's attention between them; None otherwise.
+        self.breaker = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 deltas: tuple[LoraDelta | None, ...], rotary: RotaryInputs,
@@ -70,6 +73,8 @@ class RotaryPagedAttention(nn.Module):
             q = rotary_write_kv(q, k, v, rotary.positions, rotary.cos_table, rotary.sin_table,
                                 ctx.slot_mapping, cache.k, cache.v, self.num_q_heads,
                                 self.head_dim, deltas, pdl_rows)
+            if self.breaker is not None:
+                return self.breaker.attention(self, q)
             return attend_cuda(q, cache, ctx, self.scale, self.decode, pdl_rows)
         assert all(delta is None for delta in deltas), "deltas are left to kernels only"
         num_rows = q.shape[0]

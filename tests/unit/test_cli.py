@@ -172,6 +172,12 @@ def test_load_format_and_enforce_eager():
         "safetensors"
 
 
+def test_mixed_step_graphs_is_off_unless_asked():
+    assert parse_args(["--model", "m"]).mixed_step_graphs is False
+    assert parse_args(["--model", "m", "--mixed-step-graphs"]).mixed_step_graphs is True
+    assert parse_args(["--model", "m", "--no-mixed-step-graphs"]).mixed_step_graphs is False
+
+
 def test_missing_model_flag(capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args([])

@@ -306,8 +306,36 @@ class LlamaForCausalLM(nn.Module):
         so every edited projection launches its LoRA kernels whatever this batch's slots.
         hidden_rows: [n] int64 more rows, whose final (normed) hidden states [n, hidden] come
         back beside the logits, as (logits, hidden): echo's (workers/prompt_logprobs.py)."""
+        if kernel_path(batch.input_ids.device):
+            normed = self.final_hidden(batch, lora_launch_always)
+            extra = normed[hidden_rows] if hidden_rows is not None else None
+            logits = self.lm_head(normed[batch.sample_rows])  # [num_sampled, hidden] in
+            return logits if hidden_rows is None else (logits, extra)
+        hidden, delta, _, _ = self.run_layers(batch)
+        rows = batch.sample_rows
+        _, normed = self.model.norm.add_and_norm(delta[rows], hidden[rows])
+        if hidden_rows is not None:  # apart: the sampled rows' arithmetic stays as it was
+            _, extra = self.model.norm.add_and_norm(delta[hidden_rows], hidden[hidden_rows])
+        logits = self.lm_head(normed)
+        return logits if hidden_rows is None else (logits, extra)
+
+    @torch.inference_mode()
+    def final_hidden(self, batch: ForwardBatch, lora_launch_always: bool = False,
+                     ctx: AttentionContext | None = None) -> torch.Tensor:
+        """Kernel path: [num_rows, hidden] every row's final normed hidden state (the LM head's
+        input); the last residual add is fused with the final norm, on every row (as cheap as
+        picking the rows first, and one kernel). ctx: the step's attention context, built
+        before (a graph capture builds it outside the capture); None: built here."""
+        hidden, delta, delta_lora, lora = self.run_layers(batch, lora_launch_always, ctx)
+        _, normed = self.model.norm.add_and_norm(delta, hidden, delta_lora, lora.pdl_rows)
+        return normed
+
+    def run_layers(self, batch: ForwardBatch, lora_launch_always: bool = False,
+                   ctx: AttentionContext | None = None):
+        """Every decoder layer over the batch -> (residual stream, what the last layer adds to
+        it, that output's LoRA delta or None, the step's LoraRows)."""
         assert self.block_size is not None, "allocate_kv_cache() before forward()"
-        ctx = AttentionContext.build(batch, self.block_size)
+        ctx = ctx if ctx is not None else AttentionContext.build(batch, self.block_size)
         rotary = RotaryInputs.build(self.model.rotary_emb, batch.positions)
         hidden, delta_lora = None, None
         delta = self.model.embed_tokens(batch.input_ids)  # [num_rows, hidden]
@@ -315,19 +343,7 @@ class LlamaForCausalLM(nn.Module):
         lora = LoraRows.from_batch(batch, launch_always=lora_launch_always, tuning=self.tuning)
         for layer in self.model.layers:
             hidden, delta, delta_lora = layer(hidden, delta, delta_lora, rotary, ctx, lora)
-        if kernel_path(delta.device):
-            # The last residual add fused with the final norm, on every row (as cheap as
-            # picking the rows first, and one kernel).
-            _, normed = self.model.norm.add_and_norm(delta, hidden, delta_lora, lora.pdl_rows)
-            extra = normed[hidden_rows] if hidden_rows is not None else None
-            normed = normed[batch.sample_rows]  # [num_sampled, hidden]
-        else:
-            rows = batch.sample_rows
-            _, normed = self.model.norm.add_and_norm(delta[rows], hidden[rows])
-            if hidden_rows is not None:  # apart: the sampled rows' arithmetic stays as it was
-                _, extra = self.model.norm.add_and_norm(delta[hidden_rows], hidden[hidden_rows])
-        logits = self.lm_head(normed)
-        return logits if hidden_rows is None else (logits, extra)
+        return hidden, delta, delta_lora, lora
 
 
 def plan_module_matmuls(root: nn.Module, max_rows: int, tiles: MatmulTiles) -> dict:
