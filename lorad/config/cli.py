@@ -297,11 +297,11 @@ def _add_parallel_flags(group) -> None:
                        help="run every step eagerly: no CUDA graphs for decode steps "
                             "(graphs are used on CUDA otherwise, at any --parallel)")
     group.add_argument("--mixed-step-graphs", action=argparse.BooleanOptionalAction,
-                       default=False,
+                       default=True,
                        help="on CUDA, capture steps with prompt chunks too (prefill, mixed, "
                             "drafted), in pieces between the layers' attention, which runs "
                             "eagerly: the host no longer queues every kernel of such a step; "
-                            "not over gloo (default: off)")
+                            "not over gloo (default: on)")
     group.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                        help="a stream's tokens do not depend on what shares its steps (the "
                             "default); --no-deterministic: on a GPU, cuBLAS at every row count, "

@@ -81,7 +81,7 @@ class ServeConfig:
     all_reduce: str = "nccl"  # ALL_REDUCES
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     # Graphs of steps with prompt chunks too, in pieces between the attention (GPU, not gloo)
-    mixed_step_graphs: bool = False
+    mixed_step_graphs: bool = True
     prefix_cache: bool = True  # reuse cached KV blocks of equal prefixes (workers/prefix_cache.py)
     # Batch-invariant arithmetic (--no-deterministic: cuBLAS at every row count on a GPU).
     deterministic: bool = True
@@ -220,7 +220,7 @@ class WorkerConfig:
     load_format: str = "auto"
     all_reduce: str = "nccl"  # ALL_REDUCES, checked with the flags by ServeConfig
     enforce_eager: bool = False
-    mixed_step_graphs: bool = False  # workers/mixed_graph.py
+    mixed_step_graphs: bool = True  # workers/mixed_graph.py
     deterministic: bool = True  # False: no matmul plans (matmul_plan.py), cuBLAS at every count
     speculative_ngram: int = 0  # draft tokens per decode (workers/ngram_draft.py); 0: off
     prefix_cache: bool = True

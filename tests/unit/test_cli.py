@@ -172,8 +172,8 @@ def test_load_format_and_enforce_eager():
         "safetensors"
 
 
-def test_mixed_step_graphs_is_off_unless_asked():
-    assert parse_args(["--model", "m"]).mixed_step_graphs is False
+def test_mixed_step_graphs_is_on_unless_refused():
+    assert parse_args(["--model", "m"]).mixed_step_graphs is True
     assert parse_args(["--model", "m", "--mixed-step-graphs"]).mixed_step_graphs is True
     assert parse_args(["--model", "m", "--no-mixed-step-graphs"]).mixed_step_graphs is False
 
