@@ -4,6 +4,8 @@ machine (benchmarks.step_table on the CPU, bench_engine --json-out on a GPU), on
 --runs bursts of scripts/bench.py over the base model and its adapters, and `capacity.py burst
 --check` on each. Prints measured against predicted output tokens/s and TTFT p50 / p99 with the
 ratios, and whether each is within --tolerance (issue 35: throughput and TTFT p50 within 15%).
+A request's fixed cost outside the steps is measured first, on the idle server (one request at a
+time, against the simulation of the same), and added to every predicted TTFT.
 
     python -m benchmarks.check_capacity                  (CPU: SmolLM2 and the demo adapters)
     python -m benchmarks.check_capacity --device cuda    (a GPU: random 8B-shape weights, bf16,
@@ -101,11 +103,13 @@ def daemon_flags(args, adapters: list[Path]) -> list[str]:
     return flags + args.lorad_flag
 
 
-def check(args, table: Path, record: Path, base: str) -> tuple[dict, dict, str]:
+def check(args, table: Path, record: Path, base: str,
+          overhead_ms: float = 0.0) -> tuple[dict, dict, str]:
     """capacity.py burst --check, in this process -> (measured, predicted, its report)."""
     flags = capacity.parse_args(["burst", "--table", str(table), "--check", str(record),
                                  "--base-model", base, "--max-num-seqs", str(args.concurrency),
-                                 "--tolerance", str(args.tolerance)])
+                                 "--tolerance", str(args.tolerance),
+                                 "--overhead-ms", f"{overhead_ms:.3f}"])
     steps = capacity.StepTable.from_file(str(table))
     run = capacity.burst_check(flags, steps)
     report, _ = capacity.burst_report(flags, steps, run)
@@ -136,6 +140,13 @@ def main(argv=None) -> int:
     try:
         ids = served_models(PORT)
         say(f"lorad ready, serving {', '.join(ids)}")
+        # A request's cost outside the steps (HTTP, tokenizer, admission, the first token's way
+        # back), which the step table cannot hold: one request at a time on the idle server,
+        # its TTFT against the simulation of the same requests.
+        idle = work / "idle.json"
+        bench_py(["--url", f"http://127.0.0.1:{PORT}", "--model", ",".join(ids),
+                  "--concurrency", "1", "--requests", str(4 * len(ids)), "--prompt-len",
+                  str(args.prompt_len), "--max-tokens", "2", "--seed", "99"], idle)
         for run in range(args.runs):
             record = work / f"burst{run}.json"
             bench_py(["--url", f"http://127.0.0.1:{PORT}", "--model", ",".join(ids),
@@ -153,9 +164,15 @@ def main(argv=None) -> int:
              f"table {table}; work in {work}", "",
              "| run | " + " | ".join(f"{f}: measured / predicted (ratio)" for f in FIGURES) +
              " |", "|---|" + "---|" * len(FIGURES)]
+    idle_measured, idle_predicted, _ = check(args, table, idle, ids[0])
+    overhead_ms = max(0.0, idle_measured["TTFT p50 (ms)"] - idle_predicted["TTFT p50 (ms)"])
+    lines[2:2] = [f"per-request overhead: {overhead_ms:.1f} ms (one request at a time on the "
+                  f"idle server: TTFT p50 {idle_measured['TTFT p50 (ms)']:.1f} ms measured, "
+                  f"{idle_predicted['TTFT p50 (ms)']:.1f} ms simulated), added to every "
+                  "predicted TTFT"]
     misses = 0
     for run, record in enumerate(records):
-        measured, predicted, report = check(args, table, record, ids[0])
+        measured, predicted, report = check(args, table, record, ids[0], overhead_ms)
         (work / f"check{run}.txt").write_text(report)
         cells = []
         for name in FIGURES:
