@@ -83,7 +83,7 @@ def measure_table(args, adapters: list[Path], out: Path, log: Path) -> None:
                 "--batches", "1,2,4,8,16,32,64", "--eager-batches", "1,8,32",
                 "--prefill", f"1x{args.prompt_len},4x{args.prompt_len}", "--hf-batches", "",
                 "--deterministic", "--json-out", str(out)]
-        if "--mixed-step-graphs" in args.lorad_flag:
+        if "--no-mixed-step-graphs" not in args.lorad_flag:  # as the daemon runs prompt steps
             argv.append("--mixed-step-graphs")
     with open(log, "wb") as f:
         done = subprocess.run([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT,
