@@ -5,7 +5,8 @@ machine (benchmarks.step_table on the CPU, bench_engine --json-out on a GPU), on
 --check` on each. Prints measured against predicted output tokens/s and TTFT p50 / p99 with the
 ratios, and whether each is within --tolerance (issue 35: throughput and TTFT p50 within 15%).
 A request's fixed cost outside the steps is measured first, on the idle server (one request at a
-time, against the simulation of the same), and added to every predicted TTFT.
+time, against the simulation of the same), and added to every predicted TTFT. Beside each burst:
+the daemon's own mean TTFT and step interval (/metrics), against the client's mean TTFT.
 
     python -m benchmarks.check_capacity                  (CPU: SmolLM2 and the demo adapters)
     python -m benchmarks.check_capacity --device cuda    (a GPU: random 8B-shape weights, bf16,
@@ -18,8 +19,10 @@ daemon's log, bench.py's records and capacity.py's reports in --work.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -103,6 +106,37 @@ def daemon_flags(args, adapters: list[Path]) -> list[str]:
     return flags + args.lorad_flag
 
 
+def server_sums(port: int) -> dict[str, float]:
+    """metric_sums of the daemon's /metrics now."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        return metric_sums(response.read().decode())
+
+
+def metric_sums(text: str) -> dict[str, float]:
+    """The sums and counts, over every label, of the daemon's time to first token (arrival to
+    the first token at the coordinator) and step interval (a step plus its transport), from a
+    Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("lorad_time_to_first_token_seconds", "lorad_step_interval_seconds"):
+            for sample in family.samples:
+                if sample.name.endswith(("_sum", "_count")):
+                    sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
+def server_means(before: dict, after: dict) -> str:
+    """What the daemon saw during one burst: its mean TTFT and mean step interval, in ms."""
+    def mean(name: str) -> float:
+        count = after.get(name + "_count", 0) - before.get(name + "_count", 0)
+        total = after.get(name + "_sum", 0) - before.get(name + "_sum", 0)
+        return 1e3 * total / count if count else float("nan")
+    return (f"{mean('lorad_time_to_first_token_seconds'):,.1f} / "
+            f"{mean('lorad_step_interval_seconds'):,.2f}")
+
+
 def check(args, table: Path, record: Path, base: str,
           overhead_ms: float = 0.0) -> tuple[dict, dict, str]:
     """capacity.py burst --check, in this process -> (measured, predicted, its report)."""
@@ -147,13 +181,16 @@ def main(argv=None) -> int:
         bench_py(["--url", f"http://127.0.0.1:{PORT}", "--model", ",".join(ids),
                   "--concurrency", "1", "--requests", str(4 * len(ids)), "--prompt-len",
                   str(args.prompt_len), "--max-tokens", "2", "--seed", "99"], idle)
+        server = []  # per burst: the daemon's own mean TTFT and step interval
         for run in range(args.runs):
             record = work / f"burst{run}.json"
+            before = server_sums(PORT)
             bench_py(["--url", f"http://127.0.0.1:{PORT}", "--model", ",".join(ids),
                       "--concurrency", str(args.concurrency), "--requests", str(args.requests),
                       "--prompt-len", str(args.prompt_len), "--max-tokens",
                       str(args.max_tokens), "--seed", str(run)], record)
             records.append(record)
+            server.append(server_means(before, server_sums(PORT)))
             say(f"burst {run + 1} of {args.runs} done")
     finally:
         stop_lorad(proc)
@@ -163,7 +200,8 @@ def main(argv=None) -> int:
              f"{args.prompt_len} --max-tokens {args.max_tokens} over {len(ids)} model ids; "
              f"table {table}; work in {work}", "",
              "| run | " + " | ".join(f"{f}: measured / predicted (ratio)" for f in FIGURES) +
-             " |", "|---|" + "---|" * len(FIGURES)]
+             " | the daemon's mean TTFT / step interval (ms) | client's mean TTFT (ms) |",
+             "|---|" + "---|" * (len(FIGURES) + 2)]
     idle_measured, idle_predicted, _ = check(args, table, idle, ids[0])
     overhead_ms = max(0.0, idle_measured["TTFT p50 (ms)"] - idle_predicted["TTFT p50 (ms)"])
     lines[2:2] = [f"per-request overhead: {overhead_ms:.1f} ms (one request at a time on the "
@@ -180,6 +218,9 @@ def main(argv=None) -> int:
             cells.append(f"{measured[name]:,.1f} / {predicted[name]:,.1f} ({ratio:.2f})")
             if name in CHECKED and abs(ratio - 1) > args.tolerance:
                 misses += 1
+        ttfts = [r["ttft_ms"] for r in json.loads(record.read_text())["requests"]
+                 if r["ok"] and r["ttft_ms"] is not None]
+        cells += [server[run], f"{sum(ttfts) / len(ttfts):,.1f}"]
         lines.append(f"| {run + 1} | " + " | ".join(cells) + " |")
     lines += ["", f"verdict: {'within' if not misses else 'NOT within'} {args.tolerance:.0%} "
               f"for {' and '.join(CHECKED)} in every run ({misses} figure(s) outside)"]

@@ -277,3 +277,36 @@ def test_check_capacity_reads_capacity_reports(tmp_path):
                         "TTFT p99 (ms)": 1500.0}  # 1,500.0 in the report
     assert predicted["output tokens/s"] == pytest.approx(100.0, rel=0.01)
     assert "| TTFT p50 (ms) | 1,500.0 |" in report
+
+
+def test_check_capacity_adds_the_overhead_and_reads_the_daemons_means(tmp_path):
+    from benchmarks import check_capacity
+
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(flat_table().data))
+    requests = [{"model": m, "ok": True, "error": "", "ttft_ms": 1500.0, "prompt_tokens": 20,
+                 "cached_tokens": None, "output_tokens": 10} for m in ("base", "a")]
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"workload": "independent", "conditions": [], "concurrency": 1,
+                                 "wall_s": 0.2, "models": ["base", "a"], "requests": requests}))
+    args = check_capacity.parse_args(["--device", "cpu", "--concurrency", "1"])
+    _, plain, _ = check_capacity.check(args, path, bench, "base")
+    _, later, _ = check_capacity.check(args, path, bench, "base", overhead_ms=25.0)
+    assert later["TTFT p50 (ms)"] == pytest.approx(plain["TTFT p50 (ms)"] + 25.0)
+    assert later["output tokens/s"] == plain["output tokens/s"]
+
+    def exposition(ttft_sum, ttft_count, step_sum, step_count) -> str:
+        return "\n".join([
+            "# TYPE lorad_time_to_first_token_seconds histogram",
+            f'lorad_time_to_first_token_seconds_count{{model="a"}} {ttft_count - 1}',
+            f'lorad_time_to_first_token_seconds_sum{{model="a"}} {ttft_sum - 0.5}',
+            'lorad_time_to_first_token_seconds_count{model="b"} 1',
+            'lorad_time_to_first_token_seconds_sum{model="b"} 0.5',
+            "# TYPE lorad_step_interval_seconds histogram",
+            f"lorad_step_interval_seconds_count {step_count}",
+            f"lorad_step_interval_seconds_sum {step_sum}", ""])
+
+    before = check_capacity.metric_sums(exposition(1.0, 4, 2.0, 100))
+    after = check_capacity.metric_sums(exposition(1.6, 6, 2.5, 200))
+    assert before["lorad_time_to_first_token_seconds_count"] == 4
+    assert check_capacity.server_means(before, after) == "300.0 / 5.00"  # 0.6 s / 2, 0.5 / 100
