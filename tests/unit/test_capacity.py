@@ -261,9 +261,8 @@ def test_a_level_of_one_decode_step_borrows_the_nearest_intercept():
     assert table.step_ms(8, 0, 4) == 50  # the line through (0, 10) and (4, 30)
 
 
-def test_check_capacity_reads_capacity_reports(tmp_path):
-    from benchmarks import check_capacity
-
+def flat_check_files(tmp_path):
+    """(a flat table's file, a bench.py record of two requests of 10 tokens in 0.2 s)."""
     path = tmp_path / "table.json"
     path.write_text(json.dumps(flat_table().data))
     requests = [{"model": m, "ok": True, "error": "", "ttft_ms": 1500.0, "prompt_tokens": 20,
@@ -271,6 +270,13 @@ def test_check_capacity_reads_capacity_reports(tmp_path):
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"workload": "independent", "conditions": [], "concurrency": 1,
                                  "wall_s": 0.2, "models": ["base", "a"], "requests": requests}))
+    return path, bench
+
+
+def test_check_capacity_reads_capacity_reports(tmp_path):
+    from benchmarks import check_capacity
+
+    path, bench = flat_check_files(tmp_path)
     args = check_capacity.parse_args(["--device", "cpu", "--concurrency", "1"])
     measured, predicted, report = check_capacity.check(args, path, bench, "base")
     assert measured == {"output tokens/s": 100.0, "TTFT p50 (ms)": 1500.0,
@@ -282,13 +288,7 @@ def test_check_capacity_reads_capacity_reports(tmp_path):
 def test_check_capacity_adds_the_overhead_and_reads_the_daemons_means(tmp_path):
     from benchmarks import check_capacity
 
-    path = tmp_path / "table.json"
-    path.write_text(json.dumps(flat_table().data))
-    requests = [{"model": m, "ok": True, "error": "", "ttft_ms": 1500.0, "prompt_tokens": 20,
-                 "cached_tokens": None, "output_tokens": 10} for m in ("base", "a")]
-    bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"workload": "independent", "conditions": [], "concurrency": 1,
-                                 "wall_s": 0.2, "models": ["base", "a"], "requests": requests}))
+    path, bench = flat_check_files(tmp_path)
     args = check_capacity.parse_args(["--device", "cpu", "--concurrency", "1"])
     _, plain, _ = check_capacity.check(args, path, bench, "base")
     _, later, _ = check_capacity.check(args, path, bench, "base", overhead_ms=25.0)
