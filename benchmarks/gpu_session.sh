@@ -15,7 +15,8 @@
 #             experts touched and transformers + peft generate (issue 34's targets, last)
 #   multi     bench_multi_gpu (world 1, 2, 4 over NCCL)
 #   profile   profile_decode;  graph: profile_graph (traces in $OUT/traces);
-#   prefill   profile_prefill (prefill steps' kernels by group, base and LoRA),
+#   prefill   profile_prefill (prefill steps' kernels by group, base and LoRA, with matmul plans;
+#             eager and through the mixed-step graphs),
 #             probe_matmul_rows (which row counts change a row's bits in cuBLAS and the GEMV)
 #             and probe_row_matmul (row_matmul's tiles: bits against the GEMV, speed);
 #   rowmm     probe_row_matmul alone;
@@ -134,7 +135,7 @@ for part in "${parts[@]}"; do
     multi) bench bench-multi-gpu.log 240 bench_multi_gpu --table-out "$OUT/bench-multi-gpu.md" ;;
     profile) bench profile.log 90 profile_decode ;;
     prefill)
-      bench prefill-profile.log 150 profile_prefill
+      bench prefill-profile.log 150 profile_prefill --deterministic --mixed-step-graphs
       bench matmul-rows.log 90 probe_matmul_rows
       bench row-matmul.log 180 probe_row_matmul ;;
     rowmm) bench row-matmul.log 180 probe_row_matmul ;;
