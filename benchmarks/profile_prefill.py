@@ -23,10 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_engine import (BLOCK_SIZE, CUDA, PROMPT_ID_RANGE, build_lorad,
                                      load_adapters, write_adapter)
-from lorad.workers.batch import MIN_ROWS
 from benchmarks.common import REPO, conditions, time_cuda
 from lorad.config import ModelConfig
-from lorad.workers.batch import ForwardBatch
+from lorad.workers.batch import MIN_ROWS, ForwardBatch
 
 GROUPS = (("lora", ("lora", "_shrink", "_expand")), ("attention", ("attention", "prefill")),
           ("matmul", ("gemm", "xmma", "cutlass", "sm90", "gemv", "matmul")))
