@@ -19,7 +19,6 @@ daemon's log, bench.py's records and capacity.py's reports in --work.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import urllib.request
@@ -137,14 +136,15 @@ def server_means(before: dict, after: dict) -> str:
             f"{mean('lorad_step_interval_seconds'):,.2f}")
 
 
-def check(args, table: Path, record: Path, base: str,
-          overhead_ms: float = 0.0) -> tuple[dict, dict, str]:
-    """capacity.py burst --check, in this process -> (measured, predicted, its report)."""
+def check(args, table: Path, record: Path, base: str, overhead_ms: float = 0.0,
+          steps: capacity.StepTable | None = None) -> tuple[dict, dict, str]:
+    """capacity.py burst --check, in this process -> (measured, predicted, its report); steps:
+    the table's contents, read once by a caller that checks several records (None: read)."""
     flags = capacity.parse_args(["burst", "--table", str(table), "--check", str(record),
                                  "--base-model", base, "--max-num-seqs", str(args.concurrency),
                                  "--tolerance", str(args.tolerance),
                                  "--overhead-ms", f"{overhead_ms:.3f}"])
-    steps = capacity.StepTable.from_file(str(table))
+    steps = steps or capacity.StepTable.from_file(str(table))
     run = capacity.burst_check(flags, steps)
     report, _ = capacity.burst_report(flags, steps, run)
     return {name: run["measured"][name] for name in FIGURES}, run["predicted"], report
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         measure_table(args, adapters, table, work / "table.log")
         say(f"step table in {table}")
     proc = start_lorad(daemon_flags(args, adapters), PORT, work / "lorad.log")
-    records = []
+    records, client_ttft = [], []  # per burst: its bench.py record, the client's mean TTFT
     try:
         ids = served_models(PORT)
         say(f"lorad ready, serving {', '.join(ids)}")
@@ -185,32 +185,36 @@ def main(argv=None) -> int:
         for run in range(args.runs):
             record = work / f"burst{run}.json"
             before = server_sums(PORT)
-            bench_py(["--url", f"http://127.0.0.1:{PORT}", "--model", ",".join(ids),
-                      "--concurrency", str(args.concurrency), "--requests", str(args.requests),
-                      "--prompt-len", str(args.prompt_len), "--max-tokens",
-                      str(args.max_tokens), "--seed", str(run)], record)
+            done = bench_py(["--url", f"http://127.0.0.1:{PORT}", "--model", ",".join(ids),
+                             "--concurrency", str(args.concurrency), "--requests",
+                             str(args.requests), "--prompt-len", str(args.prompt_len),
+                             "--max-tokens", str(args.max_tokens), "--seed", str(run)], record)
+            ttfts = [r["ttft_ms"] for r in done["requests"]
+                     if r["ok"] and r["ttft_ms"] is not None]
+            client_ttft.append(sum(ttfts) / len(ttfts))
             records.append(record)
             server.append(server_means(before, server_sums(PORT)))
             say(f"burst {run + 1} of {args.runs} done")
     finally:
         stop_lorad(proc)
+    steps = capacity.StepTable.from_file(str(table))
+    idle_measured, idle_predicted, _ = check(args, table, idle, ids[0], steps=steps)
+    overhead_ms = max(0.0, idle_measured["TTFT p50 (ms)"] - idle_predicted["TTFT p50 (ms)"])
     lines = [f"{conditions(args.device if args.device == 'cuda' else None)}",
              f"model {args.model} ({args.device}) with {len(adapters)} adapter(s); bench.py "
              f"--concurrency {args.concurrency} --requests {args.requests} --prompt-len "
              f"{args.prompt_len} --max-tokens {args.max_tokens} over {len(ids)} model ids; "
-             f"table {table}; work in {work}", "",
+             f"table {table}; work in {work}",
+             f"per-request overhead: {overhead_ms:.1f} ms (one request at a time on the idle "
+             f"server: TTFT p50 {idle_measured['TTFT p50 (ms)']:.1f} ms measured, "
+             f"{idle_predicted['TTFT p50 (ms)']:.1f} ms simulated), added to every predicted "
+             "TTFT", "",
              "| run | " + " | ".join(f"{f}: measured / predicted (ratio)" for f in FIGURES) +
              " | the daemon's mean TTFT / step interval (ms) | client's mean TTFT (ms) |",
              "|---|" + "---|" * (len(FIGURES) + 2)]
-    idle_measured, idle_predicted, _ = check(args, table, idle, ids[0])
-    overhead_ms = max(0.0, idle_measured["TTFT p50 (ms)"] - idle_predicted["TTFT p50 (ms)"])
-    lines[2:2] = [f"per-request overhead: {overhead_ms:.1f} ms (one request at a time on the "
-                  f"idle server: TTFT p50 {idle_measured['TTFT p50 (ms)']:.1f} ms measured, "
-                  f"{idle_predicted['TTFT p50 (ms)']:.1f} ms simulated), added to every "
-                  "predicted TTFT"]
     misses = 0
     for run, record in enumerate(records):
-        measured, predicted, report = check(args, table, record, ids[0], overhead_ms)
+        measured, predicted, report = check(args, table, record, ids[0], overhead_ms, steps)
         (work / f"check{run}.txt").write_text(report)
         cells = []
         for name in FIGURES:
@@ -218,9 +222,7 @@ def main(argv=None) -> int:
             cells.append(f"{measured[name]:,.1f} / {predicted[name]:,.1f} ({ratio:.2f})")
             if name in CHECKED and abs(ratio - 1) > args.tolerance:
                 misses += 1
-        ttfts = [r["ttft_ms"] for r in json.loads(record.read_text())["requests"]
-                 if r["ok"] and r["ttft_ms"] is not None]
-        cells += [server[run], f"{sum(ttfts) / len(ttfts):,.1f}"]
+        cells += [server[run], f"{client_ttft[run]:,.1f}"]
         lines.append(f"| {run + 1} | " + " | ".join(cells) + " |")
     lines += ["", f"verdict: {'within' if not misses else 'NOT within'} {args.tolerance:.0%} "
               f"for {' and '.join(CHECKED)} in every run ({misses} figure(s) outside)"]

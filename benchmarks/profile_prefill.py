@@ -76,9 +76,7 @@ def main() -> int:
                    help="also time each case through the piecewise graphs of steps with prompt "
                         "chunks (workers/mixed_graph.py), as lorad --mixed-step-graphs runs it")
     p.add_argument("--deterministic", action="store_true",
-                   help="measure matmul plans first, as lorad's default --deterministic does "
-                        "(row_matmul at the row counts where cuBLAS gives other bits); without "
-                        "it cuBLAS at every count, as --no-deterministic")
+                   help="matmul plans first, as bench_engine --deterministic (lorad's default)")
     args = p.parse_args()
     print(conditions(CUDA))
     config = ModelConfig.from_dir(args.config)

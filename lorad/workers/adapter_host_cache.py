@@ -170,9 +170,9 @@ class HostCache:
 
     def fill(self, slot: int, spec: AdapterSpec, host_slot: int) -> None:
         """Copy a host slot's adapter into device slot `slot` with the modules' ranks and
-        scales; the tables it does not edit get rank 0 (what fill_tables gives, in a handful of torch calls: the
-        factors at full rank, zeros past the rank included). Asynchronous on CUDA: the caller
-        synchronizes its stream."""
+        scales; the tables it does not edit get rank 0 (what fill_tables gives, in a handful of
+        torch calls: the factors at full rank, zeros past the rank included). Asynchronous on
+        CUDA: the caller synchronizes its stream."""
         views = self._device.get(slot)
         if views is None:
             views = self._device[slot] = {

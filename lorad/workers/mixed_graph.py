@@ -30,7 +30,7 @@ import time
 import torch
 
 from lorad.workers.attention import AttentionContext
-from lorad.workers.batch import MIN_ROWS, ForwardBatch, SeqChunk
+from lorad.workers.batch import MIN_ROWS, ForwardBatch
 from lorad.workers.cuda_graph import NUM_WARMUP, ROW_FIELDS, Chunk, SegmentedGraph, _TileBuffers
 
 log = logging.getLogger("lorad.worker")
@@ -90,12 +90,12 @@ class MixedInputs:
         self._tiles = _TileBuffers(max_rows, lora_block_m, device, pin) if lora_block_m else None
         self._copied: torch.cuda.Event | None = None  # after the last tile copy
 
-    def batch(self, bucket: int, seqs: list[SeqChunk], like: ForwardBatch) -> ForwardBatch:
-        """Bucket `bucket`'s view of the buffers, with `like`'s per-sequence facts (which only
-        eager code reads: the attention context is built from them)."""
+    def batch(self, bucket: int, like: ForwardBatch) -> ForwardBatch:
+        """Bucket `bucket`'s view of the buffers, with `like`'s sequences and per-sequence facts
+        (which only eager code reads: the attention context is built from them)."""
         ids, positions, slots, adapters = (self.rows[i, :bucket] for i in range(len(ROW_FIELDS)))
         tiles = None if self._tiles is None else self._tiles.views(bucket)
-        return ForwardBatch(ids, positions, slots, adapters, seqs, like.sample_rows,
+        return ForwardBatch(ids, positions, slots, adapters, like.seqs, like.sample_rows,
                             like.num_tokens, like.block_tables, like.context_lens,
                             like.query_starts, tiles, self.strengths[:bucket])
 
@@ -149,7 +149,8 @@ class MixedGraphs:
         return next((b for b in self.buckets if b >= num_rows), None)
 
     def can_run(self, chunks: list[Chunk]) -> bool:
-        """Whether a step (not a decode step: those take the decode graphs) fits a bucket."""
+        """Whether a step fits a bucket (the engine gives decode steps to the decode graphs
+        first)."""
         return bool(chunks) and sum(len(chunk[0]) for chunk in chunks) <= self.buckets[-1]
 
     @torch.inference_mode()
@@ -194,7 +195,6 @@ class MixedGraphs:
                 with torch.cuda.stream(stream):
                     for _ in range(NUM_WARMUP):
                         model.final_hidden(batch, with_lora, ctx)
-                    graph.live = ctx
                     for attn in attention:
                         attn.breaker = graph
                     graph.begin()
@@ -204,7 +204,6 @@ class MixedGraphs:
                         graph.end()  # never leave the stream capturing, even after a failure
                         for attn in attention:
                             attn.breaker = None
-                        graph.live = None
                 torch.cuda.current_stream().wait_stream(stream)
             except RuntimeError as exc:
                 raise RuntimeError(f"capturing the CUDA graphs of steps of {bucket} rows with "
@@ -225,4 +224,4 @@ class MixedGraphs:
         slot = 1 if with_lora else 0
         chunk = ([0] * bucket, 0, [0] * -(-bucket // self.block_size), True, slot)
         like = ForwardBatch.build([chunk], self.block_size, self.model.device, min_rows=bucket)
-        return self.inputs.batch(bucket, like.seqs, like)
+        return self.inputs.batch(bucket, like)

@@ -39,7 +39,7 @@ def test_static_inputs_hold_the_step_padded_and_its_tiles():
                                    min_rows=16), with_lora=True)
     live = ForwardBatch.build(chunks, BLOCK_SIZE, min_rows=8)
     inputs.fill(live, with_lora=True)
-    batch = inputs.batch(8, live.seqs, live)
+    batch = inputs.batch(8, live)
     for name in ("input_ids", "positions", "slot_mapping", "row_adapter_slots", "row_strengths"):
         assert torch.equal(getattr(batch, name), getattr(live, name)), name
     assert batch.slot_mapping.tolist()[6:] == [-1, -1]
