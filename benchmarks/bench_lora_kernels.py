@@ -12,7 +12,8 @@ adapter rows, the shrink's per-chunk partial sums t written and read once. Needs
 triton; prints the conditions with the table.
 
 --per-kernel also times each projection's shrink and expand on their own (a graph of that one
-kernel over every layer), against the bytes that kernel alone must read.
+kernel over every layer), against the bytes that kernel alone must read, and the expand adding
+in place into bf16 outputs ("into") beside the fp32 deltas the model's consumers add.
 
 Usage: python -m benchmarks.bench_lora_kernels [--layers 32] [--batches 1,8,32,64,128] [--sweep]
        [--sweep-batches 1,32,128] [--sweep-kernels shrink,expand] [--programs-per-sm 4,8,32]
@@ -130,7 +131,8 @@ def bench_per_kernel(layers, ranks, scales, batches) -> None:
     """Each projection's shrink and expand on their own: a graph of that kernel over every
     layer, the model's configs (None: each kernel's choice for the step's rows), exact tiles;
     GB/s = the factor bytes of the batch's distinct adapters (A for the shrink, B for the
-    expand) and t, x or out, over the graph's time."""
+    expand) and t, x or out, over the graph's time; "into": the expand adding in place into bf16
+    outputs (read and written) instead of writing fp32 deltas."""
     print(f"{'batch':>5} {'mixture':>9} {'group':>7} {'kernel':>6} {'us/layer':>9} "
           f"{'GB/s':>7} {'MB/layer':>9}")
     device = ranks.device
@@ -160,13 +162,24 @@ def bench_per_kernel(layers, ranks, scales, batches) -> None:
                         expand.lora_expand(t, [o[:num_rows] for o in g.outs], g.b, [ranks] * n,
                                            [scales] * n, tiles, deltas=True, pdl_rows=PDL_ROWS)
 
+                bf16_outs = [[torch.zeros(num_rows, o.shape[1], dtype=torch.bfloat16,
+                                          device=device) for o in layer[name].outs]
+                             for layer in layers]
+
+                def run_expand_into() -> None:
+                    for layer, t, outs in zip(layers, ts, bf16_outs):
+                        expand.lora_expand(t, outs, layer[name].b, [ranks] * n, [scales] * n,
+                                           tiles, pdl_rows=PDL_ROWS)
+
                 t_bytes = n * num_rows * chunks * RANK * 4
                 shrink_mb = (distinct * RANK * num_in * n * itemsize + num_rows * num_in * 2
                              + t_bytes) / 1e6
                 expand_mb = (distinct * RANK * sum(num_outs) * itemsize + t_bytes
                              + num_rows * sum(num_outs) * 4) / 1e6
+                into_mb = expand_mb + num_rows * sum(num_outs) * (2 * 2 - 4) / 1e6
                 for kernel, fn, mb in (("shrink", run_shrink, shrink_mb),
-                                       ("expand", run_expand, expand_mb)):
+                                       ("expand", run_expand, expand_mb),
+                                       ("into", run_expand_into, into_mb)):
                     seconds = time_graph(fn) / len(layers)
                     print(f"{num_rows:>5} {mixture:>9} {name:>7} {kernel:>6} "
                           f"{seconds * 1e6:>9.2f} {mb / 1e3 / seconds:>7.0f} "
@@ -189,7 +202,8 @@ SWEEP_SHRINK = [shrink.ShrinkConfig(16, 128, 512, 2, 4), shrink.ShrinkConfig(16,
                 shrink.ShrinkConfig(16, 128, 1024, 2, 4)]
 SWEEP_EXPAND = [expand.ExpandConfig(128, 4, 4), expand.ExpandConfig(128, 4, 6),
                 expand.ExpandConfig(256, 4, 3), expand.ExpandConfig(256, 4, 4),
-                expand.ExpandConfig(64, 2, 6), expand.ExpandConfig(512, 8, 3)]
+                expand.ExpandConfig(64, 2, 6), expand.ExpandConfig(512, 8, 3),
+                expand.ExpandConfig(256, 8, 3), expand.ExpandConfig(128, 8, 3)]
 
 
 def main() -> int:

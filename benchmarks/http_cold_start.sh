@@ -71,13 +71,17 @@ print(json.load(u.urlopen('$url/v1/models'))['data'][0]['id'])")
   }
   targets=("$base_id")
   (( num_adapters > 0 )) && targets+=("$model_ids")
+  # Each run its own --seed: bench.py's prompts of one seed share their first tokens across
+  # lengths, and the adapters here are one file (one identity key), so another run's prompts
+  # would hit the prefix cache.
+  seed=100
   for ids in "${targets[@]}"; do
     tag=$([[ $ids == "$base_id" ]] && echo base || echo adapters)
     run "prefill-burst-$tag" --model "$ids" --concurrency 32 --requests 32 --warmup 2 \
-      --prompt-len 1024 --max-tokens 64
+      --prompt-len 1024 --max-tokens 64 --seed $((seed += 1))
     for len in 512 2048; do
       run "prompt-$len-$tag" --model "${ids%%,*}" --concurrency 1 --requests 4 --warmup 1 \
-        --prompt-len "$len" --max-tokens 1
+        --prompt-len "$len" --max-tokens 1 --seed $((seed += 1))
     done
   done
 fi

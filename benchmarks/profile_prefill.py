@@ -12,6 +12,7 @@ Each case also reports the host's time to queue the step and its busiest host op
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -22,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_engine import (BLOCK_SIZE, CUDA, PROMPT_ID_RANGE, build_lorad,
-                                     load_adapters, write_adapter)
+                                     load_adapters, tuning_variants, write_adapter)
 from benchmarks.common import REPO, conditions, time_cuda
 from lorad.config import ModelConfig
 from lorad.workers.batch import MIN_ROWS, ForwardBatch
@@ -75,6 +76,11 @@ def main() -> int:
     p.add_argument("--mixed-step-graphs", action="store_true",
                    help="also time each case through the piecewise graphs of steps with prompt "
                         "chunks (workers/mixed_graph.py), as lorad --mixed-step-graphs runs it")
+    p.add_argument("--variant", default="",
+                   help="';'-separated variants of lorad's Tuning (bench_engine --variant's "
+                        "syntax, e.g. 'expand.in_place_rows=0;main'): each case's step timed "
+                        "again on each, eagerly and (with --mixed-step-graphs) in pieces "
+                        "captured again, in a table last")
     p.add_argument("--deterministic", action="store_true",
                    help="matmul plans first, as bench_engine --deterministic (lorad's default)")
     args = p.parse_args()
@@ -140,6 +146,28 @@ def main() -> int:
         graphs = " | ".join(f"{x * 1e3:.2f}" for x in pieces) if pieces else " | "
         print(f"| {case} | {step_ms:.2f} | {host_ms:.2f} | {kernel_ms:.2f} | {cells} | "
               f"{graphs} |")
+    variants = tuning_variants(args.variant)
+    if variants:
+        print("\n| case | variant | step ms | pieces: step ms |\n|---|---|---|---|")
+    for variant, tuning in variants:
+        model.tune(tuning)
+        if mixed is not None:
+            # The old graphs freed now: a collection during the next capture would destroy
+            # them there, which invalidates the capture.
+            del mixed
+            gc.collect()
+            torch.cuda.empty_cache()
+            from lorad.workers.mixed_graph import MixedGraphs
+            mixed = MixedGraphs(model, most_seqs * most_tokens, BLOCK_SIZE, 64)
+            mixed.capture()
+        for case in cases:
+            chunks = prefill_chunks(case, blocks_per_seq)
+            batch = ForwardBatch.build(chunks, BLOCK_SIZE, CUDA)
+            with torch.inference_mode():
+                seconds = time_cuda(lambda: model.forward(batch), 3, warmup=1)
+            pieces = (f"{time_cuda(lambda: mixed.run(chunks), 5, warmup=2) * 1e3:.2f}"
+                      if mixed is not None else "")
+            print(f"| {case} | {variant} | {seconds * 1e3:.2f} | {pieces} |", flush=True)
     return 0
 
 

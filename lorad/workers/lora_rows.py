@@ -43,6 +43,10 @@ class LoraRows:
     shrink: ShrinkConfig = ShrinkConfig()
     expand: ExpandSteps = ExpandSteps()
     pdl_rows: int = 0
+    # Kernel path: the step adds its deltas into the base outputs in place after each matmul
+    # rather than leaving fp32 deltas to the next kernel (ExpandSteps.in_place: prompt steps of
+    # many rows); the bits are the same either way.
+    in_place: bool = False
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch, launch_always: bool = False,
@@ -72,8 +76,10 @@ class LoraRows:
             if row_strengths is None:
                 row_strengths = torch.ones(batch.row_adapter_slots.shape[0], dtype=torch.float32,
                                            device=device)
+            in_place = tuning.expand.in_place(batch.row_adapter_slots.shape[0],
+                                              prompt=not batch.is_decode)
             return cls(slots, [], tiles, launch_always, batch.row_adapter_slots, row_strengths,
-                       tuning.shrink, tuning.expand, pdl_rows)
+                       tuning.shrink, tuning.expand, pdl_rows, tiles is not None and in_place)
         if launch_always:
             raise ValueError("launch_always is for the kernel path (CUDA graphs)")
         return cls(slots, [(slot, torch.tensor(rows[slot], dtype=torch.int64, device=device),

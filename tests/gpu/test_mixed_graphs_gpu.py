@@ -1,16 +1,22 @@
 """Piecewise CUDA graphs of steps with prompt chunks (workers/mixed_graph.py) on a tiny random bf16
 model with three adapters: every step, prompt chunks of mixed lengths beside decodes and with
 base-only rows, gives the logits and KV of the same step run eagerly, bit for bit (matmul plans
-measured first, as the engine does, so the bucket's padding rows change no row's bits).
+measured first, as the engine does, so the bucket's padding rows change no row's bits); and
+the deltas added in place after the matmul (a step of prompt-chunk size, LoraRows.in_place) give
+the bits of the fp32 deltas that the next kernels add.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from lorad.workers.batch import ForwardBatch
+from lorad.workers.kernels.configs import ExpandSteps
 from lorad.workers.mixed_graph import MixedGraphs
+from lorad.workers.tuning import Tuning
 from tests.model_steps import build_model, kv_of, make_streams
 from tests.tiny_adapters import make_peft_adapter
 from tests.tiny_models import make_tiny_llama
@@ -68,3 +74,32 @@ def test_a_replayed_step_gives_the_eager_steps_bits(tmp_path):
                         kv_of(eager, b.blocks, b.num_cached)):
             assert torch.equal(x, y), "the replayed steps wrote other KV"
     assert ran == 6 and graphs.captured
+
+
+def _in_place_rows(rows: int) -> Tuning:
+    return dataclasses.replace(Tuning(), expand=ExpandSteps(in_place_rows=rows))
+
+
+def test_deltas_added_in_place_give_the_deltas_bits(tmp_path):
+    """Every step with prompt chunks adding its LoRA deltas into the base outputs in place
+    (in_place_rows 1), eagerly and replayed, against the same steps with fp32 deltas left to the
+    consumer kernels (in_place_rows 0): the same logits and KV, bit for bit."""
+    in_place, deltas = _model(tmp_path / "p"), _model(tmp_path / "d")
+    in_place.tune(_in_place_rows(1))
+    deltas.tune(_in_place_rows(0))
+    graphs = MixedGraphs(in_place, MAX_ROWS, BLOCK_SIZE, num_adapters=3)
+    graphs.capture()
+    slots = [1, 2, 3, 0, 0, 2]
+    lens = [29, 9, 17, 12, 70, 45]
+    streams = make_streams(slots, lens, MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=5)
+    twins = make_streams(slots, lens, MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=5)
+    for i, (step, twin) in enumerate(zip(_steps(streams), _steps(twins))):
+        want = deltas.forward(ForwardBatch.build(twin, BLOCK_SIZE, CUDA))
+        # Odd steps replayed, even ones eager: both in place.
+        got = (graphs.run(step) if i % 2 else
+               in_place.forward(ForwardBatch.build(step, BLOCK_SIZE, CUDA)))
+        assert torch.equal(got, want), f"step {i}: in place gave other logits than the deltas"
+    for a, b in zip(streams, twins):
+        for x, y in zip(kv_of(in_place, a.blocks, a.num_cached),
+                        kv_of(deltas, b.blocks, b.num_cached)):
+            assert torch.equal(x, y), "in place wrote other KV than the deltas"

@@ -97,3 +97,29 @@ def test_a_step_captured_without_tiles_builds_them_on_the_device(monkeypatch):
     monkeypatch.setattr(LoraTiles, "from_host", no_host_copy)
     inside = lora_rows.step_tiles(batch, outside.max_tiles, Tuning(), capturing=True)
     _assert_same_tiles(inside, outside)
+
+
+def test_prompt_steps_of_many_rows_add_their_deltas_in_place():
+    """ExpandSteps.in_place_rows: a step with prompt chunks of at least that many rows adds its
+    deltas in place; decode steps of any size, smaller prompt steps, 0 and the torch path do
+    not."""
+    import dataclasses
+
+    from lorad.workers import lora_rows
+    from lorad.workers.batch import ForwardBatch
+    from lorad.workers.kernels.configs import ExpandSteps
+    from lorad.workers.tuning import Tuning
+
+    def in_place(chunks, rows: int, use_kernels: bool = True) -> bool:
+        tuning = dataclasses.replace(Tuning(), expand=ExpandSteps(in_place_rows=rows))
+        return lora_rows.LoraRows.from_batch(ForwardBatch.build(chunks, 4, "cpu"),
+                                             use_kernels=use_kernels, tuning=tuning).in_place
+
+    prompt = [(list(range(5, 45)), 0, list(range(10)), True, 1), ([7], 9, [20, 21, 22], True, 0)]
+    decodes = [([7], 9, [20, 21, 22], True, 1 + i % 3) for i in range(48)]
+    rows = ForwardBatch.build(prompt, 4, "cpu").row_adapter_slots.shape[0]  # 41 and padding
+    assert in_place(prompt, rows) and in_place(prompt, 1)
+    assert not in_place(prompt, rows + 1) and not in_place(prompt, 0)
+    assert not in_place(decodes, 1)
+    assert not in_place(prompt, 1, use_kernels=False)
+    assert ExpandSteps().in_place_rows > 0
