@@ -129,7 +129,8 @@ class ExpandSteps:
     # to add: the same bits (LoraDelta is defined as the in-place add), half the bytes, and the
     # consumers' plain kernels (silu * up reading two fp32 deltas took 36.9 vs 12.4 us a layer
     # at 512 rows), where the side stream's overlap buys little since the matmul fills the
-    # GPU. Decode steps keep the deltas beside the matmul at any batch. 0: never.
+    # GPU (docs/performance-log.md: LoRA deltas in place in prompt steps). Decode steps keep the
+    # deltas beside the matmul at any batch. 0: never.
     in_place_rows: int = 256
 
     def config(self, num_rows: int) -> ExpandConfig:
