@@ -217,6 +217,7 @@ async def main_async(args: argparse.Namespace) -> int:
         text, measured = report(args, outcomes, wall_s), [({}, o) for o in outcomes]
     print(text)
     if args.json:
+        start = min((o.sent_at for _, o in measured), default=0.0)
         try:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump({"workload": args.workload,
@@ -224,7 +225,8 @@ async def main_async(args: argparse.Namespace) -> int:
                            "shared_prompt_tokens": run.num_shared_tokens if run else None,
                            "concurrency": args.concurrency, "models": args.picker.models,
                            "wall_s": wall_s,  # the measured requests' burst (independent)
-                           "requests": [record(o, **labels) for labels, o in measured]},
+                           "requests": [record(o, start, **labels)
+                                        for labels, o in measured]},
                           f, indent=1)
         except OSError as exc:
             print(f"bench: --json {args.json}: cannot write it: {exc}", file=sys.stderr)

@@ -23,6 +23,8 @@ class Outcome:
     num_text_chunks: int = 0
     usage_per_chunk: bool = False  # the server counted the tokens on every chunk
     text: str = ""  # the answer (chat-turns appends it to the conversation)
+    sent_at: float = 0.0  # time.perf_counter() when the request was sent
+    done_at: float = 0.0  # and when its stream ended (or failed)
 
 
 class TokenClock:

@@ -28,7 +28,8 @@ def request_fields(args: argparse.Namespace, model: str, seed: int) -> dict:
 
 async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> Outcome:
     outcome = Outcome(body["model"])
-    clock = TokenClock(outcome, time.perf_counter())
+    outcome.sent_at = time.perf_counter()
+    clock = TokenClock(outcome, outcome.sent_at)
     try:
         async with session.post(url, json=body) as response:
             if response.status != 200:
@@ -52,6 +53,7 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> Outcom
                     read_usage(outcome, chunk["usage"])
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"[:200]
+    outcome.done_at = time.perf_counter()
     if outcome.ok and not outcome.num_output_tokens:
         outcome.num_output_tokens = clock.num_tokens  # the server sent no usage at all
     return outcome

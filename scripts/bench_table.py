@@ -75,9 +75,11 @@ def conditions(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def record(outcome: Outcome, **labels: int) -> dict:
-    """One measured request for --json; labels say which (conversation, turn, request)."""
+def record(outcome: Outcome, start: float, **labels: int) -> dict:
+    """One measured request for --json; labels say which (conversation, turn, request); start:
+    the perf_counter() its sent_s and done_s count from (the first measured request's send)."""
     return {**labels, "model": outcome.model, "ok": outcome.ok, "error": outcome.error,
+            "sent_s": outcome.sent_at - start, "done_s": outcome.done_at - start,
             "ttft_ms": None if outcome.ttft_s is None else outcome.ttft_s * 1000,
             "prompt_tokens": outcome.num_prompt_tokens,
             "cached_tokens": outcome.num_cached_tokens if outcome.cached_reported else None,

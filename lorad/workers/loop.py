@@ -126,12 +126,15 @@ class WorkerLoop:
         """Steps 2-6 of one round; True at the agreed Shutdown."""
         # 2. apply the messages agreed last step, then agree on the live set that this step runs
         # and on which messages the next step applies. Applying first means whatever an admission
-        # did on each rank (a refused adapter, say) is compared before the model runs on it.
-        if self._apply_messages(self._agreed_watermark):
+        # did on each rank (a refused adapter, say) is compared before the model runs on it. A
+        # lone rank has no one to agree with: it applies everything it has received, so that an
+        # admission's prefill runs in the step after its arrival rather than the one after that
+        # (a whole step of time to first token: ~20 ms under load on an H100, docs/capacity.md).
+        lone = self.engine.tp.world_size == 1
+        if self._apply_messages(self.inbox.watermark if lone else self._agreed_watermark):
             return True
-        # A lone rank has no one to disagree with: no digest to compute.
         digest = (live_digest(self.planner.live(), self.adapter_jobs.registry_text())
-                  if self.engine.tp.world_size > 1 else 0)
+                  if not lone else 0)  # no digest to compute
         spill = self.spill
         agreed = agree_step(self.engine.tp, self.inbox.watermark, digest,
                             spill.num_finished if spill else 0, self._spill_read_failures,

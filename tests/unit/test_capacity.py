@@ -279,10 +279,32 @@ def test_check_capacity_reads_capacity_reports(tmp_path):
     path, bench = flat_check_files(tmp_path)
     args = check_capacity.parse_args(["--device", "cpu", "--concurrency", "1"])
     measured, predicted, report = check_capacity.check(args, path, bench, "base")
+    # A record without send times (bench.py's before 2026-12-06) has no waves.
     assert measured == {"output tokens/s": 100.0, "TTFT p50 (ms)": 1500.0,
-                        "TTFT p99 (ms)": 1500.0}  # 1,500.0 in the report
+                        "TTFT p99 (ms)": 1500.0, "TTFT p50, first wave (ms)": None,
+                        "TTFT p50, after it (ms)": None}  # 1,500.0 in the report
     assert predicted["output tokens/s"] == pytest.approx(100.0, rel=0.01)
     assert "| TTFT p50 (ms) | 1,500.0 |" in report
+    assert "first wave" not in report
+
+
+def test_the_check_splits_ttft_into_the_first_wave_and_after_it(tmp_path):
+    """With send times, the first --concurrency requests sent (at once) and the rest: measured
+    from the record by send time, predicted from the simulation's order."""
+    from benchmarks import check_capacity
+
+    path, bench = flat_check_files(tmp_path)
+    record = json.loads(bench.read_text())
+    for sent, ttft, r in zip((0.1, 0.0), (500.0, 1500.0), record["requests"]):
+        r.update(sent_s=sent, done_s=sent + 0.1, ttft_ms=ttft)
+    bench.write_text(json.dumps(record))
+    args = check_capacity.parse_args(["--device", "cpu", "--concurrency", "1"])
+    measured, predicted, report = check_capacity.check(args, path, bench, "base")
+    assert measured["TTFT p50, first wave (ms)"] == 1500.0
+    assert measured["TTFT p50, after it (ms)"] == 500.0
+    assert predicted["TTFT p50, first wave (ms)"] > 0
+    assert predicted["TTFT p50, after it (ms)"] > 0
+    assert "| TTFT p50, first wave (ms) | 1,500.0 |" in report
 
 
 def test_check_capacity_adds_the_overhead_and_reads_the_daemons_means(tmp_path):
