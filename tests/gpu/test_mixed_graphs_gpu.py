@@ -53,14 +53,18 @@ def _steps(streams):
     return [[list(chunk) for chunk in step] for step in steps]
 
 
+def _twin_streams(seed: int):
+    """Two identical sets of six streams (adapter slots 1, 2, 3, none, none, 2), one per model."""
+    slots, lens = [1, 2, 3, 0, 0, 2], [29, 9, 17, 12, 70, 45]
+    return tuple(make_streams(slots, lens, MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=seed)
+                 for _ in range(2))
+
+
 def test_a_replayed_step_gives_the_eager_steps_bits(tmp_path):
     graphed, eager = _model(tmp_path / "g"), _model(tmp_path / "e")
     graphs = MixedGraphs(graphed, MAX_ROWS, BLOCK_SIZE, num_adapters=3)
     graphs.capture()
-    slots = [1, 2, 3, 0, 0, 2]
-    lens = [29, 9, 17, 12, 70, 45]
-    streams = make_streams(slots, lens, MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=3)
-    twins = make_streams(slots, lens, MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=3)
+    streams, twins = _twin_streams(seed=3)
     ran = 0
     for step, twin in zip(_steps(streams), _steps(twins)):
         assert graphs.can_run(step)
@@ -89,10 +93,7 @@ def test_deltas_added_in_place_give_the_deltas_bits(tmp_path):
     deltas.tune(_in_place_rows(0))
     graphs = MixedGraphs(in_place, MAX_ROWS, BLOCK_SIZE, num_adapters=3)
     graphs.capture()
-    slots = [1, 2, 3, 0, 0, 2]
-    lens = [29, 9, 17, 12, 70, 45]
-    streams = make_streams(slots, lens, MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=5)
-    twins = make_streams(slots, lens, MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=5)
+    streams, twins = _twin_streams(seed=5)
     for i, (step, twin) in enumerate(zip(_steps(streams), _steps(twins))):
         want = deltas.forward(ForwardBatch.build(twin, BLOCK_SIZE, CUDA))
         # Odd steps replayed, even ones eager: both in place.
