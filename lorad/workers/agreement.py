@@ -1,8 +1,8 @@
 """Step agreement: what keeps every rank's live set identical (shared/DESIGN.md, "Step agreement").
 
 The inbox buffers coordinator messages by `seq`; each step the ranks all-gather (watermark,
-live-set digest) as one int64 tensor on the gloo cpu group and apply messages up to the minimum
-watermark. At start they all-gather the registry digest, then, if the adapters differ, one digest
+live-set digest) as one int64 tensor on the gloo cpu group, apply messages up to the minimum
+watermark and, when they applied any, all-gather their digests again before the model runs. At start they all-gather the registry digest, then, if the adapters differ, one digest
 per adapter so the refusal names it. Tensor collectives only, never object collectives (they
 pickle); at world size 1 no torch.distributed call is made at all.
 """
@@ -54,6 +54,11 @@ class Inbox:
         while self.watermark + 1 in self._pending:
             self.watermark += 1
         return True
+
+    @property
+    def applied(self) -> int:
+        """The highest seq handed out by take_upto."""
+        return self._taken
 
     def take_upto(self, seq: int) -> list:
         """Remove and return the messages numbered `_taken+1 .. seq`, in order."""
@@ -208,6 +213,13 @@ def agree_step(tp: CpuGroup, watermark: int, digest: int, spill_finished: int = 
     return StepAgreement(min(row[0] for row in rows), len(set(digests)) == 1, digests,
                          min(row[2] for row in rows), failures, settled,
                          settled + 1 if failed_ranks else 0, failed_ranks)
+
+
+def compare_digests(tp: CpuGroup, agreed: StepAgreement, digest: int) -> StepAgreement:
+    """`agreed` with each rank's live-set digest gathered again (after the messages it agreed on
+    were applied in the same step): a second, smaller all-gather."""
+    digests = [row[0] for row in all_gather_int64(tp, [digest])]
+    return dataclasses.replace(agreed, digests_agree=len(set(digests)) == 1, digests=digests)
 
 
 def check_registry(tp: CpuGroup, registry: RegistryDigest) -> str | None:

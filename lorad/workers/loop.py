@@ -23,7 +23,8 @@ from lorad.protocol import (
 from lorad.protocol.messages import SeqOutput, choice_ids
 from lorad.workers.adapter_jobs import AdapterJobs
 from lorad.workers.adapter_slots import AdapterSlots
-from lorad.workers.agreement import Inbox, StepAgreement, agree_step, broadcast_ids, live_digest
+from lorad.workers.agreement import (Inbox, StepAgreement, agree_step, broadcast_ids,
+                                     compare_digests, live_digest)
 from lorad.workers.block_manager import BlockManager
 from lorad.workers.cpu_threads import MIN_ROWS
 from lorad.workers.engine import Engine
@@ -85,7 +86,6 @@ class WorkerLoop:
         self._step_logprobs: dict = {}  # request id -> TokenLogprobs of this step (leader)
         self._step_prompt: dict = {}  # request id -> echo's TokenLogprobs of this step (leader)
         self.inbox = Inbox()
-        self._agreed_watermark = 0  # apply messages up to here at the next step
         self._parent_pid = os.getppid()
         self._ready_sent = False
         # (running, waiting, free blocks) as the last StepResult said, or as the start is
@@ -124,22 +124,24 @@ class WorkerLoop:
 
     def _step(self) -> bool:
         """Steps 2-6 of one round; True at the agreed Shutdown."""
-        # 2. apply the messages agreed last step, then agree on the live set that this step runs
-        # and on which messages the next step applies. Applying first means whatever an admission
-        # did on each rank (a refused adapter, say) is compared before the model runs on it. A
-        # lone rank has no one to agree with: it applies everything it has received, so that an
-        # admission's prefill runs in the step after its arrival rather than the one after that
-        # (a whole step of time to first token: ~20 ms under load on an H100, docs/capacity.md).
+        # 2. agree on the live set and on which messages every rank applies, apply them, and
+        # compare what they did on each rank (a refused adapter, say) before the model runs on
+        # it: a second, smaller gather, in the steps that apply any message. So an admission's
+        # prefill runs in the step after its arrival rather than the one after that (a whole
+        # step of time to first token: ~20 ms under load on an H100, docs/capacity.md). A lone
+        # rank has no one to agree with: it applies everything it has received.
         lone = self.engine.tp.world_size == 1
-        if self._apply_messages(self.inbox.watermark if lone else self._agreed_watermark):
+        if lone and self._apply_messages(self.inbox.watermark):
             return True
-        digest = (live_digest(self.planner.live(), self.adapter_jobs.registry_text())
-                  if not lone else 0)  # no digest to compute
         spill = self.spill
-        agreed = agree_step(self.engine.tp, self.inbox.watermark, digest,
+        agreed = agree_step(self.engine.tp, self.inbox.watermark, self._digest(lone),
                             spill.num_finished if spill else 0, self._spill_read_failures,
                             self.adapter_jobs.report())
-        self._agreed_watermark = agreed.watermark
+        if agreed.digests_agree and agreed.watermark > self.inbox.applied:
+            # Every rank takes this branch or none: both sides of the test are agreed values.
+            if self._apply_messages(agreed.watermark):
+                return True
+            agreed = compare_digests(self.engine.tp, agreed, self._digest(lone))
         if not agreed.digests_agree:
             self._fail_step(agreed)
             return False
@@ -174,6 +176,12 @@ class WorkerLoop:
             self._put_back_uniforms(plan, events)
         self._publish(plan, events)
         return False
+
+    def _digest(self, lone: bool) -> int:
+        """This rank's live-set digest for the step agreement (0 alone: nothing to compare)."""
+        if lone:
+            return 0
+        return live_digest(self.planner.live(), self.adapter_jobs.registry_text())
 
     def close(self) -> None:
         """Finish what outlives the loop: the disk spill's queued writes, the adapter jobs."""

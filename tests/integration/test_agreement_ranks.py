@@ -1,6 +1,7 @@
 """Step agreement's collectives on two real gloo ranks (processes over a FileStore): the
-watermark is the minimum, digests and registries that differ are named by rank and adapter, the
-leader's sampled ids reach every rank."""
+watermark is the minimum, digests (also gathered again after a step's messages are applied) and
+registries that differ are named by rank and adapter, the leader's sampled ids reach every
+rank."""
 
 from __future__ import annotations
 
@@ -39,10 +40,13 @@ RANK_SCRIPT = textwrap.dedent("""
         model, (sql, (2, "chat", ["k2", "k3"][rank], 0.5))))
     reg_count = agreement.check_registry(tp, RegistryDigest.compute(model, (sql, chat)[:rank + 1]))
     ids = agreement.broadcast_ids(tp, [11, 12, 13] if rank == 0 else None, 3)
+    again_same = agreement.compare_digests(tp, same, 44)
+    again_differ = agreement.compare_digests(tp, same, [44, 45][rank])
     print(json.dumps({
         "same": [same.watermark, same.digests_agree], "differ": [differ.digests_agree,
         differ.digests], "reg_same": reg_same, "reg_differ": reg_differ, "ids": ids,
         "reg_adapter": reg_adapter, "reg_count": reg_count,
+        "again": [[a.watermark, a.digests_agree, a.digests] for a in (again_same, again_differ)],
         "min": agreement.agree_min(tp, [100, 80][rank]),
         "spill": [spill.spill_finished, spill.spill_read_failures],
         "entries": [hashes.index(h) for h in agree_entries(tp, held)]}))
@@ -67,6 +71,8 @@ def test_two_gloo_ranks_agree(tmp_path):
     for out in outs:
         assert out["same"] == [3, True]  # watermark is the minimum
         assert out["differ"] == [False, [42, 43]]
+        # The digests gathered again after the step's messages were applied: the rest is kept.
+        assert out["again"] == [[3, True, [44, 44]], [3, False, [44, 45]]]
         assert out["reg_same"] is None
         assert "engine source" in out["reg_differ"] and "rank(s) [1]" in out["reg_differ"]
         assert "base model" not in out["reg_differ"]
