@@ -21,8 +21,7 @@ from torch import nn
 from lorad.workers import cpu_threads
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.linear import Plans, base_matmul, check_shape
-from lorad.workers.lora import (LoraSlots, add_lora_deltas, matmul_and_shrink,
-                                matmul_with_deltas)
+from lorad.workers.lora import LoraSlots, add_lora_deltas, matmul_with_deltas
 from lorad.workers.lora_rows import LoraRows
 
 if TYPE_CHECKING:  # kernel modules: the CPU path never imports triton
@@ -38,18 +37,11 @@ def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequenc
     gate/up): x weight^T in one matmul, split into the projections' outputs (column slices of
     one tensor), and each one's LoraDelta or None for the kernel that reads them next to add.
     gemv, plans: their decode GEMV tile and matmul plans for base_matmul. One shrink and one
-    expand for them all run beside the matmul (a side stream); in a step of prompt-chunk size
-    (LoraRows.in_place) the expand adds into the outputs after the matmul instead, and no
-    delta is left (all None)."""
-    matmul = lambda: base_matmul(x, weight, gemv, pdl_rows=lora_rows.pdl_rows,  # noqa: E731
-                                 plans=plans)
-    if lora_rows.in_place:
-        out, pending = matmul_and_shrink(loras, x, lora_rows, matmul)
-        outs = list(out.split(sizes, dim=1))
-        if pending is not None:
-            pending.expand_into(outs)
-        return outs, (None,) * len(outs)
-    out, deltas = matmul_with_deltas(loras, x, lora_rows, matmul)
+    expand for them all run beside the matmul (a side stream), or add into the outputs after it
+    in a step that adds its deltas in place (matmul_with_deltas)."""
+    out, deltas = matmul_with_deltas(
+        loras, x, lora_rows,
+        lambda: base_matmul(x, weight, gemv, pdl_rows=lora_rows.pdl_rows, plans=plans), sizes)
     return list(out.split(sizes, dim=1)), deltas
 
 

@@ -141,11 +141,10 @@ class RowParallelLinear(nn.Module):
                            ) -> tuple[torch.Tensor, LoraDelta | None]:
         """forward(), but where the output is rounded to the model dtype here (CUDA, world size
         1) and the LoRA kernels run, with the delta left to the next kernel: (the base output,
-        its LoraDelta or None). Otherwise, and in a step that adds its deltas in place
-        (LoraRows.in_place), (forward(x, lora_rows), None)."""
+        its LoraDelta or None, None in a step that adds its deltas in place). Otherwise
+        (forward(x, lora_rows), None)."""
         kernels = lora_rows is not None and lora_rows.tiles is not None
-        if not (kernels and self.lora is not None and self._rounds_here(x)) \
-                or lora_rows.in_place:
+        if not (kernels and self.lora is not None and self._rounds_here(x)):
             return self.forward(x, lora_rows), None
         out, deltas = matmul_with_deltas(
             [self.lora], x, lora_rows,

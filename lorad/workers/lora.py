@@ -261,15 +261,23 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
 
 
 def matmul_with_deltas(loras: Sequence[LoraSlots | None], x: torch.Tensor,
-                       rows: LoraRows | None, matmul: Callable[[], torch.Tensor]
+                       rows: LoraRows | None, matmul: Callable[[], torch.Tensor],
+                       sizes: Sequence[int] | None = None
                        ) -> tuple[torch.Tensor, tuple[LoraDelta | None, ...]]:
     """(matmul(), each output's LoraDelta or None) on the kernel path: the base product of x on
     the current stream and, beside it on the side stream, the shrink and the expand of the
     projections that share x into fp32 delta buffers, joined before returning (the consumer
-    kernel comes next). No delta (all None) when no projection is edited this step."""
+    kernel comes next). No delta (all None) when no projection is edited this step, nor in a
+    step that adds its deltas in place (LoraRows.in_place): there the expand adds each delta
+    into its output after the matmul, the product's column slices of `sizes` (one per
+    projection; None: the product is the one output)."""
     edited = _edited(loras, rows)
     if not edited:
         return matmul(), (None,) * len(loras)
+    if rows.in_place:
+        out, pending = matmul_and_shrink(loras, x, rows, matmul)
+        pending.expand_into(list(out.split(sizes, dim=1)) if sizes is not None else [out])
+        return out, (None,) * len(loras)
     assert rows.row_slots is not None
     # Allocated on the current stream before the fork: the side stream writes them after every
     # earlier use of their memory there, and the current one reads and frees them after the

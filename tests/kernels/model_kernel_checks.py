@@ -110,6 +110,40 @@ def check_kernel_path_matches_torch_path(device: str, dtype: torch.dtype,
                              f"(max {(alone - batched).abs().max().item():.2e})")
 
 
+def check_deltas_in_place_match_deltas(device: str, dtype: torch.dtype) -> None:
+    """On the kernel path, every step with its LoRA deltas added into the fused projections'
+    outputs in place after the matmul (ExpandSteps.in_place_rows 1: every prompt step) gives
+    the bits of the same steps with fp32 deltas left to rotary + KV write and silu * up
+    (in_place_rows 0). (On CPU tensors o_proj and down_proj add in place either way;
+    tests/gpu/test_mixed_graphs_gpu.py checks them on CUDA.)"""
+    import dataclasses
+
+    from lorad.workers.batch import ForwardBatch
+    from lorad.workers.kernels.configs import ExpandSteps
+    from lorad.workers.lora_rows import LoraRows
+    from lorad.workers.tuning import Tuning
+    from tests.model_steps import make_streams, scenario_steps
+    assert device == "cpu"
+    models = _tiny_models(dtype, 2, seed=5, rank_step=2, adapter_seed=50)
+    for model, rows in zip(models, (1, 0)):
+        model.tune(dataclasses.replace(Tuning(), expand=ExpandSteps(in_place_rows=rows)))
+    streams = [make_streams([2, 0, 1, 3], [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=5)
+               for _ in models]
+    steps = [scenario_steps(s) for s in streams]
+    prompt_steps = 0
+    for i, (chunks, twin) in enumerate(zip(*steps)):
+        got, want = (_forward(model, c, kernels=True) for model, c in zip(models, (chunks, twin)))
+        if not torch.equal(got, want):
+            raise AssertionError(f"step {i} ({dtype}): in place gave other logits than the "
+                                 f"deltas (max {(got - want).abs().max().item():.2e})")
+        with _kernel_path():
+            rows = LoraRows.from_batch(ForwardBatch.build(chunks, BLOCK_SIZE, "cpu"),
+                                       tuning=models[0].tuning)
+        prompt_steps += rows.in_place and bool(rows.slots)
+    if not prompt_steps:
+        raise AssertionError("no step added adapter deltas in place: the check checks nothing")
+
+
 def check_decode_graph_inputs_match_plain_steps(device: str, dtype: torch.dtype) -> None:
     """On the kernel path, decode steps through the decode graphs' static inputs (run eagerly,
     as on the CPU: the LoRA row tiles come from those inputs, filled on the host) give the same
@@ -139,6 +173,7 @@ CHECKS = {
     "kernel_path_bf16": (check_kernel_path_matches_torch_path, dict(dtype=torch.bfloat16)),
     "kernel_path_planned_bf16": (check_kernel_path_matches_torch_path,
                                  dict(dtype=torch.bfloat16, plans=True)),
+    "deltas_in_place_bf16": (check_deltas_in_place_match_deltas, dict(dtype=torch.bfloat16)),
     "decode_graph_inputs_fp32": (check_decode_graph_inputs_match_plain_steps,
                                  dict(dtype=torch.float32)),
 }
