@@ -4,8 +4,8 @@ The inbox buffers coordinator messages by `seq`; each step the ranks all-gather 
 live-set digest) as one int64 tensor on the gloo cpu group, apply messages up to the minimum
 watermark and, when they applied any, all-gather their digests again before the model runs. At
 start they all-gather the registry digest, then, if the adapters differ, one digest per adapter
-so the refusal names it. Tensor collectives only, never object collectives (they
-pickle); at world size 1 no torch.distributed call is made at all.
+so the refusal names it. Tensor collectives only, never object collectives (they pickle); at world
+size 1 no torch.distributed call is made at all.
 """
 
 from __future__ import annotations
