@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 29's check that a burst equals each stream's solo run at the 8B shape: lorad on random
+# weights of scripts/configs/llama3-8b (bf16, default flags) with NUM_ADAPTERS distinct random
+# rank-16 adapters (all seven projections, one seed each), then scripts/adapter_mix.py over the
+# base model and every adapter: prompts of mixed lengths (random token ids, so long prompts are
+# prefilled in chunks beside the other streams' decodes), greedy and seeded, a burst of BURST
+# streams; every stream must equal its solo run. Prints adapter_mix.py's tables and verdict;
+# logs in $OUT. Exit status: adapter_mix.py's (1: a stream differs, 2: a request failed).
+#
+# Usage, from the repository root on a lent GPU (wheels carried in .whl/; MODEL_DIR=another
+# config folder and DTYPE=float32 for a dry run on the CPU):
+#   bash benchmarks/http_adapter_mix.sh [NUM_ADAPTERS (64)] [BURST (64)] [PROMPT_LENGTHS]
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+OUT=${OUT:-/tmp/lorad-adapter-mix}/mix
+num_adapters=${1:-64} burst=${2:-64} prompt_lengths=${3:-9,300,1200}
+model=${MODEL_DIR:-scripts/configs/llama3-8b}
+dtype=${DTYPE:-bfloat16}
+port=8013
+url="http://127.0.0.1:$port"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+if compgen -G ".whl/*.whl" >/dev/null && ! python3 -c "import zmq" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+adapters=$(mktemp -d /tmp/lorad-mix-adapters.XXXX)
+python3 - "$adapters" "$model" "$num_adapters" <<'EOF' || exit 1
+import sys
+from pathlib import Path
+from benchmarks.bench_engine import write_adapter
+from lorad.config import ModelConfig
+root, config = Path(sys.argv[1]), ModelConfig.from_dir(sys.argv[2])
+for i in range(1, int(sys.argv[3]) + 1):  # distinct factors: a seed each
+    write_adapter(root / f"a{i}", config, 16, seed=i)
+EOF
+flags=() ids=()
+for i in $(seq 1 "$num_adapters"); do flags+=(--adapter "a$i=$adapters/a$i"); ids+=("a$i"); done
+
+python3 -m lorad.daemon --model "$model" --load-format random --dtype "$dtype" \
+  --port "$port" "${flags[@]}" >"$OUT/lorad.log" 2>&1 &
+daemon=$!
+for _ in $(seq 1 600); do
+  python3 -c "import urllib.request as u; u.urlopen('$url/ready', timeout=2)" 2>/dev/null && break
+  kill -0 "$daemon" 2>/dev/null \
+    || { echo "lorad exited before /ready"; tail -20 "$OUT/lorad.log"; exit 1; }
+  sleep 1
+done
+grep -E "ready in" "$OUT/lorad.log"
+base_id=$(python3 -c "import json, urllib.request as u
+print(json.load(u.urlopen('$url/v1/models'))['data'][0]['id'])")
+models=$(IFS=,; echo "$base_id,${ids[*]}")
+
+python3 scripts/adapter_mix.py --url "$url" --models "$models" --prompt-lengths "$prompt_lengths" \
+  --seeded --burst "$burst" --max-tokens "${MAX_TOKENS:-24}" --ignore-eos 2>&1 \
+  | tee "$OUT/adapter_mix.log"
+verdict=${PIPESTATUS[0]}
+kill -TERM "$daemon"
+wait "$daemon"
+echo "lorad exited with $?; adapter_mix.py exited with $verdict"
+rm -rf "$adapters"
+exit "$verdict"
