@@ -44,6 +44,9 @@ class Stream:
     # The prompt's length, carried in every chunk (ForwardBatch.build's 7th field: which tokens
     # are prompt tokens); None: chunks of five fields, their kind told by their shape.
     prompt_len: int | None = None
+    # The request's adapter strength, carried in every chunk (the 6th field); None: no field
+    # (1.0), unless prompt_len asks for one.
+    strength: float | None = None
 
     def prefill_chunk(self, num_tokens: int | None = None):
         """The next prompt chunk (all uncached tokens by default), sampling its last row."""
@@ -61,7 +64,10 @@ class Stream:
         return self._with_kind(chunk)
 
     def _with_kind(self, chunk: tuple) -> tuple:
-        return chunk if self.prompt_len is None else (*chunk, 1.0, self.prompt_len)
+        strength = 1.0 if self.strength is None else self.strength
+        if self.prompt_len is not None:
+            return (*chunk, strength, self.prompt_len)
+        return chunk if self.strength is None else (*chunk, strength)
 
     def table(self, num_tokens: int) -> list[int]:
         """The blocks holding positions 0..num_tokens-1, as the planner hands them out."""

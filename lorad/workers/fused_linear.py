@@ -31,17 +31,22 @@ if TYPE_CHECKING:  # kernel modules: the CPU path never imports triton
 
 def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int],
                            loras: Sequence[LoraSlots | None], lora_rows: LoraRows,
-                           gemv: "GemvConfig | None", plans: Plans = None
+                           gemv: "GemvConfig | None", plans: Plans = None,
+                           bias: torch.Tensor | None = None
                            ) -> tuple[list[torch.Tensor], tuple[LoraDelta | None, ...]]:
     """The kernel path's product of projections whose weights are rows of one matrix (q/k/v,
-    gate/up): x weight^T in one matmul, split into the projections' outputs (column slices of
-    one tensor), and each one's LoraDelta or None for the kernel that reads them next to add.
-    gemv, plans: their decode GEMV tile and matmul plans for base_matmul. One shrink and one
-    expand for them all run beside the matmul (a side stream), or add into the outputs after it
-    in a step that adds its deltas in place (matmul_with_deltas)."""
-    out, deltas = matmul_with_deltas(
-        loras, x, lora_rows,
-        lambda: base_matmul(x, weight, gemv, pdl_rows=lora_rows.pdl_rows, plans=plans), sizes)
+    gate/up): x weight^T in one matmul (plus bias, in the weight's row order, into the rounded
+    product), split into the projections' outputs (column slices of one tensor), and each one's
+    LoraDelta or None for the kernel that reads them next to add. gemv, plans: their decode
+    GEMV tile and matmul plans for base_matmul. One shrink and one expand for them all run
+    beside the matmul (a side stream), or add into the outputs after it and its bias in a step
+    that adds its deltas in place (matmul_with_deltas): either way base + bias, then the delta,
+    as peft."""
+    def matmul() -> torch.Tensor:
+        out = base_matmul(x, weight, gemv, pdl_rows=lora_rows.pdl_rows, plans=plans)
+        return out if bias is None else out.add_(bias)
+
+    out, deltas = matmul_with_deltas(loras, x, lora_rows, matmul, sizes)
     return list(out.split(sizes, dim=1)), deltas
 
 
@@ -123,12 +128,10 @@ class FusedColumnParallelLinear(nn.Module):
         added here (one rounding of base + delta each, as peft does) and the deltas are None."""
         loras = [self.lora(shard_id) for shard_id in self.parts]
         if kernel_path(x.device):
-            outs, deltas = projection_with_deltas(x, self.weight, self.sizes, loras, lora_rows,
-                                                  self.gemv, self.plans)
-            if self.bias is not None:  # into the rounded product: peft adds its delta after
-                for out, shard_id in zip(outs, self.parts):
-                    out.add_(self.part_bias(shard_id))
-            return outs, deltas
+            # The bias into the rounded product, before any delta (peft's order), in place too.
+            return projection_with_deltas(x, self.weight, self.sizes, loras, lora_rows,
+                                          self.gemv, self.plans,
+                                          None if self.bias is None else self.bias.data)
         # One product per part, as each part's weight alone would give (the CPU's bits); the
         # bias added after it, so a row's bits are the product's plus its own bias.
         outs = [cpu_threads.linear(x, self.part_weight(shard_id)) for shard_id in self.parts]

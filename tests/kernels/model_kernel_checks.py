@@ -110,12 +110,14 @@ def check_kernel_path_matches_torch_path(device: str, dtype: torch.dtype,
                              f"(max {(alone - batched).abs().max().item():.2e})")
 
 
-def check_deltas_in_place_match_deltas(device: str, dtype: torch.dtype) -> None:
+def check_deltas_in_place_match_deltas(device: str, dtype: torch.dtype,
+                                       family: str = "llama") -> None:
     """On the kernel path, every step with its LoRA deltas added into the fused projections'
     outputs in place after the matmul (ExpandSteps.in_place_rows 1: every prompt step) gives
     the bits of the same steps with fp32 deltas left to rotary + KV write and silu * up
-    (in_place_rows 0). (On CPU tensors o_proj and down_proj add in place either way;
-    tests/gpu/test_mixed_graphs_gpu.py checks them on CUDA.)"""
+    (in_place_rows 0), adapters at strengths other than 1.0 too. family "qwen2_moe": q/k/v with
+    biases, which go into the product before the delta either way. (On CPU tensors o_proj and
+    down_proj add in place either way; tests/gpu/test_mixed_graphs_gpu.py checks them on CUDA.)"""
     import dataclasses
 
     from lorad.workers.batch import ForwardBatch
@@ -124,12 +126,21 @@ def check_deltas_in_place_match_deltas(device: str, dtype: torch.dtype) -> None:
     from lorad.workers.tuning import Tuning
     from tests.model_steps import make_streams, scenario_steps
     assert device == "cpu"
-    models = _tiny_models(dtype, 2, seed=5, rank_step=2, adapter_seed=50)
+    if family == "qwen2_moe":
+        from tests.kernels.moe_kernel_checks import _tiny_moe_models
+        models, slots = _tiny_moe_models(dtype, 2), [2, 0, 1, 1]
+    else:
+        models = _tiny_models(dtype, 2, seed=5, rank_step=2, adapter_seed=50)
+        slots = [2, 0, 1, 3]
     for model, rows in zip(models, (1, 0)):
         model.tune(dataclasses.replace(Tuning(), expand=ExpandSteps(in_place_rows=rows)))
-    streams = [make_streams([2, 0, 1, 3], [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=5)
+    streams = [make_streams(slots, [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=5)
                for _ in models]
-    steps = [scenario_steps(s) for s in streams]
+    for twins in streams:
+        for stream, strength in zip(twins, (0.7, None, 1.3, 0.45)):
+            stream.strength = strength
+    # The prompt steps and one decode after them (reading their KV); decodes add no delta in place.
+    steps = [scenario_steps(s)[:4] for s in streams]
     prompt_steps = 0
     for i, (chunks, twin) in enumerate(zip(*steps)):
         got, want = (_forward(model, c, kernels=True) for model, c in zip(models, (chunks, twin)))
@@ -174,6 +185,8 @@ CHECKS = {
     "kernel_path_planned_bf16": (check_kernel_path_matches_torch_path,
                                  dict(dtype=torch.bfloat16, plans=True)),
     "deltas_in_place_bf16": (check_deltas_in_place_match_deltas, dict(dtype=torch.bfloat16)),
+    "deltas_in_place_qwen2_moe_bf16": (check_deltas_in_place_match_deltas,
+                                       dict(dtype=torch.bfloat16, family="qwen2_moe")),
     "decode_graph_inputs_fp32": (check_decode_graph_inputs_match_plain_steps,
                                  dict(dtype=torch.float32)),
 }

@@ -239,4 +239,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         MAX_CHUNKS=next_power_of_2(t.shape[2]), B_PARTS=bf16_parts(b_tables[0].dtype),
         DELTA=deltas,
         num_warps=config.num_warps,
+        # No fused multiply-add: in place, (acc * scale) * strength + base would skip the
+        # rounding of the delta that the fp32 buffer gives the consumers (strengths not 1.0).
+        enable_fp_fusion=False,
         **launch_options(t.device, tiles.num_rows, pdl_rows))
