@@ -16,7 +16,8 @@ written; rows of a slot the table does not edit are read (no load waits on the r
 written. With deltas=True it writes the delta alone into an fp32 buffer instead, for the next kernel
 to add, so that it runs beside the base matmul instead of after it: the model's way, except for
 o_proj's and down_proj's partial sums at world sizes above 1, which it adds into in place before
-their all-reduce.
+their all-reduce. Its pieces (t_sums, block_delta, plus_delta) also serve lora_expand_silu.py,
+gate/up's expand fused with silu * up, which must give each row these bits.
 """
 
 from __future__ import annotations
