@@ -138,8 +138,9 @@ class LoraSlots(nn.Module):
 class PendingShrink:
     """The LoRA shrink of projections that share an input (q/k/v, gate/up, or one), launched
     with their base matmul: on CUDA on a side stream, so it runs beside the matmul; the expand
-    adds the deltas into the outputs once they exist (`expand_into`), or writes them into
-    buffers beside the matmul still (`expand_deltas`)."""
+    adds the deltas into the outputs once they exist (`expand_into`), writes them into buffers
+    beside the matmul still (`expand_deltas`), or for gate/up runs fused with silu * up
+    (`silu_and_mul`)."""
 
     loras: tuple[LoraSlots | None, ...]  # one per output; None: no delta for it this step
     t: torch.Tensor  # [num_edited, num_rows, num_k_chunks, width] float32, from lora_shrink
