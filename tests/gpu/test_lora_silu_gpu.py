@@ -6,8 +6,8 @@ and 2048 rows of several adapters and slot 0, with gate, up or both edited, stre
 
 The checks are tests/kernels/lora_silu_checks.py, the same the interpreter runs on tiny shapes.
 What they rest on: the fused kernel computes each delta with the expand's own helpers at the
-expand's tile (so the same sums, MMA shapes and fused multiply-adds), which only a GPU can
-confirm.
+expand's tile (so the same sums and MMA shapes, neither fusing a multiply-add), which only a GPU
+can confirm.
 """
 
 from __future__ import annotations
