@@ -20,12 +20,7 @@ dtype=${DTYPE:-bfloat16}
 port=8013
 url="http://127.0.0.1:$port"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-if compgen -G ".whl/*.whl" >/dev/null && ! python3 -c "import zmq" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+source benchmarks/http_lib.sh
 
 adapters=$(mktemp -d /tmp/lorad-mix-adapters.XXXX)
 python3 - "$adapters" "$model" "$num_adapters" <<'EOF' || exit 1
@@ -40,16 +35,8 @@ EOF
 flags=() ids=()
 for i in $(seq 1 "$num_adapters"); do flags+=(--adapter "a$i=$adapters/a$i"); ids+=("a$i"); done
 
-python3 -m lorad.daemon --model "$model" --load-format random --dtype "$dtype" \
-  --port "$port" "${flags[@]}" >"$OUT/lorad.log" 2>&1 &
-daemon=$!
-for _ in $(seq 1 600); do
-  python3 -c "import urllib.request as u; u.urlopen('$url/ready', timeout=2)" 2>/dev/null && break
-  kill -0 "$daemon" 2>/dev/null \
-    || { echo "lorad exited before /ready"; tail -20 "$OUT/lorad.log"; exit 1; }
-  sleep 1
-done
-grep -E "ready in" "$OUT/lorad.log"
+start_lorad "$OUT/lorad.log" --model "$model" --load-format random --dtype "$dtype" \
+  --port "$port" "${flags[@]}"
 base_id=$(python3 -c "import json, urllib.request as u
 print(json.load(u.urlopen('$url/v1/models'))['data'][0]['id'])")
 models=$(IFS=,; echo "$base_id,${ids[*]}")
@@ -58,8 +45,7 @@ python3 scripts/adapter_mix.py --url "$url" --models "$models" --prompt-lengths 
   --seeded --burst "$burst" --max-tokens "${MAX_TOKENS:-24}" --ignore-eos 2>&1 \
   | tee "$OUT/adapter_mix.log"
 verdict=${PIPESTATUS[0]}
-kill -TERM "$daemon"
-wait "$daemon"
-echo "lorad exited with $?; adapter_mix.py exited with $verdict"
+stop_lorad
+echo "adapter_mix.py exited with $verdict"
 rm -rf "$adapters"
 exit "$verdict"

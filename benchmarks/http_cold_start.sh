@@ -18,12 +18,8 @@ num_adapters=${1:-8} concurrency=${2:-64} max_tokens=${3:-512}
 model=${MODEL_DIR:-scripts/configs/llama3-8b}  # another config folder for a dry run
 port=8011
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-if compgen -G ".whl/*.whl" >/dev/null && ! python3 -c "import zmq, llguidance" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+url="http://127.0.0.1:$port"
+source benchmarks/http_lib.sh
 TRITON_CACHE_DIR=$(mktemp -d /tmp/lorad-triton-empty.XXXX)  # empty: the cold start measured
 export TRITON_CACHE_DIR
 
@@ -41,26 +37,17 @@ model_ids=$(IFS=,; echo "${ids[*]}")
 pick=(--model "$model_ids")
 (( num_adapters == 0 )) && pick=() model_ids=base  # bench.py takes the first id: the base model
 
-python3 -m lorad.daemon --model "$model" --load-format random --dtype bfloat16 \
-  --port "$port" "${flags[@]}" >"$OUT/lorad.log" 2>&1 &
-daemon=$!
-for _ in $(seq 1 300); do
-  python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/ready', timeout=2)" \
-    2>/dev/null && break
-  kill -0 "$daemon" 2>/dev/null || { echo "lorad exited before /ready"; tail -20 "$OUT/lorad.log"; exit 1; }
-  sleep 1
-done
-grep -E "ready in|warm-up:" "$OUT/lorad.log"
+start_lorad "$OUT/lorad.log" --model "$model" --load-format random --dtype bfloat16 \
+  --port "$port" "${flags[@]}"
 
 for burst in first second; do
   echo "=== $burst burst: $concurrency streams, 16 in / $max_tokens out, ids $model_ids"
-  python3 scripts/bench.py --url "http://127.0.0.1:$port" "${pick[@]}" \
+  python3 scripts/bench.py --url "$url" "${pick[@]}" \
     --concurrency "$concurrency" --requests "$concurrency" --warmup 0 --prompt-len 16 \
     --max-tokens "$max_tokens" --note "random 8B, $num_adapters adapters, empty triton cache" \
     2>&1 | tee "$OUT/bench-$burst.log"
 done
 if [[ -n ${PREFILL:-} ]]; then  # the prefill-heavy workloads, base model against the adapters
-  url="http://127.0.0.1:$port"
   base_id=$(python3 -c "import json, urllib.request as u
 print(json.load(u.urlopen('$url/v1/models'))['data'][0]['id'])")
   run() {  # name, then bench.py's arguments
@@ -85,6 +72,4 @@ print(json.load(u.urlopen('$url/v1/models'))['data'][0]['id'])")
     done
   done
 fi
-kill -TERM "$daemon"
-wait "$daemon"
-echo "lorad exited with $?"
+stop_lorad

@@ -24,32 +24,10 @@ decode_streams=${DECODE_STREAMS:-64} decode_tokens=${DECODE_TOKENS:-256}
 port=8012
 url="http://127.0.0.1:$port"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-if compgen -G ".whl/*.whl" >/dev/null && ! python3 -c "import zmq" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-
-daemon=
-start() {  # log name, then lorad's extra flags; waits for /ready
+source benchmarks/http_lib.sh
+start() {  # log name, then lorad's extra flags
   local log=$1; shift
-  python3 -m lorad.daemon --model "$model" --load-format random --dtype "$dtype" \
-    --port "$port" "$@" >"$OUT/$log" 2>&1 &
-  daemon=$!
-  for _ in $(seq 1 600); do
-    python3 -c "import urllib.request as u; u.urlopen('$url/ready', timeout=2)" 2>/dev/null \
-      && { grep -E "ready in" "$OUT/$log"; return 0; }
-    kill -0 "$daemon" 2>/dev/null \
-      || { echo "lorad exited before /ready"; tail -20 "$OUT/$log"; exit 1; }
-    sleep 1
-  done
-  echo "lorad not ready in 600 s"; exit 1
-}
-stop() {
-  kill -TERM "$daemon"
-  wait "$daemon"
-  echo "lorad exited with $?"
+  start_lorad "$OUT/$log" --model "$model" --load-format random --dtype "$dtype" --port "$port" "$@"
 }
 bench() {  # name, then bench.py's arguments
   local name=$1; shift
@@ -68,10 +46,10 @@ done
 bench decode-cache-on --concurrency "$decode_streams" --requests "$decode_streams" \
   --warmup 2 --prompt-len 16 --max-tokens "$decode_tokens" \
   --note "random $(basename "$model") $dtype, prefix cache on (no shared prefixes)"
-stop
+stop_lorad
 
 start lorad-no-cache.log --no-prefix-cache
 bench decode-no-prefix-cache --concurrency "$decode_streams" --requests "$decode_streams" \
   --warmup 2 --prompt-len 16 --max-tokens "$decode_tokens" \
   --note "random $(basename "$model") $dtype, --no-prefix-cache"
-stop
+stop_lorad

@@ -1,0 +1,30 @@
+# Sourced by the benchmarks/http_*.sh scripts, from the repository root, after they set `url`:
+# the environment for lorad on a lent GPU (the wheels carried in .whl/ installed when the image
+# lacks pyzmq or llguidance) and one lorad daemon at a time, started and stopped.
+export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+if compgen -G ".whl/*.whl" >/dev/null && ! python3 -c "import zmq, llguidance" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+daemon=
+start_lorad() {  # log file, then lorad's flags: starts it, prints its start-up lines once ready
+  local log=$1; shift
+  python3 -m lorad.daemon "$@" >"$log" 2>&1 &
+  daemon=$!
+  for _ in $(seq 1 600); do
+    python3 -c "import urllib.request as u; u.urlopen('$url/ready', timeout=2)" 2>/dev/null \
+      && { grep -E "ready in|warm-up:" "$log"; return 0; }
+    kill -0 "$daemon" 2>/dev/null \
+      || { echo "lorad exited before /ready"; tail -20 "$log"; exit 1; }
+    sleep 1
+  done
+  echo "lorad not ready in 600 s"; exit 1
+}
+
+stop_lorad() {
+  kill -TERM "$daemon"
+  wait "$daemon"
+  echo "lorad exited with $?"
+}
