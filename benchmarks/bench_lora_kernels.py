@@ -13,10 +13,7 @@ triton; prints the conditions with the table.
 
 --per-kernel also times each projection's shrink and expand on their own (a graph of that one
 kernel over every layer), against the bytes that kernel alone must read, and the expand adding
-in place into bf16 outputs ("into") beside the fp32 deltas the model's consumers add; for gate/up
-also the in-place expand followed by silu * up ("into+silu", what prompt steps of >= 256 rows
-did) against the two fused (lora_expand_silu, "silu"); run it at such batches
-(--batches 256,512,2048).
+in place into bf16 outputs ("into") beside the fp32 deltas the model's consumers add.
 
 Usage: python -m benchmarks.bench_lora_kernels [--layers 32] [--batches 1,8,32,64,128] [--sweep]
        [--sweep-batches 1,32,128] [--sweep-kernels shrink,expand] [--programs-per-sm 4,8,32]
@@ -32,10 +29,8 @@ from dataclasses import dataclass
 import torch
 
 
-from lorad.workers.kernels import fused_ops  # noqa: E402
 from lorad.workers.kernels import lora_expand as expand  # noqa: E402
 from lorad.workers.kernels import lora_shrink as shrink  # noqa: E402
-from lorad.workers.kernels.lora_expand_silu import lora_expand_silu  # noqa: E402
 from lorad.workers.kernels.configs import (ExpandConfig, ExpandSteps, PdlConfig,  # noqa: E402
                                            ShrinkConfig, TileConfig)
 from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles  # noqa: E402
@@ -137,10 +132,8 @@ def bench_per_kernel(layers, ranks, scales, batches) -> None:
     layer, the model's configs (None: each kernel's choice for the step's rows), exact tiles;
     GB/s = the factor bytes of the batch's distinct adapters (A for the shrink, B for the
     expand) and t, x or out, over the graph's time; "into": the expand adding in place into bf16
-    outputs (read and written) instead of writing fp32 deltas; gate/up's "into+silu" and
-    "silu": that expand then silu * up, against the two fused (their bytes: B, t, gate and up
-    read, written back and read again by "into+silu", read once by "silu", h written)."""
-    print(f"{'batch':>5} {'mixture':>9} {'group':>7} {'kernel':>9} {'us/layer':>9} "
+    outputs (read and written) instead of writing fp32 deltas."""
+    print(f"{'batch':>5} {'mixture':>9} {'group':>7} {'kernel':>6} {'us/layer':>9} "
           f"{'GB/s':>7} {'MB/layer':>9}")
     device = ranks.device
     itemsize = layers[0]["o"].a[0].element_size()
@@ -184,44 +177,13 @@ def bench_per_kernel(layers, ranks, scales, batches) -> None:
                 expand_mb = (distinct * RANK * sum(num_outs) * itemsize + t_bytes
                              + num_rows * sum(num_outs) * 4) / 1e6
                 into_mb = expand_mb + num_rows * sum(num_outs) * (2 * 2 - 4) / 1e6
-                kernels = [("shrink", run_shrink, shrink_mb), ("expand", run_expand, expand_mb),
-                           ("into", run_expand_into, into_mb)]
-                if name == "gate_up":
-                    kernels += gate_up_silu_runs(layers, ts, ranks, scales, tiles, row_slots,
-                                                 num_rows, expand_mb - num_rows * sum(num_outs)
-                                                 * 4 / 1e6)
-                for kernel, fn, mb in kernels:
+                for kernel, fn, mb in (("shrink", run_shrink, shrink_mb),
+                                       ("expand", run_expand, expand_mb),
+                                       ("into", run_expand_into, into_mb)):
                     seconds = time_graph(fn) / len(layers)
-                    print(f"{num_rows:>5} {mixture:>9} {name:>7} {kernel:>9} "
+                    print(f"{num_rows:>5} {mixture:>9} {name:>7} {kernel:>6} "
                           f"{seconds * 1e6:>9.2f} {mb / 1e3 / seconds:>7.0f} "
                           f"{mb:>9.2f}", flush=True)
-
-
-def gate_up_silu_runs(layers, ts, ranks, scales, tiles, row_slots, num_rows: int,
-                      factor_mb: float) -> list:
-    """[(kernel, fn, MB)] for gate/up's in-place expand then silu * up ("into+silu") and the
-    two fused ("silu"), over bf16 gate/up outputs (the halves of one tensor a layer, as the
-    model's); factor_mb: B's and t's MB."""
-    n = layers[0]["gate_up"].b[0].shape[1]
-    gate_ups = [torch.zeros(num_rows, 2 * n, dtype=torch.bfloat16, device=ranks.device)
-                for _ in layers]
-
-    def run_into_silu() -> None:
-        for layer, t, gate_up in zip(layers, ts, gate_ups):
-            halves = gate_up.chunk(2, dim=1)
-            expand.lora_expand(t, halves, layer["gate_up"].b, [ranks] * 2, [scales] * 2, tiles,
-                               pdl_rows=PDL_ROWS)
-            fused_ops.silu_and_mul(*halves, pdl_rows=PDL_ROWS)
-
-    def run_silu() -> None:
-        for layer, t, gate_up in zip(layers, ts, gate_ups):
-            lora_expand_silu(t, *gate_up.chunk(2, dim=1), layer["gate_up"].b, [ranks] * 2,
-                             [scales] * 2, tiles, row_slots, pdl_rows=PDL_ROWS)
-
-    h_mb = num_rows * n * 2 / 1e6  # one bf16 output half; gate and up are two
-    # into+silu: gate and up read and written by the expand, read by silu * up, h written.
-    return [("into+silu", run_into_silu, factor_mb + (2 + 2 + 2 + 1) * h_mb),
-            ("silu", run_silu, factor_mb + (2 + 1) * h_mb)]
 
 
 def print_table(rows, num_layers: int) -> None:

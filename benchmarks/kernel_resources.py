@@ -33,8 +33,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from lorad.workers.kernels import (decode_gemv, fused_moe, fused_ops,  # noqa: E402
-                                   lora_expand, lora_expand_silu, lora_shrink, moe_glue,
-                                   oneshot_reduce, paged_attention, row_matmul, token_draw)
+                                   lora_expand, lora_shrink, moe_glue, oneshot_reduce,
+                                   paged_attention, row_matmul, token_draw)
 from lorad.workers.kernels.configs import (DecodeAttentionConfig, ExpandConfig,  # noqa: E402
                                            ExpandSteps, GemvModelTiles, MoeConfig,
                                            ShrinkConfig, TileConfig)
@@ -138,21 +138,6 @@ def lora_specs(shrink_configs, expand_configs, block_m: int) -> list[Spec]:
     return specs
 
 
-def expand_silu_spec(config: ExpandConfig, block_m: int) -> Spec:
-    """gate/up's expand fused with silu * up (prompt steps that add their deltas in place) at
-    the 8B shape: 2 bf16 tables, bf16 gate/up outputs."""
-    return Spec(f"gate/up expand + silu * up, 2 bf16 tables, {config}",
-                lora_expand_silu._expand_silu_kernel,
-                {"HAS_GATE": True, "HAS_UP": True, "BLOCK_M": block_m,
-                 "BLOCK_N": config.block_n, "RANK_PAD": 16, "MAX_CHUNKS": 8, "B_PARTS": 1,
-                 "NUM_STAGES": config.num_stages, "PDL": False},
-                config.num_warps, config.num_stages,
-                {"gate_ptr": "bf16", "up_ptr": "bf16", "out_ptr": "bf16", "b_gate_ptr": "bf16",
-                 "b_up_ptr": "bf16", "ranks_gate_ptr": "i32", "ranks_up_ptr": "i32",
-                 "tile_rows_ptr": "i64", "tile_slot_ptr": "i64", "num_tiles_ptr": "i64"},
-                ("N", "max_rank_gate", "max_rank_up"))
-
-
 def model_gemv_tiles() -> list:
     """The decode GEMV tiles the model uses (bf16 weights), each once."""
     tiles = GemvModelTiles()
@@ -202,8 +187,7 @@ def model_specs() -> list[Spec]:
               "positions_ptr": "i64", "slots_ptr": "i64", "k_cache_ptr": bf16,
               "v_cache_ptr": bf16, **lora}),
         Spec("silu * up", fused_ops._silu_mul_kernel,
-             {"BLOCK": fused_ops.SILU_BLOCK, "HAS_LG": True, "HAS_LU": True,
-              "SLOT0_ONLY": False, "PDL": True}, 4, 3,
+             {"BLOCK": fused_ops.SILU_BLOCK, "HAS_LG": True, "HAS_LU": True, "PDL": True}, 4, 3,
              {"gate_ptr": bf16, "up_ptr": bf16, "out_ptr": bf16, **lora}),
         *(gemv_spec(config, 4096) for config in model_gemv_tiles()),
         Spec("token draw, chunk stats", token_draw._chunk_stats_kernel,
@@ -292,8 +276,7 @@ def main() -> int:
     shrinks = [ShrinkConfig()] + parse_configs(args.shrink, ShrinkConfig, 5)
     expands = [steps.large, steps.small] + parse_configs(
         args.expand, lambda n, w: ExpandConfig(n, w), 2)
-    specs = (lora_specs(shrinks, expands, args.block_m)
-             + [expand_silu_spec(steps.large, args.block_m)] + model_specs() + moe_specs()
+    specs = (lora_specs(shrinks, expands, args.block_m) + model_specs() + moe_specs()
              + row_matmul_specs())
     print(f"# triton {triton.__version__}, sm_{args.arch}, LoRA tiles of {args.block_m} rows; "
           f"registers per thread, spill bytes per thread (stack), shared bytes per program, "

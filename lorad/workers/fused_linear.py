@@ -21,7 +21,7 @@ from torch import nn
 from lorad.workers import cpu_threads
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.linear import Plans, base_matmul, check_shape
-from lorad.workers.lora import LoraSlots, PendingShrink, add_lora_deltas, matmul_with_deltas
+from lorad.workers.lora import LoraSlots, add_lora_deltas, matmul_with_deltas
 from lorad.workers.lora_rows import LoraRows
 
 if TYPE_CHECKING:  # kernel modules: the CPU path never imports triton
@@ -32,9 +32,8 @@ if TYPE_CHECKING:  # kernel modules: the CPU path never imports triton
 def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int],
                            loras: Sequence[LoraSlots | None], lora_rows: LoraRows,
                            gemv: "GemvConfig | None", plans: Plans = None,
-                           bias: torch.Tensor | None = None, to_silu: bool = False
-                           ) -> tuple[list[torch.Tensor], tuple[LoraDelta | None, ...]
-                                      | PendingShrink]:
+                           bias: torch.Tensor | None = None
+                           ) -> tuple[list[torch.Tensor], tuple[LoraDelta | None, ...]]:
     """The kernel path's product of projections whose weights are rows of one matrix (q/k/v,
     gate/up): x weight^T in one matmul (plus bias, in the weight's row order, into the rounded
     product), split into the projections' outputs (column slices of one tensor), and each one's
@@ -42,13 +41,12 @@ def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequenc
     GEMV tile and matmul plans for base_matmul. One shrink and one expand for them all run
     beside the matmul (a side stream), or add into the outputs after it and its bias in a step
     that adds its deltas in place (matmul_with_deltas): either way base + bias, then the delta,
-    as peft. to_silu: gate/up going to silu * up, which in such a step get the pending shrink in
-    place of the deltas (the expand runs fused with silu * up)."""
+    as peft."""
     def matmul() -> torch.Tensor:
         out = base_matmul(x, weight, gemv, pdl_rows=lora_rows.pdl_rows, plans=plans)
         return out if bias is None else out.add_(bias)
 
-    out, deltas = matmul_with_deltas(loras, x, lora_rows, matmul, sizes, to_silu)
+    out, deltas = matmul_with_deltas(loras, x, lora_rows, matmul, sizes)
     return list(out.split(sizes, dim=1)), deltas
 
 
@@ -122,21 +120,18 @@ class FusedColumnParallelLinear(nn.Module):
             raise KeyError(f"no part {shard_id!r} in {', '.join(self.parts)}")
         return FusedPart(self, shard_id)
 
-    def forward(self, x: torch.Tensor, lora_rows: LoraRows, to_silu: bool = False
-                ) -> tuple[list[torch.Tensor], tuple[LoraDelta | None, ...] | PendingShrink]:
+    def forward(self, x: torch.Tensor, lora_rows: LoraRows
+                ) -> tuple[list[torch.Tensor], tuple[LoraDelta | None, ...]]:
         """x: [num_rows, in_features] -> (each part's output [num_rows, end - start], each one's
         LoraDelta or None). On the kernel path the outputs are column slices of one product and
         their deltas are left to the kernel that reads them next; on the torch path they are
-        added here (one rounding of base + delta each, as peft does) and the deltas are None.
-        to_silu: gate and up for layers.silu_and_mul, which on the kernel path, in a step that
-        adds its deltas in place, takes the pending shrink (PendingShrink) in place of the
-        deltas and adds them as it reads the outputs."""
+        added here (one rounding of base + delta each, as peft does) and the deltas are None."""
         loras = [self.lora(shard_id) for shard_id in self.parts]
         if kernel_path(x.device):
             # The bias into the rounded product, before any delta (peft's order), in place too.
             return projection_with_deltas(x, self.weight, self.sizes, loras, lora_rows,
                                           self.gemv, self.plans,
-                                          None if self.bias is None else self.bias.data, to_silu)
+                                          None if self.bias is None else self.bias.data)
         # One product per part, as each part's weight alone would give (the CPU's bits); the
         # bias added after it, so a row's bits are the product's plus its own bias.
         outs = [cpu_threads.linear(x, self.part_weight(shard_id)) for shard_id in self.parts]

@@ -15,7 +15,6 @@ from torch import nn
 
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.linear import load_replicated
-from lorad.workers.lora import PendingShrink
 
 if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
     from lorad.workers.kernels.lora_common import LoraDelta
@@ -71,15 +70,11 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor,
-                 loras: tuple[LoraDelta | None, LoraDelta | None] | PendingShrink = (None, None),
+                 loras: tuple[LoraDelta | None, LoraDelta | None] = (None, None),
                  pdl_rows: int = 0) -> torch.Tensor:
     """silu(gate) * up, with silu in fp32 as x / (1 + exp(-x)); loras (the kernel path only):
-    gate's and up's LoRA deltas, added to them first, or in a step that adds its deltas in place
-    the pending shrink of gate and up (FusedColumnParallelLinear.forward's to_silu), whose expand
-    then runs fused with silu * up. pdl_rows: the step's PDL row limit."""
+    gate's and up's LoRA deltas, added to them first. pdl_rows: the step's PDL row limit."""
     if kernel_path(gate.device):
-        if isinstance(loras, PendingShrink):
-            return loras.silu_and_mul(gate, up)
         from lorad.workers.kernels.fused_ops import silu_and_mul as fused_silu_and_mul
         return fused_silu_and_mul(gate, up, loras, pdl_rows)
     assert all(lora is None for lora in loras), "LoRA deltas are left to kernels on the kernel path"

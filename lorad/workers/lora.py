@@ -138,9 +138,8 @@ class LoraSlots(nn.Module):
 class PendingShrink:
     """The LoRA shrink of projections that share an input (q/k/v, gate/up, or one), launched
     with their base matmul: on CUDA on a side stream, so it runs beside the matmul; the expand
-    adds the deltas into the outputs once they exist (`expand_into`), writes them into buffers
-    beside the matmul still (`expand_deltas`), or for gate/up runs fused with silu * up
-    (`silu_and_mul`)."""
+    adds the deltas into the outputs once they exist (`expand_into`), or writes them into
+    buffers beside the matmul still (`expand_deltas`)."""
 
     loras: tuple[LoraSlots | None, ...]  # one per output; None: no delta for it this step
     t: torch.Tensor  # [num_edited, num_rows, num_k_chunks, width] float32, from lora_shrink
@@ -184,21 +183,6 @@ class PendingShrink:
         for i, lora, buffer in zip(self.edited, self.tables, buffers):
             deltas[i] = LoraDelta(buffer, lora.rank_table, row_slots)
         return tuple(deltas)
-
-    def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """silu(gate + gate's delta) * (up + up's delta) [num_rows, N] for a gate/up pair
-        (loras: gate's, up's): the expand fused with silu * up (kernels/lora_expand_silu.py),
-        the bits of expand_into then silu_and_mul, with gate and up only read."""
-        from lorad.workers.kernels.lora_expand_silu import lora_expand_silu
-        assert len(self.loras) == 2 and self.rows.row_slots is not None
-        self.wait()
-        gate_up = [[getattr(lora, name) if i in self.edited else None
-                    for i, lora in enumerate(self.loras)]
-                   for name in ("lora_b", "rank_table", "scale_table")]
-        rows = self.rows
-        return lora_expand_silu(self.t, gate, up, *gate_up, rows.tiles, rows.row_slots,
-                                row_strengths=rows.row_strengths, steps=rows.expand,
-                                pdl_rows=rows.pdl_rows)
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -278,24 +262,20 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
 
 def matmul_with_deltas(loras: Sequence[LoraSlots | None], x: torch.Tensor,
                        rows: LoraRows | None, matmul: Callable[[], torch.Tensor],
-                       sizes: Sequence[int] | None = None, to_silu: bool = False
-                       ) -> tuple[torch.Tensor, tuple[LoraDelta | None, ...] | PendingShrink]:
+                       sizes: Sequence[int] | None = None
+                       ) -> tuple[torch.Tensor, tuple[LoraDelta | None, ...]]:
     """(matmul(), each output's LoraDelta or None) on the kernel path: the base product of x on
     the current stream and, beside it on the side stream, the shrink and the expand of the
     projections that share x into fp32 delta buffers, joined before returning (the consumer
     kernel comes next). No delta (all None) when no projection is edited this step, nor in a
     step that adds its deltas in place (LoraRows.in_place): there the expand adds each delta
     into its output after the matmul, the product's column slices of `sizes` (one per
-    projection; None: the product is the one output). to_silu: the outputs are gate and up,
-    read next by silu * up, which in a step that adds its deltas in place adds them itself:
-    the PendingShrink is returned in place of the deltas (PendingShrink.silu_and_mul)."""
+    projection; None: the product is the one output)."""
     edited = _edited(loras, rows)
     if not edited:
         return matmul(), (None,) * len(loras)
     if rows.in_place:
         out, pending = matmul_and_shrink(loras, x, rows, matmul)
-        if to_silu:  # gate and up are not written back only to be read again
-            return out, pending
         pending.expand_into(list(out.split(sizes, dim=1)) if sizes is not None else [out])
         return out, (None,) * len(loras)
     assert rows.row_slots is not None

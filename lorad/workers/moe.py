@@ -208,7 +208,6 @@ class SharedExpert(nn.Module):
 
     def partial_sum(self, x: torch.Tensor, lora: LoraRows) -> torch.Tensor:
         """x: [num_rows, hidden] -> [num_rows, hidden] float32, this rank's share, deltas in."""
-        # Without LlamaMLP's to_silu: in place, the expand still adds into gate and up first.
         (gate, up), deltas = self.gate_up_proj(x, lora)
         return self.down_proj.partial_sum(silu_and_mul(gate, up, deltas, lora.pdl_rows), lora)
 

@@ -88,10 +88,7 @@ def test_a_replayed_step_gives_the_eager_steps_bits(tmp_path):
 
 
 def _in_place_rows(rows: int) -> Tuning:
-    # gate/up's expand fused with silu * up where the deltas go in place (off by default
-    # until this has run on a GPU).
-    return dataclasses.replace(Tuning(), expand=ExpandSteps(in_place_rows=rows,
-                                                            fused_silu=True))
+    return dataclasses.replace(Tuning(), expand=ExpandSteps(in_place_rows=rows))
 
 
 def test_deltas_added_in_place_give_the_deltas_bits(tmp_path):

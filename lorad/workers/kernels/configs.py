@@ -132,11 +132,6 @@ class ExpandSteps:
     # GPU (docs/performance-log.md: LoRA deltas in place in prompt steps). Decode steps keep the
     # deltas beside the matmul at any batch. 0: never.
     in_place_rows: int = 256
-    # In those steps, gate's and up's expand runs fused with silu * up (lora_expand_silu: the
-    # same bits, gate and up read once instead of read, rewritten and read again). Off until
-    # its GPU test and timing have run on an H100/H200 (tests/gpu/test_lora_silu_gpu.py,
-    # bench_lora_kernels --per-kernel); the CPU's interpreted checks run it on.
-    fused_silu: bool = False
 
     def config(self, num_rows: int) -> ExpandConfig:
         """The tile of an expand over num_rows rows."""

@@ -278,22 +278,11 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 SILU_BLOCK = 1024
 
 
-@triton.jit
-def silu_mul(gate, up):
-    """silu(gate) * up of model-dtype values (any shape), rounded where layers.silu_and_mul's
-    torch path rounds: silu in fp32, rounded, then the product rounded. Shared with
-    lora_expand_silu.py, whose rows must get this kernel's bits."""
-    dtype = gate.dtype
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype)
-    return (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
-
-
 @triton.jit(do_not_specialize_on_alignment=["row_slots_ptr"])
 def _silu_mul_kernel(gate_ptr, stride_gate, up_ptr, stride_up, out_ptr, stride_out, N,
                      lg_ptr, stride_lg, lg_ranks_ptr, lu_ptr, stride_lu, lu_ranks_ptr,
                      row_slots_ptr, BLOCK: tl.constexpr, HAS_LG: tl.constexpr,
-                     HAS_LU: tl.constexpr, SLOT0_ONLY: tl.constexpr, PDL: tl.constexpr):
+                     HAS_LU: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -305,10 +294,6 @@ def _silu_mul_kernel(gate_ptr, stride_gate, up_ptr, stride_up, out_ptr, stride_o
     lu_rank = 0
     if HAS_LU:
         lu_rank = _lora_rank(lu_ranks_ptr, row_slots_ptr, row)
-    if SLOT0_ONLY:
-        # Rows of an adapter slot are lora_expand_silu's to write; a block, since triton 3.9's
-        # interpreter rejects a mask with a scalar in it.
-        mask = mask & (tl.zeros_like(cols) == tl.load(row_slots_ptr + row))
     wait_for_previous_only(PDL)
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
@@ -316,34 +301,29 @@ def _silu_mul_kernel(gate_ptr, stride_gate, up_ptr, stride_up, out_ptr, stride_o
         gate = _plus_lora(gate, lg_ptr + row * stride_lg, cols, mask, lg_rank)
     if HAS_LU:
         up = _plus_lora(up, lu_ptr + row * stride_lu, cols, mask, lu_rank)
-    tl.store(out_ptr + row * stride_out + cols, silu_mul(gate, up), mask=mask)
+    dtype = gate.dtype
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype)  # as layers.silu_and_mul: fp32, then rounded
+    tl.store(out_ptr + row * stride_out + cols,
+             (act.to(tl.float32) * up.to(tl.float32)).to(dtype), mask=mask)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor,
                  loras: Sequence[LoraDelta | None] = (None, None),
-                 pdl_rows: int = 0, slot0_rows_of: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 pdl_rows: int = 0) -> torch.Tensor:
     """silu(gate) * up -> [num_rows, N], contiguous. gate, up: [num_rows, N], columns contiguous
     (the two halves of one projection output are fine). loras: gate's and up's LoRA deltas (or
     None), added to them first, as LoraDelta says. pdl_rows: the step's PDL row limit
-    (kernels/pdl.py; 0: no PDL). slot0_rows_of: each row's adapter slot ([num_rows] int64; None:
-    every row is written): only the rows of slot 0 are written (lora_expand_silu writes the
-    others). out: where to write ([num_rows, N] contiguous; None: a new tensor)."""
+    (kernels/pdl.py; 0: no PDL)."""
     num_rows, n = gate.shape
     assert up.shape == gate.shape and gate.stride(1) == 1 and up.stride(1) == 1
-    if out is None:
-        out = torch.empty(num_rows, n, dtype=gate.dtype, device=gate.device)
-    assert out.shape == gate.shape and out.dtype == gate.dtype and out.is_contiguous()
+    out = torch.empty(num_rows, n, dtype=gate.dtype, device=gate.device)
     if num_rows == 0:
         return out
-    row_slots = _row_slots(loras, gate) if slot0_rows_of is None else slot0_rows_of
-    assert slot0_rows_of is None or (slot0_rows_of.shape == (num_rows,)
-                                     and all(lora is None for lora in loras))
     _silu_mul_kernel[(num_rows, cdiv(n, SILU_BLOCK))](
         gate, gate.stride(0), up, up.stride(0), out, out.stride(0), n,
-        *_lora_args(loras[0], gate), *_lora_args(loras[1], up), row_slots,
+        *_lora_args(loras[0], gate), *_lora_args(loras[1], up), _row_slots(loras, gate),
         BLOCK=SILU_BLOCK,
         HAS_LG=loras[0] is not None, HAS_LU=loras[1] is not None,
-        SLOT0_ONLY=slot0_rows_of is not None,
         num_warps=4, **launch_options(gate.device, num_rows, pdl_rows))
     return out

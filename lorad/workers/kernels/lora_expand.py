@@ -16,8 +16,7 @@ written; rows of a slot the table does not edit are read (no load waits on the r
 written. With deltas=True it writes the delta alone into an fp32 buffer instead, for the next kernel
 to add, so that it runs beside the base matmul instead of after it: the model's way, except for
 o_proj's and down_proj's partial sums at world sizes above 1, which it adds into in place before
-their all-reduce. Its pieces (t_sums, block_delta, plus_delta) also serve lora_expand_silu.py,
-gate/up's expand fused with silu * up, which must give each row these bits.
+their all-reduce.
 """
 
 from __future__ import annotations
@@ -54,49 +53,6 @@ def fitting_block_n(block_n: int, rank_pad: int, itemsize: int) -> int:
 
 
 @triton.jit
-def t_sums(t_ptr, stride_t, stride_t_chunk, num_chunks, max_rank, rank, rows, in_tile,
-           BLOCK_M: tl.constexpr, RANK_PAD: tl.constexpr, MAX_CHUNKS: tl.constexpr):
-    """-> [BLOCK_M, RANK_PAD] fp32: the tile's rows of one table's t, the shrink's K-chunk
-    partials summed by one reduction of fixed shape [BLOCK_M, MAX_CHUNKS, RANK_PAD] (every
-    kernel reading a row through this gets the same bits), zeros at and past the slot's rank
-    (t was never written there)."""
-    chunks = tl.arange(0, MAX_CHUNKS)
-    has_c = chunks < num_chunks
-    ranks_j = tl.arange(0, RANK_PAD)
-    in_r = ranks_j < max_rank
-    has_j = ranks_j < rank
-    t_rows = (t_ptr + rows[:, None, None] * stride_t + chunks[None, :, None] * stride_t_chunk
-              + ranks_j[None, None, :])
-    parts = tl.load(t_rows, mask=in_tile[:, None, None] & has_c[None, :, None]
-                    & in_r[None, None, :], other=0.0)  # [BLOCK_M, MAX_CHUNKS, RANK_PAD]
-    return tl.where(has_j[None, :], tl.sum(parts, axis=1), 0.0)
-
-
-@triton.jit
-def block_delta(tj, b_ptr, N, max_rank, slot, cols, scale, strength, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, RANK_PAD: tl.constexpr, B_PARTS: tl.constexpr):
-    """-> [BLOCK_M, BLOCK_N] fp32: (scale * (tj B^T)) * strength of the tile's rows (tj from
-    t_sums, strength [BLOCK_M]) at the outputs `cols` of one table (B: [num_slots, N, max_rank]),
-    one MMA of a fixed shape over the ranks."""
-    ranks_j = tl.arange(0, RANK_PAD)
-    b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank + ranks_j[None, :]
-    bj = tl.load(b_rows, mask=(cols < N)[:, None] & (ranks_j < max_rank)[None, :],
-                 other=0.0)  # [BLOCK_N, RANK_PAD]
-    # t's fp32 sums split into three bf16 terms (exactly), B into its own: exact products.
-    acc = exact_dot(tj, tl.trans(bj), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
-                    3, B_PARTS)
-    return (acc * scale) * strength[:, None]
-
-
-@triton.jit
-def plus_delta(base, delta):
-    """base (an output in the model dtype, or fp32) plus its fp32 delta with one rounding:
-    widened, added in fp32 and rounded back, as the torch path's `(out.float() +
-    delta).to(dtype)`."""
-    return (base.to(tl.float32) + delta).to(base.dtype)
-
-
-@triton.jit
 def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_out, N, b_ptr,
                    ranks_ptr, scales_ptr, max_rank, first_block, num_item_blocks, slot, rows,
                    in_tile, strengths_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -118,23 +74,40 @@ def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_
     # Each row's request strength, after the slot's scale: x 1.0 is exact, so a row at 1.0 gets
     # the bits it got before strengths existed.
     strength = tl.load(strengths_ptr + rows, mask=in_tile, other=1.0)  # [BLOCK_M] fp32
-    tj = t_sums(t_ptr, stride_t, stride_t_chunk, num_chunks, max_rank, rank, rows, in_tile,
-                BLOCK_M, RANK_PAD, MAX_CHUNKS)  # [BLOCK_M, RANK_PAD] fp32
+    chunks = tl.arange(0, MAX_CHUNKS)
+    has_c = chunks < num_chunks
+    ranks_j = tl.arange(0, RANK_PAD)
+    in_r = ranks_j < max_rank
+    has_j = ranks_j < rank
+    t_rows = (t_ptr + rows[:, None, None] * stride_t + chunks[None, :, None] * stride_t_chunk
+              + ranks_j[None, None, :])
+    parts = tl.load(t_rows, mask=in_tile[:, None, None] & has_c[None, :, None]
+                    & in_r[None, None, :], other=0.0)  # [BLOCK_M, MAX_CHUNKS, RANK_PAD]
+    tj = tl.where(has_j[None, :], tl.sum(parts, axis=1), 0.0)  # [BLOCK_M, RANK_PAD] fp32
     # Slots the table does not edit (rank 0) are not written; that test is a block, since
     # triton 3.9's interpreter rejects a mask with a scalar in it.
     edited = tl.zeros([BLOCK_M], tl.int32) < rank
     for block in tl.range(first_block, first_block + num_item_blocks, num_stages=NUM_STAGES):
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_n = cols < N
         outs = out_ptr + rows[:, None] * stride_out + cols[None, :]
-        mask = in_tile[:, None] & (cols < N)[None, :] & edited[:, None]
-        delta = block_delta(tj, b_ptr, N, max_rank, slot, cols, scale, strength, BLOCK_M,
-                            BLOCK_N, RANK_PAD, B_PARTS)
+        mask = in_tile[:, None] & in_n[None, :] & edited[:, None]
+        b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank + ranks_j[None, :]
+        bj = tl.load(b_rows, mask=in_n[:, None] & in_r[None, :], other=0.0)  # [BLOCK_N, RANK_PAD]
+        # t's fp32 sums split into three bf16 terms (exactly), B into its own: exact products.
+        acc = exact_dot(tj, tl.trans(bj), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                        3, B_PARTS)
+        delta = (acc * scale) * strength[:, None]
         if DELTA:
             # The delta alone, in fp32, into a buffer that a later kernel adds to the rounded
             # base output, as the torch path's `(out.float() + delta).to(dtype)` too.
             tl.store(outs, delta, mask=mask)
         else:
-            tl.store(outs, plus_delta(tl.load(outs, mask=mask), delta), mask=mask)
+            # One rounding of base + delta: an output in the model dtype is widened, added to in
+            # fp32 and rounded back, as the torch path's `(out.float() + delta).to(dtype)`.
+            base = tl.load(outs, mask=mask)
+            tl.store(outs, (base.to(tl.float32) + delta).to(out_ptr.dtype.element_ty),
+                     mask=mask)
 
 
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or

@@ -106,10 +106,7 @@ class LlamaMLP(nn.Module):
         RowParallelLinear), and down_proj's delta where it is left to the residual add. ctx
         (the step's, as an MoE block takes it) is not read: padding rows cost a dense MLP no
         more bytes."""
-        # to_silu (ExpandSteps.fused_silu): in prompt steps that add their deltas in place,
-        # gate's and up's are added by silu * up as it reads them (lora_expand_silu), not
-        # written into gate and up first.
-        (gate, up), deltas = self.gate_up_proj(x, lora, to_silu=lora.expand.fused_silu)
+        (gate, up), deltas = self.gate_up_proj(x, lora)
         return self.down_proj.forward_with_delta(silu_and_mul(gate, up, deltas, lora.pdl_rows),
                                                  lora)
 
