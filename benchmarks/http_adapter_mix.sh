@@ -23,23 +23,13 @@ mkdir -p "$OUT"
 source benchmarks/http_lib.sh
 
 adapters=$(mktemp -d /tmp/lorad-mix-adapters.XXXX)
-python3 - "$adapters" "$model" "$num_adapters" <<'EOF' || exit 1
-import sys
-from pathlib import Path
-from benchmarks.bench_engine import write_adapter
-from lorad.config import ModelConfig
-root, config = Path(sys.argv[1]), ModelConfig.from_dir(sys.argv[2])
-for i in range(1, int(sys.argv[3]) + 1):  # distinct factors: a seed each
-    write_adapter(root / f"a{i}", config, 16, seed=i)
-EOF
+write_adapters "$adapters" "$model" "$num_adapters"
 flags=() ids=()
 for i in $(seq 1 "$num_adapters"); do flags+=(--adapter "a$i=$adapters/a$i"); ids+=("a$i"); done
 
 start_lorad "$OUT/lorad.log" --model "$model" --load-format random --dtype "$dtype" \
   --port "$port" "${flags[@]}"
-base_id=$(python3 -c "import json, urllib.request as u
-print(json.load(u.urlopen('$url/v1/models'))['data'][0]['id'])")
-models=$(IFS=,; echo "$base_id,${ids[*]}")
+models=$(IFS=,; echo "$(base_model_id),${ids[*]}")
 
 python3 scripts/adapter_mix.py --url "$url" --models "$models" --prompt-lengths "$prompt_lengths" \
   --seeded --burst "$burst" --max-tokens "${MAX_TOKENS:-24}" --ignore-eos 2>&1 \

@@ -23,14 +23,9 @@ source benchmarks/http_lib.sh
 TRITON_CACHE_DIR=$(mktemp -d /tmp/lorad-triton-empty.XXXX)  # empty: the cold start measured
 export TRITON_CACHE_DIR
 
-adapter=/tmp/lorad-cold-start-adapter
-python3 - "$adapter" "$model" <<'EOF' || exit 1
-import sys
-from pathlib import Path
-from benchmarks.bench_engine import write_adapter
-from lorad.config import ModelConfig
-write_adapter(Path(sys.argv[1]), ModelConfig.from_dir(sys.argv[2]), 16)
-EOF
+adapters=$(mktemp -d /tmp/lorad-cold-start-adapter.XXXX)
+write_adapters "$adapters" "$model" 1  # one folder under every name
+adapter=$adapters/a1
 flags=() ids=()
 for i in $(seq 1 "$num_adapters"); do flags+=(--adapter "a$i=$adapter"); ids+=("a$i"); done
 model_ids=$(IFS=,; echo "${ids[*]}")
@@ -48,8 +43,7 @@ for burst in first second; do
     2>&1 | tee "$OUT/bench-$burst.log"
 done
 if [[ -n ${PREFILL:-} ]]; then  # the prefill-heavy workloads, base model against the adapters
-  base_id=$(python3 -c "import json, urllib.request as u
-print(json.load(u.urlopen('$url/v1/models'))['data'][0]['id'])")
+  base_id=$(base_model_id)
   run() {  # name, then bench.py's arguments
     local name=$1; shift
     echo "=== $name"
@@ -73,3 +67,4 @@ print(json.load(u.urlopen('$url/v1/models'))['data'][0]['id'])")
   done
 fi
 stop_lorad
+rm -rf "$adapters"

@@ -1,6 +1,7 @@
 # Sourced by the benchmarks/http_*.sh scripts, from the repository root, after they set `url`:
 # the environment for lorad on a lent GPU (the wheels carried in .whl/ installed when the image
-# lacks pyzmq or llguidance) and one lorad daemon at a time, started and stopped.
+# lacks pyzmq or llguidance), random adapters written for a config, and one lorad daemon at a
+# time, started, asked its base model's id and stopped.
 export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 if compgen -G ".whl/*.whl" >/dev/null && ! python3 -c "import zmq, llguidance" 2>/dev/null; then
@@ -27,4 +28,21 @@ stop_lorad() {
   kill -TERM "$daemon"
   wait "$daemon"
   echo "lorad exited with $?"
+}
+
+write_adapters() {  # folder, model config folder, count: random rank-16 PEFT folders a1..aN
+  python3 - "$@" <<'PY' || exit 1
+import sys
+from pathlib import Path
+from benchmarks.bench_engine import write_adapter
+from lorad.config import ModelConfig
+root, config = Path(sys.argv[1]), ModelConfig.from_dir(sys.argv[2])
+for i in range(1, int(sys.argv[3]) + 1):  # distinct factors: a seed each
+    write_adapter(root / f"a{i}", config, 16, seed=i)
+PY
+}
+
+base_model_id() {  # the running daemon's first model id: its base model
+  python3 -c "import json, urllib.request as u
+print(json.load(u.urlopen('$url/v1/models'))['data'][0]['id'])"
 }

@@ -107,19 +107,22 @@ def kv_of(model, blocks: list[int], length: int) -> list[torch.Tensor]:
 
 
 def make_streams(slots: list[int], prompt_lens: list[int], max_len: int, block_size: int,
-                 num_blocks: int, seed: int = 0, vocab: tuple[int, int] = (3, 384)) -> list[Stream]:
+                 num_blocks: int, seed: int = 0, vocab: tuple[int, int] = (3, 384),
+                 strengths: list[float | None] | None = None) -> list[Stream]:
     """Streams with random prompts, each owning enough shuffled blocks for max_len tokens.
     Blocks 0 and num_blocks - 1 are never handed out, so a stray write through KV slot 0 or -1
-    (padding) lands where no stream reads."""
+    (padding) lands where no stream reads. strengths: each stream's Stream.strength (None:
+    none carries one)."""
     rng = random.Random(seed)
     pool = list(range(1, num_blocks - 1))
     rng.shuffle(pool)
     per_stream = -(-max_len // block_size)
     if per_stream * len(slots) > len(pool):
         raise ValueError("not enough KV blocks for the streams")
+    strengths = strengths or [None] * len(slots)
     return [Stream([rng.randrange(*vocab) for _ in range(n)], slot,
-                   pool[i * per_stream:(i + 1) * per_stream], block_size)
-            for i, (slot, n) in enumerate(zip(slots, prompt_lens))]
+                   pool[i * per_stream:(i + 1) * per_stream], block_size, strength=strength)
+            for i, (slot, n, strength) in enumerate(zip(slots, prompt_lens, strengths))]
 
 
 def scenario_steps(streams) -> list[list]:

@@ -59,12 +59,8 @@ def _twin_streams(seed: int):
     before it is added, so a fused multiply-add there would show."""
     slots, lens = [1, 2, 3, 0, 0, 2], [29, 9, 17, 12, 70, 45]
     strengths = [0.7, 1.3, None, None, None, 0.45]
-    twins = tuple(make_streams(slots, lens, MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=seed)
-                  for _ in range(2))
-    for streams in twins:
-        for stream, strength in zip(streams, strengths):
-            stream.strength = strength
-    return twins
+    return tuple(make_streams(slots, lens, MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=seed,
+                              strengths=strengths) for _ in range(2))
 
 
 def test_a_replayed_step_gives_the_eager_steps_bits(tmp_path):

@@ -134,11 +134,8 @@ def check_deltas_in_place_match_deltas(device: str, dtype: torch.dtype,
         slots = [2, 0, 1, 3]
     for model, rows in zip(models, (1, 0)):
         model.tune(dataclasses.replace(Tuning(), expand=ExpandSteps(in_place_rows=rows)))
-    streams = [make_streams(slots, [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=5)
-               for _ in models]
-    for twins in streams:
-        for stream, strength in zip(twins, (0.7, None, 1.3, 0.45)):
-            stream.strength = strength
+    streams = [make_streams(slots, [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=5,
+                            strengths=[0.7, None, 1.3, 0.45]) for _ in models]
     # The prompt steps and one decode after them (reading their KV); decodes add no delta in place.
     steps = [scenario_steps(s)[:4] for s in streams]
     prompt_steps = 0
