@@ -299,7 +299,8 @@ class DecodeAttentionConfig:
 @dataclass(frozen=True)
 class MoeConfig:
     """fused_moe.py's tiles: block_m (pair, expert) rows of one expert per tile, block_n outputs
-    and block_k inputs per MMA step (powers of two of at least 16, as tl.dot takes them). A
+    and block_k inputs per MMA step (powers of two of at least 16, as tl.dot takes them),
+    num_stages loads of the weights in flight (triton's software pipeline; changes no bit). A
     row's bits depend on block_k (the order of its sums), so a server keeps one. Untuned: chosen
     on the CPU interpreter, to be measured on the H200 (docs/moe.md)."""
 
@@ -307,6 +308,9 @@ class MoeConfig:
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
+    num_stages: int = 3  # triton's default on CUDA
 
     def __post_init__(self) -> None:
         _check_powers_of_two(self, ("block_m", "block_n", "block_k"), 16, " (tl.dot's sides)")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages {self.num_stages} is below 1")

@@ -227,11 +227,13 @@ def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     _gate_up_kernel[(tiles, cdiv(num_inter, config.block_n))](
         x, gate_up, h, pair_order, tile_expert, tile_start, tile_count, num_inter, num_in,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps)
+        BLOCK_K=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     _down_kernel[(tiles, cdiv(hidden, config.block_n))](
         h, down, weights.contiguous(), pairs, pair_order, tile_expert, tile_start, tile_count,
         hidden, num_inter, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps)
+        BLOCK_K=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return pairs.view(num_rows, top_k, hidden)
 
 
