@@ -45,11 +45,15 @@ class ReplicatedLinear(nn.Module):
     """y = x W^T with W whole on every rank (the router, the shared expert's gate): no bias."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, weight: torch.Tensor | None = None) -> None:
+        """weight: the [out_features, in_features] tensor to hold the weight (a view of a larger
+        one, which the loader then fills in place); None: its own."""
         super().__init__()
+        if weight is None:
+            weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
+        assert weight.shape == (out_features, in_features)
         # [out_features, in_features], the same on every rank
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype,
-                                               device=device), requires_grad=False)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight.weight_loader = load_replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,18 +82,21 @@ class TopKRouter(ReplicatedLinear):
     in fp32 over the experts, top k, optionally renormalised, rounded to the model dtype; in
     kernels/moe_math.py's arithmetic, which the kernel path repeats bit for bit."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__(config.hidden_size, config.num_experts, dtype, device)
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 weight: torch.Tensor | None = None) -> None:
+        super().__init__(config.hidden_size, config.num_experts, dtype, device, weight)
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
 
-    def route(self, x: torch.Tensor, real_rows: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, real_rows: torch.Tensor | None = None,
+              logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_rows, hidden] -> (weights [num_rows, top_k] in x's dtype, experts
         [num_rows, top_k] int64, each row's ascending; num_experts and 0 for the rows real_rows
         ([num_rows] bool, None: all) marks as padding). Every rank computes the same bits from
-        the same x, on either path (moe_math.route)."""
-        logits = self(x)  # [num_rows, num_experts]
+        the same x, on either path (moe_math.route). logits: self(x) when the caller has them
+        (rows may be strided); None: computed here."""
+        if logits is None:
+            logits = self(x)  # [num_rows, num_experts]
         if kernel_path(x.device):
             from lorad.workers.kernels.moe_glue import route  # the CPU never imports triton
             return route(logits, self.top_k, self.norm_topk_prob, real_rows)
@@ -220,12 +227,19 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.tp = tp
-        self.gate = TopKRouter(config, dtype, device)
+        self.num_experts = config.num_experts
+        # The router's rows, then the shared expert gate's row, in one weight, which the two
+        # modules' weights view: on the kernel path one GEMV launch gives both (each output's
+        # sum is its own, so the bits are those of a launch each).
+        router_gate = torch.empty(config.num_experts + 1, hidden, dtype=dtype, device=device)
+        self.register_buffer("router_gate", router_gate, persistent=False)
+        self.gate = TopKRouter(config, dtype, device, router_gate[:config.num_experts])
         self.experts = RoutedExperts(config.num_experts, hidden, inter,
                                      balanced_split(inter, tp.world_size)[tp.rank], dtype, device)
         self.shared_expert = SharedExpert(hidden, config.shared_expert_intermediate_size, tp,
                                           dtype, device)
-        self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype, device)
+        self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype, device,
+                                                   router_gate[config.num_experts:])
         self.tune(tuning)
 
     def tune(self, tuning: Tuning) -> None:
@@ -245,11 +259,15 @@ class SparseMoeBlock(nn.Module):
         pads to MIN_ROWS rows, whose experts would otherwise be read too). None: every row is
         routed."""
         real_rows = None if ctx is None else ctx.real_rows
-        weights, experts = self.gate.route(x, real_rows)
+        if kernel_path(x.device):  # the router's logits and the gate in one launch
+            both = gemv_rows(x, self.router_gate)  # [num_rows, num_experts + 1]
+            logits, gate = both[:, :self.num_experts], both[:, self.num_experts:]
+        else:
+            logits, gate = self.gate(x), self.shared_expert_gate(x)  # gate: [num_rows, 1]
+        weights, experts = self.gate.route(x, real_rows, logits)
         # The gate scales the shared expert's sum over ranks; scaling each rank's share first
         # is the same sum, so one all-reduce carries both.
         shared = self.shared_expert.partial_sum(x, lora)
-        gate = self.shared_expert_gate(x)  # [num_rows, 1] in x's dtype
         if kernel_path(x.device):  # the routed sum, padding, gate and add in one epilogue
             from lorad.workers.kernels.moe_glue import epilogue  # the CPU never imports triton
             pairs = self.experts.pairs(x, weights, experts)

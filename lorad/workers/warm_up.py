@@ -2,8 +2,8 @@
 
 Triton compiles a variant per constexpr value, and some of ours follow the step's size: PDL on or
 off (the step's rows against PdlConfig's limits), the expand's tile (ExpandSteps), the decode GEMV
-(base projections of at most its block_m rows), the LoRA flags (whether any row has an adapter)
-and decode attention's paths by sequence count. warm_up_steps lists one step in each band, with
+(base projections of at most its block_m rows), the MoE tile tables' pair block (MoeConfig), the
+LoRA flags (whether any row has an adapter) and decode attention's paths by sequence count. warm_up_steps lists one step in each band, with
 and without adapter rows, and a mixed step with more decodes than decode attention's early
 block-id read takes (a mixed step's decode rows run the decode kernel, attention_cuda.py);
 integer arguments that follow the step (block-table widths, row counts) are not specialized by
@@ -25,7 +25,8 @@ def row_bands(tuning: Tuning, max_rows: int) -> list[int]:
     """One row count per band of step sizes that selects other kernel variants, ascending, each at
     most max_rows: MIN_ROWS (every step is padded to it), one past each size limit a kernel's
     choice follows, and max_rows itself (the largest step the budget allows)."""
-    limits = [tuning.pdl.max_rows, tuning.pdl.max_rows_with_lora, tuning.expand.small_step_rows]
+    limits = [tuning.pdl.max_rows, tuning.pdl.max_rows_with_lora, tuning.expand.small_step_rows,
+              tuning.moe.small_step_rows]
     limits += [config.block_m for config in (tuning.gemv.qkv, tuning.gemv.gate_up, tuning.gemv.o,
                                              tuning.gemv.down) if config is not None]
     bands = {MIN_ROWS, max_rows} | {limit + 1 for limit in limits if limit > 0}

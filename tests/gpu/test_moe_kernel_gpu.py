@@ -71,6 +71,12 @@ def test_tiles_kernel(num_rows):
     check_tiles_kernel("cuda", num_rows, num_experts=60, top_k=4)
 
 
+@pytest.mark.parametrize("num_rows,block_p", [(1, 16), (8, 32), (16, 64), (9, 64)])
+def test_tiles_kernel_small_block(num_rows, block_p):
+    """The small steps' pair block (MoeConfig.small_step_rows)."""
+    check_tiles_kernel("cuda", num_rows, num_experts=60, top_k=4, block_p=block_p)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows", [1, 8, 300])
 def test_epilogue(dtype, num_rows):

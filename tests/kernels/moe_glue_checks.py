@@ -84,21 +84,24 @@ def _sorted_experts(device, num_rows, num_experts, top_k, seed):
 
 
 def check_tiles_kernel(device: str, num_rows: int, num_experts: int = 60, top_k: int = 4,
-                       block_m: int = 16, seed: int = 2) -> None:
-    """expert_tiles_kernel's four tables equal expert_tiles', entry for entry (poisoned)."""
-    from lorad.workers.kernels.fused_moe import expert_tiles, expert_tiles_kernel
+                       block_m: int = 16, seed: int = 2, block_p: int | None = None) -> None:
+    """expert_tiles_kernel's four tables equal expert_tiles', entry for entry (poisoned), over
+    a pair block of block_p (None: the largest, TILE_KERNEL_MAX_PAIRS)."""
+    from lorad.workers.kernels.fused_moe import (TILE_KERNEL_MAX_PAIRS, expert_tiles,
+                                                 expert_tiles_kernel)
     from lorad.workers.kernels.launch_math import cdiv
     experts = _sorted_experts(device, num_rows, num_experts, top_k, seed)
     num_tiles = cdiv(num_rows * top_k, block_m) + num_experts
     out = (torch.full((num_rows * top_k,), INT_POISON, dtype=torch.int64, device=device),
            *(torch.full((num_tiles,), INT_POISON, dtype=torch.int32, device=device)
              for _ in range(3)))
-    got = expert_tiles_kernel(experts, num_experts, block_m, out=out)
+    got = expert_tiles_kernel(experts, num_experts, block_m, out=out,
+                              block_p=block_p or TILE_KERNEL_MAX_PAIRS)
     want = expert_tiles(experts, num_experts, block_m)
     for name, a, b in zip(("pair_order", "tile_expert", "tile_start", "tile_count"), got, want):
         if a.dtype != b.dtype or not torch.equal(a.cpu(), b.cpu()):
             raise AssertionError(f"tiles, {num_rows} rows of {num_experts} experts top "
-                                 f"{top_k}: {name} differs")
+                                 f"{top_k}, pair block {block_p}: {name} differs")
 
 
 def check_epilogue(device: str, dtype: torch.dtype, num_rows: int = 9, hidden: int = 700,
@@ -209,6 +212,10 @@ CHECKS = {
     "route_ties_lowest_first": (check_route_picks, {}),
     **{f"tiles_kernel_{rows}": (check_tiles_kernel, dict(num_rows=rows))
        for rows in (1, 7, 33, 64, 128)},
+    # The small steps' pair block (MoeConfig.small_step_rows), full and part full.
+    **{f"tiles_kernel_{rows}_block_{block}": (check_tiles_kernel, dict(num_rows=rows,
+                                                                      block_p=block))
+       for rows, block in ((1, 16), (8, 32), (16, 64), (9, 64))},
     "tiles_kernel_few_experts": (check_tiles_kernel, dict(num_rows=40, num_experts=4, top_k=2)),
     "tiles_kernel_16_experts": (check_tiles_kernel, dict(num_rows=50, num_experts=16, top_k=3)),
     "epilogue_fp32": (check_epilogue, dict(dtype=torch.float32)),

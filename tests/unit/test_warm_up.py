@@ -14,7 +14,7 @@ import torch
 
 from lorad.workers.batch import MIN_ROWS, ForwardBatch
 from lorad.workers.kernels.configs import PdlConfig
-from lorad.workers.tuning import Tuning
+from lorad.workers.tuning import Tuning, replaced
 from lorad.workers.warm_up import row_bands, seq_bands, warm_up_steps
 from tests.model_steps import build_model
 from tests.tiny_adapters import make_peft_adapter
@@ -49,6 +49,8 @@ def test_the_product_bands():
     assert row_bands(Tuning(), 512) == [8, 17, 33, 65, 512]
     assert row_bands(Tuning(), 40) == [8, 17, 33, 40]
     assert row_bands(Tuning(), 4) == [4]
+    # The MoE tile tables' small-step limit is a band of its own.
+    assert 21 in row_bands(replaced(Tuning(), "moe.small_step_rows=20"), 512)
     assert seq_bands(Tuning()) == [1, 2, 3]
 
 

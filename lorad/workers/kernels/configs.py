@@ -309,8 +309,15 @@ class MoeConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3  # triton's default on CUDA
+    # Steps of at most this many rows build the tile tables over a pair block sized for them
+    # (rows x top_k, to a power of two) instead of the 512 pairs the one-program kernel takes
+    # at most: a decode step of one sequence sorts 64 lanes, not 512. Integer tables, the same
+    # entries either way; one more compiled variant (a warm-up row band). 0: never.
+    small_step_rows: int = 16
 
     def __post_init__(self) -> None:
         _check_powers_of_two(self, ("block_m", "block_n", "block_k"), 16, " (tl.dot's sides)")
         if self.num_stages < 1:
             raise ValueError(f"num_stages {self.num_stages} is below 1")
+        if self.small_step_rows < 0:
+            raise ValueError(f"small_step_rows {self.small_step_rows} is below 0")

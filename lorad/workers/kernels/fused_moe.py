@@ -91,24 +91,36 @@ def _expert_tiles_kernel(experts_ptr, pair_order_ptr, tile_expert_ptr, tile_star
     tl.store(tile_count_ptr + t, tl.where(has_expert, count, 0), mask=in_t)
 
 
+def tiles_pair_block(num_rows: int, top_k: int, config: MoeConfig) -> int:
+    """The pair block of expert_tiles_kernel for a step of num_rows rows (at most
+    TILE_KERNEL_MAX_PAIRS pairs): sized for config.small_step_rows rows up to them, else the
+    largest. Two compiled variants, by a row limit that the warm-up's row bands know."""
+    small = config.small_step_rows
+    if 0 < num_rows <= small:
+        return min(TILE_KERNEL_MAX_PAIRS, max(16, triton.next_power_of_2(small * top_k)))
+    return TILE_KERNEL_MAX_PAIRS
+
+
 def expert_tiles_kernel(experts: torch.Tensor, num_experts: int, block_m: int,
-                        out: tuple[torch.Tensor, ...] | None = None
+                        out: tuple[torch.Tensor, ...] | None = None,
+                        block_p: int = TILE_KERNEL_MAX_PAIRS, num_warps: int = 4
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """expert_tiles' tables in one launch, for up to TILE_KERNEL_MAX_PAIRS pairs. out: the four
-    tables to write into (tests poison them); None: allocated."""
+    """expert_tiles' tables in one launch, for up to block_p pairs (a power of two, at most
+    TILE_KERNEL_MAX_PAIRS). out: the four tables to write into (tests poison them); None:
+    allocated."""
     flat = experts.reshape(-1)
     num_pairs = flat.numel()
-    assert num_pairs <= TILE_KERNEL_MAX_PAIRS and flat.is_contiguous()
+    assert num_pairs <= block_p <= TILE_KERNEL_MAX_PAIRS and flat.is_contiguous()
     num_tiles = cdiv(num_pairs, block_m) + num_experts
     pair_order, tile_expert, tile_start, tile_count = out or (
         torch.empty(num_pairs, dtype=torch.int64, device=flat.device),
         *(torch.empty(num_tiles, dtype=torch.int32, device=flat.device) for _ in range(3)))
     _expert_tiles_kernel[(1,)](
         flat, pair_order, tile_expert, tile_start, tile_count, num_pairs,
-        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_P=TILE_KERNEL_MAX_PAIRS,
+        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_P=block_p,
         BLOCK_E=triton.next_power_of_2(num_experts + 1),
-        BLOCK_T=triton.next_power_of_2(cdiv(TILE_KERNEL_MAX_PAIRS, block_m) + num_experts),
-        num_warps=4)
+        BLOCK_T=triton.next_power_of_2(cdiv(block_p, block_m) + num_experts),
+        num_warps=num_warps)
     return pair_order, tile_expert, tile_start, tile_count
 
 
@@ -219,9 +231,13 @@ def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device))
     if num_pairs == 0 or num_inter == 0:  # a rank with none of the intermediate size: zeros
         return pairs.zero_().view(num_rows, top_k, hidden)
-    tables = expert_tiles_kernel if num_pairs <= TILE_KERNEL_MAX_PAIRS else expert_tiles
-    pair_order, tile_expert, tile_start, tile_count = tables(experts.contiguous(), num_experts,
-                                                             config.block_m)
+    if num_pairs <= TILE_KERNEL_MAX_PAIRS:
+        pair_order, tile_expert, tile_start, tile_count = expert_tiles_kernel(
+            experts.contiguous(), num_experts, config.block_m,
+            block_p=tiles_pair_block(num_rows, top_k, config))
+    else:
+        pair_order, tile_expert, tile_start, tile_count = expert_tiles(
+            experts.contiguous(), num_experts, config.block_m)
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     tiles = tile_expert.shape[0]
     _gate_up_kernel[(tiles, cdiv(num_inter, config.block_n))](
