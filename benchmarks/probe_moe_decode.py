@@ -4,8 +4,9 @@ random weights, a decode step of --rows real rows padded to MIN_ROWS): the fused
 tile table build by its pair block and warps, the routed experts' two kernels by MoeConfig, and
 each base projection through the decode GEMV by tile against cuBLAS (the router and the shared
 expert's gate apart and as one weight). Each figure: microseconds a call, the median of graph
-replays of --calls calls; bytes of weights read over the time beside it (issue 34: batch 1 at
-60% of its floor). Prints one table.
+replays of --calls calls, each call on weights of its own (as the layers of a step; the experts on
+one of --expert-copies sets), so that they come from memory, not the L2 cache; bytes of weights
+read over the time beside it (issue 34: batch 1 at 60% of its floor). Prints one table.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ from lorad.workers.kernels.fused_moe import (TILE_KERNEL_MAX_PAIRS, expert_pairs
 REPO = Path(__file__).resolve().parent.parent
 CUDA = torch.device("cuda")
 
-MOE_VARIANTS = ("main", "block_n=32", "block_n=16", "block_n=128", "num_stages=2",
-                "num_stages=4", "num_stages=5", "num_warps=2", "num_warps=8", "block_k=128",
-                "block_k=32", "block_n=32+num_stages=4", "block_n=32+num_warps=2",
-                "block_n=16+num_warps=2", "block_n=32+block_k=128")
+MOE_VARIANTS = ("main", "block_n=32", "block_n=128", "num_stages=3", "num_stages=5",
+                "num_warps=2", "num_warps=8", "block_k=64", "block_k=256+num_stages=3",
+                "block_k=64+num_stages=3", "block_n=32+num_stages=5")
 GEMV_VARIANTS = ("block_n=64+block_k=256+num_stages=4", "block_n=64+block_k=128+num_stages=3",
                  "block_n=32+block_k=256+num_stages=4", "block_n=16+block_k=256+num_stages=4",
                  "block_n=16+block_k=512+num_stages=3", "block_n=32+block_k=512+num_stages=3")
@@ -44,11 +44,11 @@ def config_of(cls, text: str):
 
 
 def micros(fn, calls: int) -> float:
-    """Microseconds of one fn() call: a graph of `calls` calls, its median replay / calls;
-    NaN (and the error printed) where fn fails."""
+    """Microseconds of one fn(i) call: a graph of fn(0) ... fn(calls - 1), its median replay /
+    calls; NaN (and the error printed) where fn fails."""
     def many():
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(i)
     try:
         return time_graph(many) / calls * 1e6
     except (ValueError, RuntimeError) as exc:  # a tile that does not fit or compile
@@ -61,6 +61,8 @@ def main() -> int:
     p.add_argument("--config", default=str(REPO / "scripts/configs/qwen1.5-moe-a2.7b"))
     p.add_argument("--rows", type=int, default=1, help="real rows of the decode step")
     p.add_argument("--calls", type=int, default=24, help="calls a graph holds (one a layer)")
+    p.add_argument("--expert-copies", type=int, default=4,
+                   help="sets of expert weights the calls take in turn (each ~1 GB)")
     p.add_argument("--moe", default=",".join(MOE_VARIANTS), help="MoeConfig variants, commas")
     p.add_argument("--gemv", default=",".join(GEMV_VARIANTS), help="GemvConfig variants, commas")
     args = p.parse_args()
@@ -96,32 +98,36 @@ def main() -> int:
     block_ps = [b for b in (16, 32, 64, 128, 256, 512) if b >= pairs] or [TILE_KERNEL_MAX_PAIRS]
     for block_p in block_ps:
         for warps in (1, 4):
-            us = micros(lambda: expert_tiles_kernel(experts, num_experts, 16, block_p=block_p,
-                                                    num_warps=warps), args.calls)
+            us = micros(lambda i: expert_tiles_kernel(experts, num_experts, 16,
+                                                      block_p=block_p, num_warps=warps),
+                        args.calls)
             row("expert tiles", f"block_p={block_p}+num_warps={warps}", us)
 
-    gate_up, down = weight(num_experts, 2 * inter, hidden), weight(num_experts, hidden, inter)
+    copies = max(1, args.expert_copies)
+    gate_ups = [weight(num_experts, 2 * inter, hidden) for _ in range(copies)]
+    downs = [weight(num_experts, hidden, inter) for _ in range(copies)]
     touched = len(set(experts[:args.rows].flatten().tolist()))
     expert_bytes = touched * 3 * inter * hidden * 2
     for text in [v for v in args.moe.split(",") if v]:
         config = config_of(MoeConfig, text)
-        us = micros(lambda: expert_pairs(x, gate_up, down, weights, experts, config), args.calls)
+        us = micros(lambda i: expert_pairs(x, gate_ups[i % copies], downs[i % copies], weights,
+                                           experts, config), args.calls)
         row("routed experts (tiles + gate/up + down)", text, us, expert_bytes)
 
     projections = {"qkv": (heads + 2 * kv_heads) * head_dim, "o": hidden,
                    "shared gate_up": 2 * shared, "router": num_experts, "shared gate": 1,
                    "router + shared gate": num_experts + 1}
     ins = {"o": heads * head_dim}
-    down_w = weight(hidden, shared)
     h = weight(rows, shared)
-    cases = [(name, weight(n, ins.get(name, hidden)), x) for name, n in projections.items()]
-    cases.append(("shared down", down_w, h))
-    for name, w, inp in cases:
-        nbytes = w.numel() * w.element_size()
-        row(name, "cuBLAS", micros(lambda: inp @ w.t(), args.calls), nbytes)
+    cases = [(name, (n, ins.get(name, hidden)), x) for name, n in projections.items()]
+    cases.append(("shared down", (hidden, shared), h))
+    for name, shape, inp in cases:
+        ws = [weight(*shape) for _ in range(args.calls)]  # a layer's own
+        nbytes = ws[0].numel() * ws[0].element_size()
+        row(name, "cuBLAS", micros(lambda i: inp @ ws[i].t(), args.calls), nbytes)
         for text in [v for v in args.gemv.split(",") if v]:
             config = config_of(GemvConfig, f"block_m=16+{text}")
-            us = micros(lambda: decode_matmul(inp, w, config=config), args.calls)
+            us = micros(lambda i: decode_matmul(inp, ws[i], config=config), args.calls)
             row(name, f"GEMV {text}", us, nbytes)
     print("\n".join(["", f"# {args.rows} real rows of {rows}, {touched} experts touched"] + lines))
     return 0

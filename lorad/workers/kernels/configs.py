@@ -304,11 +304,13 @@ class MoeConfig:
     row's bits depend on block_k (the order of its sums), so a server keeps one. Untuned: chosen
     on the CPU interpreter, to be measured on the H200 (docs/moe.md)."""
 
+    # block_k 128 at 4 stages: 3.14 ms a decode step at batch 1 on an H100 against 3.36 at 64
+    # and 3 stages (docs/performance-log.md: MoE expert tiles).
     block_m: int = 16
     block_n: int = 64
-    block_k: int = 64
+    block_k: int = 128
     num_warps: int = 4
-    num_stages: int = 3  # triton's default on CUDA
+    num_stages: int = 4
     # Steps of at most this many rows build the tile tables over a pair block sized for them
     # (rows x top_k, to a power of two) instead of the 512 pairs the one-program kernel takes
     # at most: a decode step of one sequence sorts 64 lanes, not 512. Integer tables, the same
@@ -321,3 +323,10 @@ class MoeConfig:
             raise ValueError(f"num_stages {self.num_stages} is below 1")
         if self.small_step_rows < 0:
             raise ValueError(f"small_step_rows {self.small_step_rows} is below 0")
+
+    def for_itemsize(self, itemsize: int) -> "MoeConfig":
+        """This tile for weights of `itemsize` bytes: block_k halved for 4-byte ones (fp32), so
+        that the pipelined loads take the shared memory of the 2-byte tile."""
+        if itemsize <= 2:
+            return self
+        return dataclasses.replace(self, block_k=max(16, self.block_k // 2))

@@ -223,6 +223,7 @@ def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     (tests poison them); None: allocated. The tile tables take one launch up to
     TILE_KERNEL_MAX_PAIRS pairs (the same tables as expert_tiles')."""
     num_rows, top_k = experts.shape
+    config = config.for_itemsize(gate_up.element_size())
     num_experts, two_n, num_in = gate_up.shape
     num_inter, hidden = two_n // 2, down.shape[1]
     num_pairs = num_rows * top_k
