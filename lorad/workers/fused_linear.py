@@ -42,9 +42,8 @@ def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequenc
     beside the matmul (a side stream), or add into the outputs after it and its bias in a step
     that adds its deltas in place (matmul_with_deltas): either way base + bias, then the delta,
     as peft."""
-    def matmul() -> torch.Tensor:
-        out = base_matmul(x, weight, gemv, pdl_rows=lora_rows.pdl_rows, plans=plans)
-        return out if bias is None else out.add_(bias)
+    def matmul() -> torch.Tensor:  # the bias in the GEMV's epilogue where it runs
+        return base_matmul(x, weight, gemv, pdl_rows=lora_rows.pdl_rows, plans=plans, bias=bias)
 
     out, deltas = matmul_with_deltas(loras, x, lora_rows, matmul, sizes)
     return list(out.split(sizes, dim=1)), deltas

@@ -43,27 +43,33 @@ def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ..
 
 def base_matmul(x: torch.Tensor, weight: torch.Tensor, gemv: "GemvConfig | None",
                 out_dtype: torch.dtype | None = None, pdl_rows: int = 0,
-                plans: Plans = None) -> torch.Tensor:
+                plans: Plans = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x weight^T summed in fp32, rounded to x's dtype (out_dtype None) or left in fp32. On the
     kernel path every row gets the same arithmetic whatever the row count (matmul_plan.py): in a
     step of few rows (a decode step), for a projection with a decode GEMV tile (gemv:
     Tuning.gemv's, None for none), the GEMV, launched with PDL like the kernels around it
     (cuBLAS's are not; pdl_rows: the step's PDL row limit); else, where the layer's measured
-    plan says cuBLAS would split K, row_matmul; cuBLAS otherwise."""
+    plan says cuBLAS would split K, row_matmul; cuBLAS otherwise. bias: [out] of the output's
+    dtype, added to the rounded product (the GEMV's epilogue, else an add in place; None:
+    none)."""
     if kernel_path(x.device):
         plan = None if plans is None else plans.get(plan_key(x.dtype, out_dtype))
         if gemv is not None and (plan is None or plan.gemv_agrees):
             from lorad.workers.kernels import decode_gemv  # lazily: the CPU never imports triton
             # The tile's block_m is the most rows the GEMV takes (supports says).
             if decode_gemv.supports(x, weight, out_dtype, gemv):
-                return decode_gemv.decode_matmul(x, weight, out_dtype, gemv, pdl_rows=pdl_rows)
+                return decode_gemv.decode_matmul(x, weight, out_dtype, gemv, pdl_rows=pdl_rows,
+                                                 bias=bias)
         tile = None if plan is None else plan.tile(x.shape[0])
         if tile is not None:
             from lorad.workers.kernels.row_matmul import row_matmul
-            return row_matmul(x, weight, out_dtype, tile)
+            out = row_matmul(x, weight, out_dtype, tile)
+            return out if bias is None else out.add_(bias)
     if out_dtype is None or out_dtype == x.dtype:
-        return cpu_threads.linear(x, weight)
-    return torch.mm(x, weight.t(), out_dtype=out_dtype)
+        out = cpu_threads.linear(x, weight)
+    else:
+        out = torch.mm(x, weight.t(), out_dtype=out_dtype)
+    return out if bias is None else out.add_(bias)
 
 
 def load_replicated(param: nn.Parameter, name: str, tensor_slice) -> None:

@@ -13,8 +13,9 @@ import importlib.util
 import pytest
 import torch
 
-from tests.kernels.decode_gemv_checks import (GPU_SHAPES, check_matches_reference, check_refusals,
-                                      check_rows_independent_of_batch, check_views)
+from tests.kernels.decode_gemv_checks import (GPU_SHAPES, check_bias, check_matches_reference,
+                                              check_refusals, check_rows_independent_of_batch,
+                                              check_views)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
@@ -49,6 +50,13 @@ def test_other_dtypes(dtype):
     check_matches_reference("cuda", DTYPES[dtype], "model", shapes, BATCHES, tile="default")
     check_rows_independent_of_batch("cuda", DTYPES[dtype], "model", shapes, BATCHES,
                                     tile="default")
+
+
+@pytest.mark.parametrize("out", ["model", "fp32"])
+def test_bias(out):
+    """Qwen2's q/k/v bias in the epilogue: torch's add_ bit for bit, at the 8B q/k/v shape."""
+    n, k = GPU_SHAPES["qkv"]
+    check_bias("cuda", torch.bfloat16, n=n, k=k, tile="model", out=out)
 
 
 def test_views_and_refusals():

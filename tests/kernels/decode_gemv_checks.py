@@ -161,6 +161,32 @@ def check_views(device: str, dtype: torch.dtype = torch.bfloat16, n: int = 70, k
         _assert_close(f"{name} {dtype}", got, x, w)
 
 
+def check_bias(device: str, dtype: torch.dtype = torch.bfloat16, n: int = 70, k: int = 100,
+               tile: str = "small", out: str = "model") -> None:
+    """A bias in the epilogue gives torch's add_ of it to the product, bit for bit (n not a
+    multiple of block_n, 1 to 16 rows); a bias of the wrong shape, dtype or stride is
+    refused."""
+    from lorad.workers.kernels.decode_gemv import decode_matmul
+    gen = torch.Generator(device).manual_seed(11)
+    config, out_dtype = _config(tile), OUT_DTYPES[out]
+    for num_rows in (1, 5, 16):
+        x, w = _inputs(gen, num_rows, n, k, dtype, device)
+        bias = torch.randn(n, generator=gen, device=device).to(out_dtype or dtype)
+        got = decode_matmul(x, w, out_dtype, config, bias=bias)
+        want = decode_matmul(x, w, out_dtype, config).add_(bias)
+        if not torch.equal(got, want):
+            raise AssertionError(f"bias {dtype} out {out} rows {num_rows}: "
+                                 f"{int((got != want).sum())} elements differ from add_")
+    for bad in (bias[:-1], bias.to(torch.float16), torch.stack([bias, bias], 1)[:, 0]):
+        try:
+            decode_matmul(x, w, out_dtype, config, bias=bad)
+        except ValueError as exc:
+            if "bias" not in str(exc):
+                raise AssertionError(f"the bias refusal does not name it: {exc}")
+            continue
+        raise AssertionError(f"decode_matmul took a bias of {tuple(bad.shape)} {bad.dtype}")
+
+
 def check_refusals(device: str) -> None:
     """Empty batches give empty results; inputs the kernel does not take raise ValueError (and
     supports() says False); bad tile configs raise ValueError."""
@@ -230,6 +256,9 @@ CHECKS = {
                                        dict(dtype=torch.float32)),
     "views_bf16": (check_views, dict(dtype=torch.bfloat16)),
     "refusals": (check_refusals, dict()),
+    "bias_bf16": (check_bias, dict(dtype=torch.bfloat16)),
+    "bias_bf16_rows16": (check_bias, dict(dtype=torch.bfloat16, tile="rows16")),
+    "bias_fp32": (check_bias, dict(dtype=torch.float32)),
 }
 
 

@@ -13,9 +13,11 @@ Launched with PDL (kernels/pdl.py) in a decode step, as lorad's other kernels ar
 kernel after it launch at its start, then waits for the one before it (letting it launch only
 after the last store was slower: docs/performance-log.md: GEMV trigger at its start).
 Deliberately not here: split-K (a narrow N, such as a tensor-parallel shard, gives few
-programs; cuBLAS may win there), more than MAX_ROWS rows (prefill takes cuBLAS), bias, the LoRA
+programs; cuBLAS may win there), more than MAX_ROWS rows (prefill takes cuBLAS), the LoRA
 delta (the shrink and expand run beside this kernel; a delta added in this kernel's
-epilogue was tried and left: docs/performance-log.md: GEMV LoRA epilogue).
+epilogue was tried and left: docs/performance-log.md: GEMV LoRA epilogue). An optional bias
+(Qwen2's q/k/v) is added in the epilogue to the rounded product, in fp32, and rounded again:
+torch's `out.add_(bias)` bit for bit, without its launch.
 
 The model (linear.py's base_matmul) uses it for the q/k/v and gate/up projections in steps of up
 to 16 rows, each with its own tile (configs.GemvModelTiles); o and down keep cuBLAS.
@@ -41,9 +43,10 @@ MAX_ROWS = GEMV_MAX_ROWS
 # The batch size must not pick another compiled variant (triton specializes ints equal to 1 or
 # divisible by 16): one binary, so one order of sums, for every batch.
 @triton.jit(do_not_specialize=["num_rows"])
-def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
+def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, bias_ptr, num_rows, N, K,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                        EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        PDL: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)
     n0 = tl.program_id(0) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -64,6 +67,9 @@ def _decode_gemv_kernel(x_ptr, w_ptr, stride_w, out_ptr, num_rows, N, K,
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_BIAS:  # rounded product + bias in fp32, rounded: torch's add_ of the two
+        bias = tl.load(bias_ptr + w_rows).to(tl.float32)  # [BLOCK_N]; past N: never stored
+        out = (out.to(tl.float32) + bias[None, :]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], out, mask=in_rows & (cols[None, :] < N))
 
 
@@ -100,23 +106,30 @@ def supports(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = N
 
 
 def decode_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-                  config: GemvConfig = GemvConfig(), pdl_rows: int = 0) -> torch.Tensor:
+                  config: GemvConfig = GemvConfig(), pdl_rows: int = 0,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """-> [M, N] = x w^T, summed in fp32 and stored as out_dtype (None: x's dtype, one rounding;
     torch.float32: the unrounded sum). Raises ValueError for inputs it does not take.
 
     x: [M, K] with M <= config.block_m, bf16, fp16 or fp32 (copied if its rows are not packed,
     which decode inputs are); w: [N, K] of x's dtype with contiguous rows (a slice of a larger
     matrix's rows or columns is fine). pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no
-    PDL)."""
+    PDL). bias: [N] contiguous, of the output's dtype, added to the rounded product (None:
+    none)."""
     out, x = matmul_output(x, w, out_dtype, unsupported(x, w, out_dtype, config),
                            "decode_matmul")
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != out.dtype
+                             or not bias.is_contiguous()):
+        raise ValueError(f"decode_matmul: bias of shape {tuple(bias.shape)} and {bias.dtype} "
+                         f"for {w.shape[0]} outputs of {out.dtype}")
     if x is None:
-        return out
+        return out if bias is None else out.add_(bias)
     (num_rows, num_in), num_out = x.shape, w.shape[0]
     grid = (cdiv(num_out, config.block_n),)
     _decode_gemv_kernel[grid](
-        x, w, w.stride(0), out, num_rows, num_out, num_in, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=num_in % config.block_k == 0,
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        x, w, w.stride(0), out, out if bias is None else bias, num_rows, num_out, num_in,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=num_in % config.block_k == 0, NUM_STAGES=config.num_stages,
+        HAS_BIAS=bias is not None, num_warps=config.num_warps,
         **launch_options(x.device, num_rows, pdl_rows))
     return out
