@@ -55,9 +55,9 @@ def decode(frame: bytes, accept: tuple[type, ...]) -> object:
 def _to_wire(value):
     if type(value) in _PLAIN:
         return value
-    fields = _field_getter(type(value))
-    if fields is not None:
-        return [_to_wire(v) for v in fields(value)]
+    to_list = _dataclass_encoder(type(value))
+    if to_list is not None:
+        return to_list(value)
     if isinstance(value, (list, tuple)):
         if all(type(v) in _PLAIN for v in value):
             return value  # token ids and the like: msgpack packs them as they are
@@ -78,6 +78,41 @@ def _field_getter(cls: type):
     if len(names) == 1:  # attrgetter of one name returns the value itself
         return lambda value: (getattr(value, names[0]),)
     return operator.attrgetter(*names)
+
+
+@cache
+def _dataclass_encoder(cls: type):
+    """-> encode(value): a dataclass's wire list, its fields in wire order; None for any other
+    type. Fields whose type hint holds plain values only (int, str, ..., optional ones, lists of
+    them: token ids) go as they are, the others through _to_wire: a step's result encodes one
+    SeqOutput per sequence, so nothing is looked at per value that the hints already say."""
+    fields = _field_getter(cls)
+    if fields is None:
+        return None
+    hints = typing.get_type_hints(cls)
+    nested = [i for i, f in enumerate(dataclasses.fields(cls)) if not _plain_hint(hints[f.name])]
+    if not nested:
+        return lambda value: list(fields(value))
+
+    def encode_fields(value):
+        out = list(fields(value))
+        for i in nested:
+            out[i] = _to_wire(out[i])
+        return out
+    return encode_fields
+
+
+def _plain_hint(tp) -> bool:
+    """Whether every value of type hint tp is a plain value or a list of them (msgpack packs
+    those as they are)."""
+    if tp in _PLAIN:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return all(_plain_hint(arg) for arg in typing.get_args(tp))
+    if origin is list:
+        return all(arg in _PLAIN for arg in typing.get_args(tp))
+    return False
 
 
 class _NoShortcut:
