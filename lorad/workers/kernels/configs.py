@@ -301,11 +301,13 @@ class MoeConfig:
     """fused_moe.py's tiles: block_m (pair, expert) rows of one expert per tile, block_n outputs
     and block_k inputs per MMA step (powers of two of at least 16, as tl.dot takes them),
     num_stages loads of the weights in flight (triton's software pipeline; changes no bit). A
-    row's bits depend on block_k (the order of its sums), so a server keeps one. Untuned: chosen
-    on the CPU interpreter, to be measured on the H200 (docs/moe.md)."""
+    row's bits depend on block_k (the order of its sums), so a server keeps one. block_k and
+    num_stages measured on an H100 (below), block_m, block_n and num_warps only in
+    benchmarks/probe_moe_decode.py's sweep (no better one at batch 1)."""
 
-    # block_k 128 at 4 stages: 3.14 ms a decode step at batch 1 on an H100 against 3.36 at 64
-    # and 3 stages (docs/performance-log.md: MoE expert tiles).
+    # block_k 128 at 4 stages: 3.14 ms of device time a decode step at batch 1 on an H100
+    # against 3.36 at 64 and 3 (docs/performance-log.md: MoE expert tiles block_k 128 at 4
+    # stages).
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
