@@ -303,7 +303,7 @@ class MoeConfig:
     num_stages loads of the weights in flight (triton's software pipeline; changes no bit). A
     row's bits depend on block_k (the order of its sums), so a server keeps one. block_k and
     num_stages measured on an H100 (below), block_m, block_n and num_warps only in
-    benchmarks/probe_moe_decode.py's sweep (no better one at batch 1)."""
+    benchmarks/probe_moe_decode.py's sweep (none more than 2% faster at batch 1)."""
 
     # block_k 128 at 4 stages: 3.14 ms of device time a decode step at batch 1 on an H100
     # against 3.36 at 64 and 3 (docs/performance-log.md: MoE expert tiles block_k 128 at 4
