@@ -79,11 +79,11 @@ def parse_args() -> argparse.Namespace:
                         "num_stages,items_per_sm}, expand.{small,large}.{block_n,num_warps,"
                         "num_stages}, expand.small_step_rows, expand.items_per_sm, "
                         "gemv.{qkv,gate_up}.{block_m,block_n,block_k,num_warps,num_stages}, "
-                        "moe.{block_m,block_n,block_k,num_warps,num_stages} "
-                        "(gemv.qkv=None: cuBLAS), attention.{split_size,tile_tokens,"
-                        "split_programs,num_warps,num_stages,reduce_group,prefetch_max_seqs,"
-                        "preload_max_seqs}; e.g. 'shrink.items_per_sm=4;main;pdl.max_rows=64+"
-                        "tiles.programs_per_sm=16'")
+                        "moe.{block_m,block_n,block_k,num_warps,num_stages,small_step_rows,pdl} "
+                        "(gemv.qkv=None: cuBLAS; gemv.o.block_m=16: the GEMV for o), "
+                        "attention.{split_size,tile_tokens,split_programs,num_warps,"
+                        "num_stages,reduce_group,prefetch_max_seqs,preload_max_seqs}; e.g. "
+                        "'shrink.items_per_sm=4;main;pdl.max_rows=64+tiles.programs_per_sm=16'")
     p.add_argument("--variant-cases", default="idle,one,many")
     p.add_argument("--variant-batches", type=ints, default=[1, 32, 64])
     p.add_argument("--eager-batches", type=ints, default=[1, 32],

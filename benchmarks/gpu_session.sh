@@ -13,6 +13,8 @@
 #   moe       bench_engine on the MoE shape (scripts/configs/qwen1.5-moe-a2.7b, random weights):
 #             decode at batch 1, 32, 64, base and 4 adapters mixed, against the floor of the
 #             experts touched and transformers + peft generate (issue 34's targets, last)
+#   moe-pieces  probe_moe_decode (a MoE decode layer's pieces alone: tile tables, expert tiles,
+#             each projection by GEMV tile against cuBLAS), profile_decode on the MoE shape
 #   multi     bench_multi_gpu (world 1, 2, 4 over NCCL)
 #   profile   profile_decode;  graph: profile_graph (traces in $OUT/traces);
 #   prefill   profile_prefill (prefill steps' kernels by group, base and LoRA, with matmul plans;
@@ -132,6 +134,10 @@ for part in "${parts[@]}"; do
     moe) bench bench-moe.log 500 bench_engine --config scripts/configs/qwen1.5-moe-a2.7b \
            --batches 1,32,64 --cases base,mixed4 --num-adapters 4 --eager-batches "" \
            --prefill "" --hf-batches 1,32 --table-out "$OUT/bench-moe.md" ;;
+    moe-pieces)
+      bench moe-probe.log 240 probe_moe_decode
+      bench moe-profile.log 150 profile_decode --config scripts/configs/qwen1.5-moe-a2.7b \
+        --top 25 ;;
     multi) bench bench-multi-gpu.log 240 bench_multi_gpu --table-out "$OUT/bench-multi-gpu.md" ;;
     profile) bench profile.log 90 profile_decode ;;
     prefill)

@@ -198,28 +198,32 @@ def model_specs() -> list[Spec]:
 def moe_specs() -> list[Spec]:
     """The fused MoE kernels and the block's glue at Qwen1.5-MoE-A2.7B's shape
     (scripts/configs/qwen1.5-moe-a2.7b: hidden 2048, 60 experts of intermediate 1408, top 4,
-    bf16)."""
+    bf16), launched with PDL as MoeConfig.pdl does."""
     config = MoeConfig()
-    tiles = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
+    tiles = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
+             "PDL": True}
     tables = {"pair_order_ptr": "i64", "tile_expert_ptr": "i32", "tile_start_ptr": "i32",
               "tile_count_ptr": "i32"}
     return [
         Spec(f"fused MoE, gate/up + silu * up, {config}", fused_moe._gate_up_kernel,
-             {**tiles, "TOP_K": 4}, config.num_warps, 3,
+             {**tiles, "TOP_K": 4}, config.num_warps, config.num_stages,
              {"x_ptr": "bf16", "w_ptr": "bf16", "h_ptr": "bf16", **tables}, ("N", "K")),
         Spec(f"fused MoE, down x routing weight, {config}", fused_moe._down_kernel, tiles,
-             config.num_warps, 3,
+             config.num_warps, config.num_stages,
              {"h_ptr": "bf16", "w_ptr": "bf16", "weight_ptr": "bf16", **tables}, ("H", "N")),
         Spec("MoE tile tables, one program", fused_moe._expert_tiles_kernel,
              {"NUM_EXPERTS": 60, "BLOCK_M": config.block_m,
-              "BLOCK_P": fused_moe.TILE_KERNEL_MAX_PAIRS, "BLOCK_E": 64, "BLOCK_T": 128}, 4, 3,
+              "BLOCK_P": fused_moe.TILE_KERNEL_MAX_PAIRS, "BLOCK_E": 64, "BLOCK_T": 128,
+              "PDL": True}, 4, 3,
              {"experts_ptr": "i64", **tables}),
         Spec("MoE route, 60 experts top 4", moe_glue._route_kernel,
-             {"TOP_K": 4, "NORM": False, "HAS_PADDING": True, "BLOCK_E": 64, "LOG_E": 6}, 1, 3,
+             {"TOP_K": 4, "NORM": False, "HAS_PADDING": True, "BLOCK_E": 64, "LOG_E": 6,
+              "PDL": True}, 1, 3,
              {"logits_ptr": "bf16", "real_rows_ptr": "i1", "weights_ptr": "bf16",
               "experts_ptr": "i64"}),
         Spec("MoE epilogue, routed + sigmoid(gate) * shared", moe_glue._epilogue_kernel,
-             {"TOP_K": 4, "HAS_PADDING": True, "BLOCK": moe_glue.EPILOGUE_BLOCK}, 4, 3,
+             {"TOP_K": 4, "HAS_PADDING": True, "BLOCK": moe_glue.EPILOGUE_BLOCK, "PDL": True},
+             4, 3,
              {"real_rows_ptr": "i1", "gate_ptr": "bf16"}, ("H",)),
     ]
 
@@ -241,9 +245,10 @@ def gemv_spec(config, k: int) -> Spec:
     return Spec(f"decode GEMV, K {k}, {config}", decode_gemv._decode_gemv_kernel,
                 {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
                  "EVEN_K": k % config.block_k == 0, "NUM_STAGES": config.num_stages,
-                 "PDL": True},
+                 "HAS_BIAS": False, "PDL": True},
                 config.num_warps, config.num_stages,
-                {"x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16"}, ("N", "K"))
+                {"x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "bias_ptr": "bf16"},
+                ("N", "K"))
 
 
 def parse_configs(texts, make, fields: int) -> list:

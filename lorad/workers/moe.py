@@ -63,14 +63,15 @@ class ReplicatedLinear(nn.Module):
         return rowwise_linear(x, self.weight)
 
 
-def gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, pdl_rows: int = 0) -> torch.Tensor:
     """x weight^T on the kernel path through the decode GEMV, block_m rows a launch: one tile
     shape and no split of K whatever the row count, so a row's bits are its own (cuBLAS picks
-    kernels by shape). A launch per block_m rows: cheap at decode, slow for a long prefill."""
+    kernels by shape). A launch per block_m rows: cheap at decode, slow for a long prefill.
+    pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no PDL)."""
     from lorad.workers.kernels.decode_gemv import decode_matmul  # the CPU never imports triton
     config = GemvConfig(block_k=128 if weight.element_size() > 2 else 256)  # fp32: half the k
     step = config.block_m
-    parts = [decode_matmul(x[i:i + step], weight, config=config)
+    parts = [decode_matmul(x[i:i + step], weight, config=config, pdl_rows=pdl_rows)
              for i in range(0, x.shape[0], step)]
     if len(parts) == 1:  # a decode step: no copy (cat of one tensor is a kernel)
         return parts[0]
@@ -89,17 +90,19 @@ class TopKRouter(ReplicatedLinear):
         self.norm_topk_prob = config.norm_topk_prob
 
     def route(self, x: torch.Tensor, real_rows: torch.Tensor | None = None,
-              logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              logits: torch.Tensor | None = None, pdl_rows: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_rows, hidden] -> (weights [num_rows, top_k] in x's dtype, experts
         [num_rows, top_k] int64, each row's ascending; num_experts and 0 for the rows real_rows
         ([num_rows] bool, None: all) marks as padding). Every rank computes the same bits from
         the same x, on either path (moe_math.route). logits: self(x) when the caller has them
-        (rows may be strided); None: computed here."""
+        (rows may be strided); None: computed here. pdl_rows: the kernel path's PDL row limit
+        (kernels/pdl.py; 0: no PDL)."""
         if logits is None:
             logits = self(x)  # [num_rows, num_experts]
         if kernel_path(x.device):
             from lorad.workers.kernels.moe_glue import route  # the CPU never imports triton
-            return route(logits, self.top_k, self.norm_topk_prob, real_rows)
+            return route(logits, self.top_k, self.norm_topk_prob, real_rows, pdl_rows=pdl_rows)
         return moe_math.route(logits, self.top_k, self.norm_topk_prob, real_rows)
 
 
@@ -165,12 +168,14 @@ class RoutedExperts(nn.Module):
                              real_rows=real_rows)
         return routed_experts_torch(x, self.gate_up, self.down, weights, experts, real_rows)
 
-    def pairs(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
-              ) -> torch.Tensor:
+    def pairs(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+              pdl_rows: int = 0) -> torch.Tensor:
         """The kernel path's products, not yet added: [num_rows, top_k, hidden] float32, a
-        padding pair (expert num_experts) not written (kernels/fused_moe.py's expert_pairs)."""
+        padding pair (expert num_experts) not written (kernels/fused_moe.py's expert_pairs);
+        pdl_rows: the step's PDL row limit (0: no PDL)."""
         from lorad.workers.kernels.fused_moe import expert_pairs  # the CPU never imports triton
-        return expert_pairs(x, self.gate_up, self.down, weights, experts, self.config)
+        return expert_pairs(x, self.gate_up, self.down, weights, experts, self.config,
+                            pdl_rows=pdl_rows)
 
 
 def routed_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -259,19 +264,21 @@ class SparseMoeBlock(nn.Module):
         pads to MIN_ROWS rows, whose experts would otherwise be read too). None: every row is
         routed."""
         real_rows = None if ctx is None else ctx.real_rows
+        pdl_rows = lora.pdl_rows if self.experts.config.pdl else 0  # the block's own kernels
         if kernel_path(x.device):  # the router's logits and the gate in one launch
-            both = gemv_rows(x, self.router_gate)  # [num_rows, num_experts + 1]
+            both = gemv_rows(x, self.router_gate, pdl_rows)  # [num_rows, num_experts + 1]
             logits, gate = both[:, :self.num_experts], both[:, self.num_experts:]
         else:
             logits, gate = self.gate(x), self.shared_expert_gate(x)  # gate: [num_rows, 1]
-        weights, experts = self.gate.route(x, real_rows, logits)
+        weights, experts = self.gate.route(x, real_rows, logits, pdl_rows)
         # The gate scales the shared expert's sum over ranks; scaling each rank's share first
         # is the same sum, so one all-reduce carries both.
         shared = self.shared_expert.partial_sum(x, lora)
         if kernel_path(x.device):  # the routed sum, padding, gate and add in one epilogue
             from lorad.workers.kernels.moe_glue import epilogue  # the CPU never imports triton
-            pairs = self.experts.pairs(x, weights, experts)
-            return self.tp.all_reduce(epilogue(pairs, gate, shared, real_rows)), None
+            pairs = self.experts.pairs(x, weights, experts, pdl_rows)
+            return (self.tp.all_reduce(epilogue(pairs, gate, shared, real_rows,
+                                                pdl_rows=pdl_rows)), None)
         routed = self.experts(x, weights, experts, real_rows)
         scale = moe_math.sigmoid(gate).float()  # [num_rows, 1]
         return self.tp.all_reduce(routed + scale * shared), None

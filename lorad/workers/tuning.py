@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import typing
 from dataclasses import dataclass
 
 from lorad.workers.kernels.configs import (DecodeAttentionConfig, ExpandSteps, GemvModelTiles,
@@ -34,8 +35,10 @@ class Tuning:
 def replaced(tuning: Tuning, settings: str) -> Tuning:
     """`tuning` with settings applied by nested dataclasses.replace: settings are
     PATH=VALUE joined by '+', PATH a dotted field path (shrink.items_per_sm,
-    expand.small.block_n, gemv.o), VALUE a Python literal (None, numbers, True/False, strings).
-    'main' (or '') changes nothing. Raises ValueError naming a part it cannot apply."""
+    expand.small.block_n, gemv.o), VALUE a Python literal (None, numbers, True/False, strings);
+    a path into a field that holds None starts from its type's defaults (gemv.o.block_m=16: the
+    decode GEMV for o, GemvConfig() with block_m 16). 'main' (or '') changes nothing. Raises
+    ValueError naming a part it cannot apply."""
     if settings in ("", "main"):
         return tuning
     for part in settings.split("+"):
@@ -58,5 +61,17 @@ def _replace_path(obj, path: list[str], value):
         raise ValueError(f"{type(obj).__name__} has no field {path[0]!r} "
                          f"(fields: {', '.join(sorted(names))})")
     if len(path) > 1:
-        value = _replace_path(getattr(obj, path[0]), path[1:], value)
+        inner = getattr(obj, path[0])
+        if inner is None:  # an optional setting: its type's defaults, then the path's change
+            inner = _optional_type(type(obj), path[0])()
+        value = _replace_path(inner, path[1:], value)
     return dataclasses.replace(obj, **{path[0]: value})
+
+
+def _optional_type(cls: type, name: str) -> type:
+    """The dataclass of field `name` of cls, declared `SomeConfig | None`."""
+    hint = typing.get_type_hints(cls)[name]
+    kinds = [arg for arg in typing.get_args(hint) if dataclasses.is_dataclass(arg)]
+    if len(kinds) != 1:
+        raise ValueError(f"{cls.__name__}.{name} is None and has no settings")
+    return kinds[0]

@@ -3,13 +3,13 @@
 Triton compiles a variant per constexpr value, and some of ours follow the step's size: PDL on or
 off (the step's rows against PdlConfig's limits), the expand's tile (ExpandSteps), the decode GEMV
 (base projections of at most its block_m rows), the MoE tile tables' pair block (MoeConfig), the
-LoRA flags (whether any row has an adapter) and decode attention's paths by sequence count. warm_up_steps lists one step in each band, with
-and without adapter rows, and a mixed step with more decodes than decode attention's early
-block-id read takes (a mixed step's decode rows run the decode kernel, attention_cuda.py);
-integer arguments that follow the step (block-table widths, row counts) are not specialized by
-the kernels, so one step per band compiles what the band can reach. The
-steps take no block and write nothing: their tables name block 0, only read, and the engine sets
-every KV slot to -1. No torch here: the list is pure, Engine.warm_up runs it.
+LoRA flags (whether any row has an adapter) and decode attention's paths by sequence count.
+warm_up_steps lists one step in each band, with and without adapter rows, and a mixed step
+with more decodes than decode attention's early block-id read takes (a mixed step's decode rows
+run the decode kernel, attention_cuda.py); integer arguments that follow the step (block-table
+widths, row counts) are not specialized by the kernels, so one step per band compiles what the
+band can reach. The steps take no block and write nothing: their tables name block 0, only
+read, and the engine sets every KV slot to -1. No torch here: the list is pure, Engine.warm_up runs it.
 """
 
 from __future__ import annotations

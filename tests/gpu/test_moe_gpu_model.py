@@ -13,6 +13,7 @@ import torch
 
 from lorad.workers.batch import ForwardBatch
 from lorad.workers.cuda_graph import DecodeGraphs
+from lorad.workers.tuning import replaced
 from tests.model_steps import (build_model, check_scenario_against_reference, make_streams,
                                rel_error)
 from tests.tiny_adapters import make_peft_adapter
@@ -60,13 +61,16 @@ def test_logits_match_transformers_and_peft(tiny, dtype, tol):
                                      CUDA, tol, adapter_moves=10 * BF16_REL_TOL)
 
 
-def test_graph_replay_is_the_eager_step(tiny):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_graph_replay_is_the_eager_step(tiny, pdl):
     """bf16 decode steps of 1 to 16 sequences (base and both adapters mixed): the captured
     graph's logits are bit for bit the same padded step run eagerly. (Not compared with the
     plain eager step, as the dense family's test does: its smaller matmuls round differently,
     and a router near a tie then sends a row to another expert, a change of any size.)"""
     checkpoint, adapters = tiny
     model = build_model(checkpoint, adapters, torch.bfloat16, CUDA, NUM_BLOCKS, BLOCK_SIZE)
+    if pdl:  # the MoE blocks' kernels with PDL too (MoeConfig.pdl)
+        model.tune(replaced(model.tuning, "moe.pdl=True"))
     # As the engine starts. Without plans this test failed twice on an H100; a suspect: cuBLAS's
     # split-K products (the shared expert's fp32 partial sums) inside a capture.
     model.plan_matmuls(MAX_ROWS)

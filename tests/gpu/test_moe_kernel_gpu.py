@@ -88,3 +88,10 @@ def test_epilogue(dtype, num_rows):
 def test_block(dtype, num_rows):
     check_block("cuda", DTYPES[dtype], num_rows, hidden=2048, num_experts=60, top_k=4,
                 inter=1408, shared_inter=5632)
+
+
+@pytest.mark.parametrize("num_rows", [1, 16])
+def test_block_with_pdl(num_rows):
+    """The block's kernels launched with PDL (MoeConfig.pdl): the same bits."""
+    check_block("cuda", torch.bfloat16, num_rows, hidden=2048, num_experts=60, top_k=4,
+                inter=1408, shared_inter=5632, pdl=True)

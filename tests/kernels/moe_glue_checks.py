@@ -10,6 +10,7 @@ inputs, ties forced, padding rows, every buffer a kernel writes poisoned first.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from types import SimpleNamespace
@@ -149,25 +150,28 @@ def _block(device, dtype, hidden, num_experts, top_k, inter, shared_inter, norm,
 
 def check_block(device: str, dtype: torch.dtype, num_rows: int, norm: bool = False,
                 hidden: int = 64, num_experts: int = 12, top_k: int = 4, inter: int = 32,
-                shared_inter: int = 48, seed: int = 5) -> None:
+                shared_inter: int = 48, seed: int = 5, pdl: bool = False) -> None:
     """SparseMoeBlock.forward on the kernel path (route, tiles, two expert kernels, epilogue)
     against the composition it replaced there (moe_math.route, fused_moe with its sort and
     add_experts, torch's sigmoid scale and add), bit for bit, with padding rows; and row 0
-    alone (among padding rows) against the row in a step of up to 16 rows."""
+    alone (among padding rows) against the row in a step of up to 16 rows. pdl: the block's
+    kernels launched with PDL (MoeConfig.pdl, a step limit of 512 rows; on CUDA 9.0+ only)."""
     from lorad.workers.kernels import moe_math
     from lorad.workers.kernels.fused_moe import fused_moe
     from lorad.workers.lora_rows import LoraRows
     from lorad.workers.models.llama import plan_module_matmuls
     from lorad.workers.tuning import Tuning
     block = _block(device, dtype, hidden, num_experts, top_k, inter, shared_inter, norm, seed)
+    if pdl:
+        block.experts.config = dataclasses.replace(block.experts.config, pdl=True)
     if device != "cpu":  # the shared expert's matmul plans, as the engine measures them at start
         plan_module_matmuls(block, 16, Tuning().matmul)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_rows, hidden, generator=gen).to(dtype=dtype, device=device)
     real_rows = _real_rows(device, num_rows, seed)
     real_rows[0] = True
-    lora = LoraRows(slots=(), groups=[])
-    where = f"block {dtype} rows {num_rows} norm {norm}"
+    lora = LoraRows(slots=(), groups=[], pdl_rows=512 if pdl else 0)
+    where = f"block {dtype} rows {num_rows} norm {norm} pdl {pdl}"
     with _kernel_path(device):
         got, _ = block(x, lora, SimpleNamespace(real_rows=real_rows))
         weights, experts = moe_math.route(block.gate(x), top_k, norm)
@@ -223,6 +227,7 @@ CHECKS = {
     "block_fp32_8": (check_block, dict(dtype=torch.float32, num_rows=8)),
     "block_bf16_8_norm": (check_block, dict(dtype=torch.bfloat16, num_rows=8, norm=True)),
     "block_fp32_16": (check_block, dict(dtype=torch.float32, num_rows=16)),
+    "block_fp32_8_pdl": (check_block, dict(dtype=torch.float32, num_rows=8, pdl=True)),
     "block_fp32_33_norm": (check_block, dict(dtype=torch.float32, num_rows=33, norm=True)),
     # 150 rows x 4: past TILE_KERNEL_MAX_PAIRS, expert_tiles' torch tables
     "block_bf16_150": (check_block, dict(dtype=torch.bfloat16, num_rows=150)),

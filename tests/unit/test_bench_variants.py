@@ -28,6 +28,16 @@ def test_settings_are_nested_replaces_of_a_tuning():
     assert replaced(base, "main") is base and replaced(base, "") is base
 
 
+def test_a_setting_of_a_field_that_holds_none_starts_from_its_defaults():
+    from lorad.workers.kernels.configs import GemvConfig
+    assert Tuning().gemv.o is None  # cuBLAS for o: the path gives it the GEMV's default tile
+    got = replaced(Tuning(), "gemv.o.block_m=16+gemv.down.block_n=16")
+    assert got.gemv.o == GemvConfig(block_m=16)
+    assert got.gemv.down == GemvConfig(block_n=16)
+    with pytest.raises(ValueError, match="cannot apply tuning setting"):
+        replaced(Tuning(), "gemv.o.block_m=8")  # GemvConfig's own check
+
+
 @pytest.mark.parametrize("text", ["nosuch.x=1", "pdl.no_such_field=1", "pdl.max_rows=",
                                   "pdl.max_rows", "pdl.max_rows.x=1", "shrink.block_r=24"])
 def test_a_setting_it_cannot_apply_is_refused_by_name(text):

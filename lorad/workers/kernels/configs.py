@@ -318,6 +318,10 @@ class MoeConfig:
     # at most: a decode step of one sequence sorts 64 lanes, not 512. Integer tables, the same
     # entries either way; one more compiled variant (a warm-up row band). 0: never.
     small_step_rows: int = 16
+    # Launch the block's kernels (route, tile tables, the two expert kernels, the epilogue, the
+    # router's GEMV) with PDL under the step's row limit (kernels/pdl.py), as the dense layers'
+    # kernels are. Off until measured on a GPU (bench_engine --variant moe.pdl=True).
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         _check_powers_of_two(self, ("block_m", "block_n", "block_k"), 16, " (tl.dot's sides)")

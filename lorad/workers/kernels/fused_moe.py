@@ -20,6 +20,7 @@ import triton.language as tl
 
 from lorad.workers.kernels.configs import MoeConfig
 from lorad.workers.kernels.launch_math import cdiv
+from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
 
 def expert_tiles(experts: torch.Tensor, num_experts: int, block_m: int
@@ -61,8 +62,9 @@ TILE_KERNEL_MAX_PAIRS = 512
 def _expert_tiles_kernel(experts_ptr, pair_order_ptr, tile_expert_ptr, tile_start_ptr,
                          tile_count_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_T: tl.constexpr):
+                         BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     """expert_tiles in one program, for up to BLOCK_P pairs: the same tables, entry for entry."""
+    wait_for_previous(PDL)
     p = tl.arange(0, BLOCK_P)
     in_p = p < num_pairs
     flat = tl.load(experts_ptr + p, mask=in_p, other=NUM_EXPERTS).to(tl.int32)
@@ -103,11 +105,12 @@ def tiles_pair_block(num_rows: int, top_k: int, config: MoeConfig) -> int:
 
 def expert_tiles_kernel(experts: torch.Tensor, num_experts: int, block_m: int,
                         out: tuple[torch.Tensor, ...] | None = None,
-                        block_p: int = TILE_KERNEL_MAX_PAIRS, num_warps: int = 4
+                        block_p: int = TILE_KERNEL_MAX_PAIRS, num_warps: int = 4,
+                        pdl_rows: int = 0
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """expert_tiles' tables in one launch, for up to block_p pairs (a power of two, at most
     TILE_KERNEL_MAX_PAIRS). out: the four tables to write into (tests poison them); None:
-    allocated."""
+    allocated. pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no PDL)."""
     flat = experts.reshape(-1)
     num_pairs = flat.numel()
     assert num_pairs <= block_p <= TILE_KERNEL_MAX_PAIRS and flat.is_contiguous()
@@ -120,7 +123,7 @@ def expert_tiles_kernel(experts: torch.Tensor, num_experts: int, block_m: int,
         NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_P=block_p,
         BLOCK_E=triton.next_power_of_2(num_experts + 1),
         BLOCK_T=triton.next_power_of_2(cdiv(block_p, block_m) + num_experts),
-        num_warps=num_warps)
+        num_warps=num_warps, **launch_options(flat.device, experts.shape[0], pdl_rows))
     return pair_order, tile_expert, tile_start, tile_count
 
 
@@ -141,9 +144,10 @@ def _tile(pair_order_ptr, tile_start_ptr, tile_count_ptr, tile, BLOCK_M: tl.cons
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, pair_order_ptr, tile_expert_ptr, tile_start_ptr,
                     tile_count_ptr, N, K, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """h[p] = silu(x[row] W_gate^T) * (x[row] W_up^T) for the tile's pairs p of one expert;
     w: [num_experts, 2N, K] (gate rows, then up rows); h: [num_pairs, N] by pair position."""
+    wait_for_previous(PDL)
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
     if e < 0:
@@ -178,9 +182,10 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, pair_order_ptr, tile_expert_ptr, tile_s
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, pair_order_ptr, tile_expert_ptr,
                  tile_start_ptr, tile_count_ptr, H, N, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[pair] = (h[p] W_down^T) * weight[pair] in fp32 for the tile's pairs; w: [num_experts,
     H, N]; out: [num_pairs, H] by flat pair index (row * top_k + j)."""
+    wait_for_previous(PDL)
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
     if e < 0:
@@ -214,15 +219,18 @@ def add_experts(pairs: torch.Tensor) -> torch.Tensor:
 
 def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                  weights: torch.Tensor, experts: torch.Tensor, config: MoeConfig = MoeConfig(),
-                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 pdl_rows: int = 0) -> torch.Tensor:
     """-> [num_rows, top_k, H] float32: each (row, expert) pair's down product times its
     weight, a padding pair (expert num_experts) not written. x: [num_rows, K]; gate_up:
     [num_experts, 2N, K] (each expert's gate rows then up rows); down: [num_experts, H, N];
     weights, experts: [num_rows, top_k], each row's experts ascending (moe_glue.route's).
     buffers: (h [num_pairs, N] of x's dtype, pairs [num_pairs, H] float32) to write into
     (tests poison them); None: allocated. The tile tables take one launch up to
-    TILE_KERNEL_MAX_PAIRS pairs (the same tables as expert_tiles')."""
+    TILE_KERNEL_MAX_PAIRS pairs (the same tables as expert_tiles'). pdl_rows: the step's PDL
+    row limit (kernels/pdl.py; 0: no PDL)."""
     num_rows, top_k = experts.shape
+    pdl = launch_options(x.device, num_rows, pdl_rows)
     config = config.for_itemsize(gate_up.element_size())
     num_experts, two_n, num_in = gate_up.shape
     num_inter, hidden = two_n // 2, down.shape[1]
@@ -235,7 +243,8 @@ def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     if num_pairs <= TILE_KERNEL_MAX_PAIRS:
         pair_order, tile_expert, tile_start, tile_count = expert_tiles_kernel(
             experts.contiguous(), num_experts, config.block_m,
-            block_p=tiles_pair_block(num_rows, top_k, config))
+            block_p=tiles_pair_block(num_rows, top_k, config),
+            pdl_rows=pdl_rows)
     else:
         pair_order, tile_expert, tile_start, tile_count = expert_tiles(
             experts.contiguous(), num_experts, config.block_m)
@@ -245,12 +254,12 @@ def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         x, gate_up, h, pair_order, tile_expert, tile_start, tile_count, num_inter, num_in,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        num_stages=config.num_stages, **pdl)
     _down_kernel[(tiles, cdiv(hidden, config.block_n))](
         h, down, weights.contiguous(), pairs, pair_order, tile_expert, tile_start, tile_count,
         hidden, num_inter, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        num_stages=config.num_stages, **pdl)
     return pairs.view(num_rows, top_k, hidden)
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from lorad.workers.kernels import moe_math
 from lorad.workers.kernels.launch_math import cdiv
+from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
 EXP_MIN = tl.constexpr(moe_math.EXP_MIN)
 EXP_MAX = tl.constexpr(moe_math.EXP_MAX)
@@ -57,9 +58,11 @@ def _pairwise_sum(x, WIDTH: tl.constexpr, LOG_WIDTH: tl.constexpr):
 @triton.jit
 def _route_kernel(logits_ptr, stride_logits, real_rows_ptr, weights_ptr, experts_ptr,
                   num_experts, TOP_K: tl.constexpr, NORM: tl.constexpr,
-                  HAS_PADDING: tl.constexpr, BLOCK_E: tl.constexpr, LOG_E: tl.constexpr):
+                  HAS_PADDING: tl.constexpr, BLOCK_E: tl.constexpr, LOG_E: tl.constexpr,
+                  PDL: tl.constexpr):
     """One row: its top TOP_K of num_experts logits as moe_math.route picks, weighs and orders
     them, stored in ascending expert order (each picked expert's slot is its rank)."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK_E)
     in_e = lanes < num_experts
@@ -91,12 +94,13 @@ def _route_kernel(logits_ptr, stride_logits, real_rows_ptr, weights_ptr, experts
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
           real_rows: torch.Tensor | None = None,
-          out: tuple[torch.Tensor, torch.Tensor] | None = None
+          out: tuple[torch.Tensor, torch.Tensor] | None = None, pdl_rows: int = 0
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_math.route on the kernel path, one launch: logits [num_rows, num_experts] (rows may
     be strided) -> (weights [num_rows, top_k] of logits' dtype, experts [num_rows, top_k] int64,
     each row's ascending; num_experts and weight 0 for rows real_rows ([num_rows] bool) marks
-    as padding). out: (weights, experts) to write into (tests poison them); None: allocated."""
+    as padding). out: (weights, experts) to write into (tests poison them); None: allocated.
+    pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no PDL)."""
     num_rows, num_experts = logits.shape
     assert logits.stride(1) == 1 and 0 < top_k <= num_experts
     weights, experts = out or (
@@ -109,7 +113,8 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
         logits, logits.stride(0), logits if real_rows is None else real_rows, weights, experts,
         num_experts, TOP_K=top_k, NORM=norm_topk_prob, HAS_PADDING=real_rows is not None,
         BLOCK_E=block_e, LOG_E=block_e.bit_length() - 1, num_warps=1,
-        enable_fp_fusion=False)  # a fused multiply-add skips a rounding the torch path does
+        enable_fp_fusion=False,  # a fused multiply-add skips a rounding the torch path does
+        **launch_options(logits.device, num_rows, pdl_rows))
     return weights, experts
 
 
@@ -123,8 +128,10 @@ def _sigmoid(g, DTYPE: tl.constexpr):
 
 @triton.jit
 def _epilogue_kernel(pairs_ptr, real_rows_ptr, gate_ptr, stride_gate, shared_ptr, out_ptr, H,
-                     TOP_K: tl.constexpr, HAS_PADDING: tl.constexpr, BLOCK: tl.constexpr):
+                     TOP_K: tl.constexpr, HAS_PADDING: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     """out[row] = (its TOP_K pairs added in order, or 0 for padding) + sigmoid(gate) * shared."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -142,12 +149,13 @@ def _epilogue_kernel(pairs_ptr, real_rows_ptr, gate_ptr, stride_gate, shared_ptr
 
 def epilogue(pairs: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor,
              real_rows: torch.Tensor | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, pdl_rows: int = 0) -> torch.Tensor:
     """-> [num_rows, H] float32: routed + moe_math.sigmoid(gate).float() * shared, routed each
     row's pairs added j = 0, 1, ... (zeros for rows real_rows ([num_rows] bool) marks as
     padding, whose pairs are not read as numbers). pairs: [num_rows, top_k, H] float32
     (fused_moe.expert_pairs'); gate: [num_rows, 1] of the model dtype (rows may be strided);
-    shared: [num_rows, H] float32. out: to write into (tests poison it); None: allocated."""
+    shared: [num_rows, H] float32. out: to write into (tests poison it); None: allocated.
+    pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no PDL)."""
     num_rows, top_k, hidden = pairs.shape
     pairs, shared = pairs.contiguous(), shared.contiguous()  # no copy for the block's
     out = out if out is not None else torch.empty_like(shared)
@@ -156,5 +164,6 @@ def epilogue(pairs: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor,
     _epilogue_kernel[(num_rows, cdiv(hidden, EPILOGUE_BLOCK))](
         pairs, pairs if real_rows is None else real_rows, gate, gate.stride(0), shared, out,
         hidden, TOP_K=top_k, HAS_PADDING=real_rows is not None, BLOCK=EPILOGUE_BLOCK,
-        num_warps=4, enable_fp_fusion=False)  # scale * shared rounds before the add
+        num_warps=4, enable_fp_fusion=False,  # scale * shared rounds before the add
+        **launch_options(shared.device, num_rows, pdl_rows))
     return out
