@@ -19,10 +19,10 @@ import torch
 
 from benchmarks.common import conditions, copy_bandwidth, time_graph
 from lorad.workers.batch import MIN_ROWS
-from lorad.workers.kernels.configs import GemvConfig, MoeConfig
 from lorad.workers.kernels.decode_gemv import decode_matmul
 from lorad.workers.kernels.fused_moe import (TILE_KERNEL_MAX_PAIRS, expert_pairs,
                                              expert_tiles_kernel)
+from lorad.workers.tuning import Tuning, replaced
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA = torch.device("cuda")
@@ -35,12 +35,14 @@ GEMV_VARIANTS = ("block_n=64+block_k=256+num_stages=4", "block_n=64+block_k=128+
                  "block_n=16+block_k=512+num_stages=3", "block_n=32+block_k=512+num_stages=3")
 
 
-def config_of(cls, text: str):
-    """cls() with 'name=value+...' applied ('main': the defaults)."""
-    if text == "main":
-        return cls()
-    fields = dict(part.split("=") for part in text.split("+"))
-    return cls(**{name: int(value) for name, value in fields.items()})
+def config_of(field: str, text: str):
+    """Tuning()'s `field` (a dotted path: moe, gemv.o) with 'name=value+...' applied (tuning
+    .replaced; 'main': the defaults; a field that holds None starts from its type's)."""
+    settings = "+".join(f"{field}.{part}" for part in text.split("+") if part != "main")
+    tuning = replaced(Tuning(), settings)
+    for name in field.split("."):
+        tuning = getattr(tuning, name)
+    return tuning
 
 
 def micros(fn, calls: int) -> float:
@@ -109,7 +111,7 @@ def main() -> int:
     touched = len(set(experts[:args.rows].flatten().tolist()))
     expert_bytes = touched * 3 * inter * hidden * 2
     for text in [v for v in args.moe.split(",") if v]:
-        config = config_of(MoeConfig, text)
+        config = config_of("moe", text)
         us = micros(lambda i: expert_pairs(x, gate_ups[i % copies], downs[i % copies], weights,
                                            experts, config), args.calls)
         row("routed experts (tiles + gate/up + down)", text, us, expert_bytes)
@@ -126,7 +128,7 @@ def main() -> int:
         nbytes = ws[0].numel() * ws[0].element_size()
         row(name, "cuBLAS", micros(lambda i: inp @ ws[i].t(), args.calls), nbytes)
         for text in [v for v in args.gemv.split(",") if v]:
-            config = config_of(GemvConfig, f"block_m=16+{text}")
+            config = config_of("gemv.o", f"block_m=16+{text}")
             us = micros(lambda i: decode_matmul(inp, ws[i], config=config), args.calls)
             row(name, f"GEMV {text}", us, nbytes)
     print("\n".join(["", f"# {args.rows} real rows of {rows}, {touched} experts touched"] + lines))

@@ -52,6 +52,7 @@ def base_matmul(x: torch.Tensor, weight: torch.Tensor, gemv: "GemvConfig | None"
     plan says cuBLAS would split K, row_matmul; cuBLAS otherwise. bias: [out] of the output's
     dtype, added to the rounded product (the GEMV's epilogue, else an add in place; None:
     none)."""
+    out = None
     if kernel_path(x.device):
         plan = None if plans is None else plans.get(plan_key(x.dtype, out_dtype))
         if gemv is not None and (plan is None or plan.gemv_agrees):
@@ -64,10 +65,9 @@ def base_matmul(x: torch.Tensor, weight: torch.Tensor, gemv: "GemvConfig | None"
         if tile is not None:
             from lorad.workers.kernels.row_matmul import row_matmul
             out = row_matmul(x, weight, out_dtype, tile)
-            return out if bias is None else out.add_(bias)
-    if out_dtype is None or out_dtype == x.dtype:
+    if out is None and (out_dtype is None or out_dtype == x.dtype):
         out = cpu_threads.linear(x, weight)
-    else:
+    elif out is None:
         out = torch.mm(x, weight.t(), out_dtype=out_dtype)
     return out if bias is None else out.add_(bias)
 

@@ -22,7 +22,7 @@ from lorad.config.partition import balanced_split
 from lorad.workers.fused_linear import MergedColumnParallelLinear
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kernels import moe_math
-from lorad.workers.kernels.configs import GemvConfig, MoeConfig
+from lorad.workers.kernels.configs import GemvConfig, MoeConfig, fitting_itemsize
 from lorad.workers.layers import silu_and_mul
 from lorad.workers.linear import RowParallelLinear, check_shape, load_replicated
 from lorad.workers.lora_rows import LoraRows
@@ -69,7 +69,7 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, pdl_rows: int = 0) -> torch
     kernels by shape). A launch per block_m rows: cheap at decode, slow for a long prefill.
     pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no PDL)."""
     from lorad.workers.kernels.decode_gemv import decode_matmul  # the CPU never imports triton
-    config = GemvConfig(block_k=128 if weight.element_size() > 2 else 256)  # fp32: half the k
+    config = fitting_itemsize(GemvConfig(block_k=256), weight.element_size())  # fp32: half k
     step = config.block_m
     parts = [decode_matmul(x[i:i + step], weight, config=config, pdl_rows=pdl_rows)
              for i in range(0, x.shape[0], step)]
@@ -232,7 +232,6 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.tp = tp
-        self.num_experts = config.num_experts
         # The router's rows, then the shared expert gate's row, in one weight, which the two
         # modules' weights view: on the kernel path one GEMV launch gives both (each output's
         # sum is its own, so the bits are those of a launch each).
@@ -267,7 +266,7 @@ class SparseMoeBlock(nn.Module):
         pdl_rows = lora.pdl_rows if self.experts.config.pdl else 0  # the block's own kernels
         if kernel_path(x.device):  # the router's logits and the gate in one launch
             both = gemv_rows(x, self.router_gate, pdl_rows)  # [num_rows, num_experts + 1]
-            logits, gate = both[:, :self.num_experts], both[:, self.num_experts:]
+            logits, gate = both[:, :-1], both[:, -1:]
         else:
             logits, gate = self.gate(x), self.shared_expert_gate(x)  # gate: [num_rows, 1]
         weights, experts = self.gate.route(x, real_rows, logits, pdl_rows)

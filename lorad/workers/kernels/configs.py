@@ -237,6 +237,14 @@ class MatmulTiles:
             for most, t in self.bands))
 
 
+def fitting_itemsize(config, itemsize: int):
+    """A tile (a config with block_k) for weights of `itemsize` bytes: block_k halved for 4-byte
+    ones (fp32), so that its pipelined loads take the shared memory of the 2-byte tile."""
+    if itemsize <= 2:
+        return config
+    return dataclasses.replace(config, block_k=max(16, config.block_k // 2))
+
+
 @dataclass(frozen=True)
 class GemvModelTiles:
     """The decode GEMV's tile for each fused base projection of the model (linear.py's
@@ -255,9 +263,7 @@ class GemvModelTiles:
         so that the tile's pipelined loads take the shared memory of the 2-byte tile (q/k/v's
         fp32 tile of 64 x 256 at 4 stages asks 240 KiB, over an H200's 227)."""
         config = getattr(self, projection)
-        if config is None or dtype.itemsize <= 2:
-            return config
-        return dataclasses.replace(config, block_k=max(16, config.block_k // 2))
+        return None if config is None else fitting_itemsize(config, dtype.itemsize)
 
 
 @dataclass(frozen=True)
@@ -330,9 +336,3 @@ class MoeConfig:
         if self.small_step_rows < 0:
             raise ValueError(f"small_step_rows {self.small_step_rows} is below 0")
 
-    def for_itemsize(self, itemsize: int) -> "MoeConfig":
-        """This tile for weights of `itemsize` bytes: block_k halved for 4-byte ones (fp32), so
-        that the pipelined loads take the shared memory of the 2-byte tile."""
-        if itemsize <= 2:
-            return self
-        return dataclasses.replace(self, block_k=max(16, self.block_k // 2))

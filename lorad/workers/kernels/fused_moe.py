@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorad.workers.kernels.configs import MoeConfig
+from lorad.workers.kernels.configs import MoeConfig, fitting_itemsize
 from lorad.workers.kernels.launch_math import cdiv
 from lorad.workers.kernels.pdl import launch_options, wait_for_previous
 
@@ -231,7 +231,7 @@ def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     row limit (kernels/pdl.py; 0: no PDL)."""
     num_rows, top_k = experts.shape
     pdl = launch_options(x.device, num_rows, pdl_rows)
-    config = config.for_itemsize(gate_up.element_size())
+    config = fitting_itemsize(config, gate_up.element_size())
     num_experts, two_n, num_in = gate_up.shape
     num_inter, hidden = two_n // 2, down.shape[1]
     num_pairs = num_rows * top_k
