@@ -147,7 +147,8 @@ class RowParallelLinear(nn.Module):
                            ) -> tuple[torch.Tensor, LoraDelta | None]:
         """forward(), but where the output is rounded to the model dtype here (CUDA, world size
         1) and the LoRA kernels run, with the delta left to the next kernel: (the base output,
-        its LoraDelta or None, None in a step that adds its deltas in place). Otherwise
+        its LoraDelta or None, None in a step that adds its deltas in place: LoraRows.in_place
+        and ExpandSteps.in_place_o_down). Otherwise
         (forward(x, lora_rows), None)."""
         kernels = lora_rows is not None and lora_rows.tiles is not None
         if not (kernels and self.lora is not None and self._rounds_here(x)):
@@ -155,7 +156,8 @@ class RowParallelLinear(nn.Module):
         out, deltas = matmul_with_deltas(
             [self.lora], x, lora_rows,
             lambda: base_matmul(x, self.weight, self.gemv, pdl_rows=lora_rows.pdl_rows,
-                                plans=self.plans))
+                                plans=self.plans),
+            in_place=lora_rows.in_place and lora_rows.expand.in_place_o_down)
         return out, deltas[0]
 
     def matmul_out_dtype(self) -> torch.dtype | None:
