@@ -24,7 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from lorad.config import ServeConfig, WorkerConfig
+from lorad.config import ServeConfig, WorkerConfig, process_gc
 from lorad.daemon import systemd
 from lorad.daemon.admission import Admission, queue_bound
 from lorad.daemon.engine_client import EngineClient, EngineFacts, StartupError, exit_message
@@ -108,6 +108,7 @@ async def _run(config: ServeConfig, model: ServedModel, worker_config: WorkerCon
                  "sequences a step, %d queued)", model.name, _url_host(config.host), config.port,
                  facts.num_ranks, facts.num_kv_blocks, facts.block_size, facts.max_num_seqs,
                  max_queued)
+        process_gc.freeze(log)
         # Every rank has loaded, agreed on the registry and run its warm-up step (its Ready says
         # so), and the port is open.
         systemd.notify("READY=1", f"STATUS=serving {model.name} on {facts.num_ranks} rank(s)")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from lorad.config import ConfigError, WorkerConfig
+from lorad.config import ConfigError, WorkerConfig, process_gc
 from lorad.protocol import WorkerFailed, encode
 from lorad.protocol.curve import client_keys, make_clients
 from lorad.protocol.sockets import connect_pusher, connect_subscriber
@@ -97,6 +97,7 @@ def _serve(cfg: WorkerConfig, rank: int, sub: zmq.Socket, push: zmq.Socket,
 
     engine = Engine.start(cfg, rank, clock)
     loop = WorkerLoop(cfg, rank, engine, sub, push, progress)
+    process_gc.freeze(log)  # the model, its kernels and graphs: no collection walks them again
     try:
         return loop.run()
     finally:
