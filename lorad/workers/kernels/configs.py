@@ -132,11 +132,11 @@ class ExpandSteps:
     # GPU (docs/performance-log.md: LoRA deltas in place in prompt steps). Decode steps keep the
     # deltas beside the matmul at any batch. 0: never.
     in_place_rows: int = 256
-    # In those steps, whether o's and down's deltas go in place too, or stay fp32 deltas written
-    # beside their matmul for the residual add to read: their outputs are only the hidden size
-    # wide, and at prompt sizes their matmuls make few output tiles, which leaves
-    # multiprocessors free for the expand beside them. Either way the same bits.
-    in_place_o_down: bool = True
+    # The projections (GemvModelTiles' names) whose deltas go in place in those steps; the others
+    # keep fp32 deltas written beside their matmul for the next kernel (o's and down's: the
+    # residual add, which reads a delta only the hidden size wide; at prompt sizes their matmuls
+    # make few output tiles and leave multiprocessors free for the expand). The same bits.
+    in_place_of: tuple[str, ...] = ("qkv", "gate_up", "o", "down")
 
     def config(self, num_rows: int) -> ExpandConfig:
         """The tile of an expand over num_rows rows."""
