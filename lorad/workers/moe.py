@@ -67,9 +67,11 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, pdl_rows: int = 0) -> torch
     """x weight^T on the kernel path through the decode GEMV, block_m rows a launch: one tile
     shape and no split of K whatever the row count, so a row's bits are its own (cuBLAS picks
     kernels by shape). A launch per block_m rows: cheap at decode, slow for a long prefill.
+    Blocks of 16 outputs: the router's 61 outputs (Qwen1.5-MoE) in 4 programs, not 2 (5.1
+    against 6.1 us on an H100: docs/performance-log.md: router GEMV in blocks of 16).
     pdl_rows: the step's PDL row limit (kernels/pdl.py; 0: no PDL)."""
     from lorad.workers.kernels.decode_gemv import decode_matmul  # the CPU never imports triton
-    config = fitting_itemsize(GemvConfig(block_k=256), weight.element_size())  # fp32: half k
+    config = fitting_itemsize(GemvConfig(block_n=16, block_k=256), weight.element_size())
     step = config.block_m
     parts = [decode_matmul(x[i:i + step], weight, config=config, pdl_rows=pdl_rows)
              for i in range(0, x.shape[0], step)]
