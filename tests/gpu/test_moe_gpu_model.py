@@ -69,8 +69,8 @@ def test_graph_replay_is_the_eager_step(tiny, pdl):
     and a router near a tie then sends a row to another expert, a change of any size.)"""
     checkpoint, adapters = tiny
     model = build_model(checkpoint, adapters, torch.bfloat16, CUDA, NUM_BLOCKS, BLOCK_SIZE)
-    if pdl:  # the MoE blocks' kernels with PDL too (MoeConfig.pdl)
-        model.tune(replaced(model.tuning, "moe.pdl=True"))
+    # The MoE blocks' kernels with PDL or without (MoeConfig.pdl, on by default).
+    model.tune(replaced(model.tuning, f"moe.pdl={pdl}"))
     # As the engine starts. Without plans this test failed twice on an H100; a suspect: cuBLAS's
     # split-K products (the shared expert's fp32 partial sums) inside a capture.
     model.plan_matmuls(MAX_ROWS)

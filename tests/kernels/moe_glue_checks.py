@@ -162,8 +162,7 @@ def check_block(device: str, dtype: torch.dtype, num_rows: int, norm: bool = Fal
     from lorad.workers.models.llama import plan_module_matmuls
     from lorad.workers.tuning import Tuning
     block = _block(device, dtype, hidden, num_experts, top_k, inter, shared_inter, norm, seed)
-    if pdl:
-        block.experts.config = dataclasses.replace(block.experts.config, pdl=True)
+    block.experts.config = dataclasses.replace(block.experts.config, pdl=pdl)
     if device != "cpu":  # the shared expert's matmul plans, as the engine measures them at start
         plan_module_matmuls(block, 16, Tuning().matmul)
     gen = torch.Generator().manual_seed(seed)
