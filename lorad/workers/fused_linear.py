@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # kernel modules: the CPU path never imports triton
 def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int],
                            loras: Sequence[LoraSlots | None], lora_rows: LoraRows,
                            gemv: "GemvConfig | None", plans: Plans = None,
-                           bias: torch.Tensor | None = None, in_place: bool | None = None
+                           bias: torch.Tensor | None = None
                            ) -> tuple[list[torch.Tensor], tuple[LoraDelta | None, ...]]:
     """The kernel path's product of projections whose weights are rows of one matrix (q/k/v,
     gate/up): x weight^T in one matmul (plus bias, in the weight's row order, into the rounded
@@ -40,12 +40,12 @@ def projection_with_deltas(x: torch.Tensor, weight: torch.Tensor, sizes: Sequenc
     LoraDelta or None for the kernel that reads them next to add. gemv, plans: their decode
     GEMV tile and matmul plans for base_matmul. One shrink and one expand for them all run
     beside the matmul (a side stream), or add into the outputs after it and its bias in a step
-    that adds its deltas in place (matmul_with_deltas; in_place: whether these do, None:
-    lora_rows.in_place): either way base + bias, then the delta, as peft."""
+    that adds its deltas in place (matmul_with_deltas): either way base + bias, then the delta,
+    as peft."""
     def matmul() -> torch.Tensor:  # the bias in the GEMV's epilogue where it runs
         return base_matmul(x, weight, gemv, pdl_rows=lora_rows.pdl_rows, plans=plans, bias=bias)
 
-    out, deltas = matmul_with_deltas(loras, x, lora_rows, matmul, sizes, in_place)
+    out, deltas = matmul_with_deltas(loras, x, lora_rows, matmul, sizes)
     return list(out.split(sizes, dim=1)), deltas
 
 
@@ -74,9 +74,6 @@ class FusedColumnParallelLinear(nn.Module):
         # the engine's count of its bytes) include their tables.
         self.loras = nn.ModuleDict()
         self.gemv: GemvConfig | None = None  # the kernel path's decode GEMV tile (tune())
-        # Whether it adds its LoRA deltas in place in steps that do (ExpandSteps.in_place_of;
-        # tune()).
-        self.lora_in_place = True
         self.plans: Plans = None  # matmul_plan.plan_model_matmuls sets them on the kernel path
 
     def part_weight(self, shard_id: str) -> torch.Tensor:
@@ -133,8 +130,7 @@ class FusedColumnParallelLinear(nn.Module):
             # The bias into the rounded product, before any delta (peft's order), in place too.
             return projection_with_deltas(x, self.weight, self.sizes, loras, lora_rows,
                                           self.gemv, self.plans,
-                                          None if self.bias is None else self.bias.data,
-                                          lora_rows.in_place and self.lora_in_place)
+                                          None if self.bias is None else self.bias.data)
         # One product per part, as each part's weight alone would give (the CPU's bits); the
         # bias added after it, so a row's bits are the product's plus its own bias.
         outs = [cpu_threads.linear(x, self.part_weight(shard_id)) for shard_id in self.parts]

@@ -87,9 +87,6 @@ class RowParallelLinear(nn.Module):
         """gemv: its decode GEMV tile (Tuning.gemv's; None: cuBLAS), for base_matmul."""
         super().__init__()
         self.gemv = gemv
-        # Whether it adds its LoRA delta in place in steps that do (ExpandSteps.in_place_of; the
-        # model's tune() sets it).
-        self.lora_in_place = True
         self.plans: Plans = None  # matmul_plan.plan_model_matmuls sets them on the kernel path
         # Its owner reads only partial_sum (a block that adds to it and reduces once, moe.py's
         # shared expert), never forward: the products' out_dtype is always fp32.
@@ -150,8 +147,7 @@ class RowParallelLinear(nn.Module):
                            ) -> tuple[torch.Tensor, LoraDelta | None]:
         """forward(), but where the output is rounded to the model dtype here (CUDA, world size
         1) and the LoRA kernels run, with the delta left to the next kernel: (the base output,
-        its LoraDelta or None, None in a step that adds its deltas in place: LoraRows.in_place,
-        where lora_in_place). Otherwise
+        its LoraDelta or None, None in a step that adds its deltas in place). Otherwise
         (forward(x, lora_rows), None)."""
         kernels = lora_rows is not None and lora_rows.tiles is not None
         if not (kernels and self.lora is not None and self._rounds_here(x)):
@@ -159,8 +155,7 @@ class RowParallelLinear(nn.Module):
         out, deltas = matmul_with_deltas(
             [self.lora], x, lora_rows,
             lambda: base_matmul(x, self.weight, self.gemv, pdl_rows=lora_rows.pdl_rows,
-                                plans=self.plans),
-            in_place=lora_rows.in_place and self.lora_in_place)
+                                plans=self.plans))
         return out, deltas[0]
 
     def matmul_out_dtype(self) -> torch.dtype | None:

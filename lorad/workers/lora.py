@@ -262,7 +262,7 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
 
 def matmul_with_deltas(loras: Sequence[LoraSlots | None], x: torch.Tensor,
                        rows: LoraRows | None, matmul: Callable[[], torch.Tensor],
-                       sizes: Sequence[int] | None = None, in_place: bool | None = None
+                       sizes: Sequence[int] | None = None
                        ) -> tuple[torch.Tensor, tuple[LoraDelta | None, ...]]:
     """(matmul(), each output's LoraDelta or None) on the kernel path: the base product of x on
     the current stream and, beside it on the side stream, the shrink and the expand of the
@@ -270,12 +270,11 @@ def matmul_with_deltas(loras: Sequence[LoraSlots | None], x: torch.Tensor,
     kernel comes next). No delta (all None) when no projection is edited this step, nor in a
     step that adds its deltas in place (LoraRows.in_place): there the expand adds each delta
     into its output after the matmul, the product's column slices of `sizes` (one per
-    projection; None: the product is the one output). in_place: whether this projection adds
-    in place (None: rows.in_place, the step's choice)."""
+    projection; None: the product is the one output)."""
     edited = _edited(loras, rows)
     if not edited:
         return matmul(), (None,) * len(loras)
-    if rows.in_place if in_place is None else in_place:
+    if rows.in_place:
         out, pending = matmul_and_shrink(loras, x, rows, matmul)
         pending.expand_into(list(out.split(sizes, dim=1)) if sizes is not None else [out])
         return out, (None,) * len(loras)

@@ -254,8 +254,6 @@ class SparseMoeBlock(nn.Module):
         dtype = self.shared_expert.gate_up_proj.weight.dtype
         self.shared_expert.gate_up_proj.gemv = tuning.gemv.config("gate_up", dtype)
         self.shared_expert.down_proj.gemv = tuning.gemv.config("down", dtype)
-        # (down: a partial sum that the block adds to, which takes its delta in place always)
-        self.shared_expert.gate_up_proj.lora_in_place = "gate_up" in tuning.expand.in_place_of
         self.experts.config = tuning.moe
 
     def forward(self, x: torch.Tensor, lora: LoraRows,

@@ -116,10 +116,8 @@ def check_deltas_in_place_match_deltas(device: str, dtype: torch.dtype,
     outputs in place after the matmul (ExpandSteps.in_place_rows 1: every prompt step) gives
     the bits of the same steps with fp32 deltas left to rotary + KV write and silu * up
     (in_place_rows 0), adapters at strengths other than 1.0 too. family "qwen2_moe": q/k/v with
-    biases, which go into the product before the delta either way, and only the shared expert's
-    gate/up in place (ExpandSteps.in_place_of), q/k/v's deltas left to rotary + KV write. (On
-    CPU tensors o_proj and down_proj add in place either way; tests/gpu/test_mixed_graphs_gpu.py
-    checks them on CUDA.)"""
+    biases, which go into the product before the delta either way. (On CPU tensors o_proj and
+    down_proj add in place either way; tests/gpu/test_mixed_graphs_gpu.py checks them on CUDA.)"""
     import dataclasses
 
     from lorad.workers.batch import ForwardBatch
@@ -131,14 +129,11 @@ def check_deltas_in_place_match_deltas(device: str, dtype: torch.dtype,
     if family == "qwen2_moe":
         from tests.kernels.moe_kernel_checks import _tiny_moe_models
         models, slots = _tiny_moe_models(dtype, 2), [2, 0, 1, 1]
-        in_place_of = ("gate_up",)
     else:
         models = _tiny_models(dtype, 2, seed=5, rank_step=2, adapter_seed=50)
         slots = [2, 0, 1, 3]
-        in_place_of = ExpandSteps().in_place_of
     for model, rows in zip(models, (1, 0)):
-        model.tune(dataclasses.replace(Tuning(), expand=ExpandSteps(in_place_rows=rows,
-                                                                    in_place_of=in_place_of)))
+        model.tune(dataclasses.replace(Tuning(), expand=ExpandSteps(in_place_rows=rows)))
     streams = [make_streams(slots, [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=5,
                             strengths=[0.7, None, 1.3, 0.45]) for _ in models]
     # The prompt steps and one decode after them (reading their KV); decodes add no delta in place.

@@ -132,12 +132,6 @@ class ExpandSteps:
     # GPU (docs/performance-log.md: LoRA deltas in place in prompt steps). Decode steps keep the
     # deltas beside the matmul at any batch. 0: never.
     in_place_rows: int = 256
-    # The projections (GemvModelTiles' names) whose deltas go in place in those steps; the others
-    # keep fp32 deltas written beside their matmul for the next kernel. The same bits either way.
-    # All four: o and down beside their matmul (which leaves multiprocessors free at prompt
-    # sizes) made a 512-token prompt step slower, 16.71 vs 16.25 ms on an H100
-    # (docs/performance-log.md: LoRA deltas in place for some projections only).
-    in_place_of: tuple[str, ...] = ("qkv", "gate_up", "o", "down")
 
     def config(self, num_rows: int) -> ExpandConfig:
         """The tile of an expand over num_rows rows."""

@@ -71,8 +71,6 @@ class LlamaAttention(nn.Module):
         dtype = self.qkv_proj.weight.dtype
         self.qkv_proj.gemv = tuning.gemv.config("qkv", dtype)
         self.o_proj.gemv = tuning.gemv.config("o", dtype)
-        self.qkv_proj.lora_in_place = "qkv" in tuning.expand.in_place_of
-        self.o_proj.lora_in_place = "o" in tuning.expand.in_place_of
         self.attn.decode = tuning.attention
 
     def forward(self, x: torch.Tensor, rotary: RotaryInputs, ctx: AttentionContext,
@@ -100,8 +98,6 @@ class LlamaMLP(nn.Module):
         dtype = self.gate_up_proj.weight.dtype
         self.gate_up_proj.gemv = tuning.gemv.config("gate_up", dtype)
         self.down_proj.gemv = tuning.gemv.config("down", dtype)
-        self.gate_up_proj.lora_in_place = "gate_up" in tuning.expand.in_place_of
-        self.down_proj.lora_in_place = "down" in tuning.expand.in_place_of
 
     def forward(self, x: torch.Tensor, lora: LoraRows, ctx: AttentionContext | None = None
                 ) -> tuple[torch.Tensor, LoraDelta | None]:
