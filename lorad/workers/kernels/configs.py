@@ -233,8 +233,7 @@ class MatmulTiles:
         if dtype.itemsize <= 2:
             return self
         return dataclasses.replace(self, bands=tuple(
-            (most, dataclasses.replace(t, block_k=max(16, t.block_k // 2)))
-            for most, t in self.bands))
+            (most, fitting_itemsize(t, dtype.itemsize)) for most, t in self.bands))
 
 
 def fitting_itemsize(config, itemsize: int):
