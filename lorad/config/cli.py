@@ -302,6 +302,14 @@ def _add_parallel_flags(group) -> None:
                             "drafted), in pieces between the layers' attention, which runs "
                             "eagerly: the host no longer queues every kernel of such a step; "
                             "not over gloo (default: on)")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="at --parallel 1, plan and launch each decode step before the "
+                            "host applies and publishes the one before, so the device does "
+                            "not wait for that work; the same tokens either way (a sequence "
+                            "that ends on a stop token runs one row in vain); not with "
+                            "--speculative-ngram. Default: on CUDA, off on the CPU, where the "
+                            "step is the host's own work")
     group.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                        help="a stream's tokens do not depend on what shares its steps (the "
                             "default); --no-deterministic: on a GPU, cuBLAS at every row count, "
@@ -412,6 +420,7 @@ def parse_args(argv: list[str] | None = None, node: bool = False) -> ServeConfig
             port=args.port, dtype=args.dtype, load_format=args.load_format, device=args.device,
             dist_backend=args.dist_backend, all_reduce=args.all_reduce,
             enforce_eager=args.enforce_eager, mixed_step_graphs=args.mixed_step_graphs,
+            async_scheduling=args.async_scheduling,
             deterministic=args.deterministic,
             speculative_ngram=args.speculative_ngram,
             prefix_cache=args.prefix_cache, kv_spill_dir=_spill_dir(args),

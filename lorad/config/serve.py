@@ -82,6 +82,9 @@ class ServeConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     # Graphs of steps with prompt chunks too, in pieces between the attention (GPU, not gloo)
     mixed_step_graphs: bool = True
+    # Plan and launch a decode step before applying the one before (workers/loop.py): None
+    # (auto) on CUDA at --parallel 1
+    async_scheduling: bool | None = None
     prefix_cache: bool = True  # reuse cached KV blocks of equal prefixes (workers/prefix_cache.py)
     # Batch-invariant arithmetic (--no-deterministic: cuBLAS at every row count on a GPU).
     deterministic: bool = True
@@ -221,6 +224,7 @@ class WorkerConfig:
     all_reduce: str = "nccl"  # ALL_REDUCES, checked with the flags by ServeConfig
     enforce_eager: bool = False
     mixed_step_graphs: bool = True  # workers/mixed_graph.py
+    async_scheduling: bool | None = None  # workers/loop.py; None: on CUDA
     deterministic: bool = True  # False: no matmul plans (matmul_plan.py), cuBLAS at every count
     speculative_ngram: int = 0  # draft tokens per decode (workers/ngram_draft.py); 0: off
     prefix_cache: bool = True

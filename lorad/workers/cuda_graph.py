@@ -114,17 +114,23 @@ class DecodeInputs:
                             bucket, self.block_tables[:bucket], self.context_lens[:bucket],
                             self.query_starts[:bucket + 1], tiles, self.strengths[:num_rows])
 
-    def fill(self, chunks: list[Chunk], bucket: int) -> None:
+    def fill(self, chunks: list[Chunk], bucket: int,
+             token_source: tuple[torch.Tensor, list[int]] | None = None) -> None:
         """Copy a decode step (see is_decode_step) into bucket `bucket`'s part of the buffers,
         padding the rest: row i is chunk i's token, the rows past them pad (token 0, KV slot -1,
-        adapter slot 0), and the sequences past them have context length 0."""
+        adapter slot 0), and the sequences past them have context length 0. token_source:
+        (sampled [n] int64 on the device, rows): row i's token is sampled[rows[i]] instead,
+        gathered on the device after the step that samples them (a continuation's, whose
+        chunks' tokens are not known yet: planner.continue_decodes)."""
         num_seqs, num_rows, block_size = len(chunks), rows_of(bucket), self.block_size
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free once that copy ran
-        ids, positions, kv_slots, adapters, strengths = [], [], [], [], []
+        positions, kv_slots, adapters, strengths = [], [], [], []
+        ids = [] if token_source is None else token_source[1]  # the rows, gathered below
         for chunk in chunks:
             (token,), pos, table, _, adapter = chunk[:5]
-            ids.append(token)
+            if token_source is None:
+                ids.append(token)
             positions.append(pos)
             kv_slots.append(kv_slot(table, pos, block_size))
             adapters.append(adapter)
@@ -153,6 +159,9 @@ class DecodeInputs:
                 tables[i] = 0
                 written[i] = []
         self.rows.copy_(self._host_rows, non_blocking=True)
+        if token_source is not None:
+            ids = self.rows[0, :num_seqs]
+            ids.copy_(token_source[0].index_select(0, ids))
         self.strengths.copy_(self._host_strengths, non_blocking=True)
         self.context_lens[:bucket].copy_(self._host_context_lens[:bucket], non_blocking=True)
         self.block_tables[:bucket].copy_(self._host_block_tables[:bucket], non_blocking=True)
@@ -297,11 +306,13 @@ class DecodeGraphs:
                 and all(len(chunk[2]) <= self.max_blocks_per_seq for chunk in chunks))
 
     @torch.inference_mode()
-    def run(self, chunks: list[Chunk]) -> torch.Tensor:
-        """-> [len(chunks), vocab] float32 logits of a decode step (see can_run)."""
+    def run(self, chunks: list[Chunk],
+            token_source: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """-> [len(chunks), vocab] float32 logits of a decode step (see can_run);
+        token_source: DecodeInputs.fill's."""
         num_seqs = len(chunks)
         bucket = self.bucket_for(num_seqs)
-        self.inputs.fill(chunks, bucket)
+        self.inputs.fill(chunks, bucket, token_source)
         key = (bucket, any(chunk[4] != 0 for chunk in chunks))
         graph = self._graphs.get(key)
         if graph is None:

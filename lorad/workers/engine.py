@@ -223,13 +223,21 @@ class Engine:
                     f"{held.key[:16]}..., not {key[:16]}...")
         return None
 
-    def forward(self, plan: StepPlan, hidden_rows: list[int] | None = None):
+    def forward(self, plan: StepPlan, hidden_rows: list[int] | None = None,
+                sampled_before: torch.Tensor | None = None):
         """-> [num_sampled, vocab] fp32 logits of the plan's sampling chunks, in plan order; with
         hidden_rows (rows of the step's flat batch: echo's), (logits, [n, hidden] their final
-        hidden states), always eagerly: decode graphs never see them."""
+        hidden states), always eagerly: decode graphs never see them. sampled_before: a
+        continuation's (plan.token_rows) source of tokens, the step before's sampled ids on the
+        device: a decode graph reads them there; an eager step takes them to the host first."""
         if plan.block_copies:  # copies on write of blocks a fork shares, before any write
             self.model.copy_kv_blocks(plan.block_copies)
         chunks = plan.batch_chunks()
+        if plan.token_rows is not None:
+            if self.graphs is not None and self.graphs.can_run(chunks):
+                return self.graphs.run(chunks, (sampled_before, plan.token_rows))
+            ids = sampled_before.tolist()  # waits for the step before
+            chunks = [([ids[row]], *chunk[1:]) for row, chunk in zip(plan.token_rows, chunks)]
         if hidden_rows is None and self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.run(chunks)
         if (hidden_rows is None and self.mixed_graphs is not None

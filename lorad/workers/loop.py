@@ -1,5 +1,7 @@
 """The worker's step loop, the same on every rank: 1. receive, 2. agree, 3. plan, 4. run,
-5. sample, 6. apply and publish.
+5. sample, 6. apply and publish. With async scheduling (a lone rank, plain decode steps), a step
+runs ahead: its successor is planned and launched before the host applies and publishes it
+(_finish_in_flight), so the device does not wait for that host work.
 
 The one place a worker touches its sockets after start-up (the status thread, status.py, has its
 own). Followers never sample and never publish step results; the leader (rank 0) does both.
@@ -14,6 +16,7 @@ import dataclasses
 import os
 import time
 
+import torch
 import zmq
 
 from lorad.config import WorkerConfig
@@ -95,6 +98,13 @@ class WorkerLoop:
         self._raise_at = _fault_step(RAISE_RANK_ENV, rank)
         self._num_model_steps = 0
         self._ran_nothing = False  # the last round's plan had no chunk
+        # A lone rank may run a decode step ahead (--async-scheduling; auto: on CUDA); not with
+        # drafting, whose drafts a step planned ahead would not carry.
+        self._run_ahead = (engine.tp.world_size == 1 and not cfg.speculative_ngram and (
+            cfg.async_scheduling if cfg.async_scheduling is not None
+            else engine.tp.device.type == "cuda"))
+        self._in_flight: _InFlight | None = None  # launched and sampled, not applied
+        self._ran_ahead = False  # a step has run ahead (logged once)
         self.progress = progress or LoopProgress()
         self.progress.kv_blocks_free = engine.num_kv_blocks
 
@@ -124,6 +134,9 @@ class WorkerLoop:
 
     def _step(self) -> bool:
         """Steps 2-6 of one round; True at the agreed Shutdown."""
+        if self._in_flight is not None:
+            self._finish_in_flight()
+            return False
         # 2. agree on the live set and on which messages every rank applies, apply them, and
         # compare what they did on each rank (a refused adapter, say) before the model runs on
         # it: a second, smaller gather, in the steps that apply any message. So an admission's
@@ -161,6 +174,10 @@ class WorkerLoop:
             if self._num_model_steps in (self._stall_at, self._raise_at):
                 self._inject_fault()
         rows = prompt_logprobs.take_rows(plan, self.planner)  # echo's; None in most steps
+        if rows is None and self._may_run_ahead(plan):
+            self._in_flight = self._launch(plan)
+            self._ran_nothing = False
+            return False
         if rows is None:
             logits = self.engine.forward(plan) if plan.chunks else None  # [num_sampled, vocab]
         else:  # the LM head over echo's rows runs on every rank: it gathers across them
@@ -176,6 +193,58 @@ class WorkerLoop:
             self._put_back_uniforms(plan, events)
         self._publish(plan, events)
         return False
+
+    # --- async scheduling (a lone rank) -------------------------------------------------------
+
+    def _may_run_ahead(self, plan: StepPlan) -> bool:
+        """Whether this step may run ahead of its apply: plain decodes, sampled with nothing
+        that reads the step's ids on the host before its successor could run (grammar masks,
+        log probabilities, logits transforms: their rows keep steps synchronous)."""
+        if not (self._run_ahead and plan.chunks and not plan.forks and not plan.num_draft_tokens
+                and all(len(c.token_ids) == 1 and c.sample for c in plan.chunks)):
+            return False
+        params = [self.planner.sequence(c.request_id).sampling for c in plan.chunks]
+        return (not len(self.grammars) and not rows_to_transform(params)
+                and all(p.num_logprobs < 0 for p in params))
+
+    def _launch(self, plan: StepPlan, before: "_InFlight | None" = None) -> "_InFlight":
+        """Run a step and sample it on the device, waiting for neither (the device queues
+        them); its ids reach the host through a copy queued right after the sampling, so
+        reading them waits for this step alone, not for a successor queued behind it."""
+        self._num_model_steps += 1
+        if self._num_model_steps in (self._stall_at, self._raise_at):
+            self._inject_fault()
+        logits = self.engine.forward(plan, sampled_before=None if before is None
+                                     else before.sampled)
+        request_ids = plan.sampled_request_ids
+        params = [self.planner.sequence(r).sampling for r in request_ids]
+        sampled = self.sampler.sample_on_device(logits, request_ids, params)
+        if sampled.device.type != "cuda":
+            return _InFlight(plan, sampled, sampled, None)
+        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        host.copy_(sampled, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return _InFlight(plan, sampled, host, copied)
+
+    def _finish_in_flight(self) -> None:
+        """Apply and publish the step in flight, its successor launched first when nothing
+        waits to be applied between them (a message, a waiting sequence: planner.
+        continue_decodes says which) and the step may run ahead; else the next round plans
+        as usual."""
+        current, self._in_flight = self._in_flight, None
+        if not len(self.inbox):
+            plan = self.planner.continue_decodes(current.plan)
+            if plan is not None:
+                self._in_flight = self._launch(plan, current)
+                if not self._ran_ahead:
+                    self._ran_ahead = True
+                    log.info("async scheduling: step %d launched before step %d's apply",
+                             plan.step, current.plan.step)
+        if current.copied is not None:
+            current.copied.synchronize()
+        events = self.planner.apply(current.plan, current.host.tolist())
+        self._publish(current.plan, events)
 
     def _digest(self, lone: bool) -> int:
         """This rank's live-set digest for the step agreement (0 alone: nothing to compare)."""
@@ -366,6 +435,16 @@ class WorkerLoop:
         self.push.send(encode(StepResult(plan.step, events, *load, num_model_tokens,
                                          plan.num_draft_tokens, self.planner.num_draft_accepted)))
         self._published_load = load
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A step launched and sampled on the device, not yet applied (async scheduling)."""
+
+    plan: StepPlan
+    sampled: torch.Tensor  # [num_sampled] int64 on the device: a continuation's tokens
+    host: torch.Tensor  # [num_sampled] int64 in host memory, once `copied` has happened
+    copied: "torch.cuda.Event | None"  # None: host is sampled (a CPU step)
 
 
 def _with_logprobs(event: SeqOutput, step_logprobs: dict) -> SeqOutput:

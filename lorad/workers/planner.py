@@ -28,7 +28,7 @@ from lorad.workers.ngram_draft import NgramIndex, accepted_tokens, note_outcome
 from lorad.workers.prefix_cache import PrefixReuse
 from lorad.workers.spill_index import SpillIndex
 from lorad.workers.sequence import Sequence, SeqStatus
-from lorad.workers.step_plan import ScheduledChunk, StepPlan
+from lorad.workers.step_plan import UNKNOWN_TOKEN, ScheduledChunk, StepPlan
 
 __all__ = ["Planner", "PlannerLimits", "ScheduledChunk", "StepPlan"]
 
@@ -67,6 +67,8 @@ class Planner:
         self._copies: list[tuple[int, int]] = []  # this plan's copies on write
         self._prompt_rows_left = 0  # echo's share of the step being planned (_chunk_size)
         self.num_draft_accepted = 0  # draft tokens the sequences took in the last apply()
+        # The step a continuation was planned after, until it is applied (continue_decodes)
+        self._continued_from: int | None = None
 
     # --- the live set -------------------------------------------------------------------------
 
@@ -122,6 +124,7 @@ class Planner:
 
         The failed step uses up a step number, so StepFailed and StepResult never share one."""
         self.step += 1
+        self._continued_from = None
         live = self.live()
         ids = [r for s in live for r in (s.request_id, *s.fork_ids)]
         for seq in live:
@@ -163,6 +166,50 @@ class Planner:
         spill = self.reuse.end_plan() if self.reuse is not None else ([], [], [])
         return StepPlan(self.step, chunks, preempted, forks, copies, *spill, fetches,
                         sum(len(d) for d in drafts.values()))
+
+    def continue_decodes(self, prev: StepPlan) -> StepPlan | None:
+        """The step after `prev`, planned before apply(prev) so that it can run while the host
+        applies prev (async scheduling, a lone rank: loop.py): each of prev's decodes again, at
+        the next position, its token the one prev samples (StepPlan.token_rows; the engine
+        reads it on the device). A sequence that prev ends by its length is left out; one that
+        prev ends by a stop token runs a row in vain, which apply() skips. None when the step
+        cannot be known before apply: prev is not plain decodes of running sequences, a
+        sequence waits or shares blocks (copies on write), a spill takes evicted blocks (its
+        writes run before a step), no block is free for a new position (plan() may preempt),
+        or no sequence goes on."""
+        if (prev.step != self.step or self._continued_from is not None or self.waiting
+                or prev.forks or prev.block_copies or prev.num_draft_tokens
+                or self.blocks.num_shared
+                or (self.reuse is not None and self.reuse.spill is not None)):
+            return None
+        block_size, going_on, num_new_blocks = self.blocks.block_size, [], 0
+        for row, chunk in enumerate(prev.chunks):
+            if len(chunk.token_ids) != 1 or not chunk.sample:
+                return None
+            seq = self._by_id.get(chunk.request_id)
+            if seq is None and prev.token_rows is not None:
+                continue  # a continuation's row in vain: the step before it ended the sequence
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                return None
+            num_output = len(seq.output_ids) + 1  # with prev's token
+            if (num_output >= seq.sampling.max_tokens
+                    or len(seq.prompt_ids) + num_output >= self.limits.max_model_len):
+                continue
+            position = chunk.start + 1
+            num_new_blocks += position // block_size >= len(seq.block_table)
+            going_on.append((row, seq, position))
+        if not going_on or not self.blocks.can_allocate(num_new_blocks):
+            return None
+        self.step += 1
+        self._continued_from = prev.step
+        chunks = []
+        for _, seq, position in going_on:
+            if position // block_size >= len(seq.block_table):
+                seq.block_table.extend(self.blocks.allocate(1))
+            chunks.append(ScheduledChunk(seq.request_id, [UNKNOWN_TOKEN], position,
+                                         list(seq.block_table), True, seq.adapter_slot,
+                                         seq.adapter_strength, len(seq.prompt_ids)))
+        return StepPlan(self.step, chunks, [], token_rows=[row for row, _, _ in going_on])
 
     def _schedule_decodes(self, budget: int, scheduled: list, preempted: list[str]) -> int:
         """1. every decode gets its next token; -> the budget left. Runs for every sequence every
@@ -404,8 +451,10 @@ class Planner:
     def apply(self, plan: StepPlan, sampled: list[int]) -> list[SeqOutput]:
         """Advance by one planned step; `sampled` holds one id per sampled row
         (plan.sampled_request_ids), in order."""
-        if plan.step != self.step:
+        if plan.step != self.step and plan.step != self._continued_from:
             raise RuntimeError(f"applying step {plan.step} but the last plan was {self.step}")
+        if plan.step == self._continued_from:
+            self._continued_from = None
         num_sampling = len(plan.sampled_request_ids)
         if len(sampled) != num_sampling:
             raise RuntimeError(f"{len(sampled)} sampled ids for {num_sampling} sampling sequences")
@@ -414,7 +463,10 @@ class Planner:
         tokens = iter(sampled)
         reuse, block_size = self.reuse, self.blocks.block_size
         for chunk in plan.chunks:
-            seq = self._by_id[chunk.request_id]
+            seq = self._by_id.get(chunk.request_id)
+            if seq is None and plan.token_rows is not None:  # the step before ended it
+                next(tokens)
+                continue
             if chunk.num_draft:
                 rows = [next(tokens) for _ in range(1 + chunk.num_draft)]
                 events.append(self._take_drafted(seq, chunk, rows))

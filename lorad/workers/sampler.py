@@ -60,27 +60,32 @@ class Sampler:
                params: list[SamplingParams], keep_drawn: bool = False) -> list[int]:
         """logits: [num_sampled, vocab]; one id per row, in row order. keep_drawn: remember
         each request's uniforms for put_back (a step with drafted chunks)."""
-        self._drawn = {} if keep_drawn else None
         if not request_ids:
+            self._drawn = {} if keep_drawn else None
             return []
+        return self.sample_on_device(logits, request_ids, params, keep_drawn).tolist()
+
+    def sample_on_device(self, logits: torch.Tensor, request_ids: list[str],
+                         params: list[SamplingParams], keep_drawn: bool = False) -> torch.Tensor:
+        """sample()'s ids as a [num_sampled] int64 tensor on the logits' device, with nothing
+        waiting for the device where every row is greedy or every row draws: a continuation
+        reads them there (loop.py's async scheduling)."""
+        self._drawn = {} if keep_drawn else None
         logits = logits.float()
         drawn = [i for i, p in enumerate(params) if p.temperature != 0]
         if not drawn:  # one argmax for the step: one launch on a GPU, not one per row
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         tokens = self._draw(drawn, logits, request_ids, params)
         if len(drawn) == len(params):
             return tokens
-        greedy = [i for i, p in enumerate(params) if p.temperature == 0]
-        chosen = [0] * len(params)
-        for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
-            chosen[i] = token
-        for i, token in zip(drawn, tokens):
-            chosen[i] = token
+        chosen = logits.argmax(dim=-1)  # the greedy rows' (rows are only read, never warped)
+        chosen[drawn] = tokens
         return chosen
 
     def _draw(self, rows: list[int], logits: torch.Tensor, request_ids: list[str],
-              params: list[SamplingParams]) -> list[int]:
-        """-> the tokens drawn for rows `rows` of logits, in that order, each with one uniform
+              params: list[SamplingParams]) -> torch.Tensor:
+        """-> the tokens drawn for rows `rows` of logits ([len(rows)] int64 on the logits'
+        device), in that order, each with one uniform
         from its request's generator. On the kernel path (CUDA) the whole step's drawn rows
         take one draw (kernels/token_draw.py), after the top-k/top-p rows are warped together
         (warp_rows): torch's CUDA cumulative sum is not repeatable, so neither is a draw made
@@ -98,7 +103,7 @@ class Sampler:
                 probs = torch.softmax(warp(logits[i], p.temperature, p.top_k, p.top_p, p.min_p),
                                       dim=-1)
                 tokens.append(int(draw(probs, u)))
-            return tokens
+            return torch.tensor(tokens, dtype=torch.int64)
         from lorad.workers.kernels.token_draw import draw_tokens
         vocab = logits.shape[1]
         warped = [j for j, i in enumerate(rows)
@@ -133,17 +138,21 @@ class Sampler:
                 batch[index] = warp_rows(batch[index], values[2, :num], values[3, :num].long(),
                                          values[4, :num], max_top_k, any_top_p,
                                          None if min_ps is None else min_ps[:num])
-        return draw_tokens(batch, values[1], values[0]).tolist()
+        return draw_tokens(batch, values[1], values[0])
 
 
 def device_columns(columns: list[list[float]], device: torch.device) -> torch.Tensor:
     """-> [len(columns), n] fp32 on `device`, in one copy, each row starting on a 16-byte
     boundary: triton compiles a kernel once per alignment of its pointers, so rows at n * 4
-    bytes apart would make odd batch sizes compile variants of the draw mid-serving."""
+    bytes apart would make odd batch sizes compile variants of the draw mid-serving. A copy from
+    pageable memory would wait for every kernel queued before it, a step planned ahead
+    (loop.py's async scheduling) included."""
     num = len(columns[0])
     pad = [0.0] * (-num % ALIGN_FLOATS)
-    return torch.tensor([column + pad for column in columns], dtype=torch.float32).to(
-        device)[:, :num]
+    host = torch.tensor([column + pad for column in columns], dtype=torch.float32)
+    if device.type == "cuda":  # from page-locked memory the copy waits for nothing before it
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)[:, :num]
 
 
 def warm_up(logits: torch.Tensor) -> None:

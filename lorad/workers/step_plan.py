@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
+# A continuation's token before the step before it has sampled it (StepPlan.token_rows): not a
+# vocabulary id, so an engine that took it for one would fail at the embedding, not run on.
+UNKNOWN_TOKEN = -1
+
+
 class ScheduledChunk(NamedTuple):
     """Immutable as a frozen dataclass would be, and built in 0.3 us instead of 0.7: one per
     sequence per step, a quarter of plan() at 256 sequences (docs/performance-log.md:
@@ -51,6 +56,10 @@ class StepPlan:
     # copy's outcome is agreed at a later step, and only then do its sequences start.
     adapter_fetches: list[tuple[int, int]] = field(default_factory=list)
     num_draft_tokens: int = 0  # the chunks' num_draft, summed
+    # A continuation (Planner.continue_decodes), planned before the step before it was applied:
+    # chunk i's token is row token_rows[i] of that step's sampled ids, which the engine reads
+    # on the device (its token_ids hold UNKNOWN_TOKEN). None: every token id is known.
+    token_rows: list[int] | None = None
 
     @property
     def sampled_request_ids(self) -> list[str]:

@@ -360,3 +360,44 @@ def test_worker_processes_with_adapters_warm_up_and_serve(tiny):
                 assert proc.wait(timeout=60) == 0, coord.worker_logs()
         finally:
             coord.close()
+
+
+def test_async_scheduling_gives_the_tokens_of_synchronous_steps(tiny):
+    """At --parallel 1 on CUDA (decode graphs, bf16), decode steps that run ahead of their apply
+    (the default; the continuation's tokens gathered on the device) give every stream the tokens
+    and endings of synchronous steps: greedy and seeded rows, streams that end on a stop token
+    (their next row runs in vain) and by length."""
+    from tests.integration.test_worker_loop import FakeCoordinator, _collect
+
+    checkpoint, _ = tiny
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 384, (n,), generator=gen).tolist()
+               for n in (3, 7, 12, 20, 5, 9, 4, 15)]
+    ids = [f"r{i}" for i in range(len(prompts))]
+
+    def serve(async_scheduling: bool, stops: dict[str, list[int]]):
+        coord = FakeCoordinator(checkpoint, 1, overrides={
+            "device": "cuda", "dtype": "bfloat16", "kv_cache_blocks": 256,
+            "async_scheduling": async_scheduling})
+        try:
+            coord.handshake(timeout_s=240)
+            for i, prompt in enumerate(prompts):
+                params = SamplingParams(0.0 if i % 2 else 1.0, 1.0, 0, 100 + i, 24, [], True,
+                                        request_stop_token_ids=stops.get(ids[i], []))
+                coord.send(lambda seq, i=i, prompt=prompt, params=params:
+                           Admit(seq, ids[i], prompt, params, 0, ""))
+            tokens, finished, _ = _collect(coord, ids)
+            ran_ahead = "async scheduling: step" in coord.worker_logs()
+            coord.send(Shutdown)
+            assert coord.procs[0].wait(timeout=60) == 0, coord.worker_logs()
+        finally:
+            coord.close()
+        assert ran_ahead == async_scheduling
+        return tokens, finished
+
+    free, _ = serve(False, {})
+    # Streams r0, r2, r4, r6 stop on their own token 5 + i (at its first appearance).
+    stops = {r: [free[r][5 + i]] for i, r in enumerate(ids) if i % 2 == 0}
+    expected = serve(False, stops)
+    assert serve(True, stops) == expected
+    assert sorted(expected[1].values()) == ["length"] * 4 + ["stop"] * 4

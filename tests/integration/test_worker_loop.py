@@ -185,9 +185,13 @@ class FakeCoordinator:
         shutil.rmtree(self._parent, ignore_errors=True)
 
 
-@pytest.mark.parametrize("parallel", [1, 2])
-def test_worker_loop_serves_like_transformers(checkpoint, prompts, reference, parallel):
-    coord = FakeCoordinator(checkpoint, parallel)
+@pytest.mark.parametrize("parallel, async_scheduling",
+                         [(1, False), (1, True), (2, False)])
+def test_worker_loop_serves_like_transformers(checkpoint, prompts, reference, parallel,
+                                               async_scheduling):
+    # async_scheduling: decode steps run ahead of their apply (loop.py), on the CPU too here.
+    coord = FakeCoordinator(checkpoint, parallel,
+                            overrides={"async_scheduling": async_scheduling})
     try:
         ready = coord.handshake()
         assert {(r.num_kv_blocks, r.block_size, r.instance_id, r.max_num_seqs) for r in ready} == \
@@ -209,6 +213,7 @@ def test_worker_loop_serves_like_transformers(checkpoint, prompts, reference, pa
         assert "preempted" in coord.worker_logs()  # the small pool really forced recompute
         assert "dropped a frame" in coord.worker_logs()
         assert "exceeds the" in coord.worker_logs()  # the oversized one, logged, not fatal
+        assert ("async scheduling: step" in coord.worker_logs()) == async_scheduling
 
         _cancel_frees_blocks(coord, prompts[3])
         _every_rank_reports_a_free_pool(coord)

@@ -178,6 +178,12 @@ def test_mixed_step_graphs_is_on_unless_refused():
     assert parse_args(["--model", "m", "--no-mixed-step-graphs"]).mixed_step_graphs is False
 
 
+def test_async_scheduling_is_auto_unless_asked_for_either_way():
+    assert parse_args(["--model", "m"]).async_scheduling is None  # the worker: on CUDA
+    assert parse_args(["--model", "m", "--async-scheduling"]).async_scheduling is True
+    assert parse_args(["--model", "m", "--no-async-scheduling"]).async_scheduling is False
+
+
 def test_missing_model_flag(capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args([])
