@@ -8,7 +8,8 @@
 # time to first token is the prefill), on the base model and on the adapters.
 #
 # Usage, from the repository root on a lent GPU (pyzmq and llguidance wheels carried in .whl/;
-# MODEL_DIR=another config folder for a dry run):
+# MODEL_DIR=another config folder for a dry run; LORAD_FLAGS="--no-async-scheduling", say,
+# adds lorad flags):
 #   bash benchmarks/http_cold_start.sh [NUM_ADAPTERS (8)] [CONCURRENCY (64)] [MAX_TOKENS (512)]
 set -uo pipefail
 

@@ -10,9 +10,10 @@ fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 daemon=
-start_lorad() {  # log file, then lorad's flags: starts it, prints its start-up lines once ready
-  local log=$1; shift
-  python3 -m lorad.daemon "$@" >"$log" 2>&1 &
+start_lorad() {  # log file, then lorad's flags (then LORAD_FLAGS'): prints its start-up lines
+  local log=$1 extra=(); shift
+  read -ra extra <<<"${LORAD_FLAGS:-}"
+  python3 -m lorad.daemon "$@" "${extra[@]}" >"$log" 2>&1 &
   daemon=$!
   for _ in $(seq 1 600); do
     python3 -c "import urllib.request as u; u.urlopen('$url/ready', timeout=2)" 2>/dev/null \

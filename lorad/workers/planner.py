@@ -174,12 +174,12 @@ class Planner:
         reads it on the device). A sequence that prev ends by its length is left out; one that
         prev ends by a stop token runs a row in vain, which apply() skips. None when the step
         cannot be known before apply: prev is not plain decodes of running sequences, a
-        sequence waits or shares blocks (copies on write), a spill takes evicted blocks (its
+        sequence waits or would write into a shared block (a copy on write; the prefix cache
+        shares full blocks only, which no decode writes), a spill takes evicted blocks (its
         writes run before a step), no block is free for a new position (plan() may preempt),
         or no sequence goes on."""
         if (prev.step != self.step or self._continued_from is not None or self.waiting
                 or prev.forks or prev.block_copies or prev.num_draft_tokens
-                or self.blocks.num_shared
                 or (self.reuse is not None and self.reuse.spill is not None)):
             return None
         block_size, going_on, num_new_blocks = self.blocks.block_size, [], 0
@@ -196,7 +196,10 @@ class Planner:
                     or len(seq.prompt_ids) + num_output >= self.limits.max_model_len):
                 continue
             position = chunk.start + 1
-            num_new_blocks += position // block_size >= len(seq.block_table)
+            if position // block_size >= len(seq.block_table):
+                num_new_blocks += 1
+            elif self.blocks.is_shared(seq.block_table[position // block_size]):
+                return None  # a fork's: a copy on write first (plan())
             going_on.append((row, seq, position))
         if not going_on or not self.blocks.can_allocate(num_new_blocks):
             return None

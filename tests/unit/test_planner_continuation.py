@@ -130,3 +130,23 @@ def test_no_continuation_while_a_sequence_waits_or_no_block_is_free():
         p.blocks.allocate(1)
     assert p.continue_decodes(prev) is None
     assert p.apply(prev, [1, 2, 3])  # prev is still the step to apply
+
+
+def test_prefix_cache_blocks_shared_by_sequences_do_not_stop_a_continuation():
+    from lorad.workers.block_manager import BlockManager
+    from lorad.workers.planner import Planner, PlannerLimits
+    from lorad.workers.sequence import Sequence
+    from tests.unit.test_planner import params
+
+    p = Planner(PlannerLimits(8, 32, 64), BlockManager(40, 4), prefix_cache=True)
+    prompt = list(range(50, 59))  # 9 tokens: two full blocks to share, the third its own
+    for i, rid in enumerate(("a", "b")):
+        p.admit(Sequence(rid, prompt, params(), adapter_slot=0, adapter_key="", arrival=i))
+        plan = p.plan()
+        p.apply(plan, [7] * len(plan.sampled_request_ids))
+    a, b = p.sequence("a"), p.sequence("b")
+    assert a.block_table[:2] == b.block_table[:2] and p.blocks.num_shared == 2
+    prev = p.plan()
+    assert [c.request_id for c in prev.chunks] == ["a", "b"]
+    cont = p.continue_decodes(prev)
+    assert [(c.request_id, c.start) for c in cont.chunks] == [("a", 11), ("b", 10)]
