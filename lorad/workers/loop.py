@@ -120,7 +120,8 @@ class WorkerLoop:
         while self.coordinator_alive():
             # 1. receive
             idle = (not self.planner.running and not self.planner.waiting
-                    and not len(self.inbox) and not self.adapter_jobs.store.pending)
+                    and not len(self.inbox) and not self.adapter_jobs.store.pending
+                    and self._in_flight is None)
             if idle:
                 self._receive(IDLE_POLL_MS)
             else:
