@@ -212,9 +212,6 @@ class WorkerLoop:
         """Run a step and sample it on the device, waiting for neither (the device queues
         them); its ids reach the host through a copy queued right after the sampling, so
         reading them waits for this step alone, not for a successor queued behind it."""
-        self._num_model_steps += 1
-        if self._num_model_steps in (self._stall_at, self._raise_at):
-            self._inject_fault()
         logits = self.engine.forward(plan, sampled_before=None if before is None
                                      else before.sampled)
         request_ids = plan.sampled_request_ids
@@ -237,6 +234,9 @@ class WorkerLoop:
         if not len(self.inbox):
             plan = self.planner.continue_decodes(current.plan)
             if plan is not None:
+                self._num_model_steps += 1
+                if self._num_model_steps in (self._stall_at, self._raise_at):
+                    self._inject_fault()
                 self._in_flight = self._launch(plan, current)
                 if not self._ran_ahead:
                     self._ran_ahead = True
