@@ -34,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from lorad.workers.kernels import (decode_gemv, fused_moe, fused_ops,  # noqa: E402
                                    lora_expand, lora_shrink, moe_glue, oneshot_reduce,
-                                   paged_attention, route_tiles, row_matmul, token_draw)
+                                   paged_attention, row_matmul, token_draw)
 from lorad.workers.kernels.configs import (DecodeAttentionConfig, ExpandConfig,  # noqa: E402
                                            ExpandSteps, GemvModelTiles, MoeConfig,
                                            ShrinkConfig, TileConfig)
@@ -226,13 +226,6 @@ def moe_specs() -> list[Spec]:
               "PDL": True}, 1, 3,
              {"logits_ptr": "bf16", "real_rows_ptr": "i1", "weights_ptr": "bf16",
               "experts_ptr": "i64"}),
-        Spec("MoE route + tile tables, one program, 60 experts top 4",
-             route_tiles._route_tiles_kernel,
-             {"NUM_EXPERTS": 60, "TOP_K": 4, "NORM": False, "HAS_PADDING": True,
-              "BLOCK_R": triton.next_power_of_2(config.small_step_rows), "BLOCK_E": 64,
-              "LOG_E": 6, "BLOCK_M": config.block_m, "BLOCK_T": 128, "PDL": True}, 4, 3,
-             {"logits_ptr": "bf16", "real_rows_ptr": "i1", "weights_ptr": "bf16",
-              "experts_ptr": "i64", **tables}),
         Spec("MoE epilogue, routed + sigmoid(gate) * shared", moe_glue._epilogue_kernel,
              {"TOP_K": 4, "HAS_PADDING": True, "BLOCK": moe_glue.EPILOGUE_BLOCK, "PDL": True},
              4, 3,

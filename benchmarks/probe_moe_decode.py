@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """The pieces of one MoE layer's decode step on their own, at the Qwen1.5-MoE-A2.7B shape (bf16,
 random weights, a decode step of --rows real rows padded to MIN_ROWS): the fused MoE kernel's
-tile table build by its pair block and warps, the route and the tile tables as two launches and
-as one (route_tiles.py, by warps), the routed experts' two kernels by MoeConfig, and
+tile table build by its pair block and warps, the routed experts' two kernels by MoeConfig, and
 each base projection through the decode GEMV by tile against cuBLAS (the router and the shared
 expert's gate apart and as one weight). Each figure: microseconds a call, the median of graph
 replays of --calls calls, each call on weights of its own (as the layers of a step; the experts on
@@ -22,9 +21,7 @@ from benchmarks.common import conditions, copy_bandwidth, time_graph
 from lorad.workers.batch import MIN_ROWS
 from lorad.workers.kernels.decode_gemv import decode_matmul
 from lorad.workers.kernels.fused_moe import (TILE_KERNEL_MAX_PAIRS, expert_pairs,
-                                             expert_tiles_kernel, tiles_pair_block)
-from lorad.workers.kernels.moe_glue import route
-from lorad.workers.kernels.route_tiles import route_tiles, route_tiles_rows
+                                             expert_tiles_kernel)
 from lorad.workers.tuning import Tuning, replaced
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,21 +104,6 @@ def main() -> int:
                                                       block_p=block_p, num_warps=warps),
                         args.calls)
             row("expert tiles", f"block_p={block_p}+num_warps={warps}", us)
-
-    # The router's logits as the block has them (a view beside the gate's), padding rows marked.
-    logits = weight(rows, num_experts + 1)[:, :-1] * 100
-    real_rows = torch.arange(rows, device=CUDA) < args.rows
-    norm, moe = cfg.get("norm_topk_prob", False), Tuning().moe
-    row("route", "moe_glue", micros(lambda i: route(logits, top_k, norm, real_rows), args.calls))
-    us = micros(lambda i: expert_tiles_kernel(
-        route(logits, top_k, norm, real_rows)[1], num_experts, moe.block_m,
-        block_p=tiles_pair_block(rows, top_k, moe)), args.calls)
-    row("route + tile tables", "two launches", us)
-    if rows <= route_tiles_rows(top_k, moe):
-        for warps in (1, 2, 4, 8):
-            us = micros(lambda i: route_tiles(logits, top_k, norm, moe, real_rows,
-                                              num_warps=warps), args.calls)
-            row("route + tile tables", f"one launch, num_warps={warps}", us)
 
     copies = max(1, args.expert_copies)
     gate_ups = [weight(num_experts, 2 * inter, hidden) for _ in range(copies)]

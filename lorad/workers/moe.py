@@ -171,15 +171,13 @@ class RoutedExperts(nn.Module):
         return routed_experts_torch(x, self.gate_up, self.down, weights, experts, real_rows)
 
     def pairs(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-              pdl_rows: int = 0, tiles: tuple[torch.Tensor, ...] | None = None
-              ) -> torch.Tensor:
+              pdl_rows: int = 0) -> torch.Tensor:
         """The kernel path's products, not yet added: [num_rows, top_k, hidden] float32, a
         padding pair (expert num_experts) not written (kernels/fused_moe.py's expert_pairs);
-        pdl_rows: the step's PDL row limit (0: no PDL); tiles: the experts' tile tables when
-        the route made them (kernels/route_tiles.py), None: expert_pairs builds them."""
+        pdl_rows: the step's PDL row limit (0: no PDL)."""
         from lorad.workers.kernels.fused_moe import expert_pairs  # the CPU never imports triton
         return expert_pairs(x, self.gate_up, self.down, weights, experts, self.config,
-                            pdl_rows=pdl_rows, tiles=tiles)
+                            pdl_rows=pdl_rows)
 
 
 def routed_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -258,19 +256,6 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert.down_proj.gemv = tuning.gemv.config("down", dtype)
         self.experts.config = tuning.moe
 
-    def route(self, x: torch.Tensor, logits: torch.Tensor, real_rows: torch.Tensor | None,
-              pdl_rows: int) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
-        """The router's (weights, experts) of x's rows, and the routed experts' tile tables
-        where one launch makes both (kernels/route_tiles.py: a small step on the kernel path,
-        whose two launches were mostly latency); None: the experts build them."""
-        if kernel_path(x.device):
-            from lorad.workers.kernels.route_tiles import route_tiles, route_tiles_rows
-            top_k, config = self.gate.top_k, self.experts.config
-            if 0 < x.shape[0] <= route_tiles_rows(top_k, config):
-                return route_tiles(logits, top_k, self.gate.norm_topk_prob, config, real_rows,
-                                   pdl_rows=pdl_rows)
-        return (*self.gate.route(x, real_rows, logits, pdl_rows), None)
-
     def forward(self, x: torch.Tensor, lora: LoraRows,
                 ctx: AttentionContext | CudaAttentionContext | None = None
                 ) -> tuple[torch.Tensor, None]:
@@ -286,13 +271,13 @@ class SparseMoeBlock(nn.Module):
             logits, gate = both[:, :-1], both[:, -1:]
         else:
             logits, gate = self.gate(x), self.shared_expert_gate(x)  # gate: [num_rows, 1]
-        weights, experts, tiles = self.route(x, logits, real_rows, pdl_rows)
+        weights, experts = self.gate.route(x, real_rows, logits, pdl_rows)
         # The gate scales the shared expert's sum over ranks; scaling each rank's share first
         # is the same sum, so one all-reduce carries both.
         shared = self.shared_expert.partial_sum(x, lora)
         if kernel_path(x.device):  # the routed sum, padding, gate and add in one epilogue
             from lorad.workers.kernels.moe_glue import epilogue  # the CPU never imports triton
-            pairs = self.experts.pairs(x, weights, experts, pdl_rows, tiles)
+            pairs = self.experts.pairs(x, weights, experts, pdl_rows)
             return (self.tp.all_reduce(epilogue(pairs, gate, shared, real_rows,
                                                 pdl_rows=pdl_rows)), None)
         routed = self.experts(x, weights, experts, real_rows)

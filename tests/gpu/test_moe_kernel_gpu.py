@@ -1,9 +1,9 @@
 """The fused MoE kernel on CUDA at Qwen1.5-MoE-A2.7B's expert shapes (hidden 2048, 60 experts
 of intermediate 1408, top 4; and one rank's 704 of them at --parallel 2): against the torch
 path with poisoned buffers, a row alone equal to the row in a batch, the expert tiles; the
-block's glue kernels (route, tile tables, both in one launch, epilogue, the block's kernel path)
-bit for bit against the torch ops they replace. The checks are tests/kernels/
-moe_kernel_checks.py's and moe_glue_checks.py's, which the CPU interpreter runs on tiny shapes.
+block's glue kernels (route, tile tables, epilogue, the block's kernel path) bit for bit against
+the torch ops they replace. The checks are tests/kernels/moe_kernel_checks.py's and
+moe_glue_checks.py's, which the CPU interpreter runs on tiny shapes.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from tests.kernels.moe_glue_checks import (check_block, check_epilogue, check_route,
-                                           check_route_picks, check_route_tiles,
-                                           check_tiles_kernel)
+                                           check_route_picks, check_tiles_kernel)
 from tests.kernels.moe_kernel_checks import (check_expert_tiles, check_fused_moe,
                                              check_padding_rows, check_rows_alone)
 
@@ -76,21 +75,6 @@ def test_tiles_kernel(num_rows):
 def test_tiles_kernel_small_block(num_rows, block_p):
     """The small steps' pair block (MoeConfig.small_step_rows)."""
     check_tiles_kernel("cuda", num_rows, num_experts=60, top_k=4, block_p=block_p)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("num_experts,top_k", [(60, 4), (60, 1), (64, 3), (20, 2)])
-def test_route_tiles(dtype, norm, num_experts, top_k):
-    """The route and the tile tables in one launch (small steps: 1 to 16 rows), against the
-    two; no variant compiled for another row count."""
-    check_route_tiles("cuda", DTYPES[dtype], num_experts=num_experts, top_k=top_k, norm=norm)
-
-
-def test_route_tiles_wide():
-    """128 experts at top 8 (a block of 128 lanes, 64 pairs), tiles of 32 pairs."""
-    check_route_tiles("cuda", torch.bfloat16, num_experts=128, top_k=8, block_m=32,
-                      small_step_rows=8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

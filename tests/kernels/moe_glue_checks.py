@@ -25,22 +25,12 @@ INT_POISON = -7777
 
 def _logits(device, dtype, num_rows, num_experts, seed):
     """Random logits with ties: in each row expert 7's logit copied to experts 3 and 11 (and,
-    in bf16, many more ties of rounding); a few rows all equal; strided rows (a view, as the
-    block's logits beside the gate's)."""
+    in bf16, many more ties of rounding); a few rows all equal."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_rows, num_experts, generator=gen) * 3
-    if num_experts > 11:
-        logits[:, [3, 11]] = logits[:, 7:8].clone()
-    else:  # few experts: expert 1's logit copied to expert 2
-        logits[:, 2] = logits[:, 1]
+    logits[:, [3, 11]] = logits[:, 7:8].clone()
     logits[::5] = 0.5
-    return _strided(logits.to(dtype=dtype, device=device))
-
-
-def _strided(logits):
-    """A copy of logits [num_rows, num_experts] as a view of the first num_experts columns of a
-    fresh tensor of one more (the block's logits beside the gate's)."""
-    return torch.cat([logits, torch.full_like(logits[:, :1], 9.0)], 1)[:, :-1]
+    return logits.to(dtype=dtype, device=device)
 
 
 def _real_rows(device, num_rows, seed):
@@ -83,62 +73,6 @@ def check_route_picks(device: str) -> None:
             raise AssertionError(f"{fn.__module__}: picked {experts.tolist()}")
         if not torch.equal(weights[0], weights[0, :1].expand(3)):
             raise AssertionError(f"{fn.__module__}: unequal weights of equal logits")
-
-
-def _route_tiles_out(device, dtype, num_rows, num_experts, top_k, block_m):
-    """route_tiles' six outputs, poisoned (NaN weights, INT_POISON elsewhere)."""
-    from lorad.workers.kernels.launch_math import cdiv
-    num_tiles = cdiv(num_rows * top_k, block_m) + num_experts
-    return (torch.full((num_rows, top_k), POISON, dtype=dtype, device=device),
-            torch.full((num_rows, top_k), INT_POISON, dtype=torch.int64, device=device),
-            torch.full((num_rows * top_k,), INT_POISON, dtype=torch.int64, device=device),
-            *(torch.full((num_tiles,), INT_POISON, dtype=torch.int32, device=device)
-              for _ in range(3)))
-
-
-def check_route_tiles(device: str, dtype: torch.dtype, num_experts: int = 60, top_k: int = 4,
-                      norm: bool = False, block_m: int = 16, small_step_rows: int = 16,
-                      seed: int = 7) -> None:
-    """route_tiles against moe_math.route (which check_route holds moe_glue.route to) and
-    expert_tiles of its experts, bit for bit and entry for entry (poisoned outputs), at every
-    row count it takes, with and without padding rows; and each row's weights and experts alone
-    equal to the row among the others (at two row counts: every launch is slow under the
-    interpreter). On CUDA, the row counts after the first compile no further variant (the
-    kernel never specializes on them)."""
-    from lorad.workers.kernels import moe_math
-    from lorad.workers.kernels.configs import MoeConfig
-    from lorad.workers.kernels.fused_moe import expert_tiles
-    from lorad.workers.kernels.route_tiles import (_route_tiles_kernel, route_tiles,
-                                                   route_tiles_rows)
-    from tests.kernels.compiled_variants import num_compiled
-    config = MoeConfig(block_m=block_m, small_step_rows=small_step_rows)
-    max_rows = route_tiles_rows(top_k, config)
-    names = ("weights", "experts", "pair_order", "tile_expert", "tile_start", "tile_count")
-    variants = None
-    for num_rows in range(1, max_rows + 1):
-        logits = _logits(device, dtype, num_rows, num_experts, seed + num_rows)
-        where = (f"route_tiles {dtype} {num_experts} experts top {top_k} norm {norm} "
-                 f"rows {num_rows}")
-        for real_rows in (None, _real_rows(device, num_rows, seed + num_rows)):
-            out = _route_tiles_out(device, dtype, num_rows, num_experts, top_k, block_m)
-            weights, experts, tiles = route_tiles(logits, top_k, norm, config, real_rows, out=out)
-            want = moe_math.route(logits, top_k, norm, real_rows)
-            want_tiles = expert_tiles(want[1], num_experts, block_m)
-            for name, a, b in zip(names, (weights, experts, *tiles), (*want, *want_tiles)):
-                if a.dtype != b.dtype or not torch.equal(a.cpu(), b.cpu()):
-                    raise AssertionError(f"{where} padding {real_rows is not None}: {name} "
-                                         f"differ:\n{a.cpu()}\n{b.cpu()}")
-        if device != "cpu":  # the interpreter compiles nothing
-            variants = variants or num_compiled(_route_tiles_kernel)
-            if num_compiled(_route_tiles_kernel) != variants:
-                raise AssertionError(f"{where}: compiled another variant")
-        if num_rows not in (max_rows // 2 + 1, max_rows):
-            continue
-        together = route_tiles(logits, top_k, norm, config)
-        for row in range(num_rows):
-            alone = route_tiles(_strided(logits[row:row + 1]), top_k, norm, config)
-            if not all(torch.equal(a[0], b[row]) for a, b in zip(alone[:2], together[:2])):
-                raise AssertionError(f"{where}: row {row} alone gave other bits")
 
 
 def _sorted_experts(device, num_rows, num_experts, top_k, seed):
@@ -287,19 +221,6 @@ CHECKS = {
        for rows, block in ((1, 16), (8, 32), (16, 64), (9, 64))},
     "tiles_kernel_few_experts": (check_tiles_kernel, dict(num_rows=40, num_experts=4, top_k=2)),
     "tiles_kernel_16_experts": (check_tiles_kernel, dict(num_rows=50, num_experts=16, top_k=3)),
-    # route + tile tables in one launch, every row count of the small steps: 60 experts (not a
-    # power of two), 64 (the tables' bins one more), few, top 1 to 4, renormalised or not.
-    **{f"route_tiles_{name}_e{experts}_top{top_k}_norm{int(norm)}": (check_route_tiles, dict(
-        dtype=dtype, num_experts=experts, top_k=top_k, norm=norm))
-       for name, dtype, experts, top_k, norm in (
-           ("bf16", torch.bfloat16, 60, 4, False), ("bf16", torch.bfloat16, 60, 4, True),
-           ("fp32", torch.float32, 60, 4, True), ("fp32", torch.float32, 64, 3, False),
-           ("bf16", torch.bfloat16, 20, 2, True), ("fp32", torch.float32, 7, 1, False))},
-    # Another row limit (5: a block of 8 rows), tiles of 32 pairs, 128 experts at top 8.
-    "route_tiles_small_5_block_m_32": (check_route_tiles, dict(
-        dtype=torch.bfloat16, top_k=3, block_m=32, small_step_rows=5)),
-    "route_tiles_e128_top8": (check_route_tiles, dict(
-        dtype=torch.bfloat16, num_experts=128, top_k=8, small_step_rows=4)),
     "epilogue_fp32": (check_epilogue, dict(dtype=torch.float32)),
     "epilogue_bf16": (check_epilogue, dict(dtype=torch.bfloat16)),
     "block_fp32_8": (check_block, dict(dtype=torch.float32, num_rows=8)),

@@ -25,9 +25,9 @@ Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3
 - moe_kernel_checks.py: the fused MoE kernel against the torch path (poisoned buffers), a row's
   bits alone and among rows of the same experts, the expert tiles; a tiny Qwen2-MoE's kernel
   path with two adapters against its torch path, and through the decode graphs' inputs.
-- moe_glue_checks.py: the MoE block's route, one-program tile tables, both in one launch
-  (small steps) and epilogue kernels bit for bit against the torch ops they replace (ties,
-  padding rows, poisoned outputs), and the block's kernel path against its former composition.
+- moe_glue_checks.py: the MoE block's route, one-program tile tables and epilogue kernels bit
+  for bit against the torch ops they replace (ties, padding rows, poisoned outputs), and the
+  block's kernel path against its former composition.
 - row_matmul_checks.py: the row-invariant matmul bit-exact on integer inputs, a row's bits
   alone and in products of any row count, refused inputs.
 - oneshot_reduce_checks.py: the one-shot all-reduce's rank-ordered sum, alone and fused with

@@ -324,16 +324,15 @@ class MoeConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
-    # Steps of at most this many rows route and build the tile tables in one launch
-    # (route_tiles.py, a block of this many rows to a power of two), and expert_pairs called
-    # without tables builds them over a pair block sized for them (rows x top_k, to a power of
-    # two) instead of the 512 pairs the one-program kernel takes at most. The same bits and
+    # Steps of at most this many rows build the tile tables over a pair block sized for them
+    # (rows x top_k, to a power of two) instead of the 512 pairs the one-program kernel takes
+    # at most: a decode step of one sequence sorts 64 lanes, not 512. Integer tables, the same
     # entries either way; one more compiled variant (a warm-up row band). 0: never.
     small_step_rows: int = 16
-    # Launch the block's kernels (route, tile tables or both in one, the two expert kernels,
-    # the epilogue, the router's GEMV) with PDL under the step's row limit (kernels/pdl.py), as
-    # the dense layers' kernels are: 2.86 against 2.96 ms of device time a decode step at
-    # batch 1 on an H100 (docs/performance-log.md: MoE block's kernels with PDL).
+    # Launch the block's kernels (route, tile tables, the two expert kernels, the epilogue, the
+    # router's GEMV) with PDL under the step's row limit (kernels/pdl.py), as the dense layers'
+    # kernels are: 2.86 against 2.96 ms of device time a decode step at batch 1 on an H100
+    # (docs/performance-log.md: MoE block's kernels with PDL).
     pdl: bool = True
 
     def __post_init__(self) -> None:

@@ -1,8 +1,7 @@
 """Fused MoE: every routed expert of a layer in two launches, rows grouped by expert in tiles
 of block_m (row, expert) pairs built on the device (no host sync, so a CUDA graph can hold it;
-one launch up to TILE_KERNEL_MAX_PAIRS pairs, torch ops past it; in small steps the route's
-launch builds them, route_tiles.py): gate/up with silu(gate) * up in its epilogue, then down
-times the routing weight, in fp32, one output per pair (expert_pairs).
+one launch up to TILE_KERNEL_MAX_PAIRS pairs, torch ops past it): gate/up with silu(gate) * up in
+its epilogue, then down times the routing weight, in fp32, one output per pair (expert_pairs).
 
 Row invariance: a tile holds pairs of one expert, one tile shape and one compiled variant serve
 every batch (the pair count is not specialized), each tile sweeps all of K in block_k steps (no
@@ -58,14 +57,22 @@ def expert_tiles(experts: torch.Tensor, num_experts: int, block_m: int
 TILE_KERNEL_MAX_PAIRS = 512
 
 
-@triton.jit
-def store_tile_tables(counts, tile_expert_ptr, tile_start_ptr, tile_count_ptr, num_pairs,
-                      NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_T: tl.constexpr):
-    """expert_tiles' tile_expert, tile_start and tile_count from counts [BLOCK_E] int32 (each
-    expert's pairs; lanes from NUM_EXPERTS on are not read) for num_pairs pairs: BLOCK_T lanes
-    of at least cdiv(num_pairs, BLOCK_M) + NUM_EXPERTS tiles. route_tiles.py takes it too."""
+# No argument holds the pair count but num_pairs, never specialized: one variant for every step.
+@triton.jit(do_not_specialize=["num_pairs"])
+def _expert_tiles_kernel(experts_ptr, pair_order_ptr, tile_expert_ptr, tile_start_ptr,
+                         tile_count_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    """expert_tiles in one program, for up to BLOCK_P pairs: the same tables, entry for entry."""
+    wait_for_previous(PDL)
+    p = tl.arange(0, BLOCK_P)
+    in_p = p < num_pairs
+    flat = tl.load(experts_ptr + p, mask=in_p, other=NUM_EXPERTS).to(tl.int32)
+    # A stable sort by expert is a sort by (expert, pair): the keys are distinct.
+    keys = tl.sort(flat * BLOCK_P + p)
+    tl.store(pair_order_ptr + p, (keys % BLOCK_P).to(tl.int64), mask=in_p)
     e = tl.arange(0, BLOCK_E)
+    counts = tl.histogram(flat, BLOCK_E, mask=in_p)  # [BLOCK_E]; bins from NUM_EXPERTS on: none
     counts = tl.where(e < NUM_EXPERTS, counts, 0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tiles_end = tl.cumsum(tiles, axis=0)
@@ -84,25 +91,6 @@ def store_tile_tables(counts, tile_expert_ptr, tile_start_ptr, tile_count_ptr, n
     tl.store(tile_expert_ptr + t, tl.where(has_expert, expert, -1), mask=in_t)
     tl.store(tile_start_ptr + t, tl.where(has_expert, start, 0), mask=in_t)
     tl.store(tile_count_ptr + t, tl.where(has_expert, count, 0), mask=in_t)
-
-
-# No argument holds the pair count but num_pairs, never specialized: one variant for every step.
-@triton.jit(do_not_specialize=["num_pairs"])
-def _expert_tiles_kernel(experts_ptr, pair_order_ptr, tile_expert_ptr, tile_start_ptr,
-                         tile_count_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_T: tl.constexpr, PDL: tl.constexpr):
-    """expert_tiles in one program, for up to BLOCK_P pairs: the same tables, entry for entry."""
-    wait_for_previous(PDL)
-    p = tl.arange(0, BLOCK_P)
-    in_p = p < num_pairs
-    flat = tl.load(experts_ptr + p, mask=in_p, other=NUM_EXPERTS).to(tl.int32)
-    # A stable sort by expert is a sort by (expert, pair): the keys are distinct.
-    keys = tl.sort(flat * BLOCK_P + p)
-    tl.store(pair_order_ptr + p, (keys % BLOCK_P).to(tl.int64), mask=in_p)
-    counts = tl.histogram(flat, BLOCK_E, mask=in_p)  # [BLOCK_E]; bins from NUM_EXPERTS on: none
-    store_tile_tables(counts, tile_expert_ptr, tile_start_ptr, tile_count_ptr, num_pairs,
-                      NUM_EXPERTS, BLOCK_M, BLOCK_E, BLOCK_T)
 
 
 def tiles_pair_block(num_rows: int, top_k: int, config: MoeConfig) -> int:
@@ -232,17 +220,15 @@ def add_experts(pairs: torch.Tensor) -> torch.Tensor:
 def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                  weights: torch.Tensor, experts: torch.Tensor, config: MoeConfig = MoeConfig(),
                  buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 pdl_rows: int = 0, tiles: tuple[torch.Tensor, ...] | None = None
-                 ) -> torch.Tensor:
+                 pdl_rows: int = 0) -> torch.Tensor:
     """-> [num_rows, top_k, H] float32: each (row, expert) pair's down product times its
     weight, a padding pair (expert num_experts) not written. x: [num_rows, K]; gate_up:
     [num_experts, 2N, K] (each expert's gate rows then up rows); down: [num_experts, H, N];
     weights, experts: [num_rows, top_k], each row's experts ascending (moe_glue.route's).
     buffers: (h [num_pairs, N] of x's dtype, pairs [num_pairs, H] float32) to write into
-    (tests poison them); None: allocated. tiles: expert_tiles' four tables for experts and
-    config.block_m when the caller has them (route_tiles.py's, a small step); None: built here,
-    one launch up to TILE_KERNEL_MAX_PAIRS pairs (the same tables as expert_tiles'). pdl_rows:
-    the step's PDL row limit (kernels/pdl.py; 0: no PDL)."""
+    (tests poison them); None: allocated. The tile tables take one launch up to
+    TILE_KERNEL_MAX_PAIRS pairs (the same tables as expert_tiles'). pdl_rows: the step's PDL
+    row limit (kernels/pdl.py; 0: no PDL)."""
     num_rows, top_k = experts.shape
     pdl = launch_options(x.device, num_rows, pdl_rows)
     config = fitting_itemsize(config, gate_up.element_size())
@@ -254,10 +240,7 @@ def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device))
     if num_pairs == 0 or num_inter == 0:  # a rank with none of the intermediate size: zeros
         return pairs.zero_().view(num_rows, top_k, hidden)
-    if tiles is not None:
-        pair_order, tile_expert, tile_start, tile_count = tiles
-        assert tile_expert.shape[0] == cdiv(num_pairs, config.block_m) + num_experts
-    elif num_pairs <= TILE_KERNEL_MAX_PAIRS:
+    if num_pairs <= TILE_KERNEL_MAX_PAIRS:
         pair_order, tile_expert, tile_start, tile_count = expert_tiles_kernel(
             experts.contiguous(), num_experts, config.block_m,
             block_p=tiles_pair_block(num_rows, top_k, config),
@@ -266,13 +249,13 @@ def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         pair_order, tile_expert, tile_start, tile_count = expert_tiles(
             experts.contiguous(), num_experts, config.block_m)
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
-    num_tiles = tile_expert.shape[0]
-    _gate_up_kernel[(num_tiles, cdiv(num_inter, config.block_n))](
+    tiles = tile_expert.shape[0]
+    _gate_up_kernel[(tiles, cdiv(num_inter, config.block_n))](
         x, gate_up, h, pair_order, tile_expert, tile_start, tile_count, num_inter, num_in,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl)
-    _down_kernel[(num_tiles, cdiv(hidden, config.block_n))](
+    _down_kernel[(tiles, cdiv(hidden, config.block_n))](
         h, down, weights.contiguous(), pairs, pair_order, tile_expert, tile_start, tile_count,
         hidden, num_inter, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps,

@@ -1,9 +1,7 @@
 """The MoE block's glue on the kernel path, one launch each per layer: route (softmax, top-k,
 renormalise, round, sort by expert, padding rows to no expert) and the epilogue (a row's experts
 added, padding rows zeroed, the shared expert scaled by its sigmoid gate and added). They replace
-~60 tiny torch kernels a layer that cost more than the experts' products at decode. Small steps
-(decode) route with route_tiles.py instead, which repeats this route's ops with the tile tables
-in the same launch.
+~60 tiny torch kernels a layer that cost more than the experts' products at decode.
 
 Bits: kernels/moe_math.py's torch ops, op for op (its exp, its pairwise sum, IEEE division,
 no fused multiply-add), so they equal the CPU path's. Row invariance: a program per row (route)
