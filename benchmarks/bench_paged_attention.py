@@ -8,14 +8,12 @@ and 4096, with the bandwidth achieved against the K and V bytes read.
                                             [--contexts 1024,4096] [--iters 50]
                                             [--table-tokens 8192] [--split-programs=-1,0]
                                             [--stages 2,3] [--layouts nhd,hnd]
-                                            [--preload=-1,0,1] [--fold 1,0]
+                                            [--preload=-1,0,1]
 
-Each row times one decode attention replayed from a CUDA graph, as a decode step runs it, and
-also launched eagerly: with --fold 1 one launch, the split kernel merging the splits (lorad's),
-with 0 two, split + reduce (the same bits; e.g. --batches 1,8,64 --contexts 512,4096).
---layouts hnd stores each block's KV heads one after another (a head's block_size tokens
-contiguous) instead of lorad's token-major blocks (nhd), passed to the kernel as a strided view
-of the same shape. --preload 1 reads each split's first block ids
+Each row times one kernel pair (split + reduce) replayed from a CUDA graph, as a decode step runs
+it, and also launched eagerly. --layouts hnd stores each block's KV heads one after another
+(a head's block_size tokens contiguous) instead of lorad's token-major blocks (nhd), passed to the
+kernel as a strided view of the same shape. --preload 1 reads each split's first block ids
 early (the default in steps of up to DecodeAttentionConfig.preload_max_seqs sequences), 0 in
 the loop, -1 (the default) as the kernel picks. Block tables are shuffled; consecutive calls read
 different blocks (several table sets per graph when one call's KV would fit in L2), so small rows
@@ -30,8 +28,7 @@ import sys
 import torch
 
 from lorad.workers.kernels.configs import DecodeAttentionConfig, PdlConfig  # noqa: E402
-from lorad.workers.kernels.paged_attention import (fold_counters,  # noqa: E402
-                                                   paged_decode_attention)
+from lorad.workers.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from benchmarks.common import conditions  # noqa: E402
 
 DEFAULT = DecodeAttentionConfig()  # lorad's
@@ -61,7 +58,7 @@ def time_ms(fn, iters: int) -> float:
 
 def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: int,
           table_tokens: int, split_programs: int, tile_size: int, num_warps: int,
-          num_stages: int, preload: bool | None, fold: bool) -> dict:
+          num_stages: int, preload: bool | None) -> dict:
     device = k_cache.device
     blocks_per_seq = context // BLOCK_SIZE
     width = max(blocks_per_seq, table_tokens // BLOCK_SIZE)  # a graph's table: the longest context
@@ -79,12 +76,9 @@ def bench(k_cache, v_cache, batch: int, context: int, split_size: int, iters: in
         split_size=split_size, tile_tokens=tile_size, num_warps=num_warps, num_stages=num_stages,
         split_programs=DEFAULT.split_programs if split_programs is None else split_programs)
 
-    counters = fold_counters(device, batch * NUM_KV_HEADS) if fold else None
-
     def call(i: int) -> None:
         paged_decode_attention(q, k_cache, v_cache, tables[i], lens, scale, out=out,
-                               config=config, preload=preload, pdl_rows=PDL_ROWS,
-                               counters=counters)
+                               config=config, preload=preload, pdl_rows=PDL_ROWS)
 
     for i in range(num_sets):  # compile, and touch every set once
         call(i)
@@ -121,9 +115,6 @@ def main() -> int:
                         help="0: block ids read in the split's loop; 1: each split's first "
                              "block ids read early; -1: as the kernel picks by batch "
                              "(DecodeAttentionConfig.preload_max_seqs); write --preload=-1,0,1")
-    parser.add_argument("--fold", type=ints, default=[1, 0],
-                        help="1: the reduce folded into the split kernel (one launch); 0: "
-                             "split + reduce kernels")
     parser.add_argument("--layouts", default="nhd",
                         help="nhd (lorad's: [block, token, head, dim]) and/or hnd ([block, head, "
                              "token, dim] seen through a strided view)")
@@ -157,7 +148,7 @@ def main() -> int:
           "the kernel's default)")
     header = (f"{'split':>5} {'tile':>4} {'warps':>5} {'progs':>5} {'batch':>5} {'context':>7} "
               f"{'splits':>6} {'KV MiB':>8} {'graph us':>9} {'eager us':>9} {'GB/s':>7} "
-              f"{'sets':>4} {'stages':>6} {'layout':>6} {'preload':>7} {'fold':>4}")
+              f"{'sets':>4} {'stages':>6} {'layout':>6} {'preload':>7}")
     print(header)
     print("-" * len(header))
     configs = [(s, t, w, p, n, layout, e) for s in args.split_sizes for t in args.tile_sizes
@@ -166,14 +157,14 @@ def main() -> int:
     for split_size, tile_size, warps, programs, stages, layout, preload in configs:
         k_cache, v_cache = caches[layout]
         for context in args.contexts:
-            for batch, fold in ((b, f) for b in args.batches for f in args.fold):
+            for batch in args.batches:
                 r = bench(k_cache, v_cache, batch, context, split_size, args.iters,
                           args.table_tokens, None if programs < 0 else programs, tile_size, warps,
-                          stages, None if preload < 0 else bool(preload), bool(fold))
+                          stages, None if preload < 0 else bool(preload))
                 print(f"{split_size:>5} {tile_size:>4} {warps:>5} {programs:>5} {batch:>5} "
                       f"{context:>7} {r['splits']:>6} {r['kv_mb']:>8.1f} {r['graph_us']:>9.1f} "
                       f"{r['eager_us']:>9.1f} {r['gbps']:>7.0f} {r['sets']:>4} {stages:>6} "
-                      f"{layout:>6} {preload:>7} {fold:>4}", flush=True)
+                      f"{layout:>6} {preload:>7}", flush=True)
     return 0
 
 

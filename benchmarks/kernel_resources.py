@@ -156,18 +156,13 @@ def model_specs() -> list[Spec]:
              "TILE": attention.tile_tokens, "BLOCK_H": 16, "BLOCK_D": 128,
              "DOT_PRECISION": "tf32", "LINES": 2, "LINE_ELEMS": 64, "PDL": True}
     split_types = {"q_ptr": bf16, "k_cache_ptr": bf16, "v_cache_ptr": bf16, "tables_ptr": "i32",
-                   "lens_ptr": "i32", "counters_ptr": "i32", "out_ptr": bf16}
+                   "lens_ptr": "i32"}
     return [
-        # Up to attention.prefetch_max_seqs sequences with the L2 prefetch (and, at one, the
-        # early block ids), more without; the reduce folded into the split kernel (lorad's), or
-        # a launch of its own.
-        *(Spec(f"decode attention, split{' + prefetch' if prefetch else ''}"
-               f"{' + folded reduce' if fold else ''}",
-               paged_attention._decode_split_kernel,
-               {**split, "PREFETCH": prefetch, "PRELOAD": prefetch, "FOLD": fold,
-                "GROUP_SPLITS": attention.reduce_group, "MERGE_H": 4},
+        # Up to attention.prefetch_max_seqs sequences with the L2 prefetch, more without.
+        *(Spec(f"decode attention, split{' + prefetch' if prefetch else ''}",
+               paged_attention._decode_split_kernel, {**split, "PREFETCH": prefetch},
                attention.num_warps, attention.num_stages, split_types)
-          for prefetch in (True, False) for fold in (True, False)),
+          for prefetch in (True, False)),
         Spec("decode attention, reduce", paged_attention._decode_reduce_kernel,
              {"HEAD_DIM": 128, "SPLIT": attention.split_size, "BLOCK_D": 128,
               "GROUP_SPLITS": attention.reduce_group, "PDL": True}, 1, 3,

@@ -21,7 +21,7 @@ import torch
 from lorad.workers.batch import ForwardBatch
 from lorad.workers.kernels.configs import DecodeAttentionConfig
 from lorad.workers.kernels.kv_cache_write import write_kv
-from lorad.workers.kernels.paged_attention import fold_counters, paged_decode_attention
+from lorad.workers.kernels.paged_attention import paged_decode_attention
 from lorad.workers.kernels.paged_prefill_attention import paged_prefill_attention
 from lorad.workers.kv_cache import PagedKVCache
 
@@ -145,11 +145,9 @@ def _attend_mixed(q: torch.Tensor, cache: PagedKVCache, ctx: CudaAttentionContex
                                 query_ends=prompt.query_ends)
     generated = ctx.generated
     if generated is not None:
-        num_generated = generated.rows.shape[0]
         rows = paged_decode_attention(q.index_select(0, generated.rows), cache.k, cache.v,
                                       generated.block_tables, generated.context_lens, scale,
-                                      config=config,
-                                      counters=_counters(q.device, num_generated, cache))
+                                      config=config)
         out.index_copy_(0, generated.rows, rows)
     return out
 
@@ -171,10 +169,4 @@ def attend_cuda(q: torch.Tensor, cache: PagedKVCache, ctx: CudaAttentionContext,
         out = torch.empty(num_rows, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
     return paged_decode_attention(q[:num_seqs], cache.k, cache.v, ctx.block_tables,
                                   ctx.context_lens, scale, out=out, config=config,
-                                  pdl_rows=pdl_rows, counters=_counters(q.device, num_rows, cache))
-
-
-def _counters(device: torch.device, num_rows: int, cache: PagedKVCache) -> torch.Tensor:
-    """The decode kernel's fold counters for num_rows output rows: the device's one buffer,
-    allocated at the first (eager) step that needs it, before any graph is captured."""
-    return fold_counters(device, num_rows * cache.k.shape[2])
+                                  pdl_rows=pdl_rows)

@@ -17,7 +17,7 @@ import torch
 
 from tests.kernels.paged_attention_checks import (
     LLAMA_8B, Shape, assert_close, check_attention_matches_cpu_path,
-    check_decode_fold_same_bits, check_decode_matches_reference, check_decode_preload_same_bits,
+    check_decode_matches_reference, check_decode_preload_same_bits,
     check_decode_rows_independent_of_batch, check_prefill_matches_reference,
     check_token_kinds_keep_their_bits, check_write_kv,
     random_cache, random_tables, randn, tolerance)
@@ -38,22 +38,10 @@ CHUNKS = [(1, 1), (1, 4096), (16, 16), (17, 300), (512, 512), (100, 3000), (300,
           (64, 1024), (1000, 2048), (2, 129), (255, 256)]
 
 
-@pytest.mark.parametrize("fold", (False, True), ids=("two_launches", "folded"))
 @pytest.mark.parametrize("group", (1, 3, 4))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_matches_reference(dtype, group, fold):
-    check_decode_matches_reference("cuda", DTYPES[dtype], group, LLAMA_8B, CONTEXTS, fold=fold)
-
-
-@pytest.mark.parametrize("pdl_rows", (0, 64), ids=("plain", "pdl"))
-@pytest.mark.parametrize("group", (1, 3, 4))
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_folded_reduce_keeps_the_two_launches_bits(dtype, group, pdl_rows):
-    """The split kernel's last program of each (sequence, KV head) merging its splits gives the
-    reduce kernel's bits at batches of 1, 8 and 64 and all 128, with PDL (on Hopper) or not,
-    and leaves its counters zero after every launch."""
-    check_decode_fold_same_bits("cuda", DTYPES[dtype], group, LLAMA_8B, CONTEXTS,
-                                batch_sizes=(1, 8, 64), pdl_rows=pdl_rows)
+def test_decode_matches_reference(dtype, group):
+    check_decode_matches_reference("cuda", DTYPES[dtype], group, LLAMA_8B, CONTEXTS)
 
 
 @pytest.mark.parametrize("batch", (1, 8, 32, 64))
@@ -115,10 +103,8 @@ def test_token_kinds_keep_their_bits(dtype):
 
 def test_decode_step_replays_from_a_cuda_graph_without_host_sync():
     """Write + decode attention captured once over static buffers, replayed after the buffers
-    are refilled with other contexts (padding rows among them): the same bits as an eager run
-    and as the two launches (the step folds the reduce), the fold's counters left zero."""
+    are refilled with other contexts (padding rows among them): the same bits as an eager run."""
     from lorad.workers.attention_cuda import CudaAttentionContext, paged_attention_cuda
-    from lorad.workers.kernels.paged_attention import fold_counters, paged_decode_attention
     from lorad.workers.kernels.paged_attention_reference import paged_decode_attention_reference
     from lorad.workers.kv_cache import PagedKVCache
 
@@ -176,11 +162,6 @@ def test_decode_step_replays_from_a_cuda_graph_without_host_sync():
         cache.v.copy_(v_before)
         eager = step()
         assert torch.equal(replayed, eager), f"trial {trial}: replay differs from eager"
-        counters = fold_counters(torch.device("cuda"), num_seqs * shape.num_kv_heads)
-        assert not counters.any(), f"trial {trial}: fold counters left non-zero"
-        two_launches = paged_decode_attention(static["q"], cache.k, cache.v, static["tables"],
-                                              static["lens"], scale)
-        assert torch.equal(replayed, two_launches), f"trial {trial}: folded != two launches"
         assert torch.equal(k_replayed, cache.k) and torch.equal(v_replayed, cache.v)
         padding = torch.tensor(contexts, device="cuda") == 0
         assert torch.equal(replayed[padding], torch.zeros_like(replayed[padding]))

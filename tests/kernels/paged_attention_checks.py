@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import sys
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -89,9 +88,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -
 
 def check_decode_matches_reference(device="cpu", dtype=torch.float32, group=4, shape=TINY,
                                    contexts=TINY_CONTEXTS, seed=0,
-                                   preload: bool | None = None, fold: bool = False) -> None:
-    """Against the reference, with the padding rows and sequences zero; fold: the reduce folded
-    into the split kernel (counters given), which leaves its counters zero."""
+                                   preload: bool | None = None) -> None:
     from lorad.workers.kernels.paged_attention import paged_decode_attention
     from lorad.workers.kernels.paged_attention_reference import paged_decode_attention_reference
 
@@ -107,85 +104,15 @@ def check_decode_matches_reference(device="cpu", dtype=torch.float32, group=4, s
     # Three rows past the sequences, as a batch padded to MIN_ROWS has: written with zeros.
     padded = torch.full((len(contexts) + 3, q_heads * shape.head_dim), float("nan"), dtype=dtype,
                         device=device)
-    counters = poisoned_counters(padded.shape[0] * shape.num_kv_heads, device) if fold else None
     paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=padded,
-                           config=decode_config(shape), preload=preload,
-                           counters=None if counters is None else counters[1:-1])
+                           config=decode_config(shape), preload=preload)
     out = padded[:len(contexts)]
     want = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
-    assert_close(out, want, tolerance(dtype),
-                 f"decode {dtype} group {group} preload {preload} fold {fold}")
-    if counters is not None:
-        assert_counters_left_zero(counters, "decode")
+    assert_close(out, want, tolerance(dtype), f"decode {dtype} group {group} preload {preload}")
     empty = lens == 0
     assert torch.equal(out[empty], torch.zeros_like(out[empty])), "context 0 rows not zero"
     tail = padded[len(contexts):]
     assert torch.equal(tail, torch.zeros_like(tail)), "rows past the sequences not zero"
-
-
-def poisoned_counters(num_counters: int, device) -> torch.Tensor:
-    """[num_counters + 2] int32: zeros for a launch (the middle), between two sentinels that a
-    launch must not touch."""
-    counters = torch.zeros(num_counters + 2, dtype=torch.int32, device=device)
-    counters[0] = counters[-1] = -7
-    return counters
-
-
-def assert_counters_left_zero(counters: torch.Tensor, what: str) -> None:
-    """A folded launch leaves its counters zero (a graph replays it on the same ones) and the
-    sentinels around them as they were."""
-    assert counters[0] == counters[-1] == -7, f"{what}: a write outside the counters"
-    assert not counters[1:-1].any(), f"{what}: counters left at {counters[1:-1].tolist()}"
-
-
-def check_decode_fold_same_bits(device="cpu", dtype=torch.float32, group=4, shape=TINY,
-                                contexts=TINY_CONTEXTS, batch_sizes=(1, 4), seed=7,
-                                pdl_rows: int = 0) -> None:
-    """The reduce folded into the split kernel (one launch, its last program of a sequence's KV
-    head merging) gives the two launches' bits, row for row: batches of every size in
-    batch_sizes and the whole set, with padding rows past the sequences (zeros in both),
-    contexts of no split, one split, many, a partial last one, split programs taking one split
-    or several, block ids read early or not. One counters buffer serves every launch, as a
-    device's does: each leaves it zero."""
-    from lorad.workers.kernels.paged_attention import paged_decode_attention
-
-    gen, rng = torch.Generator(device).manual_seed(seed), random.Random(seed)
-    contexts = list(contexts)
-    k_cache, v_cache = random_cache(shape, dtype, gen)
-    tables = random_tables(shape, contexts, rng, device, extra_blocks=5)
-    lens = torch.tensor(contexts, dtype=torch.int32, device=device)
-    q_heads = group * shape.num_kv_heads
-    q = randn(gen, len(contexts), q_heads, shape.head_dim, dtype=dtype)
-    scale = shape.head_dim ** -0.5
-    max_rows = len(contexts) + 2
-    counters = poisoned_counters(max_rows * shape.num_kv_heads, device)
-    batches = []
-    for size in (*batch_sizes, len(contexts)):
-        order = list(range(len(contexts)))
-        rng.shuffle(order)
-        batches += [order[i:i + size] for i in range(0, len(order), size)]
-    programs = [None, 0, 1, 2]  # the default, one per split, programs looping over splits
-    for i, rows in enumerate(batches):
-        config, pad = decode_config(shape, programs[i % 4]), i % 3
-        outs = []
-        # The first run's q is NaN: its partial results (freed, then most likely the next run's
-        # memory) poison any the fold would read before they are written.
-        for run_q, fold in ((torch.full_like(q, float("nan")), False), (q, True), (q, False)):
-            out = torch.full((len(rows) + pad, q_heads * shape.head_dim), float("nan"),
-                             dtype=dtype, device=device)
-            with warnings.catch_warnings():  # the interpreter's numpy warns of the NaNs
-                warnings.simplefilter("ignore", RuntimeWarning)
-                paged_decode_attention(run_q[rows], k_cache, v_cache, tables[rows], lens[rows],
-                                       scale, out=out, config=config, preload=i % 2 == 0,
-                                       pdl_rows=pdl_rows,
-                                       counters=counters[1:-1] if fold else None)
-            outs.append(out)
-        _, folded, two_launches = outs
-        what = (f"batch {[contexts[r] for r in rows]} + {pad} padding rows, split programs "
-                f"{programs[i % 4]}")
-        assert torch.equal(folded, two_launches), f"folded reduce, other bits: {what}"
-        assert not folded[len(rows):].any(), f"padding rows not zero: {what}"
-        assert_counters_left_zero(counters, what)
 
 
 def check_decode_rows_independent_of_batch(device="cpu", dtype=torch.float32, group=3,
@@ -470,12 +397,6 @@ CHECKS = {
                                              dict(contexts=(0, 1, 17, 33, 64, 100),
                                                   preload=True)),
     "decode_preload_same_bits_fp32": (check_decode_preload_same_bits, {}),
-    # The reduce folded into the split kernel: against the reference, and the two launches' bits.
-    "decode_fp32_group4_fold": (check_decode_matches_reference, dict(group=4, fold=True)),
-    "decode_bf16_group1_fold": (check_decode_matches_reference,
-                                dict(dtype=torch.bfloat16, group=1, fold=True)),
-    **{f"decode_fold_same_bits_fp32_group{g}": (check_decode_fold_same_bits, dict(group=g))
-       for g in (1, 3, 4)},
     **{f"prefill_fp32_group{g}": (check_prefill_matches_reference, dict(group=g))
        for g in (1, 3, 4)},
     "prefill_bf16_group3": (check_prefill_matches_reference, dict(dtype=torch.bfloat16, group=3)),

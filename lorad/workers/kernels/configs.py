@@ -285,14 +285,8 @@ class DecodeAttentionConfig:
     # The split kernel's pipeline depth over its tiles; it changes no bit
     # (docs/performance-log.md: attention stages by batch).
     num_stages: int = 2
-    # Splits a merge loads at once (the folded one's or the reduce kernel's), merged one after
-    # another in split order.
+    # Splits the reduce kernel loads at once, merged one after another in split order.
     reduce_group: int = 8
-    # In steps of at most this many sequences (and given the counters) the split kernel's last
-    # program of each (sequence, KV head) merges its splits itself, with the reduce kernel's
-    # arithmetic: one launch instead of two, the same bits. At any batch until measured: the
-    # merge reads what the reduce kernel reads, overlapped with other programs' splits.
-    fold_max_seqs: int = 1 << 30
     # The split kernel's L2 prefetch before its PDL wait, in steps of at most this many
     # sequences: it adds no arithmetic but costs registers, which only a step with few programs
     # can spare (docs/performance-log.md: attention L2 prefetch at 1 or 2 sequences).

@@ -1,24 +1,19 @@
 """Decode attention over paged KV: one query token per sequence, split-KV with a fixed split size.
 
-The split kernel gives each (sequence, KV head, split of split_size context tokens) its own
-program: the KV head's query heads are one tile, so they share every K/V load, and an fp32
-online softmax runs over the split's keys read through the block table. The splits are then
-merged one after another, in split order: by the last split program of each (sequence, KV head)
-to finish (folded: it counts itself on a counter, atomically, and sets it back to 0), or by a
-reduce kernel of its own (two launches). Both merge with _merge_splits, so a row has the same
-bits either way. A split's bounds and the merge order depend only on that sequence's context
-length, never on the batch or on the grid, so a row's result has the same bits in any batch.
-No host sync and a grid fixed by shapes alone, so a decode step can be captured in a CUDA graph
-(the counters are one zeroed buffer per device, fold_counters, left zero by every launch).
-Prefill chunks are paged_prefill_attention.py's.
+Two kernels. The split kernel gives each (sequence, KV head, split of split_size context tokens)
+its own program: the KV head's query heads are one tile, so they share every K/V load, and an
+fp32 online softmax runs over the split's keys read through the block table. The reduce kernel
+merges a sequence's splits one after another, in split order. A split's bounds and the merge
+order depend only on that sequence's context length, never on the batch or on the grid, so a
+row's result has the same bits in any batch. No host sync and a grid fixed by shapes alone, so a
+decode step can be captured in a CUDA graph. Prefill chunks are paged_prefill_attention.py's.
 
 Launched with PDL (kernels/pdl.py), both kernels read the context lengths before their wait (a
 step input), and in steps of prefetch_max_seqs sequences or fewer the split kernel asks L2 for
 the K/V lines of its first split below each sequence's last position: earlier steps cached
 them, and only the last position is the step's own token, written by the kernel ahead. The
 chain of round trips a split waits on in such a step (length, block table, K/V) then starts
-while the kernels ahead still run. A merge issues a group of splits' loads at once. The
-counters are touched only after the wait, so the launch before has left them zero.
+while the kernels ahead still run. The reduce kernel issues a group of splits' loads at once.
 """
 
 from __future__ import annotations
@@ -33,8 +28,6 @@ from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch, pr
                                        wait_for_previous_only)
 
 L2_LINE_BYTES = 128
-# device -> fold_counters' buffers, the last the largest: never freed while the process lives.
-_FOLD_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 @triton.jit
@@ -89,29 +82,26 @@ def _attend_tile(q, k, v, pos_ok, scale, row_max, row_sum, acc, DOT_PRECISION: t
 
 
 @triton.jit(do_not_specialize=["stride_table", "table_width", "stride_part_seq",
-                               "stride_part_head", "num_seqs"])
+                               "stride_part_head"])
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr,
-        part_acc_ptr, part_max_ptr, part_sum_ptr, counters_ptr, out_ptr, scale,
+        part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
         stride_q_seq, stride_q_head, stride_k_block, stride_k_token, stride_k_head,
         stride_v_block, stride_v_token, stride_v_head, stride_table, table_width,
-        stride_part_seq, stride_part_head, stride_out_seq, num_seqs,
+        stride_part_seq, stride_part_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, TILE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
-        PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, FOLD: tl.constexpr,
-        GROUP_SPLITS: tl.constexpr, MERGE_H: tl.constexpr, PDL: tl.constexpr):
-    seq = tl.program_id(0)  # rows from num_seqs on pad the batch (FOLD only): no context
+        PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
+    seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     let_dependents_launch(PDL)
-    is_seq = seq < num_seqs
-    context_len = tl.load(lens_ptr + seq, mask=is_seq, other=0)  # a step input: before the wait
+    context_len = tl.load(lens_ptr + seq)  # a step input: read before the wait
     table = tables_ptr + seq.to(tl.int64) * stride_table
     first = tl.program_id(2)  # this program's first split
     blocks = 0  # with PRELOAD, the block ids of the current split's first tile; else unused
     if PRELOAD:  # also a step input, and not masked by the length: the two loads run together
-        blocks = _first_tile_blocks(table, first, tl.where(is_seq, table_width, 0), SPLIT, TILE,
-                                    BLOCK_SIZE)
+        blocks = _first_tile_blocks(table, first, table_width, SPLIT, TILE, BLOCK_SIZE)
     if PREFETCH:
         first_pos = first * SPLIT
         if first_pos < context_len - 1:
@@ -121,7 +111,7 @@ def _decode_split_kernel(
                             LINE_ELEMS)
     wait_for_previous_only(PDL)
     # Program p takes splits p, p + num_programs(2), ... of this sequence's context (none for a
-    # padding row); splits past it are never read by the merge. A split's arithmetic is the
+    # padding row); splits past it are never read by the reduce. A split's arithmetic is the
     # same whichever program takes it.
     for split in range(first, tl.cdiv(context_len, SPLIT), tl.num_programs(2)):
         if PRELOAD:
@@ -133,42 +123,6 @@ def _decode_split_kernel(
                       stride_v_block, stride_v_token, stride_v_head, stride_part_seq,
                       stride_part_head, GROUP, HEAD_DIM, BLOCK_SIZE, SPLIT, TILE, BLOCK_H, BLOCK_D,
                       DOT_PRECISION, PRELOAD)
-    if FOLD:
-        _fold_reduce(part_acc_ptr, part_max_ptr, part_sum_ptr, counters_ptr, out_ptr, seq,
-                     kv_head, context_len, stride_part_seq, stride_part_head, stride_out_seq,
-                     GROUP, HEAD_DIM, SPLIT, BLOCK_D, GROUP_SPLITS, MERGE_H)
-
-
-@triton.jit
-def _fold_reduce(part_acc_ptr, part_max_ptr, part_sum_ptr, counters_ptr, out_ptr, seq, kv_head,
-                 context_len, stride_part_seq, stride_part_head, stride_out_seq,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_D: tl.constexpr, GROUP_SPLITS: tl.constexpr, MERGE_H: tl.constexpr):
-    """After a split program's last store: it counts itself done on its (sequence, KV head)'s
-    counter, and the last of them to finish merges the splits of the KV head's query heads as
-    the reduce kernel does (_merge_splits, the same operations in the same order), writes them
-    and sets the counter back to 0 for the next launch (a graph's replay included)."""
-    # Every thread's partial stores are issued before the one atomic that releases them; its
-    # acquire (gpu scope) orders the last program's loads of the other programs' partials.
-    tl.debug_barrier()
-    counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-    num_done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if num_done == tl.num_programs(2) - 1:
-        heads = tl.arange(0, MERGE_H)
-        # Rows past the group repeat its last head (valid addresses, no masks) and are not
-        # written.
-        q_heads = kv_head * GROUP + tl.minimum(heads, GROUP - 1)
-        part = seq.to(tl.int64) * stride_part_seq + q_heads[:, None] * stride_part_head
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < HEAD_DIM
-        # .cg: from L2, where the other programs' partials are, never a stale L1 line.
-        out = _merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, part,
-                            tl.cdiv(context_len, SPLIT), dims, dim_ok, HEAD_DIM, BLOCK_D,
-                            GROUP_SPLITS, MERGE_H, ".cg")  # [MERGE_H, BLOCK_D]
-        tl.store(out_ptr + seq.to(tl.int64) * stride_out_seq + q_heads[:, None] * HEAD_DIM
-                 + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(heads < GROUP)[:, None] & dim_ok[None, :])
-        tl.store(counter, 0)
 
 
 @triton.jit
@@ -264,63 +218,43 @@ def _decode_reduce_kernel(
     # A step input: read before the wait.
     context_len = tl.load(lens_ptr + seq, mask=seq < num_seqs, other=0)
     wait_for_previous_only(PDL)
+    num_splits = tl.cdiv(context_len, SPLIT)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     part = seq.to(tl.int64) * stride_part_seq + head * stride_part_head
-    out = _merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, part,
-                        tl.cdiv(context_len, SPLIT), dims, dim_ok, HEAD_DIM, BLOCK_D,
-                        GROUP_SPLITS, 0, "")  # [BLOCK_D]
-    tl.store(out_ptr + seq.to(tl.int64) * stride_out_seq + head * HEAD_DIM + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
-
-
-@triton.jit
-def _merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, part, num_splits, dims, dim_ok,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SPLITS: tl.constexpr,
-                  ROWS: tl.constexpr, CACHE: tl.constexpr):
-    """-> the normalised fp32 output of query heads from their num_splits partial results: of
-    one head (ROWS 0; part the offset of its first split, a scalar; -> [BLOCK_D]) or of ROWS
-    heads (part [ROWS, 1]; -> [ROWS, BLOCK_D]). Every operation is elementwise per head, so a
-    head's bits are the same either way. CACHE: the loads' cache modifier."""
-    if ROWS == 0:
-        group = tl.arange(0, GROUP_SPLITS)
-        top = tl.full([], float("-inf"), tl.float32)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        total = tl.zeros([], tl.float32)
-    else:
-        group = tl.arange(0, GROUP_SPLITS)[None, :]
-        top = tl.full([ROWS, 1], float("-inf"), tl.float32)
-        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-        total = tl.zeros([ROWS, 1], tl.float32)
+    group = tl.arange(0, GROUP_SPLITS)
+    top = tl.full([], float("-inf"), tl.float32)
     for first in range(0, num_splits, GROUP_SPLITS):
         maxes = tl.load(part_max_ptr + part + first + group, mask=first + group < num_splits,
-                        other=float("-inf"), cache_modifier=CACHE)
-        # A max: exact in any order.
-        top = tl.maximum(top, tl.max(maxes, axis=-1, keep_dims=ROWS > 0))
+                        other=float("-inf"))
+        top = tl.maximum(top, tl.max(maxes, axis=0))  # a max: exact in any order
     # Merged one split after another in split order: the same additions whatever the batch. A
     # group's loads do not depend on the sums, so they are issued together, one round trip a
     # group instead of one a split. Steps past the last split read the last one again (no
     # scalar masks) and leave the sums alone.
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = tl.zeros([], tl.float32)
     for first in range(0, num_splits, GROUP_SPLITS):
         for j in tl.static_range(GROUP_SPLITS):
             split = tl.minimum(first + j, num_splits - 1)
-            weight = tl.exp(tl.load(part_max_ptr + part + split, cache_modifier=CACHE) - top)
-            row = tl.load(part_acc_ptr + (part + split) * HEAD_DIM + dims, mask=dim_ok, other=0.0,
-                          cache_modifier=CACHE)
-            split_sum = tl.load(part_sum_ptr + part + split, cache_modifier=CACHE)
+            weight = tl.exp(tl.load(part_max_ptr + part + split) - top)
+            row = tl.load(part_acc_ptr + (part + split) * HEAD_DIM + dims, mask=dim_ok, other=0.0)
+            split_sum = tl.load(part_sum_ptr + part + split)
             live = first + j < num_splits
             acc = tl.where(live, acc + weight * row, acc)
             total = tl.where(live, total + weight * split_sum, total)
     # total >= 1 when there is any context (the top split's sum counts its max key once); with
     # none, acc is 0 and so is the row: a padding sequence or row reads nothing, writes zeros.
-    return acc / tl.maximum(total, 1e-30)
+    out = acc / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_out_seq + head * HEAD_DIM + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None,
                            config: DecodeAttentionConfig = DecodeAttentionConfig(),
-                           preload: bool | None = None, pdl_rows: int = 0,
-                           counters: torch.Tensor | None = None) -> torch.Tensor:
+                           preload: bool | None = None, pdl_rows: int = 0) -> torch.Tensor:
     """q: [num_seqs, q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32
     -> out [num_seqs, q_heads * head_dim] in q's dtype (zero rows where context_len is 0). A
@@ -333,9 +267,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     do the split kernel's warps and pipeline depth (split_size and tile_tokens do), nor preload,
     whether each split's first block ids are read early (None: in steps of up to
     config.preload_max_seqs sequences). pdl_rows: the step's PDL row limit (kernels/pdl.py; 0:
-    no PDL). counters: [>= out rows * kv_heads] int32 zeros, left zero (fold_counters): the
-    split kernel merges the splits itself in steps of up to config.fold_max_seqs sequences,
-    with the reduce kernel's bits; None: two launches."""
+    no PDL)."""
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -353,9 +285,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert out.stride(1) == 1
     if num_seqs == 0:
         return out.zero_()
-    fold = counters is not None and num_seqs <= config.fold_max_seqs
-    if fold:
-        assert counters.dtype == torch.int32 and counters.numel() >= out.shape[0] * num_kv_heads
     max_splits = max(1, cdiv(block_tables.shape[1] * block_size, split_size))
     part_acc = torch.empty(num_seqs, num_q_heads, max_splits, head_dim, dtype=torch.float32,
                            device=q.device)
@@ -370,42 +299,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # The prefetch's lines of one cached K/V row: the row's bytes in L2 lines, a power of two.
     line_elems = max(1, L2_LINE_BYTES // k_cache.element_size())
     lines = next_power_of_2(cdiv(head_dim, line_elems))
-    # Folded, the split kernel's rows are out's, padding rows included (they write zeros).
-    grid = (out.shape[0] if fold else num_seqs, num_kv_heads,
-            min(max_splits, split_programs or max_splits))
-    _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum,
-        counters if fold else context_lens, out, scale,
+    _decode_split_kernel[(num_seqs, num_kv_heads, min(max_splits, split_programs or max_splits))](
+        q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        block_tables.shape[1], part_max.stride(0), part_max.stride(1), out.stride(0), num_seqs,
+        block_tables.shape[1], part_max.stride(0), part_max.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split_size,
         TILE=tile_size, BLOCK_H=max(16, next_power_of_2(group)),
         BLOCK_D=block_d, DOT_PRECISION=precision, LINES=lines, LINE_ELEMS=line_elems,
         PREFETCH=pdl["PDL"] and num_seqs <= config.prefetch_max_seqs, PRELOAD=preload,
-        FOLD=fold, GROUP_SPLITS=config.reduce_group, MERGE_H=next_power_of_2(group),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
-    if not fold:
-        _decode_reduce_kernel[(out.shape[0], num_q_heads)](
-            part_acc, part_max, part_sum, context_lens, out,
-            part_max.stride(0), part_max.stride(1), out.stride(0), num_seqs,
-            HEAD_DIM=head_dim, SPLIT=split_size, BLOCK_D=block_d,
-            GROUP_SPLITS=config.reduce_group, num_warps=1, **pdl)
+    _decode_reduce_kernel[(out.shape[0], num_q_heads)](
+        part_acc, part_max, part_sum, context_lens, out,
+        part_max.stride(0), part_max.stride(1), out.stride(0), num_seqs,
+        HEAD_DIM=head_dim, SPLIT=split_size, BLOCK_D=block_d, GROUP_SPLITS=config.reduce_group,
+        num_warps=1, **pdl)
     return out
-
-
-def fold_counters(device: torch.device, num_counters: int) -> torch.Tensor:
-    """-> [>= num_counters] int32 zeros on `device` for paged_decode_attention's counters: one
-    buffer per device, shared by every launch in its stream order (each leaves it zero). A
-    larger one replaces it when needed, the old ones kept: a graph captured with one replays
-    it. Allocated outside a capture only (an eager warm-up of the graph's shapes first)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    buffers = _FOLD_COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < num_counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode attention's fold counters must be allocated before a "
-                               "CUDA graph capture: run the step once eagerly first")
-        buffers.append(torch.zeros(num_counters, dtype=torch.int32, device=device))
-    return buffers[-1]
