@@ -158,9 +158,11 @@ def model_specs() -> list[Spec]:
     split_types = {"q_ptr": bf16, "k_cache_ptr": bf16, "v_cache_ptr": bf16, "tables_ptr": "i32",
                    "lens_ptr": "i32"}
     return [
-        # Up to attention.prefetch_max_seqs sequences with the L2 prefetch, more without.
+        # Up to attention.prefetch_max_seqs sequences with the L2 prefetch (and, at one, the
+        # early block ids), more without.
         *(Spec(f"decode attention, split{' + prefetch' if prefetch else ''}",
-               paged_attention._decode_split_kernel, {**split, "PREFETCH": prefetch},
+               paged_attention._decode_split_kernel,
+               {**split, "PREFETCH": prefetch, "PRELOAD": prefetch},
                attention.num_warps, attention.num_stages, split_types)
           for prefetch in (True, False)),
         Spec("decode attention, reduce", paged_attention._decode_reduce_kernel,
