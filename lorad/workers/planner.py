@@ -174,11 +174,15 @@ class Planner:
         reads it on the device). A sequence that prev ends by its length is left out; one that
         prev ends by a stop token runs a row in vain, which apply() skips. None when the step
         cannot be known before apply: prev is not plain decodes of running sequences, a
-        sequence waits or would write into a shared block (a copy on write; the prefix cache
-        shares full blocks only, which no decode writes), a spill takes evicted blocks (its
-        writes run before a step), no block is free for a new position (plan() may preempt),
-        or no sequence goes on."""
-        if (prev.step != self.step or self._continued_from is not None or self.waiting
+        sequence waits while fewer than max_num_seqs run, one would write into a shared block
+        (a copy on write; the prefix cache shares full blocks only, which no decode writes), a
+        spill takes evicted blocks (its writes run before a step), no block is free for a new
+        position (plan() may preempt), or no sequence goes on."""
+        # A waiting sequence may start only in plan(), and only where a running one makes room:
+        # while every slot is taken, none would start (one that prev's apply frees is taken in
+        # the plan after the continuation, a step later than without it).
+        waits = self.waiting and len(self.running) < self.limits.max_num_seqs
+        if (prev.step != self.step or self._continued_from is not None or waits
                 or prev.forks or prev.block_copies or prev.num_draft_tokens
                 or (self.reuse is not None and self.reuse.spill is not None)):
             return None

@@ -150,3 +150,18 @@ def test_prefix_cache_blocks_shared_by_sequences_do_not_stop_a_continuation():
     assert [c.request_id for c in prev.chunks] == ["a", "b"]
     cont = p.continue_decodes(prev)
     assert [(c.request_id, c.start) for c in cont.chunks] == [("a", 11), ("b", 10)]
+
+
+def test_a_sequence_waiting_for_a_slot_does_not_stop_a_continuation_while_every_slot_is_taken():
+    p = planner(num_blocks=40, block_size=4, max_num_seqs=2)
+    for i, rid in enumerate(("a", "b", "w")):
+        p.admit(seq(rid, 3, i + 1, max_tokens=3))
+    plan = p.plan()
+    p.apply(plan, [7] * len(plan.sampled_request_ids))
+    assert [s.request_id for s in p.waiting] == ["w"]
+    prev = p.plan()
+    cont = p.continue_decodes(prev)  # a and b take both slots: w could not start anyway
+    assert [c.request_id for c in cont.chunks] == ["a", "b"]
+    p.apply(prev, [7, 7])
+    p.apply(cont, [7, 7])  # a and b end by length: w starts in the next plan
+    assert [(c.request_id, c.start) for c in p.plan().chunks] == [("w", 0)]
