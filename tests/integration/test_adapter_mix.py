@@ -110,10 +110,12 @@ def test_mixed_strengths_and_resumed_prompts_equal_cold_solo_runs(start_lorad, t
     0.5 and b at 1.7, prompts of 8, 60 and 150 token ids in chunks of at most 32: each stream
     equals its cold solo run (cache_prompt false), and so does each pair run again with its
     prompt's blocks in the prefix cache, at --parallel 1, 2 and 3 (rank-ordered sums), on a tiny
-    Llama of 3 key-value heads."""
+    Llama of 3 key-value heads. At --parallel 1 with --async-scheduling: decode steps run ahead
+    of their apply (the GPU's default), on the CPU here."""
     model, adapters = three_kv_heads
+    run_ahead = ("--async-scheduling",) if parallel == 1 else ()
     daemon = start_lorad("--parallel", str(parallel), "--kv-cache-blocks", "512",
-                         "--max-num-seqs", "32", "--max-num-batched-tokens", "32",
+                         "--max-num-seqs", "32", "--max-num-batched-tokens", "32", *run_ahead,
                          *adapter_flags(adapters), model_dir=model)
     models = ("tiny", "a", "a@0.5", "b@1.7")
     result = run_mix("--url", daemon.url, "--seeded", "--prompt-lengths", LENGTHS,
@@ -128,6 +130,7 @@ def test_mixed_strengths_and_resumed_prompts_equal_cold_solo_runs(start_lorad, t
            "runs" in result.stdout
     health = daemon.health()
     assert health["prefix_cache"]["cached_tokens"] > 0  # the resumed runs did resume
+    assert ("async scheduling: step" in daemon.log()) == bool(run_ahead)
     assert daemon.stop() == 0, daemon.log()[-4000:]
 
 
