@@ -195,28 +195,26 @@ class Planner:
                 continue  # a continuation's row in vain: the step before it ended the sequence
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 return None
-            num_output = len(seq.output_ids) + 1  # with prev's token
-            if (num_output >= seq.sampling.max_tokens
-                    or len(seq.prompt_ids) + num_output >= self.limits.max_model_len):
+            if self._at_length(seq, len(seq.output_ids) + 1):  # with prev's token
                 continue
             position = chunk.start + 1
-            if position // block_size >= len(seq.block_table):
-                num_new_blocks += 1
-            elif self.blocks.is_shared(seq.block_table[position // block_size]):
+            need = self.blocks.blocks_for(position + 1) - len(seq.block_table)  # 0 or 1
+            if not need and self.blocks.is_shared(seq.block_table[position // block_size]):
                 return None  # a fork's: a copy on write first (plan())
-            going_on.append((row, seq, position))
+            num_new_blocks += need
+            going_on.append((row, seq, position, need))
         if not going_on or not self.blocks.can_allocate(num_new_blocks):
             return None
         self.step += 1
         self._continued_from = prev.step
         chunks = []
-        for _, seq, position in going_on:
-            if position // block_size >= len(seq.block_table):
-                seq.block_table.extend(self.blocks.allocate(1))
+        for _, seq, position, need in going_on:
+            if need:
+                seq.block_table.extend(self.blocks.allocate(need))
             chunks.append(ScheduledChunk(seq.request_id, [UNKNOWN_TOKEN], position,
                                          list(seq.block_table), True, seq.adapter_slot,
                                          seq.adapter_strength, len(seq.prompt_ids)))
-        return StepPlan(self.step, chunks, [], token_rows=[row for row, _, _ in going_on])
+        return StepPlan(self.step, chunks, [], token_rows=[row for row, *_ in going_on])
 
     def _schedule_decodes(self, budget: int, scheduled: list, preempted: list[str]) -> int:
         """1. every decode gets its next token; -> the budget left. Runs for every sequence every
@@ -542,10 +540,14 @@ class Planner:
                 token in params.request_stop_token_ids
                 or (not params.ignore_eos and token in params.stop_token_ids)):
             return "stop"
-        if (num_output >= params.max_tokens
-                or len(seq.prompt_ids) + num_output >= self.limits.max_model_len):
+        if self._at_length(seq, num_output):
             return "length"
         return None
+
+    def _at_length(self, seq: Sequence, num_output: int) -> bool:
+        """Whether num_output output tokens end seq by its length (max_tokens or the model's)."""
+        return (num_output >= seq.sampling.max_tokens
+                or len(seq.prompt_ids) + num_output >= self.limits.max_model_len)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.RUNNING:
