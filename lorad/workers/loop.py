@@ -23,7 +23,7 @@ from lorad.config import WorkerConfig
 from lorad.protocol import (
     PROTOCOL_VERSION, Admit, Cancel, Hello, LoadAdapter, ProtocolError, Ready, Shutdown,
     StepFailed, StepResult, UnloadAdapter, decode, encode)
-from lorad.protocol.messages import SeqOutput, choice_ids
+from lorad.protocol.messages import SamplingParams, SeqOutput, choice_ids
 from lorad.workers.adapter_jobs import AdapterJobs
 from lorad.workers.adapter_slots import AdapterSlots
 from lorad.workers.agreement import (Inbox, StepAgreement, agree_step, broadcast_ids,
@@ -171,12 +171,11 @@ class WorkerLoop:
         if self.is_leader:
             self.grammars.prepare(plan.sampled_request_ids)
         if plan.chunks:
-            self._num_model_steps += 1
-            if self._num_model_steps in (self._stall_at, self._raise_at):
-                self._inject_fault()
+            self._count_model_step()
         rows = prompt_logprobs.take_rows(plan, self.planner)  # echo's; None in most steps
-        if rows is None and self._may_run_ahead(plan):
-            self._in_flight = self._launch(plan)
+        params = self._run_ahead_sampling(plan) if rows is None else None
+        if params is not None:
+            self._in_flight = self._launch(plan, params)
             self._ran_nothing = False
             return False
         if rows is None:
@@ -197,26 +196,32 @@ class WorkerLoop:
 
     # --- async scheduling (a lone rank) -------------------------------------------------------
 
-    def _may_run_ahead(self, plan: StepPlan) -> bool:
-        """Whether this step may run ahead of its apply: plain decodes, sampled with nothing
-        that reads the step's ids on the host before its successor could run (grammar masks,
-        log probabilities, logits transforms: their rows keep steps synchronous)."""
+    def _sampling_of(self, plan: StepPlan) -> list[SamplingParams]:
+        """Each sampled row's request's sampling parameters, in row order."""
+        return [self.planner.sequence(r).sampling for r in plan.sampled_request_ids]
+
+    def _run_ahead_sampling(self, plan: StepPlan) -> list[SamplingParams] | None:
+        """The step's sampling parameters (_sampling_of) where it may run ahead of its apply:
+        plain decodes, sampled with nothing that reads the step's ids on the host before its
+        successor could run (grammar masks, log probabilities, logits transforms: their rows
+        keep steps synchronous); else None."""
         if not (self._run_ahead and plan.chunks and not plan.forks and not plan.num_draft_tokens
                 and all(len(c.token_ids) == 1 and c.sample for c in plan.chunks)):
-            return False
-        params = [self.planner.sequence(c.request_id).sampling for c in plan.chunks]
-        return (not len(self.grammars) and not rows_to_transform(params)
-                and all(p.num_logprobs < 0 for p in params))
+            return None
+        params = self._sampling_of(plan)
+        if (len(self.grammars) or rows_to_transform(params)
+                or any(p.num_logprobs >= 0 for p in params)):
+            return None
+        return params
 
-    def _launch(self, plan: StepPlan, before: "_InFlight | None" = None) -> "_InFlight":
+    def _launch(self, plan: StepPlan, params: list[SamplingParams],
+                before: "_InFlight | None" = None) -> "_InFlight":
         """Run a step and sample it on the device, waiting for neither (the device queues
         them); its ids reach the host through a copy queued right after the sampling, so
         reading them waits for this step alone, not for a successor queued behind it."""
         logits = self.engine.forward(plan, sampled_before=None if before is None
                                      else before.sampled)
-        request_ids = plan.sampled_request_ids
-        params = [self.planner.sequence(r).sampling for r in request_ids]
-        sampled = self.sampler.sample_on_device(logits, request_ids, params)
+        sampled = self.sampler.sample_on_device(logits, plan.sampled_request_ids, params)
         if sampled.device.type != "cuda":
             return _InFlight(plan, sampled, sampled, None)
         host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
@@ -234,10 +239,8 @@ class WorkerLoop:
         if not len(self.inbox):
             plan = self.planner.continue_decodes(current.plan)
             if plan is not None:
-                self._num_model_steps += 1
-                if self._num_model_steps in (self._stall_at, self._raise_at):
-                    self._inject_fault()
-                self._in_flight = self._launch(plan, current)
+                self._count_model_step()
+                self._in_flight = self._launch(plan, self._sampling_of(plan), current)
                 if not self._ran_ahead:
                     self._ran_ahead = True
                     log.info("async scheduling: step %d launched before step %d's apply",
@@ -261,6 +264,12 @@ class WorkerLoop:
 
     def coordinator_alive(self) -> bool:
         return coordinator_alive(self.cfg.coordinator_pid, self._parent_pid)
+
+    def _count_model_step(self) -> None:
+        """One more step that runs the model; the fault hooks' step blocks or raises here."""
+        self._num_model_steps += 1
+        if self._num_model_steps in (self._stall_at, self._raise_at):
+            self._inject_fault()
 
     def _inject_fault(self) -> None:
         if self._num_model_steps == self._raise_at:
@@ -386,7 +395,7 @@ class WorkerLoop:
         if self.is_leader:
             if plan.forks:  # a fork's choices sample from their parent's row
                 logits = logits[plan.logits_rows]  # [num_sampled_ids, vocab]
-            params = [self.planner.sequence(r).sampling for r in request_ids]
+            params = self._sampling_of(plan)
             # Before the mask writes into the logits: the model's own distribution.
             pending = logprobs.compute(logits, params)
             self.grammars.mask(logits, request_ids)  # constrained rows only, in place
