@@ -73,7 +73,7 @@ def measure(batch: int, steps: int, prefix_cache: bool = True,
         events = planner.apply(applied, [7] * len(applied.sampled_request_ids))
         prev = None if prev is None else plan
         t4 = time.perf_counter()
-        frame = encode(StepResult(plan.step, events, len(planner.running), 0, 1000))
+        frame = encode(StepResult(applied.step, events, len(planner.running), 0, 1000))
         t5 = time.perf_counter()
         decode(frame, (StepResult,))
         t6 = time.perf_counter()
