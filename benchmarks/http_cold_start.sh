@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first burst after a start on an empty Triton cache, against the same burst again: lorad on
-# random weights of scripts/configs/llama3-8b (bf16) with N adapters (one random PEFT folder of
-# rank 16 on all seven projections, under N names; 0: the base model alone), then
+# random weights of scripts/configs/llama3-8b (bf16) with N distinct adapters (random PEFT folders
+# of rank 16 on all seven projections, a seed each; 0: the base model alone), then
 # scripts/bench.py twice with no unmeasured warm-up requests (round-robin over the adapters).
 # Prints the start-up line and both bursts' tables; logs in $OUT. With PREFILL=1, then: 32
 # streams of 1,024 in / 64 out and single prompts of 512 and 2,048 tokens (max_tokens 1: the
@@ -25,10 +25,9 @@ TRITON_CACHE_DIR=$(mktemp -d /tmp/lorad-triton-empty.XXXX)  # empty: the cold st
 export TRITON_CACHE_DIR
 
 adapters=$(mktemp -d /tmp/lorad-cold-start-adapter.XXXX)
-write_adapters "$adapters" "$model" 1  # one folder under every name
-adapter=$adapters/a1
+write_adapters "$adapters" "$model" "$num_adapters"
 flags=() ids=()
-for i in $(seq 1 "$num_adapters"); do flags+=(--adapter "a$i=$adapter"); ids+=("a$i"); done
+for i in $(seq 1 "$num_adapters"); do flags+=(--adapter "a$i=$adapters/a$i"); ids+=("a$i"); done
 model_ids=$(IFS=,; echo "${ids[*]}")
 pick=(--model "$model_ids")
 (( num_adapters == 0 )) && pick=() model_ids=base  # bench.py takes the first id: the base model
@@ -54,8 +53,7 @@ if [[ -n ${PREFILL:-} ]]; then  # the prefill-heavy workloads, base model agains
   targets=("$base_id")
   (( num_adapters > 0 )) && targets+=("$model_ids")
   # Each run its own --seed: bench.py's prompts of one seed share their first tokens across
-  # lengths, and the adapters here are one file (one identity key), so another run's prompts
-  # would hit the prefix cache.
+  # lengths, so a later run's prompts would hit the prefix cache the earlier runs filled.
   seed=100
   for ids in "${targets[@]}"; do
     tag=$([[ $ids == "$base_id" ]] && echo base || echo adapters)
