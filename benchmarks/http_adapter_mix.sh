@@ -24,12 +24,10 @@ source benchmarks/http_lib.sh
 
 adapters=$(mktemp -d /tmp/lorad-mix-adapters.XXXX)
 write_adapters "$adapters" "$model" "$num_adapters"
-flags=() ids=()
-for i in $(seq 1 "$num_adapters"); do flags+=(--adapter "a$i=$adapters/a$i"); ids+=("a$i"); done
 
 start_lorad "$OUT/lorad.log" --model "$model" --load-format random --dtype "$dtype" \
-  --port "$port" "${flags[@]}"
-models=$(IFS=,; echo "$(base_model_id),${ids[*]}")
+  --port "$port" "${adapter_flags[@]}"
+models=$(IFS=,; echo "$(base_model_id),${adapter_ids[*]}")
 
 python3 scripts/adapter_mix.py --url "$url" --models "$models" --prompt-lengths "$prompt_lengths" \
   --seeded --burst "$burst" --max-tokens "${MAX_TOKENS:-24}" --ignore-eos 2>&1 \

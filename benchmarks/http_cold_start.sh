@@ -26,14 +26,12 @@ export TRITON_CACHE_DIR
 
 adapters=$(mktemp -d /tmp/lorad-cold-start-adapter.XXXX)
 write_adapters "$adapters" "$model" "$num_adapters"
-flags=() ids=()
-for i in $(seq 1 "$num_adapters"); do flags+=(--adapter "a$i=$adapters/a$i"); ids+=("a$i"); done
-model_ids=$(IFS=,; echo "${ids[*]}")
+model_ids=$(IFS=,; echo "${adapter_ids[*]}")
 pick=(--model "$model_ids")
 (( num_adapters == 0 )) && pick=() model_ids=base  # bench.py takes the first id: the base model
 
 start_lorad "$OUT/lorad.log" --model "$model" --load-format random --dtype bfloat16 \
-  --port "$port" "${flags[@]}"
+  --port "$port" "${adapter_flags[@]}"
 
 for burst in first second; do
   echo "=== $burst burst: $concurrency streams, 16 in / $max_tokens out, ids $model_ids"

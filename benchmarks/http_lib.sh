@@ -31,7 +31,9 @@ stop_lorad() {
   echo "lorad exited with $?"
 }
 
-write_adapters() {  # folder, model config folder, count: random rank-16 PEFT folders a1..aN
+# folder, model config folder, count: random rank-16 PEFT folders a1..aN there, served as a1..aN
+# by lorad's flags in adapter_flags (adapter_ids: the names)
+write_adapters() {
   python3 - "$@" <<'PY' || exit 1
 import sys
 from pathlib import Path
@@ -41,6 +43,8 @@ root, config = Path(sys.argv[1]), ModelConfig.from_dir(sys.argv[2])
 for i in range(1, int(sys.argv[3]) + 1):  # distinct factors: a seed each
     write_adapter(root / f"a{i}", config, 16, seed=i)
 PY
+  adapter_flags=() adapter_ids=()
+  for i in $(seq 1 "$3"); do adapter_flags+=(--adapter "a$i=$1/a$i"); adapter_ids+=("a$i"); done
 }
 
 base_model_id() {  # the running daemon's first model id: its base model
