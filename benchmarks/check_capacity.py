@@ -138,6 +138,13 @@ def server_means(before: dict, after: dict) -> str:
             f"{mean('lorad_step_interval_seconds'):,.2f}")
 
 
+def async_flag(lorad_flags: list[str]) -> list[str]:
+    """capacity.py's flag for the daemon's --(no-)async-scheduling, the last one given; none
+    (the table's device decides, as lorad's default does) when neither is."""
+    given = [f for f in lorad_flags if f in ("--async-scheduling", "--no-async-scheduling")]
+    return given[-1:]
+
+
 def check(args, table: Path, record: Path, base: str, overhead_ms: float = 0.0,
           steps: capacity.StepTable | None = None) -> tuple[dict, dict, str]:
     """capacity.py burst --check, in this process -> (measured, predicted, its report); steps:
@@ -145,7 +152,8 @@ def check(args, table: Path, record: Path, base: str, overhead_ms: float = 0.0,
     flags = capacity.parse_args(["burst", "--table", str(table), "--check", str(record),
                                  "--base-model", base, "--max-num-seqs", str(args.concurrency),
                                  "--tolerance", str(args.tolerance),
-                                 "--overhead-ms", f"{overhead_ms:.3f}"])
+                                 "--overhead-ms", f"{overhead_ms:.3f}",
+                                 *async_flag(args.lorad_flag)])
     steps = steps or capacity.StepTable.from_file(str(table))
     run = capacity.burst_check(flags, steps)
     report, _ = capacity.burst_report(flags, steps, run)

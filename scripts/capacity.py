@@ -78,7 +78,7 @@ def percentile(values: list[float], pct: float) -> float:
 
 def simulate(args, table: StepTable, num_replicas: int, router: str) -> dict:
     requests = poisson_requests(args)
-    fleet = Fleet(num_replicas, replica_config(args), table, router, args.slack)
+    fleet = Fleet(num_replicas, replica_config(args, table), table, router, args.slack)
     fleet.run(requests, until=3 * args.duration)
     counted = [r for r in requests if r.arrival >= args.warmup]
     ttfts = [math.inf if r.ttft is None else r.ttft for r in counted]
@@ -87,9 +87,16 @@ def simulate(args, table: StepTable, num_replicas: int, router: str) -> dict:
             "requests": len(counted), "loads": copies / max(len(counted), 1)}
 
 
-def replica_config(args) -> ReplicaConfig:
+def replica_config(args, table: StepTable) -> ReplicaConfig:
     return ReplicaConfig(args.max_num_seqs, args.max_num_batched_tokens, args.slots,
-                         args.host_cache, args.overhead_ms)
+                         args.host_cache, args.overhead_ms, async_steps(args, table))
+
+
+def async_steps(args, table: StepTable) -> bool:
+    """--async-scheduling, else lorad's default for the table's device: on a GPU."""
+    if args.async_scheduling is not None:
+        return args.async_scheduling
+    return table.on_gpu
 
 
 def needed(args, table: StepTable, router: str, start: int) -> dict:
@@ -116,7 +123,7 @@ def needed(args, table: StepTable, router: str, start: int) -> dict:
 def one_replica_rate(args, table: StepTable) -> float:
     """Requests/s one replica finishes when always full (a closed loop at --max-num-seqs, base
     model): the start of the search is rate / this."""
-    out = burst(table, replica_config(args), 4 * args.max_num_seqs, args.max_num_seqs,
+    out = burst(table, replica_config(args, table), 4 * args.max_num_seqs, args.max_num_seqs,
                 args.prompt_len, args.output_len, [0])
     return len(out["requests"]) / out["wall_s"]
 
@@ -155,7 +162,9 @@ def fleet_report(args, table: StepTable) -> str:
              f"{args.max_num_batched_tokens} --max-gpu-adapters {args.slots} --max-cpu-adapters "
              f"{args.host_cache} --parallel {args.parallel}; copy {table.load_ms['host']:.1f} ms "
              f"from the host cache, {table.load_ms['disk']:.1f} ms from disk; TTFT + "
-             f"{args.overhead_ms:g} ms; one replica always full: {mu:.2f} requests/s",
+             f"{args.overhead_ms:g} ms; async steps "
+             f"{'on' if async_steps(args, table) else 'off'}; one replica always full: "
+             f"{mu:.2f} requests/s",
              f"target:    TTFT p99 <= {args.ttft_p99:g} s; affinity slack {args.slack} open "
              "requests", "",
              "| router | replicas | GPUs | TTFT p50 / p99 (s) | copies per request |",
@@ -193,8 +202,8 @@ def burst_check(args, table: StepTable) -> dict:
         adapters = list(range(1, args.burst_adapters + 1)) or [0]
         if args.with_base and args.burst_adapters:
             adapters = [0] + adapters
-    out = burst(table, replica_config(args), args.requests, args.concurrency, args.prompt_len,
-                args.max_tokens, adapters)
+    out = burst(table, replica_config(args, table), args.requests, args.concurrency,
+                args.prompt_len, args.max_tokens, adapters)
     done = out["requests"]  # in the order they were sent
     ttfts = [1e3 * r.ttft for r in done]
     predicted = {"output tokens/s": sum(r.num_output for r in done) / out["wall_s"],
@@ -223,7 +232,8 @@ def burst_report(args, table: StepTable, run: dict | None = None) -> tuple[str, 
              f"burst:     {args.requests} requests at concurrency {args.concurrency}, prompt "
              f"{args.prompt_len}, output {args.max_tokens}, rotating over adapters {adapters} "
              f"(0: base); --max-num-seqs {args.max_num_seqs} --max-num-batched-tokens "
-             f"{args.max_num_batched_tokens}; TTFT + {args.overhead_ms:g} ms", ""]
+             f"{args.max_num_batched_tokens}; TTFT + {args.overhead_ms:g} ms; async steps "
+             f"{'on' if async_steps(args, table) else 'off'}", ""]
     if measured is None:
         lines += ["| metric | predicted |", "|---|---|"]
         lines += [f"| {k} | {v:,.1f} |" for k, v in predicted.items()]
@@ -285,6 +295,10 @@ def parse_args(argv):
         p.add_argument("--host-cache", type=int, default=64, help="--max-cpu-adapters")
         p.add_argument("--overhead-ms", type=float, default=0.0,
                        help="added to every TTFT: HTTP, tokenizer, coordinator")
+        p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       help="the replicas run a plain decode step's successor ahead, as lorad "
+                       "--async-scheduling (default: as lorad, on where the table's device is a "
+                       "GPU)")
         p.add_argument("--copy-ms", metavar="HOST,DISK",
                        help="an adapter's copy into a slot from the host cache and from disk, in "
                        "place of the table's (a what-if, or a table without them)")

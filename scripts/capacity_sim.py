@@ -21,6 +21,10 @@ class ReplicaConfig:
     num_slots: int = 8  # --max-gpu-adapters
     num_host_cache: int = 64  # --max-cpu-adapters
     overhead_ms: float = 0.0  # added to every request's TTFT (HTTP, tokenizer, coordinator)
+    # lorad's async scheduling (on CUDA by default, workers/loop.py): a decode-only step that
+    # starts with nobody waiting has its successor, the same decodes, launched with it, so a
+    # request that arrives meanwhile waits for that successor too.
+    async_steps: bool = False
 
 
 @dataclass
@@ -53,6 +57,7 @@ class Replica:
     host_cache: OrderedDict = field(default_factory=OrderedDict)
     copy_free_at: float = 0.0  # copies run one after another on one thread
     busy: bool = False
+    ahead: bool = False  # the step running has its successor launched (async_steps)
     num_steps: int = 0
     num_loads: int = 0
 
@@ -65,13 +70,15 @@ class Replica:
 
     # --- planning, as lorad/workers/planner.py -------------------------------------------------
 
-    def plan(self, now: float) -> list[tuple[Request, int]]:
+    def plan(self, now: float, decodes_only: bool = False) -> list[tuple[Request, int]]:
         cfg = self.config
         budget, scheduled = cfg.max_num_batched_tokens, []
         for seq in self.running:  # 1. decodes, then 2. prompts already started
             if budget and seq.num_computed == seq.prompt_len:
                 scheduled.append((seq, 1))
                 budget -= 1
+        if decodes_only:  # the successor of a step that ran ahead: its decodes continued
+            return scheduled
         for seq in self.running:
             if budget and seq.num_computed < seq.prompt_len:
                 num = min(seq.prompt_len - seq.num_computed, budget)
@@ -137,11 +144,20 @@ class Replica:
     def try_step(self, now: float) -> None:
         if self.busy:
             return
-        scheduled = self.plan(now)
+        # A step that ran ahead had its successor launched: the same decodes again, without
+        # those it ended; where none goes on there was none, and this plan is the usual one.
+        scheduled = self.plan(now, decodes_only=True) if self.ahead else []
+        scheduled = scheduled or self.plan(now)
         if not scheduled:
+            self.ahead = False
             return  # idle, or the head waits for a copy (its end wakes us)
         num_decode = sum(1 for seq, num in scheduled if seq.num_computed == seq.prompt_len)
         num_prefill = sum(num for seq, num in scheduled if seq.num_computed < seq.prompt_len)
+        # As the worker loop (planner.continue_decodes): a plain decode step launches its
+        # successor, planned from its decodes alone, before its own end, unless a request
+        # waits with room to start.
+        waits = self.waiting and len(self.running) < self.config.max_num_seqs
+        self.ahead = self.config.async_steps and not num_prefill and not waits
         adapters = len({seq.adapter for seq, _ in scheduled if seq.adapter})
         seconds = self.table.step_ms(num_decode, num_prefill, adapters) / 1e3
         self.busy, self.num_steps = True, self.num_steps + 1

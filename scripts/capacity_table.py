@@ -92,6 +92,13 @@ class StepTable:
         except (OSError, json.JSONDecodeError) as exc:
             raise TableError(f"{path}: {exc}") from None
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the steps were measured on a GPU (bench_engine's tables name it; the CPU's
+        say "cpu, N thread(s)"; a table naming none counts as a CPU's)."""
+        device = str(self.data.get("device", "cpu")).lower()
+        return not device.startswith("cpu")
+
     def describe(self) -> str:
         d = self.data
         return (f"{d.get('model', '?')} on {d.get('device', '?')}, --parallel "

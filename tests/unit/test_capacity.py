@@ -124,6 +124,58 @@ def test_max_num_seqs_holds_the_rest_back_until_a_sequence_ends():
     assert ttfts_ms(out) == [STEP_MS, STEP_MS, 6 * STEP_MS, 6 * STEP_MS]
 
 
+def test_async_steps_make_a_request_that_arrives_in_a_decode_step_wait_one_more():
+    def ttft_ms(arrival_ms: float, async_steps: bool) -> float:
+        fleet = sim.Fleet(1, sim.ReplicaConfig(async_steps=async_steps), flat_table(),
+                          "round-robin")
+        first, second = sim.Request(0.0, 0, 100, 10), sim.Request(arrival_ms / 1e3, 0, 100, 10)
+        fleet.run([first, second])
+        assert round(first.ttft * 1e3, 6) == STEP_MS
+        return round(second.ttft * 1e3, 6)
+
+    # In step 2 (10-20 ms), the first decode step: synchronous steps take its prompt in step 3
+    # (20-30); async, step 2 started with nobody waiting, so step 3 was launched with it,
+    # decodes alone, and the prompt waits for step 4 (30-40).
+    assert ttft_ms(15, False) == 15.0
+    assert ttft_ms(15, True) == 25.0
+    # In step 1 (0-10 ms), a prompt step, which never runs ahead: step 2 either way.
+    assert ttft_ms(3, False) == ttft_ms(3, True) == 17.0
+
+
+def test_async_steps_start_a_request_held_back_by_max_num_seqs_a_step_later():
+    # Two running (outputs 5 and 10) at --max-num-seqs 2, a third waiting for a place: the
+    # decode steps run ahead (nobody can start), so when the first ends in step 5 the next
+    # step is already the other's continuation, and the third's prompt runs in step 7.
+    sync = burst(requests=3, concurrency=3, prompt=10, output=5, max_num_seqs=2)
+    assert ttfts_ms(sync) == [STEP_MS, STEP_MS, 6 * STEP_MS]
+    out = capacity.burst(flat_table(), sim.ReplicaConfig(max_num_seqs=2, async_steps=True), 3,
+                         3, 10, 5, [0])
+    assert ttfts_ms(out) == ttfts_ms(sync)  # all of equal length: none goes on, no delay
+    requests = [sim.Request(0.0, 0, 10, 5), sim.Request(0.0, 0, 10, 10),
+                sim.Request(0.0, 0, 10, 5)]
+    for async_steps, third in ((False, 6 * STEP_MS), (True, 7 * STEP_MS)):
+        fleet = sim.Fleet(1, sim.ReplicaConfig(max_num_seqs=2, async_steps=async_steps),
+                          flat_table(), "round-robin")
+        runs = [sim.Request(r.arrival, r.adapter, r.prompt_len, r.output_len) for r in requests]
+        fleet.run(runs)
+        assert [round(r.ttft * 1e3, 6) for r in runs] == [STEP_MS, STEP_MS, third]
+
+
+def test_the_table_device_sets_async_steps_as_lorad_does(tmp_path):
+    def table(device):
+        data = {"format": table_mod.FORMAT, "steps": flat_table().data["steps"]}
+        return table_mod.StepTable({**data, "device": device} if device else data)
+
+    args = capacity.parse_args(["burst", "--table", "t.json"])
+    assert capacity.async_steps(args, table("NVIDIA H200")) is True
+    assert capacity.async_steps(args, table("cpu, 1 thread(s)")) is False
+    assert capacity.async_steps(args, table(None)) is False
+    args = capacity.parse_args(["burst", "--table", "t.json", "--no-async-scheduling"])
+    assert capacity.async_steps(args, table("NVIDIA H200")) is False
+    args = capacity.parse_args(["burst", "--table", "t.json", "--async-scheduling"])
+    assert capacity.async_steps(args, table("cpu, 1 thread(s)")) is True
+
+
 def test_a_request_waits_for_its_adapters_copy_and_the_slot_goes_lru():
     table = flat_table(load_host=5.0, load_disk=25.0)
     config = sim.ReplicaConfig(num_slots=1, num_host_cache=4)
@@ -142,7 +194,7 @@ def args_for(**over) -> argparse.Namespace:
                   prompt_len=64, prompt_sigma=0.0, output_len=16, output_sigma=0.0, seed=0,
                   max_num_seqs=16, max_num_batched_tokens=256, slots=2, host_cache=4,
                   overhead_ms=0.0, slack=4, ttft_p99=0.5, max_replicas=200,
-                  precision=0.0)
+                  precision=0.0, async_scheduling=None)
     values.update(over)
     return argparse.Namespace(**values)
 
@@ -286,6 +338,20 @@ def test_check_capacity_reads_capacity_reports(tmp_path):
     assert predicted["output tokens/s"] == pytest.approx(100.0, rel=0.01)
     assert "| TTFT p50 (ms) | 1,500.0 |" in report
     assert "first wave" not in report
+
+
+def test_check_capacity_simulates_the_daemons_async_scheduling(tmp_path):
+    from benchmarks import check_capacity
+
+    path, bench = flat_check_files(tmp_path)
+    reports = {}
+    for flags in ([], ["--lorad-flag=--async-scheduling"],
+                  ["--lorad-flag=--async-scheduling", "--lorad-flag=--no-async-scheduling"]):
+        args = check_capacity.parse_args(["--device", "cpu", "--concurrency", "1", *flags])
+        reports[len(flags)] = check_capacity.check(args, path, bench, "base")[2]
+    assert "async steps off" in reports[0]  # a table naming no device: a CPU's, lorad's off
+    assert "async steps on" in reports[1]
+    assert "async steps off" in reports[2]  # the last flag, as argparse takes it
 
 
 def test_the_check_splits_ttft_into_the_first_wave_and_after_it(tmp_path):
