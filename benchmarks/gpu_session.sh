@@ -29,6 +29,10 @@
 #             bench.py (128 requests, 32 at once, 128 in / 128 out, base + 2 random rank-16
 #             adapters, 8B shape, bf16) against capacity.py's prediction (issue 35: within 15%);
 #             $OUT/capacity.tar.gz
+#   http      issue 29 through HTTP, default flags, an empty Triton cache each (http_cold_start.sh):
+#             256 streams of 16 in / 512 out on the base model, then on 64 distinct adapters
+#             with PREFILL=1 (32 x 1,024 in, single prompts of 512 and 2,048 tokens); logs in
+#             $OUT/http; mix: http_adapter_mix.sh 64 130 (every stream equals its solo run)
 #   prefix    http_prefix.sh: the prefix cache over HTTP (8B shape, bf16): 64 conversations of 4
 #             turns over a 2,000-token system prompt, cache on and off; decode with and without
 #             --no-prefix-cache (issue 31's targets)
@@ -165,6 +169,19 @@ for part in "${parts[@]}"; do
         --table-out "$OUT/bench-drafting.md" ;;
     capacity) bench bench-capacity.log 560 check_capacity --device cuda --concurrency 32 \
                 --requests 128 --work "$OUT/capacity" --table-out "$OUT/bench-capacity.md" ;;
+    http)
+      for args in "0 256" "64 256"; do
+        say "http_cold_start.sh $args"
+        OUT=$OUT/http PREFILL=$([[ $args == 64* ]] && echo 1) \
+          timeout -k 10 "${LORAD_PART_LIMIT:-280}" bash benchmarks/http_cold_start.sh $args 2>&1 \
+          | tee "$OUT/http-${args// /-}.log" | grep -E "ready in|=== |output tokens/s|time to first"
+        status[http-${args// /-}.log]=${PIPESTATUS[0]}
+      done ;;
+    mix)
+      say "http_adapter_mix.sh 64 130"
+      OUT=$OUT timeout -k 10 "${LORAD_PART_LIMIT:-400}" bash benchmarks/http_adapter_mix.sh 64 130 \
+        2>&1 | tee "$OUT/mix.log" | tail -n 20
+      status[mix.log]=${PIPESTATUS[0]} ;;
     prefix)
       say "http_prefix.sh"
       OUT=$OUT timeout -k 10 560 bash benchmarks/http_prefix.sh 2>&1 | tee "$OUT/prefix.log"
