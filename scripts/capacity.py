@@ -93,10 +93,11 @@ def replica_config(args, table: StepTable) -> ReplicaConfig:
 
 
 def async_steps(args, table: StepTable) -> bool:
-    """--async-scheduling, else lorad's default for the table's device: on a GPU."""
+    """--async-scheduling, else lorad's default: on for a lone rank on a GPU (the table's device
+    and ranks, and fleet's --parallel)."""
     if args.async_scheduling is not None:
         return args.async_scheduling
-    return table.on_gpu
+    return table.on_gpu and table.data.get("parallel", 1) == 1 and getattr(args, "parallel", 1) == 1
 
 
 def needed(args, table: StepTable, router: str, start: int) -> dict:
@@ -297,8 +298,7 @@ def parse_args(argv):
                        help="added to every TTFT: HTTP, tokenizer, coordinator")
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                        help="the replicas run a plain decode step's successor ahead, as lorad "
-                       "--async-scheduling (default: as lorad, on where the table's device is a "
-                       "GPU)")
+                       "--async-scheduling (default: as lorad, on for one rank on a GPU)")
         p.add_argument("--copy-ms", metavar="HOST,DISK",
                        help="an adapter's copy into a slot from the host cache and from disk, in "
                        "place of the table's (a what-if, or a table without them)")

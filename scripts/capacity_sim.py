@@ -21,9 +21,10 @@ class ReplicaConfig:
     num_slots: int = 8  # --max-gpu-adapters
     num_host_cache: int = 64  # --max-cpu-adapters
     overhead_ms: float = 0.0  # added to every request's TTFT (HTTP, tokenizer, coordinator)
-    # lorad's async scheduling (on CUDA by default, workers/loop.py): a decode-only step that
-    # starts with nobody waiting has its successor, the same decodes, launched with it, so a
-    # request that arrives meanwhile waits for that successor too.
+    # lorad's async scheduling (by default on for a lone rank on CUDA, workers/loop.py): a
+    # decode-only step that starts with no request waiting for a free place has its successor,
+    # the same decodes, launched with it, so a request that arrives meanwhile waits for that
+    # successor too.
     async_steps: bool = False
 
 

@@ -168,6 +168,10 @@ def test_the_table_device_sets_async_steps_as_lorad_does(tmp_path):
 
     args = capacity.parse_args(["burst", "--table", "t.json"])
     assert capacity.async_steps(args, table("NVIDIA H200")) is True
+    two_ranks = table_mod.StepTable({**table("NVIDIA H200").data, "parallel": 2})
+    assert capacity.async_steps(args, two_ranks) is False  # lorad runs ahead on a lone rank
+    fleet = capacity.parse_args(["fleet", "--table", "t.json", "--parallel", "2"])
+    assert capacity.async_steps(fleet, table("NVIDIA H200")) is False
     assert capacity.async_steps(args, table("cpu, 1 thread(s)")) is False
     assert capacity.async_steps(args, table(None)) is False
     args = capacity.parse_args(["burst", "--table", "t.json", "--no-async-scheduling"])
