@@ -100,6 +100,11 @@ def async_steps(args, table: StepTable) -> bool:
     return table.on_gpu and table.data.get("parallel", 1) == 1 and getattr(args, "parallel", 1) == 1
 
 
+def async_text(args, table: StepTable) -> str:
+    """The reports' words for async_steps."""
+    return f"async steps {'on' if async_steps(args, table) else 'off'}"
+
+
 def needed(args, table: StepTable, router: str, start: int) -> dict:
     """The fewest replicas that meet the target, to --precision (searching up from `start` by a
     quarter at a time, then halving the gap), with that run's figures."""
@@ -163,8 +168,7 @@ def fleet_report(args, table: StepTable) -> str:
              f"{args.max_num_batched_tokens} --max-gpu-adapters {args.slots} --max-cpu-adapters "
              f"{args.host_cache} --parallel {args.parallel}; copy {table.load_ms['host']:.1f} ms "
              f"from the host cache, {table.load_ms['disk']:.1f} ms from disk; TTFT + "
-             f"{args.overhead_ms:g} ms; async steps "
-             f"{'on' if async_steps(args, table) else 'off'}; one replica always full: "
+             f"{args.overhead_ms:g} ms; {async_text(args, table)}; one replica always full: "
              f"{mu:.2f} requests/s",
              f"target:    TTFT p99 <= {args.ttft_p99:g} s; affinity slack {args.slack} open "
              "requests", "",
@@ -233,8 +237,8 @@ def burst_report(args, table: StepTable, run: dict | None = None) -> tuple[str, 
              f"burst:     {args.requests} requests at concurrency {args.concurrency}, prompt "
              f"{args.prompt_len}, output {args.max_tokens}, rotating over adapters {adapters} "
              f"(0: base); --max-num-seqs {args.max_num_seqs} --max-num-batched-tokens "
-             f"{args.max_num_batched_tokens}; TTFT + {args.overhead_ms:g} ms; async steps "
-             f"{'on' if async_steps(args, table) else 'off'}", ""]
+             f"{args.max_num_batched_tokens}; TTFT + {args.overhead_ms:g} ms; "
+             f"{async_text(args, table)}", ""]
     if measured is None:
         lines += ["| metric | predicted |", "|---|---|"]
         lines += [f"| {k} | {v:,.1f} |" for k, v in predicted.items()]

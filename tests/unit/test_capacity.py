@@ -161,7 +161,7 @@ def test_async_steps_start_a_request_held_back_by_max_num_seqs_a_step_later():
         assert [round(r.ttft * 1e3, 6) for r in runs] == [STEP_MS, STEP_MS, third]
 
 
-def test_the_table_device_sets_async_steps_as_lorad_does(tmp_path):
+def test_the_table_device_sets_async_steps_as_lorad_does():
     def table(device):
         data = {"format": table_mod.FORMAT, "steps": flat_table().data["steps"]}
         return table_mod.StepTable({**data, "device": device} if device else data)
