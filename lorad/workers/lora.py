@@ -10,7 +10,6 @@ which give each row a fixed order of fp32 sums (cuBLAS would pick kernels by bat
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ from torch import nn
 
 from lorad.config.adapters import LoraModule
 from lorad.workers.lora_rows import LoraRows
+from lorad.workers.streams import fork, join, on_stream, side_stream
 
 if TYPE_CHECKING:  # a kernel module (imports triton, which the CPU path never loads)
     from lorad.workers.kernels.lora_common import LoraDelta
@@ -149,8 +149,7 @@ class PendingShrink:
 
     def wait(self) -> None:
         """Order what the current stream does next after the shrink."""
-        if self.side is not None:
-            torch.cuda.current_stream(self.side.device_index).wait_stream(self.side)
+        join(self.side)
 
     @property
     def tables(self) -> list[LoraSlots]:
@@ -176,46 +175,13 @@ class PendingShrink:
         order), on the shrink's stream, then the join: -> each output's LoraDelta or None.
         The buffers must exist before the fork (see matmul_with_deltas)."""
         from lorad.workers.kernels.lora_common import LoraDelta
-        with _on_stream(self.side):
+        with on_stream(self.side):
             self._expand(buffers, deltas=True)
         self.wait()
         deltas: list[LoraDelta | None] = [None] * len(self.loras)
         for i, lora, buffer in zip(self.edited, self.tables, buffers):
             deltas[i] = LoraDelta(buffer, lora.rank_table, row_slots)
         return tuple(deltas)
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The stream a projection's LoRA kernels run on on CUDA: beside the base matmul, which they
-    do not depend on (docs/performance-log.md: shrink beside the matmul on a side stream); None
-    off CUDA."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
-@contextlib.contextmanager
-def _on_stream(stream: torch.cuda.Stream | None):
-    """torch.cuda.stream(stream) for a stream of the current device (None: stay on the current
-    stream), without its lookups of the current device: torch.cuda.current_stream() with no
-    device resolves it through torch.cuda.is_available() and the environment on every call, and
-    an eager step with adapters makes six such calls per LoRA launch pair
-    (docs/performance-log.md: side stream named by its device index)."""
-    if stream is None:
-        yield
-        return
-    previous = torch.cuda.current_stream(stream.device_index)
-    torch.cuda.set_stream(stream)
-    try:
-        yield
-    finally:
-        torch.cuda.set_stream(previous)
 
 
 def _edited(loras: Sequence[LoraSlots | None], rows: LoraRows | None) -> tuple[int, ...]:
@@ -242,18 +208,19 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
     from lorad.workers.kernels.lora_shrink import lora_shrink
     assert len(edited) <= MAX_TABLES, f"at most {MAX_TABLES} projections share an input"
     tables = [loras[i] for i in edited]
-    side = _side_stream(x.device)
-    if side is not None:
-        # Forked from the current stream here, where x is ready and the matmul not yet queued,
-        # joined in wait(). t, allocated on the side stream, is used only there (by the shrink,
-        # and by the expand of expand_deltas) or after the join (expand_into), and can be reused
-        # only by a later shrink there, forked after the expand that reads t.
-        side.wait_stream(torch.cuda.current_stream(side.device_index))
+    # Beside the base matmul, which it does not depend on (docs/performance-log.md: shrink
+    # beside the matmul on a side stream). Forked from the current stream here, where x is ready
+    # and the matmul not yet queued, joined in wait(). t, allocated on the side stream, is used
+    # only there (by the shrink, and by the expand of expand_deltas) or after the join
+    # (expand_into), and can be reused only by a later shrink there, forked after the expand
+    # that reads t.
+    side = side_stream(x.device, "lora")
+    fork(side)
     # The matmul is queued before the shrink: a shrink launched first spread its persistent grid
     # over every SM and the matmul started only as it drained (docs/performance-log.md: matmul
     # launched before the shrink).
     out = matmul() if matmul is not None else None
-    with _on_stream(side):
+    with on_stream(side):
         t = lora_shrink(x, [lora.lora_a for lora in tables],
                         [lora.rank_table for lora in tables], rows.tiles, config=rows.shrink,
                         pdl_rows=rows.pdl_rows)

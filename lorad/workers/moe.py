@@ -27,6 +27,7 @@ from lorad.workers.layers import silu_and_mul
 from lorad.workers.linear import RowParallelLinear, check_shape, load_replicated
 from lorad.workers.lora_rows import LoraRows
 from lorad.workers.parallel import TensorParallel
+from lorad.workers.streams import fork, join, on_stream, side_stream
 from lorad.workers.tuning import Tuning
 
 if TYPE_CHECKING:  # imports triton, which the CPU path never loads
@@ -265,21 +266,34 @@ class SparseMoeBlock(nn.Module):
         pads to MIN_ROWS rows, whose experts would otherwise be read too). None: every row is
         routed."""
         real_rows = None if ctx is None else ctx.real_rows
-        pdl_rows = lora.pdl_rows if self.experts.config.pdl else 0  # the block's own kernels
-        if kernel_path(x.device):  # the router's logits and the gate in one launch
-            both = gemv_rows(x, self.router_gate, pdl_rows)  # [num_rows, num_experts + 1]
-            logits, gate = both[:, :-1], both[:, -1:]
-        else:
-            logits, gate = self.gate(x), self.shared_expert_gate(x)  # gate: [num_rows, 1]
-        weights, experts = self.gate.route(x, real_rows, logits, pdl_rows)
         # The gate scales the shared expert's sum over ranks; scaling each rank's share first
         # is the same sum, so one all-reduce carries both.
+        if kernel_path(x.device):
+            return self.tp.all_reduce(self._kernel_path(x, lora, real_rows)), None
+        logits, gate = self.gate(x), self.shared_expert_gate(x)  # gate: [num_rows, 1]
+        weights, experts = self.gate.route(x, real_rows, logits)
         shared = self.shared_expert.partial_sum(x, lora)
-        if kernel_path(x.device):  # the routed sum, padding, gate and add in one epilogue
-            from lorad.workers.kernels.moe_glue import epilogue  # the CPU never imports triton
-            pairs = self.experts.pairs(x, weights, experts, pdl_rows)
-            return (self.tp.all_reduce(epilogue(pairs, gate, shared, real_rows,
-                                                pdl_rows=pdl_rows)), None)
         routed = self.experts(x, weights, experts, real_rows)
         scale = moe_math.sigmoid(gate).float()  # [num_rows, 1]
         return self.tp.all_reduce(routed + scale * shared), None
+
+    def _kernel_path(self, x: torch.Tensor, lora: LoraRows,
+                     real_rows: torch.Tensor | None) -> torch.Tensor:
+        """forward's unreduced sum on the kernel path: the router's logits and the gate in one
+        GEMV launch, the routed sum, padding, gate and add in one epilogue."""
+        from lorad.workers.kernels.moe_glue import epilogue  # the CPU never imports triton
+        pdl_rows = lora.pdl_rows if self.experts.config.pdl else 0  # the block's own kernels
+        both = gemv_rows(x, self.router_gate, pdl_rows)  # [num_rows, num_experts + 1]
+        logits, gate = both[:, :-1], both[:, -1:]
+        # The routed side on a side stream when overlap_shared (None: in line). Its tensors are
+        # made there and read here only after the join; a later allocation there that reuses
+        # their memory is queued after a later fork, so after this epilogue. x and `both`, made
+        # before the fork, live past the join.
+        side = side_stream(x.device, "moe") if self.experts.config.overlap_shared else None
+        fork(side)
+        with on_stream(side):
+            weights, experts = self.gate.route(x, real_rows, logits, pdl_rows)
+            pairs = self.experts.pairs(x, weights, experts, pdl_rows)
+        shared = self.shared_expert.partial_sum(x, lora)
+        join(side)
+        return epilogue(pairs, gate, shared, real_rows, pdl_rows=pdl_rows)

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Do the LoRA kernels give a row the same bits at every tile height?
+
+TileConfig.block_m is the M side of the shrink's and the expand's MMAs; a server keeps one because
+a row's bits might depend on it (another MMA shape, another order inside the tensor core). Prompt
+steps of one adapter might gain from taller tiles (16-row tiles re-read A and B for every 16
+rows), so this asks the hardware: for each 8B projection (bf16 x, bf16 tables as LoraSlots holds
+them), rows of one adapter and of mixed adapters, it runs shrink + expand with tiles of each
+height and compares t and the outputs bit for bit with 16-row tiles. Runs on CUDA, or at the
+interpreter's tiny shapes under TRITON_INTERPRET=1 (where every height agrees: the interpreter's
+dot is numpy's). Exit status 1 when any height changes a bit; a height whose tiles do not fit
+the card's shared memory is marked so. The steps' speed by height: profile_prefill --variant
+"main;tiles.block_m=64".
+
+Usage: python -m benchmarks.probe_lora_block_m [--heights 16,32,64,128] [--rows 1,5,100,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--heights", type=_ints, default=[16, 32, 64, 128])
+    p.add_argument("--rows", type=_ints, default=[1, 5, 100, 512, 2048])
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args()
+    import torch
+
+    cpu = os.environ.get("TRITON_INTERPRET") == "1"
+    if not cpu and not torch.cuda.is_available():
+        print("probe_lora_block_m: needs CUDA, or TRITON_INTERPRET=1 for the CPU", file=sys.stderr)
+        return 2
+    if cpu:
+        from tests.kernels.triton_interpreter import patch_triton_interpreter
+        patch_triton_interpreter()
+        torch.set_num_threads(1)
+    from lorad.workers.kernels.configs import TileConfig
+    from lorad.workers.kernels.lora_expand import lora_expand
+    from lorad.workers.kernels.lora_shrink import lora_shrink
+    from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
+    from tests.kernels import lora_kernel_checks as checks
+    from triton.runtime.errors import OutOfResources
+
+    device = "cpu" if cpu else "cuda"
+    shapes = checks.CPU_SHAPES if cpu else checks.GPU_SHAPES
+    names = [n for n in ("qkv", "gate_up", "o", "down", "one", "pair") if n in shapes]
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def tiles_for(slots: torch.Tensor, height: int) -> LoraTiles:
+        counts = torch.bincount(slots[slots != 0])
+        config = TileConfig(block_m=height)
+        return LoraTiles.build(slots.to(device),
+                               count_tiles((int(c) for c in counts if c), height), config)
+
+    def run(x, outs, tables, tiles, shape):
+        got = [o.clone() for o in outs]
+        # NaN where the shrink writes nothing (ranks past a slot's rank), zero after
+        t = lora_shrink(x, tables.a, tables.ranks, tiles, out=checks.empty_t(shape, x.shape[0],
+                                                                              device))
+        lora_expand(t, got, tables.b, tables.ranks, tables.scales, tiles)
+        return t.nan_to_num(0.0), got
+
+    differing = 0
+    print(f"# {device}: rows of one adapter ('one') or mixed; '=' same bits as 16-row tiles")
+    for name in names:
+        shape = shapes[name]
+        tables = checks.make_tables(shape, gen, device, torch.bfloat16)
+        for rows in args.rows if not cpu else [r for r in args.rows if r <= 100]:
+            x = torch.randn(rows, shape.in_features, generator=gen).to(device, torch.bfloat16)
+            outs = [torch.randn(rows, n, generator=gen).to(device, torch.bfloat16)
+                    for n in shape.out_features]
+            for kind, slots in (("one", torch.full((rows,), shape.num_slots - 1)),
+                                ("mixed", checks.mixed_slots(rows, shape.num_slots, gen))):
+                if not (slots != 0).any():
+                    continue
+                want_t, want = run(x, outs, tables, tiles_for(slots, 16), shape)
+                marks = []
+                for height in args.heights:
+                    try:
+                        t, got = run(x, outs, tables, tiles_for(slots, height), shape)
+                    except OutOfResources:
+                        marks.append(f"{height}:no-fit")
+                        continue
+                    same = torch.equal(t, want_t) and all(
+                        torch.equal(a, b) for a, b in zip(got, want))
+                    differing += not same
+                    marks.append(f"{height}:{'=' if same else 'DIFFERS'}")
+                print(f"{name:8} {rows:5} rows {kind:5}  {' '.join(marks)}")
+    print(f"\nheights that changed a bit: {differing} cases")
+    return 1 if differing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
