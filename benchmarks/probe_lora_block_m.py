@@ -10,7 +10,7 @@ height and compares t and the outputs bit for bit with 16-row tiles. Runs on CUD
 interpreter's tiny shapes under TRITON_INTERPRET=1 (where every height agrees: the interpreter's
 dot is numpy's). Exit status 1 when any height changes a bit; a height whose tiles do not fit
 the card's shared memory is marked so. The steps' speed by height: profile_prefill --variant
-"main;tiles.block_m=64".
+"main;tiles.block_m=64" (docs/performance-log.md: LoRA tiles of 32 to 128 rows).
 
 Usage: python -m benchmarks.probe_lora_block_m [--heights 16,32,64,128] [--rows 1,5,100,512]
 """

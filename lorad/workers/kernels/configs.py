@@ -332,7 +332,8 @@ class MoeConfig:
     # (workers/streams.py): the two read different weights and meet only in the epilogue, so
     # the router's small launches and each side's tail overlap the other side's loads. The same
     # kernels on the same inputs, so the same bits. 2.46 against 2.75 ms of device time a
-    # decode step at batch 1 on an H100.
+    # decode step at batch 1 on an H100 (docs/performance-log.md: MoE routed experts beside the
+    # shared expert).
     overlap_shared: bool = True
 
     def __post_init__(self) -> None:
