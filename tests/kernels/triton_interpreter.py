@@ -1,8 +1,8 @@
 """Running Triton kernel checks on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
 
 The check modules (lora_kernel_checks.py, paged_attention_checks.py) run in a subprocess through
-`run_checks`, so the interpreter setting never leaks into other tests. Three faults of triton 3.6's
-interpreter are patched for that process only.
+`run_checks`, so the interpreter setting never leaks into other tests. Three faults of triton's
+interpreter and one slowness are patched for that process only.
 """
 
 from __future__ import annotations
@@ -22,8 +22,14 @@ def patch_triton_interpreter() -> None:
       contiguous, so that equal values give equal bits whichever way they were made (an MMA on
       the GPU does not see the layout either); and where both are fp32 it sums each element in
       one order whatever its place (see patched_dot);
-    - fp32 -> bf16 casts truncate, where the GPU rounds to nearest even; round as torch does.
+    - fp32 -> bf16 casts truncate, where the GPU rounds to nearest even; round as torch does;
+    - (speed) it patches triton.language again at every call of a jit function from a kernel, once
+      per program and call (tens of thousands in a model check, half of its run spent in
+      inspect.getmembers), though the launch has patched it for its whole run: patch each
+      language module once per launch, and restore them all at its end.
     """
+    import inspect
+
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -69,6 +75,31 @@ def patch_triton_interpreter() -> None:
         return cast_impl(self, src, dst_type)
 
     interpreter.InterpreterBuilder.cast_impl = patched_cast
+    patch_lang = interpreter._patch_lang
+    # While a launch runs: its scope, then those of the jit functions that reached a language
+    # module it had not patched (triton's own, such as tl.zeros, reach triton.language.core),
+    # restored in reverse at its end; and the modules patched so far.
+    scopes, patched = [], set()
+    reached = {}  # jit function -> the language modules its globals hold
+
+    class LaunchScope:
+        def restore(self) -> None:  # the launch's end (GridExecutor restores in a finally)
+            while scopes:
+                scopes.pop().restore()
+            patched.clear()
+
+    launch_scope = LaunchScope()
+
+    def patched_patch_lang(fn):
+        if fn not in reached:
+            reached[fn] = {id(v) for v in fn.__globals__.values()
+                           if inspect.ismodule(v) and v in (tl, tl.core)}
+        if not scopes or not reached[fn] <= patched:
+            scopes.append(patch_lang(fn))
+            patched.update(reached[fn])
+        return launch_scope
+
+    interpreter._patch_lang = patched_patch_lang
 
 
 def run_checks(checks: dict, names: list[str]) -> int:
