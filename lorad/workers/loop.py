@@ -46,7 +46,7 @@ log = logging.getLogger("lorad.worker")
 # Nothing live, nothing buffered: wait this long for a message before an idle round (a message
 # ends the wait at once). Every round agrees with the other ranks, a gloo or NCCL collective, so
 # the wait sets what an idle server costs: at 20 ms each rank of a --parallel 2 daemon on the
-# CPU took 7.5% of a core doing nothing.
+# CPU took 7.5% of a core doing nothing (docs/performance-log.md: idle ranks wait 200 ms).
 IDLE_POLL_MS = 200
 # Live requests but nothing ran last round (all waiting for an adapter's copy, say): wait this
 # long for a message before the next round. Spinning would hold the GIL, and the adapter jobs'
