@@ -18,7 +18,6 @@ Usage: python -m benchmarks.probe_lora_block_m [--heights 16,32,64,128] [--rows 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -34,14 +33,10 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    cpu = os.environ.get("TRITON_INTERPRET") == "1"
-    if not cpu and not torch.cuda.is_available():
-        print("probe_lora_block_m: needs CUDA, or TRITON_INTERPRET=1 for the CPU", file=sys.stderr)
+    from tests.kernels.triton_interpreter import probe_device
+    device = probe_device("probe_lora_block_m")
+    if device is None:
         return 2
-    if cpu:
-        from tests.kernels.triton_interpreter import patch_triton_interpreter
-        patch_triton_interpreter()
-        torch.set_num_threads(1)
     from lorad.workers.kernels.configs import TileConfig
     from lorad.workers.kernels.lora_expand import lora_expand
     from lorad.workers.kernels.lora_shrink import lora_shrink
@@ -49,8 +44,7 @@ def main() -> int:
     from tests.kernels import lora_kernel_checks as checks
     from triton.runtime.errors import OutOfResources
 
-    device = "cpu" if cpu else "cuda"
-    shapes = checks.CPU_SHAPES if cpu else checks.GPU_SHAPES
+    shapes = checks.shapes_on(device)
     names = [n for n in ("qkv", "gate_up", "o", "down", "one", "pair") if n in shapes]
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -73,7 +67,7 @@ def main() -> int:
     for name in names:
         shape = shapes[name]
         tables = checks.make_tables(shape, gen, device, torch.bfloat16)
-        for rows in args.rows if not cpu else [r for r in args.rows if r <= 100]:
+        for rows in args.rows if device == "cuda" else [r for r in args.rows if r <= 100]:
             x = torch.randn(rows, shape.in_features, generator=gen).to(device, torch.bfloat16)
             outs = [torch.randn(rows, n, generator=gen).to(device, torch.bfloat16)
                     for n in shape.out_features]

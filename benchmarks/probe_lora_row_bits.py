@@ -16,7 +16,6 @@ Usage: python -m benchmarks.probe_lora_row_bits [--shape qkv] [--rows 128] [--se
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -31,21 +30,15 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    cpu = os.environ.get("TRITON_INTERPRET") == "1"
-    if not cpu and not torch.cuda.is_available():
-        print("probe_lora_row_bits: needs CUDA, or TRITON_INTERPRET=1 for the CPU",
-              file=sys.stderr)
+    from tests.kernels.triton_interpreter import probe_device
+    device = probe_device("probe_lora_row_bits")
+    if device is None:
         return 2
-    if cpu:
-        from tests.kernels.triton_interpreter import patch_triton_interpreter
-        patch_triton_interpreter()
-        torch.set_num_threads(1)
     import lorad
     from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
     from tests.kernels import lora_kernel_checks as checks
 
-    device = "cpu" if cpu else "cuda"
-    shapes = checks.CPU_SHAPES if cpu else checks.GPU_SHAPES
+    shapes = checks.shapes_on(device)
     if args.shape not in shapes:
         print(f"probe_lora_row_bits: no shape {args.shape!r}; one of {', '.join(shapes)}",
               file=sys.stderr)

@@ -45,6 +45,13 @@ GPU_SHAPES = {
     "down": Shape(65, 14336, (4096,), (16,)),
     "ranks_to_64": Shape(17, 4096, (4096, 1024), (64, 16)),
 }
+
+
+def shapes_on(device: str) -> dict[str, Shape]:
+    """The shapes the checks take on `device`: the interpreter's tiny ones on the CPU."""
+    return CPU_SHAPES if device == "cpu" else GPU_SHAPES
+
+
 SENTINEL = -7777.0  # in rows the kernels must not write
 X_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -102,6 +102,24 @@ def patch_triton_interpreter() -> None:
     interpreter._patch_lang = patched_patch_lang
 
 
+def probe_device(tool: str) -> str | None:
+    """Where a probe of the kernels runs: "cuda", or "cpu" under TRITON_INTERPRET=1 (the
+    interpreter patched, one torch thread); None, with a line on stderr naming `tool`, when
+    neither is there."""
+    import sys
+
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        patch_triton_interpreter()
+        torch.set_num_threads(1)
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    print(f"{tool}: needs CUDA, or TRITON_INTERPRET=1 for the CPU", file=sys.stderr)
+    return None
+
+
 def run_checks(checks: dict, names: list[str]) -> int:
     """Run the named checks (all by default) on CPU tensors; print one JSON line:
     name -> {"outcome": "ok" or the failure, "seconds"}."""
