@@ -38,9 +38,6 @@ def main() -> int:
     if device is None:
         return 2
     from lorad.workers.kernels.configs import TileConfig
-    from lorad.workers.kernels.lora_expand import lora_expand
-    from lorad.workers.kernels.lora_shrink import lora_shrink
-    from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
     from tests.kernels import lora_kernel_checks as checks
     from triton.runtime.errors import OutOfResources
 
@@ -48,18 +45,12 @@ def main() -> int:
     names = [n for n in ("qkv", "gate_up", "o", "down", "one", "pair") if n in shapes]
     gen = torch.Generator().manual_seed(args.seed)
 
-    def tiles_for(slots: torch.Tensor, height: int) -> LoraTiles:
-        counts = torch.bincount(slots[slots != 0])
-        config = TileConfig(block_m=height)
-        return LoraTiles.build(slots.to(device),
-                               count_tiles((int(c) for c in counts if c), height), config)
-
-    def run(x, outs, tables, tiles, shape):
+    def run(x, outs, tables, slots, height, shape):
         got = [o.clone() for o in outs]
         # NaN where the shrink writes nothing (ranks past a slot's rank), zero after
-        t = lora_shrink(x, tables.a, tables.ranks, tiles, out=checks.empty_t(shape, x.shape[0],
-                                                                              device))
-        lora_expand(t, got, tables.b, tables.ranks, tables.scales, tiles)
+        t = checks.run_kernels(x, got, tables, slots.to(device),
+                               t=checks.empty_t(shape, x.shape[0], device),
+                               tile_config=TileConfig(block_m=height))
         return t.nan_to_num(0.0), got
 
     differing = 0
@@ -75,11 +66,11 @@ def main() -> int:
                                 ("mixed", checks.mixed_slots(rows, shape.num_slots, gen))):
                 if not (slots != 0).any():
                     continue
-                want_t, want = run(x, outs, tables, tiles_for(slots, 16), shape)
+                want_t, want = run(x, outs, tables, slots, 16, shape)
                 marks = []
                 for height in args.heights:
                     try:
-                        t, got = run(x, outs, tables, tiles_for(slots, height), shape)
+                        t, got = run(x, outs, tables, slots, height, shape)
                     except OutOfResources:
                         marks.append(f"{height}:no-fit")
                         continue

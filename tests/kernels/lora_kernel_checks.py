@@ -103,15 +103,18 @@ def mixed_slots(num_rows: int, num_slots: int, gen: torch.Generator) -> torch.Te
 def run_kernels(x: torch.Tensor, outs: list[torch.Tensor], tables: Tables, row_slots: torch.Tensor,
                 max_tiles: int | None = None, num_programs: int | None = None,
                 t: torch.Tensor | None = None, deltas: bool = False,
-                row_strengths: torch.Tensor | None = None) -> torch.Tensor:
+                row_strengths: torch.Tensor | None = None, tile_config=None) -> torch.Tensor:
+    """The shrink, then the expand into outs (in place); -> t. tile_config: the row tiles'
+    TileConfig (None: the default)."""
     from lorad.workers.kernels.lora_expand import lora_expand
     from lorad.workers.kernels.lora_shrink import lora_shrink
     from lorad.workers.kernels.configs import TileConfig
     from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
+    tile_config = tile_config or TileConfig()
     if max_tiles is None:  # exact, from the slots (a test may read them; the model does not)
         counts = torch.bincount(row_slots[row_slots != 0].cpu())
-        max_tiles = count_tiles((int(c) for c in counts), TileConfig().block_m)
-    tiles = LoraTiles.build(row_slots, max_tiles)
+        max_tiles = count_tiles((int(c) for c in counts), tile_config.block_m)
+    tiles = LoraTiles.build(row_slots, max_tiles, tile_config)
     t = lora_shrink(x, tables.a, tables.ranks, tiles, out=t, num_programs=num_programs)
     lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles,
                 row_strengths=row_strengths, num_programs=num_programs, deltas=deltas)
