@@ -4,11 +4,13 @@ Layers call `all_reduce` (row-parallel outputs, the vocab-parallel embedding) an
 `all_gather_last_dim` (vocab-parallel logits) themselves. Control traffic (step agreement, sampled
 ids) uses `cpu_group`; this file does not implement it. With gloo, CUDA tensors are reduced through
 host copies, so several ranks can share one GPU (`--parallel 2 --dist-backend gloo` on one card).
-With --all-reduce oneshot (or auto on CUDA) decode-size sums read peer memory (peer_reduce.py).
+With --all-reduce oneshot (or auto on CUDA) decode-size sums read peer memory (peer_reduce.py);
+CPU ranks on one host add small tensors up through shared memory (shm_reduce.py).
 """
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -17,6 +19,9 @@ import torch.distributed as dist
 
 from lorad.workers.cluster_store import bound_gloo_backend, tcp_store
 from lorad.workers.peer_reduce import OneshotAllReduce, map_peer_buffers, resolve_all_reduce
+from lorad.workers.shm_reduce import SLOT_BYTES, ShmAllReduce, map_shared_segment, shm_problem
+
+log = logging.getLogger("lorad.worker")
 
 if TYPE_CHECKING:  # a kernel module: the CPU path never imports triton
     from lorad.workers.kernels.configs import OneshotConfig
@@ -27,7 +32,8 @@ class TensorParallel:
 
     def __init__(self, rank: int, world_size: int, device: torch.device, group=None,
                  cpu_group=None, backend: str = "gloo", host_ranks: range | None = None,
-                 oneshot: OneshotAllReduce | None = None) -> None:
+                 oneshot: OneshotAllReduce | None = None,
+                 shm: ShmAllReduce | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -42,6 +48,8 @@ class TensorParallel:
         self.segmenter = None
         # The one-shot all-reduce over peer memory, for the tensors it takes; None: NCCL/gloo.
         self.oneshot = oneshot
+        # CPU ranks on one host: small tensors' sums through shared memory; None: gloo's.
+        self.shm = shm
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's `x`, the same bits on every rank. May reuse `x`'s storage."""
@@ -56,6 +64,9 @@ class TensorParallel:
             # The same rank-ordered sum as _all_reduce's at any world size, so a row's bits do
             # not change where the size moves a tensor from one path to the other.
             return self.oneshot.all_reduce(x)
+        if self.shm is not None and self.shm.applies(x):
+            # The same arithmetic as _all_reduce's, without gloo's latency (shm_reduce.py).
+            return self.shm.all_reduce(x)
         if self.backend == "gloo" and x.is_cuda:
             # gloo reduces host memory (its own CUDA path stages through the host too); copying
             # here keeps that in sight and the rank-order sum below the same on CPU and GPU.
@@ -145,6 +156,17 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
         if oneshot is None and requested == "oneshot":
             raise RuntimeError("--all-reduce oneshot: a rank could not map its peer buffers "
                                "(its log says why); use --all-reduce nccl (or auto)")
+    shm = None
+    if backend == "gloo":
+        problem = shm_problem(device, world_size, num_host_ranks)
+        if problem is None:  # the same on every rank: one host, one device type
+            shm = map_shared_segment(rank, world_size, init_method, cpu_group, timeout_s)
+        if shm is not None:
+            log.info("all-reduce: tensors up to %d KiB summed through shared memory in rank "
+                     "order, larger ones by gloo", SLOT_BYTES // 1024)
+        elif device.type == "cpu":
+            log.info("all-reduce: gloo's for every tensor (%s)",
+                     problem or "the shared mapping failed")
     return TensorParallel(rank, world_size, device, group=dist.group.WORLD,
                           cpu_group=cpu_group, backend=backend, host_ranks=host_ranks,
-                          oneshot=oneshot)
+                          oneshot=oneshot, shm=shm)
