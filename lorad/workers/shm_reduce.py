@@ -1,18 +1,20 @@
 """The CPU ranks' all-reduce of small tensors through shared memory on their host.
 
-gloo's all-reduce between two processes on one host costs about 1.5 ms whatever the size of a
-decode step's tensor (a 2-core VM: two thread wake-ups a side, over loopback TCP), and the model
-makes two a layer. Here every rank copies its part into its own slot of one shared mapping,
-publishes the call's number in its flag, waits until every peer's flag has it, and adds the slots
-up in rank order: the arithmetic of TensorParallel._all_reduce (a + b at two ranks, a rank-ordered
-sum at more), so every rank gets the same bits, and the same bits as the gloo path.
+gloo's all-reduce between two processes on one host cost 0.65-1.5 ms a call at a decode step's
+size on a 2-core VM (over loopback TCP, through gloo's own threads), and the model makes two a
+layer; this path about 40 us (docs/performance-log.md: CPU ranks' sums through shared memory).
+Every rank copies its part into its own slot of one shared mapping, publishes the call's number
+in its flag, waits until every peer's flag has it, and adds the slots up in rank order: the
+arithmetic of TensorParallel._all_reduce (a + b at two ranks, a rank-ordered sum at more), so
+every rank gets the same bits, and the same bits as the gloo path.
 
 Ordering: x86-64 keeps a core's stores in program order for every other core (TSO), so a peer
 that sees a flag sees the slot written before it. The copies are plain stores at these sizes
-(glibc's memcpy turns to non-temporal stores, which TSO does not order, only past about three
-quarters of a cache's size per thread): SLOT_BYTES bounds them. Other CPUs (weaker ordering)
-keep gloo. Two buffers in turn: a rank writes call n + 1's part only after every peer published
-call n, which each does only after it finished adding call n - 1's slots, the other buffer.
+(glibc's memcpy turns to non-temporal stores, which TSO does not order, only for copies of
+megabytes: its threshold is a share of the last-level cache): SLOT_BYTES bounds them. Other
+CPUs (weaker ordering) keep gloo. Two buffers in turn: a rank writes call n + 1's part only after
+every peer published call n, which each does only after it finished adding call n - 1's slots,
+the other buffer.
 
 Waiting: a short spin, then sleeps that grow to 1 ms; a peer that exited (its pid gone) or that
 has not arrived within the group's timeout ends the wait with a RuntimeError, as gloo's would.
