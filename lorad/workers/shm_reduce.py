@@ -50,6 +50,8 @@ def shm_problem(device: torch.device, world_size: int, num_host_ranks: int) -> s
         return "the tensors are not on the CPU"
     if world_size < 2 or num_host_ranks != world_size:
         return "the ranks are not all on this host"
+    if world_size * (FLAG_STRIDE + 1) * 8 > HEADER_BYTES:
+        return f"{world_size} ranks are more than its header holds"
     if platform.machine().lower() not in MACHINES:
         return f"{platform.machine()} may reorder stores (only x86-64 is taken)"
     if not os.path.isdir("/dev/shm"):

@@ -65,3 +65,5 @@ def test_only_cpu_groups_on_one_host():
     assert "not on the CPU" in shm_problem(torch.device("cuda"), 2, 2)
     assert "not all on this host" in shm_problem(cpu, 4, 2)
     assert "not all on this host" in shm_problem(cpu, 1, 1)
+    assert "more than its header holds" in shm_problem(cpu, 57, 57)
+    assert "header" not in (shm_problem(cpu, 56, 56) or "")
