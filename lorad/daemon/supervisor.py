@@ -15,6 +15,7 @@ import time
 
 from lorad.config import WorkerConfig
 from lorad.config.kernel_cache import TRITON_ENV
+from lorad.config.process_state import stat_fields
 from lorad.daemon.systemd import child_environment
 
 log = logging.getLogger("lorad.supervisor")
@@ -26,10 +27,8 @@ def _ended_code(pid: int) -> tuple[bool, int | None]:
     """-> (whether a child that the event loop has not reaped yet has ended, its exit code:
     negative for a signal, None when unknown), from /proc/PID/stat (Linux): an ended child is a
     zombie until it is reaped."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-    except OSError:
+    fields = stat_fields(pid)
+    if fields is None:
         return True, None  # reaped meanwhile: its returncode has the code
     if fields[0] != b"Z":
         return False, None

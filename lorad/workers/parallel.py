@@ -65,8 +65,8 @@ class TensorParallel:
             # not change where the size moves a tensor from one path to the other.
             return self.oneshot.all_reduce(x)
         if self.shm is not None and self.shm.applies(x):
-            # The same arithmetic as _all_reduce's, without gloo's latency (shm_reduce.py).
-            return self.shm.all_reduce(x)
+            # _all_reduce's arithmetic without gloo's latency (shm_reduce.py).
+            return sum_in_rank_order(self.shm.all_gather(x))
         if self.backend == "gloo" and x.is_cuda:
             # gloo reduces host memory (its own CUDA path stages through the host too); copying
             # here keeps that in sight and the rank-order sum below the same on CPU and GPU.
@@ -81,10 +81,7 @@ class TensorParallel:
             # size (shared/DESIGN.md, "Numerics").
             parts = [torch.empty_like(x) for _ in range(self.world_size)]
             dist.all_gather(parts, x.contiguous(), group=self.group)
-            total = parts[0]
-            for part in parts[1:]:
-                total += part
-            return total
+            return sum_in_rank_order(parts)
         # Two ranks: a + b == b + a, so every rank has the same bits whatever the algorithm.
         x = x.contiguous()
         dist.all_reduce(x, group=self.group)
@@ -109,6 +106,16 @@ class TensorParallel:
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat([part[..., :size] for part, size in zip(parts, sizes)],
                          dim=-1).to(x.device)
+
+
+def sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """parts[0] + parts[1] + ... in rank order in their dtype, into a new tensor (the parts stay
+    as they were): the model's all-reduce arithmetic at any world size of 2 or more (for fp32
+    parts, kernels/oneshot_reduce_reference.rank_ordered_sum's)."""
+    total = parts[0] + parts[1]
+    for part in parts[2:]:
+        total += part
+    return total
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,

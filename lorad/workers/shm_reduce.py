@@ -4,9 +4,9 @@ gloo's all-reduce between two processes on one host cost 0.65-1.5 ms a call at a
 size on a 2-core VM (over loopback TCP, through gloo's own threads), and the model makes two a
 layer; this path about 40 us (docs/performance-log.md: CPU ranks' sums through shared memory).
 Every rank copies its part into its own slot of one shared mapping, publishes the call's number
-in its flag, waits until every peer's flag has it, and adds the slots up in rank order: the
-arithmetic of TensorParallel._all_reduce (a + b at two ranks, a rank-ordered sum at more), so
-every rank gets the same bits, and the same bits as the gloo path.
+in its flag, and waits until every peer's flag has it: an all-gather, whose slots
+TensorParallel adds up in rank order as it does gloo's (parallel.sum_in_rank_order), so every
+rank gets the same bits, and the same bits as the gloo path.
 
 Ordering: x86-64 keeps a core's stores in program order for every other core (TSO), so a peer
 that sees a flag sees the slot written before it. The copies are plain stores at these sizes
@@ -31,6 +31,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from lorad.config.process_state import running
 
 log = logging.getLogger("lorad.worker")
 
@@ -90,19 +92,16 @@ class ShmAllReduce:
         return (x.device.type == "cpu" and x.dtype in DTYPES
                 and x.numel() * x.element_size() <= SLOT_BYTES)
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The rank-ordered sum of every rank's x: a new tensor of x's shape and dtype."""
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's x, in rank order: views of the mapping, valid until this rank's next
+        call (whose writing the peers do not wait for: add them up before it)."""
         self.calls += 1
         nbytes = x.numel() * x.element_size()
         buffer = self.slots[self.calls % 2]
         buffer[self.rank, :nbytes].view(x.dtype).view(x.shape).copy_(x)
         self.flags[self.rank] = self.calls
         self._wait(self.calls)
-        parts = [buffer[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.world_size)]
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total += part
-        return total
+        return [buffer[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.world_size)]
 
     def _wait(self, call: int) -> None:
         started = time.monotonic()
@@ -121,23 +120,12 @@ class ShmAllReduce:
     def _check_peers(self, call: int, waited_s: float) -> None:
         late = [r for r in range(self.world_size) if int(self.flags[r]) < call]
         for r in late:
-            if not _alive(int(self.pids[r])):
+            if not running(int(self.pids[r])):
                 raise RuntimeError(f"all-reduce: rank {r} (pid {int(self.pids[r])}) exited "
                                    f"before call {call}")
         if late and waited_s > self.timeout_s:
             raise RuntimeError(f"all-reduce: rank(s) {late} did not reach call {call} within "
                                f"{self.timeout_s:.0f} s")
-
-
-def _alive(pid: int) -> bool:
-    """Whether process pid runs (a zombie, exited but not yet reaped by its parent, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    except OSError:
-        return True  # no /proc to read: take it as alive, the timeout still holds
 
 
 def map_shared_segment(rank: int, world_size: int, group_key: str, cpu_group,
@@ -147,7 +135,7 @@ def map_shared_segment(rank: int, world_size: int, group_key: str, cpu_group,
     when any rank could not map it (each says why in its log). Collective over cpu_group."""
     path = segment_path(group_key)
     size = ShmAllReduce.size(world_size)
-    memory = None
+    memory = shm = None
     if rank == 0:
         try:
             if os.path.exists(path):  # a crashed instance's, of this runtime folder
@@ -170,13 +158,13 @@ def map_shared_segment(rank: int, world_size: int, group_key: str, cpu_group,
                 os.close(fd)
         except (OSError, ValueError) as exc:
             log.warning("all-reduce: cannot map %s (%s): gloo's for every tensor", path, exc)
-    mapped = torch.tensor([int(memory is not None)], dtype=torch.int32)
-    dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=cpu_group)  # every rank holds it
+    if memory is not None:
+        shm = ShmAllReduce(rank, world_size, memory, timeout_s)
+        shm.pids[rank] = os.getpid()
+    # Every rank holds the mapping, its pid written before any call reads one.
+    mapped = torch.tensor([int(shm is not None)], dtype=torch.int32)
+    dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=cpu_group)
     if rank == 0 and os.path.exists(path):
         os.unlink(path)
-    if not mapped.item():
-        return None
-    shm = ShmAllReduce(rank, world_size, memory, timeout_s)
-    shm.pids[rank] = os.getpid()
-    dist.barrier(group=cpu_group)  # every pid written before any call reads one
-    return shm
+    dist.barrier(group=cpu_group)  # unlinked before any rank goes on
+    return shm if mapped.item() else None
