@@ -29,6 +29,7 @@ RANK_SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     tp = init_tensor_parallel(rank, world, "file://" + store, "gloo", torch.device("cpu"),
                               all_reduce="auto")
+    tp.shm = None  # gloo's own gathered sum (the shared-memory one: tests/unit/test_shm_reduce.py)
     x = partial(world, rank)
     batch = tp.all_reduce(x.clone())
     alone = tp.all_reduce(x[-1:].clone())
