@@ -5,7 +5,9 @@ in turn, each driven by scripts/bench.py with --concurrency chat streams over th
 both adapters; and on each daemon the same greedy chat requests (every model id, a few
 prompts), whose token ids must be equal at every thread count. Prints a markdown table of output
 tokens/s, TTFT and ITL per run, the speedup against one thread (issue 33's target: >= 1.8x at
-the default threads) and the token ids that differ (none may).
+the default threads), the cores each party kept busy during the burst (the coordinator, the
+workers, bench.py: on a machine of few cores the client and the coordinator take some of the
+cores the workers' threads would use) and the token ids that differ (none may).
 
     python -m benchmarks.bench_threads [--rounds 2] [--threads 1,auto]
 
@@ -16,14 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.common import (DEMO_MODEL, REPO, add_run_flags, bench_py, conditions, figures,
-                               open_work_dir, print_table, say, served_models, start_lorad,
-                               stop_lorad)
+from benchmarks.common import (DEMO_MODEL, REPO, add_run_flags, bench_py, conditions,
+                               cpu_seconds, figures, open_work_dir, print_table, say,
+                               served_models, start_lorad, stop_lorad)
 
 PORT = 8016
 URL = f"http://127.0.0.1:{PORT}"
@@ -49,6 +53,10 @@ def greedy_ids(model_ids: list[str], max_tokens: int) -> dict[str, list[int]]:
     return out
 
 
+def _cpu(usage) -> float:
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_one(args, threads: str, round_: int) -> dict:
     log = args.work / f"lorad-{threads}-{round_}.log"
     flags = ["--model", args.model, "--threads", threads,
@@ -58,12 +66,19 @@ def run_one(args, threads: str, round_: int) -> dict:
     proc = start_lorad(flags, PORT, log)
     try:
         model_ids = served_models(PORT)
+        before = (time.monotonic(), *cpu_seconds(proc.pid),
+                  _cpu(resource.getrusage(resource.RUSAGE_CHILDREN)))
         record = bench_py(["--url", URL, "--model", ",".join(model_ids), "--chat",
                            "--concurrency", str(args.concurrency), "--requests",
                            str(args.requests), "--max-tokens", str(args.max_tokens),
                            "--note", f"lorad --threads {threads}"],
                           args.work / f"bench-{threads}-{round_}.json")
+        after = (time.monotonic(), *cpu_seconds(proc.pid),
+                 _cpu(resource.getrusage(resource.RUSAGE_CHILDREN)))
         found = figures(record)
+        # cores each party kept busy over the burst (warm-up requests included)
+        wall, *used = (b - a for a, b in zip(before, after))
+        found["cores"] = [u / wall for u in used]  # coordinator, workers, bench.py
         found["ids"] = greedy_ids(model_ids, args.check_tokens)
         found["log"] = next((line for line in log.read_text(errors="replace").splitlines()
                              if "fp32 products" in line), "")
@@ -100,17 +115,21 @@ def main() -> int:
              f"--max-tokens {args.max_tokens} over every model id; {args.rounds} round(s), "
              f"alternating; logs in {args.work}", "",
              "| --threads | output tokens/s (each run) | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) "
-             "| speedup |", "|---|---|---|---|---|"]
+             "| speedup | cores busy: coordinator / workers / bench.py |",
+             "|---|---|---|---|---|---|"]
     differ = []
     for threads, found in runs.items():
         mean = statistics.mean(r["tokens_s"] for r in found)
         each = ", ".join(f"{r['tokens_s']:.1f}" for r in found)
+        cores = " / ".join(f"{statistics.mean(r['cores'][i] for r in found):.2f}"
+                           for i in range(3))
         lines.append(f"| {threads} | {mean:.1f} ({each}) | {found[-1]['ttft']} | "
-                     f"{found[-1]['itl']} | {mean / base:.2f}x |")
+                     f"{found[-1]['itl']} | {mean / base:.2f}x | {cores} |")
         differ += [f"--threads {threads} round {i}: {key}" for i, r in enumerate(found)
                    for key, ids in r["ids"].items() if ids != reference[key]]
     lines += ["", *(f"{t}: {runs[t][0]['log'].split('INFO ')[-1]}" for t in counts[1:])]
-    best = max(statistics.mean(r["tokens_s"] for r in runs[t]) for t in counts[1:]) / base
+    best = max((statistics.mean(r["tokens_s"] for r in runs[t]) for t in counts[1:]),
+               default=base) / base
     lines.append(f"verdict: {best:.2f}x one thread, "
                  f"{'MET' if best >= TARGET_SPEEDUP else 'MISSED'} (target >= {TARGET_SPEEDUP}x)")
     num = sum(len(r["ids"]) for found in runs.values() for r in found)

@@ -143,6 +143,29 @@ def stop_lorad(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
+def cpu_seconds(root: int) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by process root and by its descendants, read
+    from /proc (Linux): for a lorad daemon, the coordinator's and its workers'. A descendant
+    that has ended is not counted."""
+    from lorad.config.process_state import stat_fields
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    parent, used = {}, {}
+    for entry in os.listdir("/proc"):
+        fields = stat_fields(int(entry)) if entry.isdigit() else None
+        if fields is not None:  # after the name: state, ppid, ..., utime (11), stime (12)
+            parent[int(entry)] = int(fields[1])
+            used[int(entry)] = (int(fields[11]) + int(fields[12])) / ticks
+
+    def descends(pid: int) -> bool:
+        while pid in parent and pid > 1:
+            pid = parent[pid]
+            if pid == root:
+                return True
+        return False
+    return used.get(root, 0.0), sum(t for pid, t in used.items() if descends(pid))
+
+
 def served_models(port: int) -> list[str]:
     """The model ids a daemon on `port` serves: the base model first, then each adapter."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as response:
