@@ -19,6 +19,7 @@ daemon's log, bench.py's records and capacity.py's reports in --work.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import urllib.request
@@ -145,13 +146,14 @@ def async_flag(lorad_flags: list[str]) -> list[str]:
     return given[-1:]
 
 
-def check(args, table: Path, record: Path, base: str, overhead_ms: float = 0.0,
+def check(args, table: Path, record: Path, base: str, slots: int, overhead_ms: float = 0.0,
           steps: capacity.StepTable | None = None) -> tuple[dict, dict, str]:
-    """capacity.py burst --check, in this process -> (measured, predicted, its report); steps:
-    the table's contents, read once by a caller that checks several records (None: read)."""
+    """capacity.py burst --check, in this process -> (measured, predicted, its report); slots:
+    the daemon's device slots for adapters (its /health); steps: the table's contents, read
+    once by a caller that checks several records (None: read)."""
     flags = capacity.parse_args(["burst", "--table", str(table), "--check", str(record),
                                  "--base-model", base, "--max-num-seqs", str(args.concurrency),
-                                 "--tolerance", str(args.tolerance),
+                                 "--slots", str(slots), "--tolerance", str(args.tolerance),
                                  "--overhead-ms", f"{overhead_ms:.3f}",
                                  *async_flag(args.lorad_flag)])
     steps = steps or capacity.StepTable.from_file(str(table))
@@ -183,7 +185,11 @@ def main(argv=None) -> int:
     records, client_ttft = [], []  # per burst: its bench.py record, the client's mean TTFT
     try:
         ids = served_models(PORT)
-        say(f"lorad ready, serving {', '.join(ids)}")
+        # The simulation must hold the daemon's slots: with fewer, every request of a burst
+        # rotating over more adapters than slots would wait for a copy that never happens.
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=30) as response:
+            slots = json.load(response)["adapter_slots"]
+        say(f"lorad ready, serving {', '.join(ids)} ({slots} adapter slots)")
         # A request's cost outside the steps (HTTP, tokenizer, admission, the first token's way
         # back), which the step table cannot hold: one request at a time on the idle server,
         # its TTFT against the simulation of the same requests.
@@ -208,7 +214,7 @@ def main(argv=None) -> int:
     finally:
         stop_lorad(proc)
     steps = capacity.StepTable.from_file(str(table))
-    idle_measured, idle_predicted, _ = check(args, table, idle, ids[0], steps=steps)
+    idle_measured, idle_predicted, _ = check(args, table, idle, ids[0], slots, steps=steps)
     overhead_ms = max(0.0, idle_measured["TTFT p50 (ms)"] - idle_predicted["TTFT p50 (ms)"])
     lines = [f"{conditions(args.device if args.device == 'cuda' else None)}",
              f"model {args.model} ({args.device}) with {len(adapters)} adapter(s); bench.py "
@@ -224,7 +230,8 @@ def main(argv=None) -> int:
              "|---|" + "---|" * (len(FIGURES) + 2)]
     misses = 0
     for run, record in enumerate(records):
-        measured, predicted, report = check(args, table, record, ids[0], overhead_ms, steps)
+        measured, predicted, report = check(args, table, record, ids[0], slots, overhead_ms,
+                                            steps)
         (work / f"check{run}.txt").write_text(report)
         cells = []
         for name in FIGURES:

@@ -237,7 +237,8 @@ def burst_report(args, table: StepTable, run: dict | None = None) -> tuple[str, 
              f"burst:     {args.requests} requests at concurrency {args.concurrency}, prompt "
              f"{args.prompt_len}, output {args.max_tokens}, rotating over adapters {adapters} "
              f"(0: base); --max-num-seqs {args.max_num_seqs} --max-num-batched-tokens "
-             f"{args.max_num_batched_tokens}; TTFT + {args.overhead_ms:g} ms; "
+             f"{args.max_num_batched_tokens} --max-gpu-adapters {args.slots} "
+             f"--max-cpu-adapters {args.host_cache}; TTFT + {args.overhead_ms:g} ms; "
              f"{async_text(args, table)}", ""]
     if measured is None:
         lines += ["| metric | predicted |", "|---|---|"]

@@ -334,7 +334,7 @@ def test_check_capacity_reads_capacity_reports(tmp_path):
 
     path, bench = flat_check_files(tmp_path)
     args = check_capacity.parse_args(["--device", "cpu", "--concurrency", "1"])
-    measured, predicted, report = check_capacity.check(args, path, bench, "base")
+    measured, predicted, report = check_capacity.check(args, path, bench, "base", 1)
     # A record without send times (bench.py's before 2026-12-06) has no waves.
     assert measured == {"output tokens/s": 100.0, "TTFT p50 (ms)": 1500.0,
                         "TTFT p99 (ms)": 1500.0, "TTFT p50, first wave (ms)": None,
@@ -342,6 +342,29 @@ def test_check_capacity_reads_capacity_reports(tmp_path):
     assert predicted["output tokens/s"] == pytest.approx(100.0, rel=0.01)
     assert "| TTFT p50 (ms) | 1,500.0 |" in report
     assert "first wave" not in report
+
+
+def test_check_capacity_simulates_the_daemons_slots(tmp_path):
+    """A burst rotating over more adapters than the simulation has slots waits for copies
+    (2026-12-07: 64 adapters served in 64 slots, simulated in capacity.py's default 8, gave
+    0.32x the measured tokens/s); with the daemon's count every adapter starts in a slot."""
+    from benchmarks import check_capacity
+
+    path, bench = flat_check_files(tmp_path)
+    table = json.loads(path.read_text())
+    table["adapter_load_ms"] = {"host": 400.0, "disk": 400.0}
+    path.write_text(json.dumps(table))
+    record = json.loads(bench.read_text())
+    record["models"] = ["base", "a", "b", "c"]
+    record["requests"] = [{**record["requests"][0], "model": m} for m in record["models"] * 2]
+    bench.write_text(json.dumps(record))
+    args = check_capacity.parse_args(["--device", "cpu", "--concurrency", "1"])
+    _, resident, _ = check_capacity.check(args, path, bench, "base", 3)
+    _, one_slot, report = check_capacity.check(args, path, bench, "base", 1)
+    assert "--max-gpu-adapters 1" in report
+    assert resident["output tokens/s"] == pytest.approx(100.0, rel=0.01)  # 10 steps a request
+    # one slot for three adapters in turn: a copy of 0.4 s before each adapter request
+    assert one_slot["output tokens/s"] < 0.5 * resident["output tokens/s"]
 
 
 def test_check_capacity_simulates_the_daemons_async_scheduling(tmp_path):
@@ -352,7 +375,7 @@ def test_check_capacity_simulates_the_daemons_async_scheduling(tmp_path):
     for flags in ([], ["--lorad-flag=--async-scheduling"],
                   ["--lorad-flag=--async-scheduling", "--lorad-flag=--no-async-scheduling"]):
         args = check_capacity.parse_args(["--device", "cpu", "--concurrency", "1", *flags])
-        reports[len(flags)] = check_capacity.check(args, path, bench, "base")[2]
+        reports[len(flags)] = check_capacity.check(args, path, bench, "base", 1)[2]
     assert "async steps off" in reports[0]  # a table naming no device: a CPU's, lorad's off
     assert "async steps on" in reports[1]
     assert "async steps off" in reports[2]  # the last flag, as argparse takes it
@@ -369,7 +392,7 @@ def test_the_check_splits_ttft_into_the_first_wave_and_after_it(tmp_path):
         r.update(sent_s=sent, done_s=sent + 0.1, ttft_ms=ttft)
     bench.write_text(json.dumps(record))
     args = check_capacity.parse_args(["--device", "cpu", "--concurrency", "1"])
-    measured, predicted, report = check_capacity.check(args, path, bench, "base")
+    measured, predicted, report = check_capacity.check(args, path, bench, "base", 1)
     assert measured["TTFT p50, first wave (ms)"] == 1500.0
     assert measured["TTFT p50, after it (ms)"] == 500.0
     assert predicted["TTFT p50, first wave (ms)"] > 0
@@ -382,8 +405,8 @@ def test_check_capacity_adds_the_overhead_and_reads_the_daemons_means(tmp_path):
 
     path, bench = flat_check_files(tmp_path)
     args = check_capacity.parse_args(["--device", "cpu", "--concurrency", "1"])
-    _, plain, _ = check_capacity.check(args, path, bench, "base")
-    _, later, _ = check_capacity.check(args, path, bench, "base", overhead_ms=25.0)
+    _, plain, _ = check_capacity.check(args, path, bench, "base", 1)
+    _, later, _ = check_capacity.check(args, path, bench, "base", 1, overhead_ms=25.0)
     assert later["TTFT p50 (ms)"] == pytest.approx(plain["TTFT p50 (ms)"] + 25.0)
     assert later["output tokens/s"] == plain["output tokens/s"]
 
