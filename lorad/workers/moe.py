@@ -282,15 +282,21 @@ class SparseMoeBlock(nn.Module):
         """forward's unreduced sum on the kernel path: the router's logits and the gate in one
         GEMV launch, the routed sum, padding, gate and add in one epilogue."""
         from lorad.workers.kernels.moe_glue import epilogue  # the CPU never imports triton
-        pdl_rows = lora.pdl_rows if self.experts.config.pdl else 0  # the block's own kernels
-        both = gemv_rows(x, self.router_gate, pdl_rows)  # [num_rows, num_experts + 1]
-        logits, gate = both[:, :-1], both[:, -1:]
+        config = self.experts.config
+        pdl_rows = lora.pdl_rows if config.pdl else 0  # the block's own kernels
         # The routed side on a side stream when overlap_shared (None: in line). Its tensors are
         # made there and read here only after the join; a later allocation there that reuses
-        # their memory is queued after a later fork, so after this epilogue. x and `both`, made
-        # before the fork, live past the join.
-        side = side_stream(x.device, "moe") if self.experts.config.overlap_shared else None
-        fork(side)
+        # their memory is queued after a later fork, so after this epilogue. x, made before the
+        # fork, lives past the join.
+        side = side_stream(x.device, "moe") if config.overlap_shared else None
+        early = side is not None and x.shape[0] <= config.router_on_side_rows
+        if early:
+            fork(side)
+        with on_stream(side if early else None):
+            both = gemv_rows(x, self.router_gate, pdl_rows)  # [num_rows, num_experts + 1]
+        logits, gate = both[:, :-1], both[:, -1:]
+        if not early:
+            fork(side)
         with on_stream(side):
             weights, experts = self.gate.route(x, real_rows, logits, pdl_rows)
             pairs = self.experts.pairs(x, weights, experts, pdl_rows)

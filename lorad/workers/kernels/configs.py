@@ -335,6 +335,13 @@ class MoeConfig:
     # decode step at batch 1 on an H100 (docs/performance-log.md: MoE routed experts beside the
     # shared expert).
     overlap_shared: bool = True
+    # With overlap_shared, in steps of at most this many rows: the router's and the shared
+    # expert gate's GEMV on the side stream too, forked before it, so that the shared expert's
+    # gate/up starts at the norm's output, not after the GEMV. The same kernels on the same
+    # inputs: the same bits. Device ms a decode step on an H100, idle / mixed4: batch 1 2.38 /
+    # 2.77 against 2.48 / 2.82, batch 32 10.91 / 11.36 against 10.88 / 11.13, so not there
+    # (docs/performance-log.md: MoE router's GEMV on the side stream). 0: never.
+    router_on_side_rows: int = 16
 
     def __post_init__(self) -> None:
         _check_powers_of_two(self, ("block_m", "block_n", "block_k"), 16, " (tl.dot's sides)")
@@ -342,4 +349,6 @@ class MoeConfig:
             raise ValueError(f"num_stages {self.num_stages} is below 1")
         if self.small_step_rows < 0:
             raise ValueError(f"small_step_rows {self.small_step_rows} is below 0")
+        if self.router_on_side_rows < 0:
+            raise ValueError(f"router_on_side_rows {self.router_on_side_rows} is below 0")
 
