@@ -6,8 +6,8 @@ both adapters; and on each daemon the same greedy chat requests (every model id,
 prompts), whose token ids must be equal at every thread count. Prints a markdown table of output
 tokens/s, TTFT and ITL per run, the speedup against one thread (issue 33's target: >= 1.8x at
 the default threads), the cores each party kept busy during the burst (the coordinator, the
-workers, bench.py: on a machine of few cores the client and the coordinator take some of the
-cores the workers' threads would use) and the token ids that differ (none may).
+workers, bench.py: whether the client or the coordinator take cores from the workers' threads
+on a machine of few cores) and the token ids that differ (none may).
 
     python -m benchmarks.bench_threads [--rounds 2] [--threads 1,auto]
 
