@@ -32,8 +32,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import (add_run_flags, bench_py, conditions, figures, open_work_dir,
-                               print_table, say, start_lorad, stop_lorad)
+from benchmarks.common import (add_run_flags, bench_py, conditions, figures, health,
+                               open_work_dir, print_table, say, start_lorad, stop_lorad)
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 8013
@@ -110,8 +110,7 @@ COUNTERS = ("adapter_loads", "adapter_host_hits", "adapter_disk_reads", "adapter
 
 def slot_counters() -> dict:
     """Rank 0's adapter slot and cache counters, from /health (docs/adapters.md)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=30) as response:
-        rank = json.loads(response.read())["ranks"][0]
+    rank = health(PORT)["ranks"][0]
     return {name: rank[name] for name in COUNTERS}
 
 

@@ -19,7 +19,6 @@ daemon's log, bench.py's records and capacity.py's reports in --work.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import urllib.request
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (DEMO_MODEL, REPO, add_run_flags, bench_py, conditions,
+from benchmarks.common import (DEMO_MODEL, REPO, add_run_flags, bench_py, conditions, health,
                                open_work_dir, print_table, say, served_models, start_lorad,
                                stop_lorad)
 
@@ -187,8 +186,7 @@ def main(argv=None) -> int:
         ids = served_models(PORT)
         # The simulation must hold the daemon's slots: with fewer, every request of a burst
         # rotating over more adapters than slots would wait for a copy that never happens.
-        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=30) as response:
-            slots = json.load(response)["adapter_slots"]
+        slots = health(PORT)["adapter_slots"]
         say(f"lorad ready, serving {', '.join(ids)} ({slots} adapter slots)")
         # A request's cost outside the steps (HTTP, tokenizer, admission, the first token's way
         # back), which the step table cannot hold: one request at a time on the idle server,

@@ -166,6 +166,12 @@ def cpu_seconds(root: int) -> tuple[float, float]:
     return used.get(root, 0.0), sum(t for pid, t in used.items() if descends(pid))
 
 
+def health(port: int) -> dict:
+    """A daemon on `port`'s /health (docs/api.md): its slots, ranks' counters, mode, ..."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as response:
+        return json.load(response)
+
+
 def served_models(port: int) -> list[str]:
     """The model ids a daemon on `port` serves: the base model first, then each adapter."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as response:
