@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from lorad.config.process_state import stat_fields
+
 REPO = Path(__file__).resolve().parent.parent
 # Where serve-demo and the tests keep the converted demo model (tests/conftest.py's rule).
 DEMO_MODEL = Path(os.environ.get("LORAD_DEMO_MODEL_DIR") or Path(
@@ -147,8 +149,6 @@ def cpu_seconds(root: int) -> tuple[float, float]:
     """CPU seconds (user + system) used so far by process root and by its descendants, read
     from /proc (Linux): for a lorad daemon, the coordinator's and its workers'. A descendant
     that has ended is not counted."""
-    from lorad.config.process_state import stat_fields
-
     ticks = os.sysconf("SC_CLK_TCK")
     parent, used = {}, {}
     for entry in os.listdir("/proc"):
