@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -79,6 +80,39 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
+# The runtime folders and logs the daemons of this process were given: removed when the session
+# passes, kept (for their logs) when it fails. A run would otherwise leave two entries in /tmp
+# for every daemon it started.
+_SCRATCH: list[Path] = []
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new folder directly under the temporary folder (short: ipc paths are limited), removed
+    with its contents at the end of a passing session."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    _SCRATCH.append(folder)
+    return folder
+
+
+def scratch_file(prefix: str, suffix: str) -> Path:
+    """A new empty file under the temporary folder, removed at the end of a passing session."""
+    handle, name = tempfile.mkstemp(prefix=prefix, suffix=suffix)
+    os.close(handle)
+    _SCRATCH.append(Path(name))
+    return Path(name)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if exitstatus != 0:
+        return
+    for path in _SCRATCH:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    _SCRATCH.clear()
+
+
 # Where free_port draws from: below the kernel's ephemeral range. A port from bind(0) is an
 # ephemeral one, which the daemon's own connections (gloo's, ZeroMQ's) may take while its
 # workers start, before its HTTP listener binds it: seen in CI as "cannot listen on
@@ -114,8 +148,8 @@ def start_daemon(model_dir: Path, *flags: str, entry: list[str] | None = None,
     """Start a daemon; with wait=True, return once /health answers 200 (fail with its log).
     env: extra environment variables (the workers inherit them)."""
     if runtime_parent is None:
-        runtime_parent = Path(tempfile.mkdtemp(prefix="lrd-"))  # short: ipc paths are limited
-    log_path = Path(tempfile.mkstemp(prefix=runtime_parent.name, suffix=".log")[1])
+        runtime_parent = scratch_dir("lrd-")
+    log_path = scratch_file(runtime_parent.name, ".log")
     port = port or free_port()
     entry = entry or [sys.executable, "-m", "lorad.daemon"]
     argv = [*entry, "--model", str(model_dir), "--port", str(port),

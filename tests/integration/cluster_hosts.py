@@ -12,11 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.daemons import REPO, LOW_PORT, Daemon, start_daemon, wait_healthy
+from tests.daemons import (REPO, LOW_PORT, Daemon, scratch_dir, scratch_file, start_daemon,
+                           wait_healthy)
 
 MASTER_ADDR = "127.0.0.2"  # node 0's address; Linux routes all of 127/8 to loopback
 NODE1_ADDR = "127.0.0.1"  # node 1's (--node-addr): where its ranks' gloo pairs listen
@@ -83,8 +83,8 @@ def cluster_flags(parallel: int, port: int, key_dir: Path, node_rank: int | None
 
 
 def start_node(model_dir: Path, *flags: str, env: dict[str, str] | None = None) -> Node:
-    runtime_parent = Path(tempfile.mkdtemp(prefix="lrn-"))
-    log_path = runtime_parent.with_suffix(".log")
+    runtime_parent = scratch_dir("lrn-")
+    log_path = scratch_file(runtime_parent.name, ".log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([*LORAD, "node", "--model", str(model_dir),
                                  "--runtime-dir", str(runtime_parent), *flags],
