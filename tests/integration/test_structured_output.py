@@ -2,7 +2,7 @@
 pirate adapters): every constrained answer parses and validates (jsonschema) or matches its regex,
 for each model id, greedy and seeded, streamed and not; a grammar that cannot finish within
 max_tokens ends with `length`; bad constraints are 400s before any stream; and unconstrained
-requests in a burst with constrained ones give exactly their solo runs' text."""
+requests in the burst of schema requests give exactly their solo runs' text."""
 
 from __future__ import annotations
 
@@ -86,11 +86,37 @@ def schema_request(model: str, name: str, sampling: dict, stream: bool) -> dict:
             "response_format": fmt}
 
 
-def test_every_answer_validates_against_its_schema(demo_daemon):
-    cases = [(m, n, s, st) for m in MODELS for n in SCHEMAS for s in SAMPLINGS
-             for st in (False, True)]
-    results = run_all(demo_daemon, [schema_request(*case) for case in cases])
-    for (model, name, sampling, stream), (text, finish) in zip(cases, results):
+PLAIN = [{"model": m, "stream": st, "max_tokens": 40, **s,
+          "messages": [{"role": "user", "content": "Name three colours."}]}
+         for m in MODELS for s in SAMPLINGS for st in (False, True)]
+SCHEMA_CASES = [(m, n, s, st) for m in MODELS for n in SCHEMAS for s in SAMPLINGS
+                for st in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def mixed_burst(demo_daemon) -> dict[str, list[tuple[str, str]]]:
+    """Each plain request's solo run, then one burst of every schema case with the plain requests
+    spread among them -> {"solo", "plain", "schema"}: answers in PLAIN and SCHEMA_CASES order.
+    The schema cases are both the burst's constrained load and the answers checked against their
+    schemas: one burst serves both tests."""
+    # One solo run per model and sampling, not streamed: each plain request of the burst,
+    # streamed or not, must give exactly its text.
+    solo = [run_all(demo_daemon, [r])[0] for r in PLAIN[::2]]
+    schema = [schema_request(*case) for case in SCHEMA_CASES]
+    per_plain = len(schema) // len(PLAIN)
+    assert per_plain * len(PLAIN) == len(schema)
+    # [per_plain schema requests, then one plain request] for each plain request
+    burst = run_all(demo_daemon, [x for i, plain in enumerate(PLAIN)
+                                  for x in (*schema[per_plain * i:per_plain * (i + 1)], plain)])
+    group = per_plain + 1
+    return {"solo": [answer for answer in solo for _ in range(2)],
+            "plain": burst[per_plain::group],
+            "schema": [answer for i, answer in enumerate(burst) if i % group != per_plain]}
+
+
+def test_every_answer_validates_against_its_schema(mixed_burst):
+    for (model, name, sampling, stream), (text, finish) in zip(SCHEMA_CASES,
+                                                               mixed_burst["schema"]):
         where = f"{model} {name} {sampling} stream={stream}: {text!r}"
         assert finish == "stop", where
         jsonschema.validate(json.loads(text), SCHEMAS[name])
@@ -135,13 +161,5 @@ def test_bad_constraints_are_400s_before_a_stream(demo_daemon, patch, param):
     assert status == 400 and answer["error"]["param"] == param, answer
 
 
-def test_unconstrained_requests_in_a_constrained_burst_equal_their_solo_runs(demo_daemon):
-    plain = [{"model": m, "stream": st, "max_tokens": 40, **s,
-              "messages": [{"role": "user", "content": "Name three colours."}]}
-             for m in MODELS for s in SAMPLINGS for st in (False, True)]
-    solo = [run_all(demo_daemon, [r])[0] for r in plain]
-    constrained = [schema_request(m, n, s, True) for m in MODELS for n in SCHEMAS
-                   for s in SAMPLINGS]
-    burst = run_all(demo_daemon, [x for pair in zip(plain, constrained) for x in pair]
-                    + constrained[len(plain):])
-    assert burst[:2 * len(plain):2] == solo
+def test_unconstrained_requests_in_a_constrained_burst_equal_their_solo_runs(mixed_burst):
+    assert mixed_burst["plain"] == mixed_burst["solo"]
