@@ -2,7 +2,8 @@
 pirate adapters): every constrained answer parses and validates (jsonschema) or matches its regex,
 for each model id, greedy and seeded, streamed and not; a grammar that cannot finish within
 max_tokens ends with `length`; bad constraints are 400s before any stream; and unconstrained
-requests in the burst of schema requests give exactly their solo runs' text."""
+requests in a burst with the constrained ones give exactly their solo runs' text (one burst
+serves the three checks)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ SAMPLINGS = ({"temperature": 0}, {"temperature": 0.9, "seed": 11})
 @pytest.fixture(scope="module")
 def demo_daemon(demo_model_dir):
     flags = [flag for name, path in ADAPTERS.items() for flag in ("--adapter", f"{name}={path}")]
+    # Sequences and KV blocks for all 66 requests of the burst at once.
     daemon = start_daemon(demo_model_dir, "--name", NAME, "--max-model-len", "512",
-                          "--kv-cache-blocks", "256", "--max-num-seqs", "64", *flags)
+                          "--kv-cache-blocks", "384", "--max-num-seqs", "80", *flags)
     yield daemon
     assert daemon.stop() == 0, daemon.log()[-4000:]
 
@@ -86,51 +88,55 @@ def schema_request(model: str, name: str, sampling: dict, stream: bool) -> dict:
             "response_format": fmt}
 
 
+# The module's one burst: its constrained requests, and plain ones (each to equal its solo run)
+# spread among them.
+SCHEMA_CASES = [(m, n, s, st) for m in MODELS for n in SCHEMAS for s in SAMPLINGS
+                for st in (False, True)]
+WHEN = {"max_tokens": MAX_TOKENS, "messages": [{"role": "user", "content": "When?"}]}
+REGEX_AND_JSON = [{**WHEN, "model": m, "stream": st, **s, "extra_body": {"regex": DATE}}
+                  for m in MODELS for s in SAMPLINGS for st in (False, True)]
+REGEX_AND_JSON += [{**WHEN, "model": m, "stream": False, **s,
+                    "response_format": {"type": "json_object"}}
+                   for m in MODELS for s in SAMPLINGS]
 PLAIN = [{"model": m, "stream": st, "max_tokens": 40, **s,
           "messages": [{"role": "user", "content": "Name three colours."}]}
          for m in MODELS for s in SAMPLINGS for st in (False, True)]
-SCHEMA_CASES = [(m, n, s, st) for m in MODELS for n in SCHEMAS for s in SAMPLINGS
-                for st in (False, True)]
 
 
 @pytest.fixture(scope="module")
-def mixed_burst(demo_daemon) -> dict[str, list[tuple[str, str]]]:
-    """Each plain request's solo run, then one burst of every schema case with the plain requests
-    spread among them -> {"solo", "plain", "schema"}: answers in PLAIN and SCHEMA_CASES order.
-    The schema cases are both the burst's constrained load and the answers checked against their
-    schemas: one burst serves both tests."""
+def burst(demo_daemon) -> dict[str, list[tuple[str, str]]]:
+    """Each plain request's solo run, then one burst of every request above -> {"schema",
+    "regex_and_json", "plain", "solo"}: answers in the order of SCHEMA_CASES, REGEX_AND_JSON and
+    PLAIN ("solo": each plain request's solo answer). The constrained requests are at once the
+    answers checked and the load the plain requests must not notice: one burst for three tests."""
     # One solo run per model and sampling, not streamed: each plain request of the burst,
     # streamed or not, must give exactly its text.
     solo = [run_all(demo_daemon, [r])[0] for r in PLAIN[::2]]
-    schema = [schema_request(*case) for case in SCHEMA_CASES]
-    per_plain = len(schema) // len(PLAIN)
-    assert per_plain * len(PLAIN) == len(schema)
-    # [per_plain schema requests, then one plain request] for each plain request
-    burst = run_all(demo_daemon, [x for i, plain in enumerate(PLAIN)
-                                  for x in (*schema[per_plain * i:per_plain * (i + 1)], plain)])
-    group = per_plain + 1
-    return {"solo": [answer for answer in solo for _ in range(2)],
-            "plain": burst[per_plain::group],
-            "schema": [answer for i, answer in enumerate(burst) if i % group != per_plain]}
+    constrained = ([("schema", schema_request(*case)) for case in SCHEMA_CASES]
+                   + [("regex_and_json", request) for request in REGEX_AND_JSON])
+    every = len(constrained) // len(PLAIN)  # a plain request after every this many
+    order = [x for i, plain in enumerate(PLAIN)
+             for x in (*constrained[every * i:every * (i + 1)], ("plain", plain))]
+    order += constrained[every * len(PLAIN):]
+    answers = run_all(demo_daemon, [request for _, request in order])
+    out = {"schema": [], "regex_and_json": [], "plain": [],
+           "solo": [answer for answer in solo for _ in range(2)]}
+    for (kind, _), answer in zip(order, answers):
+        out[kind].append(answer)
+    return out
 
 
-def test_every_answer_validates_against_its_schema(mixed_burst):
-    for (model, name, sampling, stream), (text, finish) in zip(SCHEMA_CASES,
-                                                               mixed_burst["schema"]):
+def test_every_answer_validates_against_its_schema(burst):
+    assert len(burst["schema"]) == len(SCHEMA_CASES)
+    for (model, name, sampling, stream), (text, finish) in zip(SCHEMA_CASES, burst["schema"]):
         where = f"{model} {name} {sampling} stream={stream}: {text!r}"
         assert finish == "stop", where
         jsonschema.validate(json.loads(text), SCHEMAS[name])
 
 
-def test_json_object_and_regex(demo_daemon):
-    base = {"max_tokens": MAX_TOKENS, "messages": [{"role": "user", "content": "When?"}]}
-    requests = [{**base, "model": m, "stream": st, **s, "extra_body": {"regex": DATE}}
-                for m in MODELS for s in SAMPLINGS for st in (False, True)]
-    requests += [{**base, "model": m, "stream": False, **s,
-                  "response_format": {"type": "json_object"}}
-                 for m in MODELS for s in SAMPLINGS]
-    results = run_all(demo_daemon, requests)
-    for request, (text, finish) in zip(requests, results):
+def test_json_object_and_regex(burst):
+    assert len(burst["regex_and_json"]) == len(REGEX_AND_JSON)
+    for request, (text, finish) in zip(REGEX_AND_JSON, burst["regex_and_json"]):
         if "extra_body" in request:
             assert re.fullmatch(DATE, text) and finish == "stop", (request, text)
         elif finish == "stop":  # an open-ended object may run out of tokens; it must be a prefix
@@ -161,5 +167,5 @@ def test_bad_constraints_are_400s_before_a_stream(demo_daemon, patch, param):
     assert status == 400 and answer["error"]["param"] == param, answer
 
 
-def test_unconstrained_requests_in_a_constrained_burst_equal_their_solo_runs(mixed_burst):
-    assert mixed_burst["plain"] == mixed_burst["solo"]
+def test_unconstrained_requests_in_a_constrained_burst_equal_their_solo_runs(burst):
+    assert burst["plain"] == burst["solo"]
