@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -224,19 +225,26 @@ def smollm2(request, demo_model_dir):
 
 
 def test_smollm2_n_choices(smollm2):
-    """Greedy n=4: four equal choices; seeded n=4: choice j is the single run with seed + j."""
+    """Greedy n=4: four equal choices; seeded n=4, streamed and not: choice j is the single run
+    with seed + j."""
     with urllib.request.urlopen(f"{smollm2.url}/v1/models", timeout=10) as resp:
         model = json.loads(resp.read())["data"][0]["id"]
     chat = {"model": model, "messages": [{"role": "user", "content": "Name a colour."}],
             "max_tokens": 12}
     greedy = complete(smollm2, {**chat, "temperature": 0}, "chat/completions")
-    four = complete(smollm2, {**chat, "temperature": 0, "n": 4}, "chat/completions")
-    assert texts(four) == texts(greedy) * 4
     seeded = {**chat, "temperature": 1.0, "seed": 123}
     singles = [texts(complete(smollm2, {**seeded, "seed": 123 + j}, "chat/completions"))[0]
                for j in range(4)]
-    assert texts(complete(smollm2, {**seeded, "n": 4}, "chat/completions")) == singles
-    events = stream(smollm2, {**seeded, "n": 4}, "chat/completions")
+    # The three n=4 requests at once, after their references ran alone: each choice must still
+    # equal its single run with the others' choices in its steps.
+    with ThreadPoolExecutor(3) as pool:
+        greedy_four = pool.submit(complete, smollm2, {**chat, "temperature": 0, "n": 4},
+                                  "chat/completions")
+        seeded_four = pool.submit(complete, smollm2, {**seeded, "n": 4}, "chat/completions")
+        streamed_four = pool.submit(stream, smollm2, {**seeded, "n": 4}, "chat/completions")
+    assert texts(greedy_four.result()) == texts(greedy) * 4
+    assert texts(seeded_four.result()) == singles
+    events = streamed_four.result()
     streamed = {}
     for event in events[:-1]:
         for choice in event["choices"]:
