@@ -91,10 +91,6 @@ class RowParallelLinear(nn.Module):
         # Its owner reads only partial_sum (a block that adds to it and reduces once, moe.py's
         # shared expert), never forward: the products' out_dtype is always fp32.
         self.partial_only = False
-        # The decode GEMV only in steps where no row's adapter edits this layer (moe.py's shared
-        # expert down, MoeConfig.shared_down_gemv); in the others the plan's cuBLAS or
-        # row_matmul, which give the same bits (plan_matmul checks the GEMV's against them).
-        self.gemv_lora_free_only = False
         self.in_features = in_features  # the full, unsplit size
         self.out_features = out_features
         self.in_start, self.in_end = in_range
@@ -143,9 +139,8 @@ class RowParallelLinear(nn.Module):
         x_r W_r^T plus its share of the LoRA delta, not reduced: forward() before its
         all-reduce, for a block that adds more to it and reduces once (moe.py)."""
         pdl_rows = 0 if lora_rows is None else lora_rows.pdl_rows
-        gemv = self.gemv_for(lora_rows)
         out, pending = matmul_and_shrink([self.lora], x, lora_rows,
-                                         lambda: self._partial_fp32(x, pdl_rows, gemv))
+                                         lambda: self._partial_fp32(x, pdl_rows))
         return self._plus_delta(out, x, lora_rows, pending)
 
     def forward_with_delta(self, x: torch.Tensor, lora_rows: LoraRows | None
@@ -181,23 +176,14 @@ class RowParallelLinear(nn.Module):
             return pending.expand_into([out])[0]
         return out if self.lora is None else self.lora.add_delta(out, x, lora_rows)
 
-    def gemv_for(self, lora_rows: LoraRows | None) -> "GemvConfig | None":
-        """The decode GEMV tile a step's base product may take: none with gemv_lora_free_only
-        in a step whose LoRA kernels launch for this layer (a graph that serves adapters
-        launches them whatever rows it replays with)."""
-        edits = (self.lora is not None and lora_rows is not None
-                 and bool(lora_rows.slots or lora_rows.launch_always))
-        return None if self.gemv_lora_free_only and edits else self.gemv
-
-    def _partial_fp32(self, x: torch.Tensor, pdl_rows: int,
-                      gemv: "GemvConfig | None") -> torch.Tensor:
+    def _partial_fp32(self, x: torch.Tensor, pdl_rows: int) -> torch.Tensor:
         # The partial sums are added across ranks; rounding each to bf16 first would make the
         # result depend on the world size more than it must.
         if x.is_cuda or x.dtype == torch.float32:
             # cuBLAS and the GEMV accumulate in fp32 and hand the fp32 sum back unrounded; an
             # fp32 model's go through the plans too (cuBLAS alone gave a row other bits with the
             # row count: the MoE shared expert's fp32 down_proj on an H100).
-            return base_matmul(x, self.weight, gemv, torch.float32, pdl_rows, self.plans)
+            return base_matmul(x, self.weight, self.gemv, torch.float32, pdl_rows, self.plans)
         # The CPU has no mm with an fp32 output for bf16 inputs (torch 2.13); the CPU path is for
         # tests and small models, so upcasting the shard each step is acceptable there.
         return F.linear(x.float(), self.weight.float())

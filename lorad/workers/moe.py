@@ -254,10 +254,7 @@ class SparseMoeBlock(nn.Module):
         MLP's decode GEMV tiles, the routed experts the fused kernel's."""
         dtype = self.shared_expert.gate_up_proj.weight.dtype
         self.shared_expert.gate_up_proj.gemv = tuning.gemv.config("gate_up", dtype)
-        down, lora_free = self.shared_expert.down_proj, tuning.moe.shared_down_gemv
-        down.gemv = (tuning.gemv.config("down", dtype) if lora_free is None
-                     else fitting_itemsize(lora_free, dtype.itemsize))
-        down.gemv_lora_free_only = lora_free is not None
+        self.shared_expert.down_proj.gemv = tuning.gemv.config("down", dtype)
         self.experts.config = tuning.moe
 
     def forward(self, x: torch.Tensor, lora: LoraRows,

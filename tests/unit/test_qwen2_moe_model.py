@@ -113,29 +113,3 @@ def test_random_weights_are_the_same_model_at_every_world_size(checkpoint):
     name = "model.layers.2.mlp.experts.6.up_proj.weight"
     assert torch.equal(torch.cat([s[name] for s in shards]), whole[name])
     assert whole[name].std() > 0.01
-
-
-def test_shared_down_takes_the_gemv_only_in_steps_without_its_adapters(checkpoint):
-    """MoeConfig.shared_down_gemv: the shared expert's down has the decode GEMV's tile (block_k
-    halved for fp32 weights) for steps that launch no LoRA kernel for it; a step with adapter
-    rows, or a graph that serves adapters, goes to the plan's cuBLAS or row_matmul; None keeps
-    the dense down's setting (cuBLAS) for every step."""
-    from lorad.workers.kernels.configs import GemvConfig
-    from lorad.workers.moe import SparseMoeBlock
-    from lorad.workers.tuning import Tuning, replaced
-    model = build(checkpoint)
-    block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
-    down = block.shared_expert.down_proj
-    tile = GemvConfig(block_m=16, block_n=32, block_k=128, num_stages=4)  # fp32: 256 halved
-    assert down.gemv == tile and down.gemv_lora_free_only
-    base_rows = LoraRows(slots=(), groups=[])
-    adapter_rows, graph_rows = LoraRows(slots=(1,), groups=[]), LoraRows(
-        slots=(), groups=[], launch_always=True)
-    assert down.gemv_for(None) == down.gemv_for(base_rows) == tile
-    assert down.gemv_for(adapter_rows) == tile  # no adapter edits it: no LoRA kernel for it
-    down.add_lora_slots(2, 4)
-    assert down.gemv_for(base_rows) == tile
-    assert down.gemv_for(adapter_rows) is None and down.gemv_for(graph_rows) is None
-    block.tune(replaced(Tuning(), "moe.shared_down_gemv=None"))
-    assert down.gemv is None and not down.gemv_lora_free_only
-    assert down.gemv_for(base_rows) is None

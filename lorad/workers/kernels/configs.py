@@ -342,14 +342,6 @@ class MoeConfig:
     # 2.77 against 2.48 / 2.82, batch 32 10.91 / 11.36 against 10.88 / 11.13, so not there
     # (docs/performance-log.md: MoE router's GEMV on the side stream). 0: never.
     router_on_side_rows: int = 16
-    # The shared expert's down on the decode GEMV in steps where no row's adapter edits it
-    # (linear.RowParallelLinear.gemv_lora_free_only), cuBLAS in the others (same bits, checked
-    # by the matmul plan). None: as the dense down (GemvModelTiles.down). Device ms a decode step
-    # at batch 1 on an H100 before the router went to the side stream, idle / mixed4: 2.38 /
-    # 2.85 with it on every step against 2.48 / 2.82 (docs/performance-log.md: MoE shared-expert
-    # down on the decode GEMV), hence not in steps with adapters.
-    shared_down_gemv: GemvConfig | None = GemvConfig(block_m=16, block_n=32, block_k=256,
-                                                      num_stages=4)
 
     def __post_init__(self) -> None:
         _check_powers_of_two(self, ("block_m", "block_n", "block_k"), 16, " (tl.dot's sides)")
