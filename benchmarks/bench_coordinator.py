@@ -31,12 +31,11 @@ from pathlib import Path
 
 import aiohttp
 
-from benchmarks.common import REPO, conditions
+from benchmarks.common import REPO, conditions, process_cpu
 from tests.tiny_models import make_tiny_llama
 
 PROMPT_LEN = 16
 BLOCK_SIZE = 16
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # The coordinator under cProfile on its main thread's CPU clock (a wall-clock profile would
@@ -51,13 +50,6 @@ PROFILED = ("import cProfile, runpy, sys, time\n"
             "    pass\n"
             "finally:\n"
             "    profile.dump_stats(out)\n")
-
-
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """(utime, stime) of a process, all threads (fields 14 and 15 of /proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
 def start(model_dir: Path, port: int, max_streams: int, max_tokens: int,
@@ -127,10 +119,10 @@ async def burst(url: str, shape: str, num_streams: int, max_tokens: int) -> int:
 
 
 def measure(pid: int, url: str, shape: str, num_streams: int, max_tokens: int) -> dict:
-    (user, system), wall = cpu_seconds(pid), time.perf_counter()
+    (user, system), wall = process_cpu(pid), time.perf_counter()
     num_events = asyncio.run(burst(url, shape, num_streams, max_tokens))
     wall = time.perf_counter() - wall
-    user_after, system_after = cpu_seconds(pid)
+    user_after, system_after = process_cpu(pid)
     user, system = user_after - user, system_after - system
     num_tokens = num_streams * max_tokens  # ignore_eos: each request generates max_tokens
     return {"cpu_s": user + system, "us_per_token": (user + system) / num_tokens * 1e6,

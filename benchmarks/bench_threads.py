@@ -25,9 +25,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.common import (DEMO_MODEL, REPO, add_run_flags, bench_py, conditions,
-                               cpu_seconds, figures, open_work_dir, print_table, say,
-                               served_models, start_lorad, stop_lorad)
+from benchmarks.common import (DEMO_MODEL, REPO, add_run_flags, bench_py, conditions, figures,
+                               open_work_dir, print_table, say, served_models, start_lorad,
+                               stop_lorad, tree_cpu_seconds)
 
 PORT = 8016
 URL = f"http://127.0.0.1:{PORT}"
@@ -66,14 +66,14 @@ def run_one(args, threads: str, round_: int) -> dict:
     proc = start_lorad(flags, PORT, log)
     try:
         model_ids = served_models(PORT)
-        before = (time.monotonic(), *cpu_seconds(proc.pid),
+        before = (time.monotonic(), *tree_cpu_seconds(proc.pid),
                   _cpu(resource.getrusage(resource.RUSAGE_CHILDREN)))
         record = bench_py(["--url", URL, "--model", ",".join(model_ids), "--chat",
                            "--concurrency", str(args.concurrency), "--requests",
                            str(args.requests), "--max-tokens", str(args.max_tokens),
                            "--note", f"lorad --threads {threads}"],
                           args.work / f"bench-{threads}-{round_}.json")
-        after = (time.monotonic(), *cpu_seconds(proc.pid),
+        after = (time.monotonic(), *tree_cpu_seconds(proc.pid),
                  _cpu(resource.getrusage(resource.RUSAGE_CHILDREN)))
         found = figures(record)
         # cores each party kept busy over the burst (warm-up requests included)

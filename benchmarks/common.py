@@ -145,17 +145,31 @@ def stop_lorad(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
-def cpu_seconds(root: int) -> tuple[float, float]:
+def _user_system(fields: list[bytes]) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, all its threads, from its /proc stat fields
+    (stat_fields': the state first, so utime and stime at 11 and 12)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
+def process_cpu(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds used so far by process pid, all its threads (Linux)."""
+    fields = stat_fields(pid)
+    if fields is None:
+        raise ProcessLookupError(f"no process {pid} to read in /proc")
+    return _user_system(fields)
+
+
+def tree_cpu_seconds(root: int) -> tuple[float, float]:
     """CPU seconds (user + system) used so far by process root and by its descendants, read
     from /proc (Linux): for a lorad daemon, the coordinator's and its workers'. A descendant
     that has ended is not counted."""
-    ticks = os.sysconf("SC_CLK_TCK")
     parent, used = {}, {}
     for entry in os.listdir("/proc"):
         fields = stat_fields(int(entry)) if entry.isdigit() else None
-        if fields is not None:  # after the name: state, ppid, ..., utime (11), stime (12)
+        if fields is not None:  # after the name: state, ppid, ...
             parent[int(entry)] = int(fields[1])
-            used[int(entry)] = (int(fields[11]) + int(fields[12])) / ticks
+            used[int(entry)] = sum(_user_system(fields))
 
     def descends(pid: int) -> bool:
         while pid in parent and pid > 1:
