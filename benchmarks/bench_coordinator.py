@@ -59,7 +59,7 @@ def start(model_dir: Path, port: int, max_streams: int, max_tokens: int,
     if profile:
         entry = [sys.executable, "-c", PROFILED, profile]
     argv = [*entry, "--model", str(model_dir), "--name", "tiny", "--port", str(port),
-            "--device", "cpu",
+            "--device", "cpu", "--max-model-len", str(PROMPT_LEN + max_tokens),
             "--max-num-seqs", str(max_streams), "--kv-cache-blocks", str(blocks),
             "--max-num-batched-tokens", str(max_streams * PROMPT_LEN),
             "--max-queued-requests", str(4 * max_streams), "--log-level", "warning",
