@@ -4,6 +4,9 @@ for each projection (configs.GemvModelTiles; 16 rows: batches to 16): against a 
 reference (bit-exact on integer and one-hot inputs), bf16 out and fp32 out, a row's bits the same
 in every batch, weight views, and a CUDA graph replaying the eager bits. The checks are
 tests/kernels/decode_gemv_checks.py's, which the CPU interpreter runs on tiny shapes.
+Its SwiGLU variant at Llama-3-8B's gate/up (K 4096, intermediate 14336) and Qwen1.5-MoE's shared
+expert (K 2048, 5632) with the model's gate/up tile and PDL: bit for bit the GEMV then silu * up
+at every row count 1..16 (tests/kernels/decode_swiglu_checks.py's checks).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import importlib.util
 import pytest
 import torch
 
+from lorad.workers.kernels.configs import PdlConfig
+from tests.kernels import decode_swiglu_checks as swiglu
 from tests.kernels.decode_gemv_checks import (GPU_SHAPES, check_bias, check_matches_reference,
                                               check_refusals, check_rows_independent_of_batch,
                                               check_views)
@@ -85,3 +90,31 @@ def test_cuda_graph_replay(num_rows):
         graph.replay()
         if not torch.equal(out, decode_matmul(x, w, torch.float32)):
             raise AssertionError(f"M={num_rows}: the graph's replay differs from the eager call")
+
+
+# The decode steps' PDL row limit without LoRA launches: every step of up to 16 rows launches
+# its kernels with PDL, the SwiGLU variant and the two it replaces alike.
+PDL_ROWS = PdlConfig().max_rows
+
+
+@pytest.mark.parametrize("shape", swiglu.GPU_SHAPES)
+def test_swiglu_matches_two_launches(shape):
+    """bf16 at the model's gate/up tile, rows 1..16: decode_matmul + silu_and_mul's bits, h
+    written in full and nothing past it; a row's bits alone and among others."""
+    shapes = {shape: swiglu.GPU_SHAPES[shape]}
+    swiglu.check_matches_two_launches("cuda", torch.bfloat16, shapes, tuple(range(1, 17)),
+                                      tile="model", pdl_rows=PDL_ROWS)
+    swiglu.check_rows_independent_of_batch("cuda", torch.bfloat16, shapes, tile="model",
+                                           pdl_rows=PDL_ROWS)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_swiglu_other_dtypes(dtype):
+    """fp16 on the tensor cores as bf16; fp32 with exact products (the tile's block_k halved)."""
+    shapes = {"qwen_moe_shared": swiglu.GPU_SHAPES["qwen_moe_shared"]}
+    swiglu.check_matches_two_launches("cuda", DTYPES[dtype], shapes, (1, 2, 7, 16),
+                                      tile="model", pdl_rows=PDL_ROWS)
+
+
+def test_swiglu_refusals():
+    swiglu.check_refusals("cuda")

@@ -16,6 +16,9 @@ Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3
   torch path they replace.
 - decode_gemv_checks.py: the decode GEMV against a float64 x w^T (bit-exact on integer
   inputs), row bits across batches, weight views, refused inputs; a tiny tile and the default.
+- decode_swiglu_checks.py: the decode GEMV's SwiGLU variant bit for bit against the GEMV then
+  silu * up (every row count of the tile, bf16, fp16, fp32, ragged N and K, poisoned output),
+  row bits across batches, refused inputs.
 - model_kernel_checks.py: the whole model's kernel path (LORAD_TEST_KERNELS_ON_CPU) against
   its torch path on the same weights and steps, with three adapters.
 - token_draw_checks.py: the sampler's draw and running sum against float64 references, rows
@@ -43,10 +46,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from tests.kernels import (decode_gemv_checks, fused_ops_checks, lora_kernel_checks,
-                           model_kernel_checks, moe_glue_checks, moe_kernel_checks,
-                           oneshot_reduce_checks, paged_attention_checks, row_matmul_checks,
-                           sampler_min_p_checks, token_draw_checks)
+from tests.kernels import (decode_gemv_checks, decode_swiglu_checks, fused_ops_checks,
+                           lora_kernel_checks, model_kernel_checks, moe_glue_checks,
+                           moe_kernel_checks, oneshot_reduce_checks, paged_attention_checks,
+                           row_matmul_checks, sampler_min_p_checks, token_draw_checks)
 from tests.kernels.triton_interpreter import interpret_in_subprocess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -55,8 +58,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 MODULES = {module.__name__: module.CHECKS for module in (
     lora_kernel_checks, paged_attention_checks, fused_ops_checks, decode_gemv_checks,
-    model_kernel_checks, token_draw_checks, sampler_min_p_checks, moe_kernel_checks,
-    moe_glue_checks, oneshot_reduce_checks, row_matmul_checks)}
+    decode_swiglu_checks, model_kernel_checks, token_draw_checks, sampler_min_p_checks,
+    moe_kernel_checks, moe_glue_checks, oneshot_reduce_checks, row_matmul_checks)}
 # The modules' interpreter run times on a 2-core machine, longest first (2026-12-02: 118, 107,
 # 54, 39, 22, 11 s; moe_kernel_checks 2026-12-05: 75 s): two runners finish together when the
 # long runs start first.
