@@ -6,8 +6,10 @@ this rank's rows of one part's checkpoint tensor into that part (shard_id: "q", 
 "gate", "up"), one LoraSlots per part (an adapter may edit only some of them), and the choice of
 path: on the kernel path one matmul (the decode GEMV or cuBLAS) with one LoRA shrink and expand
 beside it, the deltas left to the next kernel (LoraDelta); on the torch path one product per part,
-each adding its own delta. An optional bias per part (Qwen2's q/k/v), added before any delta. Not
-here: the split into heads, rotary, the activation.
+each adding its own delta. An optional bias per part (Qwen2's q/k/v), added before any delta.
+gate/up also gives the MLP's activation (swiglu): in a decode step with no LoRA kernel for it,
+silu(gate) * up in the decode GEMV's epilogue, else its product then layers.silu_and_mul. Not
+here: the split into heads, rotary.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from torch import nn
 
 from lorad.workers import cpu_threads
 from lorad.workers.kernel_path import kernel_path
-from lorad.workers.linear import Plans, base_matmul, check_shape
-from lorad.workers.lora import LoraSlots, add_lora_deltas, matmul_with_deltas
+from lorad.workers.layers import silu_and_mul
+from lorad.workers.linear import Plans, base_matmul, check_shape, takes_gemv
+from lorad.workers.lora import LoraSlots, add_lora_deltas, edited_this_step, matmul_with_deltas
 from lorad.workers.lora_rows import LoraRows
 
 if TYPE_CHECKING:  # kernel modules: the CPU path never imports triton
@@ -177,3 +180,27 @@ class MergedColumnParallelLinear(FusedColumnParallelLinear):
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(hidden, {"gate": (intermediate, inter_range),
                                   "up": (intermediate, inter_range)}, dtype, device)
+        # silu(gate) * up in the decode GEMV's epilogue where it may run (swiglu_in_gemv):
+        # GemvModelTiles.swiglu_epilogue, set by the owner's tune().
+        self.swiglu_epilogue = False
+
+    def swiglu(self, x: torch.Tensor, lora_rows: LoraRows) -> torch.Tensor:
+        """x: [num_rows, in_features] -> silu(gate) * up [num_rows, end - start], each part's
+        LoRA delta added to it first, as peft: one launch where swiglu_in_gemv says so, else
+        forward() then silu_and_mul (two launches on the kernel path). The same bits either
+        way (decode_gemv.decode_swiglu), so a row's never depend on its step's other rows."""
+        if self.swiglu_in_gemv(x, lora_rows):
+            from lorad.workers.kernels.decode_gemv import decode_swiglu  # the CPU: no triton
+            return decode_swiglu(x, self.weight, self.gemv, lora_rows.pdl_rows)
+        (gate, up), deltas = self(x, lora_rows)
+        return silu_and_mul(gate, up, deltas, lora_rows.pdl_rows)
+
+    def swiglu_in_gemv(self, x: torch.Tensor, lora_rows: LoraRows) -> bool:
+        """Whether swiglu takes the decode GEMV's SwiGLU variant for this step: switched on,
+        the product base_matmul would give by the GEMV (kernel path, a tile, the plan, few
+        rows), no LoRA kernel for gate or up this step (edited_this_step: no row's adapter
+        edits them, nor does a graph launch them always) and no bias."""
+        loras = [self.lora(shard_id) for shard_id in self.parts]
+        return (self.swiglu_epilogue and self.bias is None
+                and takes_gemv(x, self.weight, self.gemv, None, self.plans)
+                and not edited_this_step(loras, lora_rows))

@@ -184,8 +184,10 @@ class PendingShrink:
         return tuple(deltas)
 
 
-def _edited(loras: Sequence[LoraSlots | None], rows: LoraRows | None) -> tuple[int, ...]:
-    """The projections whose LoRA kernels run this step (none on the torch path)."""
+def edited_this_step(loras: Sequence[LoraSlots | None],
+                     rows: LoraRows | None) -> tuple[int, ...]:
+    """The projections whose LoRA kernels run this step, by index (none on the torch path): a
+    table some row's adapter edits, or any table in a graph that launches them always."""
     if rows is None or rows.tiles is None:
         return ()
     return tuple(i for i, lora in enumerate(loras)
@@ -200,7 +202,7 @@ def matmul_and_shrink(loras: Sequence[LoraSlots | None], x: torch.Tensor, rows: 
     on the side stream (None when none of the projections gets a delta this step, or on the
     torch path, which adds its deltas in add_lora_deltas). The caller finishes with
     expand_into or expand_deltas."""
-    edited = _edited(loras, rows)
+    edited = edited_this_step(loras, rows)
     if not edited:
         return (None if matmul is None else matmul()), None
     # Lazily: the CPU never imports triton.
@@ -238,7 +240,7 @@ def matmul_with_deltas(loras: Sequence[LoraSlots | None], x: torch.Tensor,
     step that adds its deltas in place (LoraRows.in_place): there the expand adds each delta
     into its output after the matmul, the product's column slices of `sizes` (one per
     projection; None: the product is the one output)."""
-    edited = _edited(loras, rows)
+    edited = edited_this_step(loras, rows)
     if not edited:
         return matmul(), (None,) * len(loras)
     if rows.in_place:

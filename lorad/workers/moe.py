@@ -23,7 +23,6 @@ from lorad.workers.fused_linear import MergedColumnParallelLinear
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kernels import moe_math
 from lorad.workers.kernels.configs import GemvConfig, MoeConfig, fitting_itemsize
-from lorad.workers.layers import silu_and_mul
 from lorad.workers.linear import RowParallelLinear, check_shape, load_replicated
 from lorad.workers.lora_rows import LoraRows
 from lorad.workers.parallel import TensorParallel
@@ -223,8 +222,7 @@ class SharedExpert(nn.Module):
 
     def partial_sum(self, x: torch.Tensor, lora: LoraRows) -> torch.Tensor:
         """x: [num_rows, hidden] -> [num_rows, hidden] float32, this rank's share, deltas in."""
-        (gate, up), deltas = self.gate_up_proj(x, lora)
-        return self.down_proj.partial_sum(silu_and_mul(gate, up, deltas, lora.pdl_rows), lora)
+        return self.down_proj.partial_sum(self.gate_up_proj.swiglu(x, lora), lora)
 
 
 class SparseMoeBlock(nn.Module):
@@ -254,6 +252,7 @@ class SparseMoeBlock(nn.Module):
         MLP's decode GEMV tiles, the routed experts the fused kernel's."""
         dtype = self.shared_expert.gate_up_proj.weight.dtype
         self.shared_expert.gate_up_proj.gemv = tuning.gemv.config("gate_up", dtype)
+        self.shared_expert.gate_up_proj.swiglu_epilogue = tuning.gemv.swiglu_epilogue
         self.shared_expert.down_proj.gemv = tuning.gemv.config("down", dtype)
         self.experts.config = tuning.moe
 

@@ -256,6 +256,11 @@ class GemvModelTiles:
     gate_up: GemvConfig | None = GemvConfig(block_m=16, block_n=64, block_k=128, num_stages=3)
     o: GemvConfig | None = None
     down: GemvConfig | None = None
+    # Where gate/up takes the GEMV and no LoRA kernel runs for it (no row's adapter edits gate
+    # or up), silu(gate) * up in the GEMV's epilogue (decode_gemv.decode_swiglu, gate/up's tile):
+    # one launch instead of two and no gate/up in memory, the same bits. Not yet timed on a GPU
+    # (bench_engine --variant 'gemv.swiglu_epilogue=False' gives the two launches).
+    swiglu_epilogue: bool = True
 
     def config(self, projection: str, dtype: torch.dtype) -> GemvConfig | None:
         """`projection`'s tile for weights of `dtype`: block_k halved for 4-byte weights (fp32),

@@ -25,7 +25,7 @@ from lorad.workers.batch import ForwardBatch
 from lorad.workers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lorad.workers.kernel_path import kernel_path
 from lorad.workers.kv_cache import PagedKVCache, kv_bytes_per_block
-from lorad.workers.layers import RMSNorm, silu_and_mul
+from lorad.workers.layers import RMSNorm
 from lorad.workers.fused_linear import (FusedColumnParallelLinear, FusedPart,
                                         MergedColumnParallelLinear, QKVParallelLinear)
 from lorad.workers.linear import RowParallelLinear
@@ -97,6 +97,7 @@ class LlamaMLP(nn.Module):
         """Hand each layer its part of the kernels' settings."""
         dtype = self.gate_up_proj.weight.dtype
         self.gate_up_proj.gemv = tuning.gemv.config("gate_up", dtype)
+        self.gate_up_proj.swiglu_epilogue = tuning.gemv.swiglu_epilogue
         self.down_proj.gemv = tuning.gemv.config("down", dtype)
 
     def forward(self, x: torch.Tensor, lora: LoraRows, ctx: AttentionContext | None = None
@@ -106,9 +107,7 @@ class LlamaMLP(nn.Module):
         RowParallelLinear), and down_proj's delta where it is left to the residual add. ctx
         (the step's, as an MoE block takes it) is not read: padding rows cost a dense MLP no
         more bytes."""
-        (gate, up), deltas = self.gate_up_proj(x, lora)
-        return self.down_proj.forward_with_delta(silu_and_mul(gate, up, deltas, lora.pdl_rows),
-                                                 lora)
+        return self.down_proj.forward_with_delta(self.gate_up_proj.swiglu(x, lora), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
