@@ -176,6 +176,68 @@ def check_decode_graph_inputs_match_plain_steps(device: str, dtype: torch.dtype)
                              f"{(via_inputs - plain).abs().max().item():.2e})")
 
 
+def _swiglu_steps(streams) -> list[list]:
+    """Steps of at most 16 rows (the decode GEMV's): the first two streams' prompts, the
+    others', a decode of all four, a decode of the first two."""
+    s0, s1, s2, s3 = streams
+    steps = [[s0.prefill_chunk(), s1.prefill_chunk()], [s2.prefill_chunk(), s3.prefill_chunk()],
+             [s.decode_chunk(20) for s in streams], [s0.decode_chunk(21), s1.decode_chunk(21)]]
+    return [[list(chunk) for chunk in step] for step in steps]
+
+
+def check_swiglu_epilogue(device: str, dtype: torch.dtype, family: str = "llama") -> None:
+    """On the kernel path, silu(gate) * up in the decode GEMV's epilogue
+    (GemvModelTiles.swiglu_epilogue) gives every step the bits of the two launches (the switch
+    off), and the torch path's logits within the tolerance; it is taken in the steps where no
+    row's adapter edits gate or up (base rows; qwen2_moe: slot 2, on o_proj and the shared
+    expert's down only, beside them) and not in the others, in every MLP (dense and shared
+    expert)."""
+    from lorad.workers.batch import ForwardBatch
+    from lorad.workers.fused_linear import MergedColumnParallelLinear
+    from lorad.workers.lora_rows import LoraRows
+    from lorad.workers.tuning import Tuning, replaced
+    from tests.model_steps import make_streams, rel_error
+    assert device == "cpu"
+    if family == "qwen2_moe":
+        from tests.kernels.moe_kernel_checks import _tiny_moe_models
+        models, slots = _tiny_moe_models(dtype, 3), [0, 2, 1, 0]
+        # slot: whether its adapter edits gate/up (slot 2's does not)
+        edits = {0: False, 1: True, 2: False}
+    else:
+        models, slots = _tiny_models(dtype, 3, seed=7, rank_step=2, adapter_seed=60), [0, 0, 1, 3]
+        edits = {0: False, 1: True, 3: True}
+    torch_model, fused, two = models
+    two.tune(replaced(Tuning(), "gemv.swiglu_epilogue=False"))
+    streams = [make_streams(slots, [5, 4, 6, 3], MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, seed=7)
+               for _ in models]
+    gate_ups = [m for m in fused.modules() if isinstance(m, MergedColumnParallelLinear)]
+    taken = set()
+    for i, (chunks, *_) in enumerate(zip(*(_swiglu_steps(s) for s in streams))):
+        batch = ForwardBatch.build(chunks, BLOCK_SIZE, "cpu")
+        with _kernel_path():
+            rows = LoraRows.from_batch(batch, tuning=fused.tuning)
+            x = torch.zeros(batch.row_adapter_slots.shape[0], gate_ups[0].in_features,
+                            dtype=dtype)
+            chosen = {layer.swiglu_in_gemv(x, rows) for layer in gate_ups}
+        expected = not any(edits[chunk[4]] for chunk in chunks)
+        if chosen != {expected}:
+            raise AssertionError(f"step {i} (slots {[c[4] for c in chunks]}): the epilogue "
+                                 f"chosen {chosen} in its MLPs, expected {expected}")
+        taken.add(expected)
+        got = _forward(fused, chunks, kernels=True)
+        want = _forward(two, chunks, kernels=True)
+        if not torch.equal(got, want):
+            raise AssertionError(f"step {i} ({dtype}, {family}, epilogue {expected}): other "
+                                 f"logits than the two launches' (max "
+                                 f"{(got - want).abs().max().item():.2e})")
+        err = rel_error(got, _forward(torch_model, chunks, kernels=False))
+        if not torch.isfinite(got).all() or err > TOLERANCE[dtype]:
+            raise AssertionError(f"step {i} ({dtype}, {family}): kernel path vs torch path "
+                                 f"relative error {err:.2e} over {TOLERANCE[dtype]:.0e}")
+    if taken != {True, False}:
+        raise AssertionError(f"the steps took the epilogue only {taken}: the check checks less")
+
+
 CHECKS = {
     "kernel_path_fp32": (check_kernel_path_matches_torch_path, dict(dtype=torch.float32)),
     "kernel_path_bf16": (check_kernel_path_matches_torch_path, dict(dtype=torch.bfloat16)),
@@ -186,6 +248,9 @@ CHECKS = {
                                        dict(dtype=torch.bfloat16, family="qwen2_moe")),
     "decode_graph_inputs_fp32": (check_decode_graph_inputs_match_plain_steps,
                                  dict(dtype=torch.float32)),
+    "swiglu_epilogue_bf16": (check_swiglu_epilogue, dict(dtype=torch.bfloat16)),
+    "swiglu_epilogue_qwen2_moe_fp32": (check_swiglu_epilogue,
+                                       dict(dtype=torch.float32, family="qwen2_moe")),
 }
 
 
