@@ -20,7 +20,8 @@ Tiny shapes throughout; the GPU tests (tests/gpu) run the same checks at Llama-3
   silu * up (every row count of the tile, bf16, fp16, fp32, ragged N and K, poisoned output),
   row bits across batches, refused inputs.
 - model_kernel_checks.py: the whole model's kernel path (LORAD_TEST_KERNELS_ON_CPU) against
-  its torch path on the same weights and steps, with three adapters.
+  its torch path on the same weights and steps, with three adapters; the SwiGLU epilogue's
+  steps against the two launches' bits.
 - token_draw_checks.py: the sampler's draw and running sum against float64 references, rows
   across batches, removed tokens, the distribution, and the sampler's use of it.
 - sampler_min_p_checks.py: min_p on the sampler's kernel path keeps what its definition keeps,
