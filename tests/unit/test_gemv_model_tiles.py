@@ -38,6 +38,15 @@ def test_model_tiles_fit_shared_memory(projection, dtype):
     assert pipelined_bytes(config, dtype) <= H200_SHARED, (projection, dtype, config)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_swiglu_variant_fits_shared_memory(dtype):
+    """decode_swiglu takes gate/up's tile with two w tiles in flight (gate's and up's)."""
+    config = GemvModelTiles().config("gate_up", dtype)
+    two_w = (config.num_stages - 1) * (config.block_m + 2 * config.block_n) * config.block_k \
+        * dtype.itemsize
+    assert two_w <= H200_SHARED, (dtype, config)
+
+
 def test_tiles_follow_the_projection_and_dtype():
     tiles = GemvModelTiles()
     qkv = tiles.config("qkv", torch.bfloat16)
