@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.kernels.moe_glue_checks import (check_block, check_epilogue, check_route,
-                                           check_route_picks, check_tiles_kernel)
+                                           check_route_picks, check_tile_cover,
+                                           check_tiles_kernel)
 from tests.kernels.moe_kernel_checks import (check_expert_tiles, check_fused_moe,
                                              check_padding_rows, check_rows_alone)
 
@@ -69,6 +70,11 @@ def test_route_ties():
 @pytest.mark.parametrize("num_rows", [1, 8, 33, 64, 128])
 def test_tiles_kernel(num_rows):
     check_tiles_kernel("cuda", num_rows, num_experts=60, top_k=4)
+
+
+def test_tile_cover():
+    """The tables of tile_bound's tiles place every pair, at the bound's extremes."""
+    check_tile_cover("cuda")
 
 
 @pytest.mark.parametrize("num_rows,block_p", [(1, 16), (8, 32), (16, 64), (9, 64)])

@@ -89,10 +89,9 @@ def check_tiles_kernel(device: str, num_rows: int, num_experts: int = 60, top_k:
     """expert_tiles_kernel's four tables equal expert_tiles', entry for entry (poisoned), over
     a pair block of block_p (None: the largest, TILE_KERNEL_MAX_PAIRS)."""
     from lorad.workers.kernels.fused_moe import (TILE_KERNEL_MAX_PAIRS, expert_tiles,
-                                                 expert_tiles_kernel)
-    from lorad.workers.kernels.launch_math import cdiv
+                                                 expert_tiles_kernel, tile_bound)
     experts = _sorted_experts(device, num_rows, num_experts, top_k, seed)
-    num_tiles = cdiv(num_rows * top_k, block_m) + num_experts
+    num_tiles = tile_bound(num_rows * top_k, num_experts, block_m)
     out = (torch.full((num_rows * top_k,), INT_POISON, dtype=torch.int64, device=device),
            *(torch.full((num_tiles,), INT_POISON, dtype=torch.int32, device=device)
              for _ in range(3)))
@@ -103,6 +102,44 @@ def check_tiles_kernel(device: str, num_rows: int, num_experts: int = 60, top_k:
         if a.dtype != b.dtype or not torch.equal(a.cpu(), b.cpu()):
             raise AssertionError(f"tiles, {num_rows} rows of {num_experts} experts top "
                                  f"{top_k}, pair block {block_p}: {name} differs")
+    _check_tile_cover(want, experts, num_experts, block_m, f"tiles, {num_rows} rows")
+
+
+def check_tile_cover(device: str, num_experts: int = 60, top_k: int = 4,
+                     block_m: int = 16) -> None:
+    """expert_tiles' tables (tile_bound of them) give every pair of an expert a place in one
+    tile of that expert, at the extremes of the bound: every pair a different expert (as many
+    tiles as pairs), every row the same experts (full tiles), one row, padding rows."""
+    from lorad.workers.kernels.fused_moe import expert_tiles
+    distinct = torch.arange(num_experts - num_experts % top_k).view(-1, top_k)
+    same = torch.arange(top_k).expand(3 * block_m + 1, top_k)
+    padded = torch.cat([distinct[:3], torch.full((2, top_k), num_experts)])
+    for name, experts in (("distinct", distinct), ("distinct, 2 rows", distinct[:2]),
+                          ("one row", distinct[:1]), ("same", same), ("padding", padded)):
+        experts = experts.contiguous().to(device)
+        _check_tile_cover(expert_tiles(experts, num_experts, block_m), experts, num_experts,
+                          block_m, name)
+
+
+def _check_tile_cover(tables, experts, num_experts, block_m, where) -> None:
+    """Each pair of an expert lies in exactly one tile, of its expert, of at most block_m
+    pairs; no pair of no expert (padding) does."""
+    pair_order, tile_expert, tile_start, tile_count = (t.cpu() for t in tables)
+    flat = experts.reshape(-1).cpu()
+    seen = torch.zeros(flat.numel(), dtype=torch.int64)
+    for e, start, count in zip(tile_expert.tolist(), tile_start.tolist(), tile_count.tolist()):
+        if e < 0:
+            continue
+        if not 0 < count <= block_m:
+            raise AssertionError(f"{where}: a tile of expert {e} holds {count} pairs")
+        pairs = pair_order[start:start + count]
+        if not torch.all(flat[pairs] == e):
+            raise AssertionError(f"{where}: a tile of expert {e} holds another's pairs")
+        seen[pairs] += 1
+    want = (flat < num_experts).to(torch.int64)
+    if not torch.equal(seen, want):
+        raise AssertionError(f"{where}: {int((seen < want).sum())} pairs in no tile, "
+                             f"{int((seen > want).sum())} in a tile too many")
 
 
 def check_epilogue(device: str, dtype: torch.dtype, num_rows: int = 9, hidden: int = 700,
@@ -221,6 +258,8 @@ CHECKS = {
        for rows, block in ((1, 16), (8, 32), (16, 64), (9, 64))},
     "tiles_kernel_few_experts": (check_tiles_kernel, dict(num_rows=40, num_experts=4, top_k=2)),
     "tiles_kernel_16_experts": (check_tiles_kernel, dict(num_rows=50, num_experts=16, top_k=3)),
+    "tile_cover": (check_tile_cover, {}),
+    "tile_cover_few_experts": (check_tile_cover, dict(num_experts=8, top_k=2, block_m=4)),
     "epilogue_fp32": (check_epilogue, dict(dtype=torch.float32)),
     "epilogue_bf16": (check_epilogue, dict(dtype=torch.bfloat16)),
     "block_fp32_8": (check_block, dict(dtype=torch.float32, num_rows=8)),

@@ -30,7 +30,7 @@ def expert_tiles(experts: torch.Tensor, num_experts: int, block_m: int
     + j of each pair, grouped by expert, rows in order within one, the pairs of no expert last;
     tile_expert, tile_start, tile_count [num_tiles] int32: each tile's expert (-1 for a spare
     tile), its first position in pair_order and its pair count). num_tiles is a bound fixed by
-    the shapes (num_pairs / block_m + num_experts), so nothing waits for the device."""
+    the shapes (tile_bound), so nothing waits for the device."""
     flat = experts.reshape(-1)
     device = flat.device
     pair_order = torch.sort(flat, stable=True).indices
@@ -39,7 +39,7 @@ def expert_tiles(experts: torch.Tensor, num_experts: int, block_m: int
     counts = counts[:num_experts]  # the pairs of no expert sort last: no tile takes them
     tiles = (counts + block_m - 1) // block_m
     tiles_end = torch.cumsum(tiles, 0)
-    num_tiles = cdiv(flat.numel(), block_m) + num_experts
+    num_tiles = tile_bound(flat.numel(), num_experts, block_m)
     t = torch.arange(num_tiles, device=device)
     expert = torch.searchsorted(tiles_end, t, right=True)  # num_experts past the last tile
     e = expert.clamp(max=num_experts - 1)
@@ -50,6 +50,16 @@ def expert_tiles(experts: torch.Tensor, num_experts: int, block_m: int
     return (pair_order, torch.where(spare, -1, expert).to(torch.int32),
             torch.where(spare, 0, start).to(torch.int32),
             torch.where(spare, 0, count).to(torch.int32))
+
+
+def tile_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most tiles num_pairs pairs can fill, the tables' length and the expert kernels'
+    grid: an expert with c pairs takes cdiv(c, block_m) tiles, at most c and at most c / block_m
+    + 1, so all together at most num_pairs and at most cdiv(num_pairs, block_m) + num_experts.
+    The first bound is the smaller below block_m + 1 pairs a block of experts: a decode step of
+    one row at top 4 launches 4 tiles a column block, not 61 of which 57 only exit (each held
+    an SM's slot while it waited for the kernel before it)."""
+    return min(num_pairs, cdiv(num_pairs, block_m) + num_experts)
 
 
 # The most pairs the one-program tile kernel takes (a decode step of up to 128 rows at top 4);
@@ -87,7 +97,7 @@ def _expert_tiles_kernel(experts_ptr, pair_order_ptr, tile_expert_ptr, tile_star
     start = tl.sum(tl.where(own, pairs_begin[None, :], 0), axis=1) + within * BLOCK_M
     count = tl.minimum(tl.sum(tl.where(own, counts[None, :], 0), axis=1) - within * BLOCK_M,
                        BLOCK_M)
-    in_t = t < tl.cdiv(num_pairs, BLOCK_M) + NUM_EXPERTS
+    in_t = t < tl.minimum(num_pairs, tl.cdiv(num_pairs, BLOCK_M) + NUM_EXPERTS)  # tile_bound
     tl.store(tile_expert_ptr + t, tl.where(has_expert, expert, -1), mask=in_t)
     tl.store(tile_start_ptr + t, tl.where(has_expert, start, 0), mask=in_t)
     tl.store(tile_count_ptr + t, tl.where(has_expert, count, 0), mask=in_t)
@@ -114,7 +124,7 @@ def expert_tiles_kernel(experts: torch.Tensor, num_experts: int, block_m: int,
     flat = experts.reshape(-1)
     num_pairs = flat.numel()
     assert num_pairs <= block_p <= TILE_KERNEL_MAX_PAIRS and flat.is_contiguous()
-    num_tiles = cdiv(num_pairs, block_m) + num_experts
+    num_tiles = tile_bound(num_pairs, num_experts, block_m)
     pair_order, tile_expert, tile_start, tile_count = out or (
         torch.empty(num_pairs, dtype=torch.int64, device=flat.device),
         *(torch.empty(num_tiles, dtype=torch.int32, device=flat.device) for _ in range(3)))
