@@ -56,9 +56,10 @@ def tile_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
     """The most tiles num_pairs pairs can fill, the tables' length and the expert kernels'
     grid: an expert with c pairs takes cdiv(c, block_m) tiles, at most c and at most c / block_m
     + 1, so all together at most num_pairs and at most cdiv(num_pairs, block_m) + num_experts.
-    The first bound is the smaller below block_m + 1 pairs a block of experts: a decode step of
-    one row at top 4 launches 4 tiles a column block, not 61 of which 57 only exit (each held
-    an SM's slot while it waited for the kernel before it)."""
+    The first bound is the smaller in small steps: a decode step of one sequence (padded to 8
+    rows, batch.MIN_ROWS, so 32 pairs at top 4, 28 of them padding) launches 32 tiles a column
+    block, not 62, of which 4 hold pairs; the others only wait for the kernel before it (PDL)
+    and exit (docs/performance-log.md: MoE tiles bounded by the pairs)."""
     return min(num_pairs, cdiv(num_pairs, block_m) + num_experts)
 
 
