@@ -41,18 +41,27 @@ def check_shape(name: str, got: list[int] | tuple[int, ...], want: tuple[int, ..
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(got)}, expected {want}")
 
 
+def _plan(x: torch.Tensor, out_dtype: torch.dtype | None, plans: Plans):
+    """The layer's measured plan for these products (None: none measured)."""
+    return None if plans is None else plans.get(plan_key(x.dtype, out_dtype))
+
+
+def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, gemv: "GemvConfig | None",
+                out_dtype: torch.dtype | None, plan) -> bool:
+    """takes_gemv on the kernel path, with the plan already looked up."""
+    if gemv is None or (plan is not None and not plan.gemv_agrees):
+        return False
+    from lorad.workers.kernels import decode_gemv  # lazily: the CPU never imports triton
+    return decode_gemv.supports(x, weight, out_dtype, gemv)
+
+
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor, gemv: "GemvConfig | None",
                out_dtype: torch.dtype | None = None, plans: Plans = None) -> bool:
     """Whether base_matmul gives x weight^T by the decode GEMV (the same arguments): the kernel
     path, a GEMV tile (gemv), a measured plan that found the GEMV's bits (or none measured),
     and inputs the tile takes (at most its block_m rows)."""
-    if gemv is None or not kernel_path(x.device):
-        return False
-    plan = None if plans is None else plans.get(plan_key(x.dtype, out_dtype))
-    if plan is not None and not plan.gemv_agrees:
-        return False
-    from lorad.workers.kernels import decode_gemv  # lazily: the CPU never imports triton
-    return decode_gemv.supports(x, weight, out_dtype, gemv)
+    return kernel_path(x.device) and _gemv_takes(x, weight, gemv, out_dtype,
+                                                 _plan(x, out_dtype, plans))
 
 
 def base_matmul(x: torch.Tensor, weight: torch.Tensor, gemv: "GemvConfig | None",
@@ -67,11 +76,11 @@ def base_matmul(x: torch.Tensor, weight: torch.Tensor, gemv: "GemvConfig | None"
     dtype, added to the rounded product (the GEMV's epilogue, else an add in place; None:
     none)."""
     out = None
-    if takes_gemv(x, weight, gemv, out_dtype, plans):
-        from lorad.workers.kernels.decode_gemv import decode_matmul
-        return decode_matmul(x, weight, out_dtype, gemv, pdl_rows=pdl_rows, bias=bias)
     if kernel_path(x.device):
-        plan = None if plans is None else plans.get(plan_key(x.dtype, out_dtype))
+        plan = _plan(x, out_dtype, plans)
+        if _gemv_takes(x, weight, gemv, out_dtype, plan):
+            from lorad.workers.kernels.decode_gemv import decode_matmul
+            return decode_matmul(x, weight, out_dtype, gemv, pdl_rows=pdl_rows, bias=bias)
         tile = None if plan is None else plan.tile(x.shape[0])
         if tile is not None:
             from lorad.workers.kernels.row_matmul import row_matmul
