@@ -12,7 +12,11 @@ dot is numpy's). Exit status 1 when any height changes a bit; a height whose til
 the card's shared memory is marked so. The steps' speed by height: profile_prefill --variant
 "main;tiles.block_m=64" (docs/performance-log.md: LoRA tiles of 32 to 128 rows).
 
+--expand-only gives every height's expand the 16-row shrink's t, so that only the expand's MMA
+shape differs: whether the expand alone (a rank-deep MMA) keeps a row's bits at other heights.
+
 Usage: python -m benchmarks.probe_lora_block_m [--heights 16,32,64,128] [--rows 1,5,100,512]
+       [--expand-only]
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ def main() -> int:
     p.add_argument("--heights", type=_ints, default=[16, 32, 64, 128])
     p.add_argument("--rows", type=_ints, default=[1, 5, 100, 512, 2048])
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--expand-only", action="store_true",
+                   help="every height's expand reads the 16-row shrink's t")
     args = p.parse_args()
     import torch
 
@@ -45,13 +51,24 @@ def main() -> int:
     names = [n for n in ("qkv", "gate_up", "o", "down", "one", "pair") if n in shapes]
     gen = torch.Generator().manual_seed(args.seed)
 
-    def run(x, outs, tables, slots, height, shape):
+    def run(x, outs, tables, slots, height, shape, t16=None):
         got = [o.clone() for o in outs]
+        if t16 is not None:  # the expand alone, on the 16-row shrink's t
+            return t16, expand_only(t16, got, tables, slots.to(device), height)
         # NaN where the shrink writes nothing (ranks past a slot's rank), zero after
         t = checks.run_kernels(x, got, tables, slots.to(device),
                                t=checks.empty_t(shape, x.shape[0], device),
                                tile_config=TileConfig(block_m=height))
-        return t.nan_to_num(0.0), got
+        return t, got
+
+    def expand_only(t, outs, tables, slots, height):
+        from lorad.workers.kernels.lora_expand import lora_expand
+        from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles
+        config = TileConfig(block_m=height)
+        counts = torch.bincount(slots[slots != 0].cpu())
+        tiles = LoraTiles.build(slots, count_tiles((int(c) for c in counts), height), config)
+        lora_expand(t, outs, tables.b, tables.ranks, tables.scales, tiles)
+        return outs
 
     differing = 0
     print(f"# {device}: rows of one adapter ('one') or mixed; '=' same bits as 16-row tiles")
@@ -67,14 +84,15 @@ def main() -> int:
                 if not (slots != 0).any():
                     continue
                 want_t, want = run(x, outs, tables, slots, 16, shape)
+                t16 = want_t if args.expand_only else None
                 marks = []
                 for height in args.heights:
                     try:
-                        t, got = run(x, outs, tables, slots, height, shape)
+                        t, got = run(x, outs, tables, slots, height, shape, t16)
                     except OutOfResources:
                         marks.append(f"{height}:no-fit")
                         continue
-                    same = torch.equal(t, want_t) and all(
+                    same = torch.equal(t.nan_to_num(0.0), want_t.nan_to_num(0.0)) and all(
                         torch.equal(a, b) for a, b in zip(got, want))
                     differing += not same
                     marks.append(f"{height}:{'=' if same else 'DIFFERS'}")
