@@ -110,8 +110,7 @@ def step_tiles(batch: ForwardBatch, max_tiles: int, tuning: Tuning,
     if not max_tiles:
         return None
     if batch.lora_tiles is not None:  # a decode graph's inputs, filled from the chunks
-        return LoraTiles(*batch.lora_tiles, max_tiles, tuning.tiles.programs_per_sm,
-                         tuning.tiles.grid_by_items)
+        return LoraTiles(*batch.lora_tiles, max_tiles, tuning.tiles.programs_per_sm)
     device = batch.input_ids.device
     if not capturing:
         # Built here, from the chunks: no kernels for it in the step (docs/performance-log.md:

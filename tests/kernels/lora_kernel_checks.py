@@ -11,7 +11,6 @@ interpreter is set.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -413,52 +412,6 @@ def check_base_ahead_changes_no_bit(device: str, shape: Shape, x_dtype: torch.dt
                                          f"output {i} with the base loaded ahead differs")
 
 
-def check_grid_by_items_changes_no_bit(device: str, shape: Shape, x_dtype: torch.dtype,
-                                       num_rows: int = 64) -> None:
-    """Grids capped at the most items a step can have (TileConfig.grid_by_items) give t and the
-    outputs of the full persistent grids bit for bit, in place and as deltas, from one tile to
-    many (one adapter, mixed adapters), where the cap is below the full grid."""
-    from lorad.workers.kernels.configs import ShrinkConfig, TileConfig
-    from lorad.workers.kernels.lora_common import table_block_ends
-    from lorad.workers.kernels.lora_shrink import num_k_chunks
-    from lorad.workers.kernels.lora_tiles import LoraTiles, count_tiles, grid_size, target_items
-    gen = torch.Generator().manual_seed(17)
-    tables = make_tables(shape, gen, device)
-    # The shrink's items, as lora_shrink counts them, to see that some case caps its grid.
-    rank_blocks = table_block_ends(list(shape.max_ranks), ShrinkConfig().block_r)[-1]
-    shrink_pieces = rank_blocks * num_k_chunks(shape.in_features)
-    shrink_target = target_items(ShrinkConfig().items_per_sm, torch.device(device),
-                                 TileConfig().programs_per_sm)
-    capped = 0
-    for rows, kind in ((num_rows, "one"), (num_rows, "mixed"), (3, "mixed")):
-        slots = (torch.full((rows,), shape.num_slots - 1) if kind == "one"
-                 else mixed_slots(rows, shape.num_slots, gen)).to(device)
-        x = torch.randn(rows, shape.in_features, generator=gen).to(device, x_dtype)
-        base = [torch.randn(rows, n, generator=gen).to(device, x_dtype)
-                for n in shape.out_features]
-        counts = torch.bincount(slots[slots != 0].cpu())
-        max_tiles = count_tiles((int(c) for c in counts), 16)
-        tiles = LoraTiles.build(slots, max_tiles, TileConfig(grid_by_items=True))
-        full = dataclasses.replace(tiles, grid_by_items=False)
-        capped += (grid_size(tiles, x.device, shrink_target, shrink_pieces, rank_blocks, None)
-                   < grid_size(full, x.device, shrink_target, shrink_pieces, rank_blocks, None))
-        for deltas in (False, True):
-            results = []
-            for config in (TileConfig(), TileConfig(grid_by_items=True)):
-                outs = ([torch.full((rows, n), float("nan"), device=device)
-                         for n in shape.out_features] if deltas else [b.clone() for b in base])
-                t = run_kernels(x, outs, tables, slots, t=empty_t(shape, rows, device),
-                                deltas=deltas, tile_config=config)
-                results.append([t] + outs)
-            for i, (got, want) in enumerate(zip(results[1], results[0])):
-                if not _same_bits(got, want):
-                    raise AssertionError(f"{rows} rows, {kind}, deltas={deltas}: "
-                                         f"{'t' if i == 0 else f'output {i - 1}'} differs with "
-                                         f"grids capped by the items")
-    if not capped:
-        raise AssertionError("no case capped a grid: this check could not fail")
-
-
 def check_exact_dot_keeps_every_bit(device: str) -> None:
     """exact_dot's split into bf16 terms loses nothing: an fp32 (3 terms) or fp16 (2 terms) tile
     times a permutation matrix comes back bit for bit on either side of the product, where one
@@ -634,8 +587,6 @@ CHECKS = {
                          dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16, block_n=16)),
     "base_ahead_qkv": (check_base_ahead_changes_no_bit,
                        dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16)),
-    "grid_by_items_long_k": (check_grid_by_items_changes_no_bit,
-                             dict(shape=CPU_SHAPES["long_k"], x_dtype=torch.bfloat16)),
     "block_widths_qkv": (check_block_widths_change_no_bit,
                          dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16)),
     "block_widths_pair_bf16_tables": (check_block_widths_change_no_bit,

@@ -62,10 +62,6 @@ class TileConfig:
     # A persistent grid's size per multiprocessor: enough programs in flight to hide load
     # latency (docs/performance-log.md: LoRA grid of 32 programs per SM).
     programs_per_sm: int = 32
-    # Cap each launch's grid at the most work items its step can have (lora_tiles.most_items):
-    # past them a program finds no item and only exits. Changes no bit (a program's items never
-    # change how an item is computed).
-    grid_by_items: bool = False
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from lorad.workers.kernels.launch_math import next_power_of_2
 from lorad.workers.kernels.lora_common import (BF16_PARTS, MAX_TABLES, bf16_parts, exact_dot,
                                                group_size, load_tile, pad_tables,
                                                table_block_ends)
-from lorad.workers.kernels.lora_tiles import LoraTiles, grid_size, target_items
+from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs, target_items
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
 
@@ -238,9 +238,8 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
     block_n = fitting_block_n(config.block_n, rank_pad, b_tables[0].element_size())
     blocks_end = table_block_ends([b.shape[1] for b in b_tables], block_n)
     num_blocks = blocks_end[-1]
-    if num_target_items is None:
-        num_target_items = target_items(steps.items_per_sm, t.device, tiles.programs_per_sm)
-    grid = (grid_size(tiles, t.device, num_target_items, num_blocks, num_tables, num_programs),)
+    num_programs = num_programs or max_programs(t.device, tiles.programs_per_sm)
+    grid = (min(tiles.max_tiles * num_blocks, num_programs),)
     padded_outs, padded_b = pad_tables(outs), pad_tables(b_tables)
     _expand_kernel[grid](
         t, t.stride(0), t.stride(1), t.stride(2), t.shape[2],
@@ -248,8 +247,9 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         *(b.shape[1] for b in padded_b), *padded_b, *pad_tables(rank_tables),
         *pad_tables(scale_tables),
         *(b.shape[2] for b in padded_b), blocks_end[1], blocks_end[min(2, num_tables)],
-        num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, num_target_items,
-        row_strengths,
+        num_blocks, tiles.tile_rows, tiles.tile_slot, tiles.num_tiles,
+        target_items(steps.items_per_sm, t.device, tiles.programs_per_sm)
+        if num_target_items is None else num_target_items, row_strengths,
         NUM_TABLES=num_tables, NUM_STAGES=config.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, RANK_PAD=rank_pad,
         MAX_CHUNKS=next_power_of_2(t.shape[2]), B_PARTS=bf16_parts(b_tables[0].dtype),

@@ -29,7 +29,7 @@ from lorad.workers.kernels.launch_math import cdiv
 from lorad.workers.kernels.lora_common import (BF16_PARTS, MAX_TABLES, bf16_parts, exact_dot,
                                                group_size, load_tile, pad_tables,
                                                table_block_ends)
-from lorad.workers.kernels.lora_tiles import LoraTiles, grid_size, target_items
+from lorad.workers.kernels.lora_tiles import LoraTiles, max_programs, target_items
 from lorad.workers.kernels import pdl
 from lorad.workers.kernels.pdl import launch_options
 
@@ -155,17 +155,16 @@ def lora_shrink(x: torch.Tensor, a_tables: Sequence[torch.Tensor],
     num_blocks = blocks_end[-1]
     if tiles.max_tiles == 0:
         return out
-    if num_target_items is None:
-        num_target_items = target_items(config.items_per_sm, x.device, tiles.programs_per_sm)
-    grid = (grid_size(tiles, x.device, num_target_items, num_blocks * shape[2], num_blocks,
-                      num_programs),)
+    num_items = tiles.max_tiles * num_blocks * shape[2]
+    grid = (min(num_items, num_programs or max_programs(x.device, tiles.programs_per_sm)),)
     padded = pad_tables(a_tables)
     _shrink_kernel[grid](
         x, x.stride(0), out, out.stride(0), out.stride(1), out.stride(2), *padded,
         *pad_tables(rank_tables),
         *(a.shape[1] for a in padded), blocks_end[1], blocks_end[min(2, len(a_tables))],
         num_blocks, shape[2], tiles.tile_rows, tiles.tile_slot, tiles.num_tiles, num_in,
-        num_target_items,
+        target_items(config.items_per_sm, x.device, tiles.programs_per_sm)
+        if num_target_items is None else num_target_items,
         NUM_TABLES=len(a_tables), BLOCK_M=tiles.block_m,
         BLOCK_R=config.block_r, BLOCK_K=config.block_k, K_CHUNK=config.k_chunk,
         NUM_STAGES=config.num_stages, X_PARTS=bf16_parts(x.dtype),

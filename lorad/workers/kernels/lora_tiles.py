@@ -32,7 +32,6 @@ class LoraTiles:
     num_tiles: torch.Tensor  # [1] int64: tiles of adapter rows; later entries are unused
     max_tiles: int  # a bound on num_tiles known to Python: it sizes the kernels' grids
     programs_per_sm: int = TileConfig.programs_per_sm  # the kernels' persistent grids
-    grid_by_items: bool = TileConfig.grid_by_items  # grids capped by most_items
 
     @property
     def num_rows(self) -> int:
@@ -51,7 +50,7 @@ class LoraTiles:
         tile_slot, tile_rows, num_tiles = host_tiles(row_slots, config.block_m)
         return cls(torch.from_numpy(tile_slot).to(device), torch.from_numpy(tile_rows).to(device),
                    torch.tensor([num_tiles], dtype=torch.int64, device=device), max_tiles,
-                   config.programs_per_sm, config.grid_by_items)
+                   config.programs_per_sm)
 
     @classmethod
     def build(cls, row_slots: torch.Tensor, max_tiles: int,
@@ -81,8 +80,7 @@ class LoraTiles:
         lanes = tile_first[:, None] + torch.arange(block_m, device=row_slots.device)
         in_tile = (lanes < num_rows) & (sorted_slots[lanes.clamp(max=last)] == tile_slot[:, None])
         tile_rows = torch.where(in_tile, sorted_rows[lanes.clamp(max=last)], -1)
-        return cls(tile_slot, tile_rows, num_tiles, max_tiles, config.programs_per_sm,
-                   config.grid_by_items)
+        return cls(tile_slot, tile_rows, num_tiles, max_tiles, config.programs_per_sm)
 
 
 def host_tiles(row_slots: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -127,27 +125,6 @@ def max_programs(device: torch.device, programs_per_sm: int) -> int:
     return programs_per_sm * _multiprocessors(device.index
                                               if device.index is not None
                                               else torch.cuda.current_device())
-
-
-def most_items(target: int, max_tiles: int, pieces: int, runs: int) -> int:
-    """The most work items a LoRA kernel makes of up to max_tiles tiles, each of `pieces` pieces
-    (K chunks, blocks of outputs) in `runs` runs that a group never crosses (the shrink's rank
-    blocks, the expand's tables), grouped as lora_common.group_size does for `target` items.
-    With g pieces a group, a tile's items are at most pieces / g + runs; g is 1 only while the
-    step's pieces are under 2 * target, and floor(pieces of the step / target) (so that their
-    items stay under 2 * target) unless capped at a run's length (one item a run)."""
-    if target <= 0:
-        return max_tiles * pieces
-    return min(max_tiles * pieces, 2 * target + max_tiles * runs)
-
-
-def grid_size(tiles: LoraTiles, device: torch.device, target: int, pieces: int, runs: int,
-              num_programs: int | None) -> int:
-    """A LoRA launch's programs: num_programs, else the persistent grid (max_programs), and
-    never more than the items (most_items with tiles.grid_by_items, else max_tiles * pieces)."""
-    items = (most_items(target, tiles.max_tiles, pieces, runs) if tiles.grid_by_items
-             else tiles.max_tiles * pieces)
-    return min(items, num_programs or max_programs(device, tiles.programs_per_sm))
 
 
 def target_items(items_per_sm: int, device: torch.device, programs_per_sm: int) -> int:
