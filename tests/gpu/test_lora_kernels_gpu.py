@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from lorad.workers.batch import ForwardBatch
-from tests.kernels.lora_kernel_checks import (GPU_SHAPES, Shape, check_base_ahead_changes_no_bit,
-                                      check_block_groups_change_no_bit,
+from tests.kernels.lora_kernel_checks import (GPU_SHAPES, Shape, check_block_groups_change_no_bit,
                                       check_block_widths_change_no_bit,
                                       check_chunk_groups_change_no_bit,
                                       check_exact_dot_keeps_every_bit,
@@ -165,14 +164,6 @@ def test_block_widths_change_no_bit(name: str, table_dtype: torch.dtype) -> None
     give the same bits, at batch 64."""
     check_block_widths_change_no_bit("cuda", GPU_SHAPES[name], torch.bfloat16, num_rows=64,
                                      widths=(128, 256, 64, 512), table_dtype=table_dtype)
-
-
-@pytest.mark.parametrize("name", ["qkv", "gate_up", "down"])
-def test_base_ahead_changes_no_bit(name: str) -> None:
-    """In place at 512 rows (a prompt step's), the base loaded a block ahead or after the MMA:
-    the same bits, at the large steps' blocks of 128 outputs."""
-    check_base_ahead_changes_no_bit("cuda", GPU_SHAPES[name], torch.bfloat16, num_rows=512,
-                                    block_n=128)
 
 
 def test_exact_dot_keeps_every_bit() -> None:

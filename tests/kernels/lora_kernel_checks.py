@@ -388,30 +388,6 @@ def check_block_widths_change_no_bit(device: str, shape: Shape, x_dtype: torch.d
                         f"outputs differs from blocks of {widths[0]}")
 
 
-def check_base_ahead_changes_no_bit(device: str, shape: Shape, x_dtype: torch.dtype,
-                                    num_rows: int = 21, block_n: int = 16) -> None:
-    """In place, the expand that loads each block's base output one block ahead
-    (ExpandConfig.base_ahead) gives the outputs of the one that loads it after the MMA, bit for
-    bit, with one block per work item and with groups of blocks (its prefetch stops at each
-    item's end), over many programs and few."""
-    from lorad.workers.kernels.configs import ExpandConfig
-    expand, base = _expand_runner(device, shape, x_dtype, num_rows, seed=13)
-    plain = ExpandConfig(block_n=block_n)
-    ahead = ExpandConfig(block_n=block_n, base_ahead=True)
-    if max(-(-n // block_n) for n in shape.out_features) < 3:
-        raise AssertionError(f"{shape}: fewer than 3 blocks of {block_n} outputs in every table")
-    for target in (0, 1, 5):
-        for programs in (None, 3):
-            want = expand(False, config=plain, num_target_items=target, num_programs=programs)
-            if all(torch.equal(w, b) for w, b in zip(want, base)):
-                raise AssertionError("the expand changed nothing: this check could not fail")
-            got = expand(False, config=ahead, num_target_items=target, num_programs=programs)
-            for i, (g, w) in enumerate(zip(got, want)):
-                if not _same_bits(g, w):
-                    raise AssertionError(f"target {target}, {programs or 'default'} programs: "
-                                         f"output {i} with the base loaded ahead differs")
-
-
 def check_exact_dot_keeps_every_bit(device: str) -> None:
     """exact_dot's split into bf16 terms loses nothing: an fp32 (3 terms) or fp16 (2 terms) tile
     times a permutation matrix comes back bit for bit on either side of the product, where one
@@ -585,8 +561,6 @@ CHECKS = {
     "exact_dot": (check_exact_dot_keeps_every_bit, {}),
     "block_groups_qkv": (check_block_groups_change_no_bit,
                          dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16, block_n=16)),
-    "base_ahead_qkv": (check_base_ahead_changes_no_bit,
-                       dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16)),
     "block_widths_qkv": (check_block_widths_change_no_bit,
                          dict(shape=CPU_SHAPES["qkv"], x_dtype=torch.bfloat16)),
     "block_widths_pair_bf16_tables": (check_block_widths_change_no_bit,

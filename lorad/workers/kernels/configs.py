@@ -103,8 +103,6 @@ class ExpandConfig:
     # B's loads in flight along a group of blocks (Hopper: cp.async into shared memory)
     # (docs/performance-log.md: expand on 3 stages).
     num_stages: int = 3
-    # In place: load each block's base output one block ahead of its MMA (changes no bit).
-    base_ahead: bool = False
 
     def __post_init__(self) -> None:
         _check_powers_of_two(self, ("block_n",), 16, " (a tl.dot side)")

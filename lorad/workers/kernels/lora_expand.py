@@ -57,7 +57,7 @@ def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_
                    ranks_ptr, scales_ptr, max_rank, first_block, num_item_blocks, slot, rows,
                    in_tile, strengths_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    RANK_PAD: tl.constexpr, MAX_CHUNKS: tl.constexpr, B_PARTS: tl.constexpr,
-                   NUM_STAGES: tl.constexpr, DELTA: tl.constexpr, BASE_AHEAD: tl.constexpr):
+                   NUM_STAGES: tl.constexpr, DELTA: tl.constexpr):
     # Blocks [first_block, first_block + num_item_blocks) of one table, one after another with
     # B's loads running ahead: t's chunk sums are taken once, and each block is then computed
     # exactly as a work item of that block alone would compute it.
@@ -87,19 +87,10 @@ def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_
     # Slots the table does not edit (rank 0) are not written; that test is a block, since
     # triton 3.9's interpreter rejects a mask with a scalar in it.
     edited = tl.zeros([BLOCK_M], tl.int32) < rank
-    row_outs = out_ptr + rows[:, None] * stride_out
-    if BASE_AHEAD and not DELTA:
-        # In place, each block's base output is requested one block ahead, so that its load
-        # runs beside the block before it rather than after that block's MMA. The item's last
-        # column bounds the prefetch: past it the mask reads nothing.
-        item_end = tl.minimum(N, (first_block + num_item_blocks) * BLOCK_N)
-        cols = first_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        base_next = tl.load(row_outs + cols[None, :],
-                            mask=in_tile[:, None] & (cols < item_end)[None, :] & edited[:, None])
     for block in tl.range(first_block, first_block + num_item_blocks, num_stages=NUM_STAGES):
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         in_n = cols < N
-        outs = row_outs + cols[None, :]
+        outs = out_ptr + rows[:, None] * stride_out + cols[None, :]
         mask = in_tile[:, None] & in_n[None, :] & edited[:, None]
         b_rows = b_ptr + (slot * N + cols)[:, None] * max_rank + ranks_j[None, :]
         bj = tl.load(b_rows, mask=in_n[:, None] & in_r[None, :], other=0.0)  # [BLOCK_N, RANK_PAD]
@@ -114,13 +105,7 @@ def _expand_blocks(t_ptr, stride_t, stride_t_chunk, num_chunks, out_ptr, stride_
         else:
             # One rounding of base + delta: an output in the model dtype is widened, added to in
             # fp32 and rounded back, as the torch path's `(out.float() + delta).to(dtype)`.
-            if BASE_AHEAD:
-                base = base_next
-                ahead = cols + BLOCK_N
-                base_next = tl.load(outs + BLOCK_N, mask=in_tile[:, None]
-                                    & (ahead < item_end)[None, :] & edited[:, None])
-            else:
-                base = tl.load(outs, mask=mask)
+            base = tl.load(outs, mask=mask)
             tl.store(outs, (base.to(tl.float32) + delta).to(out_ptr.dtype.element_ty),
                      mask=mask)
 
@@ -136,8 +121,7 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                    tile_rows_ptr, tile_slot_ptr, num_tiles_ptr, target_items, strengths_ptr,
                    NUM_TABLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    RANK_PAD: tl.constexpr, MAX_CHUNKS: tl.constexpr, B_PARTS: tl.constexpr,
-                   NUM_STAGES: tl.constexpr, DELTA: tl.constexpr, BASE_AHEAD: tl.constexpr,
-                   PDL: tl.constexpr):
+                   NUM_STAGES: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     # Work item = (tile, group of consecutive blocks of one table); table i owns blocks
     # [blocks_end{i-1}, blocks_end{i}). A group is one block while the step's items are few,
@@ -161,14 +145,14 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                            N0, b0_ptr, ranks0_ptr, scales0_ptr, max_rank0, first,
                            tl.minimum(group, blocks0 - first), slot, rows, in_tile,
                            strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
-                           NUM_STAGES, DELTA, BASE_AHEAD)
+                           NUM_STAGES, DELTA)
         elif NUM_TABLES == 2:
             first = (g - groups0) * group
             _expand_blocks(t_ptr + stride_t_table, stride_t, stride_t_chunk, num_chunks,
                            out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr, max_rank1,
                            first, tl.minimum(group, blocks1 - first), slot, rows, in_tile,
                            strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS, B_PARTS,
-                           NUM_STAGES, DELTA, BASE_AHEAD)
+                           NUM_STAGES, DELTA)
         elif NUM_TABLES == 3:
             if g < groups01:
                 first = (g - groups0) * group
@@ -176,14 +160,14 @@ def _expand_kernel(t_ptr, stride_t_table, stride_t, stride_t_chunk, num_chunks,
                                out1_ptr, stride_out1, N1, b1_ptr, ranks1_ptr, scales1_ptr,
                                max_rank1, first, tl.minimum(group, blocks1 - first), slot, rows,
                                in_tile, strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS,
-                               B_PARTS, NUM_STAGES, DELTA, BASE_AHEAD)
+                               B_PARTS, NUM_STAGES, DELTA)
             else:
                 first = (g - groups01) * group
                 _expand_blocks(t_ptr + 2 * stride_t_table, stride_t, stride_t_chunk, num_chunks,
                                out2_ptr, stride_out2, N2, b2_ptr, ranks2_ptr, scales2_ptr,
                                max_rank2, first, tl.minimum(group, blocks2 - first), slot, rows,
                                in_tile, strengths_ptr, BLOCK_M, BLOCK_N, RANK_PAD, MAX_CHUNKS,
-                               B_PARTS, NUM_STAGES, DELTA, BASE_AHEAD)
+                               B_PARTS, NUM_STAGES, DELTA)
     pdl.finish(PDL)
 
 
@@ -253,7 +237,7 @@ def lora_expand(t: torch.Tensor, outs: Sequence[torch.Tensor], b_tables: Sequenc
         NUM_TABLES=num_tables, NUM_STAGES=config.num_stages,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, RANK_PAD=rank_pad,
         MAX_CHUNKS=next_power_of_2(t.shape[2]), B_PARTS=bf16_parts(b_tables[0].dtype),
-        DELTA=deltas, BASE_AHEAD=config.base_ahead,
+        DELTA=deltas,
         num_warps=config.num_warps,
         # No fused multiply-add: in place, (acc * scale) * strength + base would skip the
         # rounding of the delta that the fp32 buffer gives the consumers (strengths not 1.0).
