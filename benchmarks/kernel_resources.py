@@ -227,6 +227,12 @@ def moe_specs() -> list[Spec]:
              {"TOP_K": 4, "HAS_PADDING": True, "BLOCK": moe_glue.EPILOGUE_BLOCK, "PDL": True},
              4, 3,
              {"real_rows_ptr": "i1", "gate_ptr": "bf16"}, ("H",)),
+        Spec("MoE epilogue + add + RMSNorm (MoeConfig.fold_epilogue)",
+             moe_glue._epilogue_add_norm_kernel,
+             {"TOP_K": 4, "HAS_PADDING": True, "BLOCK": 2048, "PDL": True},
+             fused_ops._norm_warps(2048), 3,
+             {"real_rows_ptr": "i1", "gate_ptr": "bf16", "res_ptr": "bf16", "normed_ptr": "bf16",
+              "weight_ptr": "bf16"}, ("H",)),
     ]
 
 

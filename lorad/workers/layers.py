@@ -48,7 +48,11 @@ class RMSNorm(nn.Module):
         dtype (`residual + delta.to(dtype)`, or delta alone when residual is None), and its norm.
         delta: [num_rows, hidden_size], fp32 (a row-parallel sum) or the model dtype. On CUDA
         the residual is updated in place. lora (the kernel path only): delta's LoRA delta, added
-        to it first. pdl_rows: the step's PDL row limit (kernel path)."""
+        to it first. pdl_rows: the step's PDL row limit (kernel path). delta may also be an
+        output left to this add (moe.MoeSum: a MoE block's at one rank), which adds itself."""
+        if not isinstance(delta, torch.Tensor):
+            assert lora is None and residual is not None
+            return delta.add_and_norm(residual, self.weight, self.eps)
         if kernel_path(delta.device):
             from lorad.workers.kernels.fused_ops import add_rms_norm
             return add_rms_norm(delta, residual, self.weight, self.eps, lora, pdl_rows)

@@ -6,11 +6,13 @@ Each row's arithmetic is its own (per-row products on the CPU, kernels/fused_moe
 the kernel path), so its bits never depend on which other rows share the step or an expert. The
 router's softmax/top-k and the gate's sigmoid are kernels/moe_math.py's ops on both paths (on the
 kernel path one route and one epilogue launch, kernels/moe_glue.py), so the paths agree on them.
+On one rank the kernel path leaves the epilogue to the next residual add + norm (MoeSum).
 Not here: LoRA on the router, the gate or routed experts (lorad.config.adapters refuses them).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -225,6 +227,32 @@ class SharedExpert(nn.Module):
         return self.down_proj.partial_sum(self.gate_up_proj.swiglu(x, lora), lora)
 
 
+@dataclass(frozen=True)
+class MoeSum:
+    """The block's output on the kernel path at one rank, not yet added up: routed + sigmoid(gate)
+    * shared, left to the residual add + RMSNorm that reads it next, which does the epilogue in
+    its own launch (MoeConfig.fold_epilogue)."""
+
+    pairs: torch.Tensor  # [num_rows, top_k, hidden] float32 (RoutedExperts.pairs)
+    gate: torch.Tensor  # [num_rows, 1] the model dtype, rows strided
+    shared: torch.Tensor  # [num_rows, hidden] float32, the shared expert's sum
+    real_rows: torch.Tensor | None
+    pdl_rows: int
+
+    def add_and_norm(self, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm.add_and_norm of the block's output: -> (hidden, normed)."""
+        from lorad.workers.kernels.moe_glue import epilogue_add_norm  # the CPU never imports triton
+        return epilogue_add_norm(self.pairs, self.gate, self.shared, self.real_rows, residual,
+                                 weight, eps, self.pdl_rows)
+
+    def tensor(self) -> torch.Tensor:
+        """The block's output as the epilogue launch gives it: [num_rows, hidden] float32."""
+        from lorad.workers.kernels.moe_glue import epilogue  # the CPU never imports triton
+        return epilogue(self.pairs, self.gate, self.shared, self.real_rows,
+                        pdl_rows=self.pdl_rows)
+
+
 class SparseMoeBlock(nn.Module):
     """Qwen2-MoE's sparse block: routed experts + sigmoid(gate(x)) * shared expert(x)."""
 
@@ -258,9 +286,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraRows,
                 ctx: AttentionContext | CudaAttentionContext | None = None
-                ) -> tuple[torch.Tensor, None]:
+                ) -> tuple[torch.Tensor | MoeSum, None]:
         """x: [num_rows, hidden] -> ([num_rows, hidden] float32 sum over ranks, before its
-        rounding to the model dtype (the residual add does it), None: no delta left over).
+        rounding to the model dtype (the residual add does it), None: no delta left over); on
+        the kernel path at one rank with MoeConfig.fold_epilogue, that sum as a MoeSum, which
+        the residual add reads.
         ctx: the step's; its padding rows read no routed expert (a decode step of one sequence
         pads to MIN_ROWS rows, whose experts would otherwise be read too). None: every row is
         routed."""
@@ -268,7 +298,10 @@ class SparseMoeBlock(nn.Module):
         # The gate scales the shared expert's sum over ranks; scaling each rank's share first
         # is the same sum, so one all-reduce carries both.
         if kernel_path(x.device):
-            return self.tp.all_reduce(self._kernel_path(x, lora, real_rows)), None
+            parts = self._kernel_path(x, lora, real_rows)
+            if self.tp.world_size == 1 and self.experts.config.fold_epilogue:
+                return parts, None
+            return self.tp.all_reduce(parts.tensor()), None
         logits, gate = self.gate(x), self.shared_expert_gate(x)  # gate: [num_rows, 1]
         weights, experts = self.gate.route(x, real_rows, logits)
         shared = self.shared_expert.partial_sum(x, lora)
@@ -277,10 +310,9 @@ class SparseMoeBlock(nn.Module):
         return self.tp.all_reduce(routed + scale * shared), None
 
     def _kernel_path(self, x: torch.Tensor, lora: LoraRows,
-                     real_rows: torch.Tensor | None) -> torch.Tensor:
-        """forward's unreduced sum on the kernel path: the router's logits and the gate in one
-        GEMV launch, the routed sum, padding, gate and add in one epilogue."""
-        from lorad.workers.kernels.moe_glue import epilogue  # the CPU never imports triton
+                     real_rows: torch.Tensor | None) -> MoeSum:
+        """forward's unreduced sum on the kernel path, its epilogue (the routed sum, padding,
+        gate and add) not yet launched: the router's logits and the gate in one GEMV launch."""
         config = self.experts.config
         pdl_rows = lora.pdl_rows if config.pdl else 0  # the block's own kernels
         # The routed side on a side stream when overlap_shared (None: in line). Its tensors are
@@ -301,4 +333,4 @@ class SparseMoeBlock(nn.Module):
             pairs = self.experts.pairs(x, weights, experts, pdl_rows)
         shared = self.shared_expert.partial_sum(x, lora)
         join(side)
-        return epilogue(pairs, gate, shared, real_rows, pdl_rows=pdl_rows)
+        return MoeSum(pairs, gate, shared, real_rows, pdl_rows)

@@ -13,8 +13,8 @@ import importlib.util
 import pytest
 import torch
 
-from tests.kernels.moe_glue_checks import (check_block, check_epilogue, check_route,
-                                           check_route_picks, check_tile_cover,
+from tests.kernels.moe_glue_checks import (check_block, check_epilogue, check_epilogue_add_norm,
+                                           check_route, check_route_picks, check_tile_cover,
                                            check_tiles_kernel)
 from tests.kernels.moe_kernel_checks import (check_expert_tiles, check_fused_moe,
                                              check_padding_rows, check_rows_alone)
@@ -87,6 +87,13 @@ def test_tiles_kernel_small_block(num_rows, block_p):
 @pytest.mark.parametrize("num_rows", [1, 8, 300])
 def test_epilogue(dtype, num_rows):
     check_epilogue("cuda", DTYPES[dtype], num_rows=num_rows, hidden=2048, top_k=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [1, 8, 300])
+def test_epilogue_add_norm(dtype, num_rows):
+    """The epilogue in the next residual add + norm's launch (MoeConfig.fold_epilogue)."""
+    check_epilogue_add_norm("cuda", DTYPES[dtype], num_rows=num_rows, hidden=2048, top_k=4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

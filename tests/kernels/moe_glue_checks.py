@@ -1,7 +1,7 @@
-"""Checks of the MoE block's glue kernels (kernels/moe_glue.py's route and epilogue,
-kernels/fused_moe.py's one-program tile tables) against the torch ops they replace
-(kernels/moe_math.py, fused_moe.expert_tiles, fused_moe's old composition), bit for bit, on any
-device.
+"""Checks of the MoE block's glue kernels (kernels/moe_glue.py's route, epilogue and epilogue
+with the next add + norm, kernels/fused_moe.py's one-program tile tables) against the torch ops or
+launches they replace (kernels/moe_math.py, fused_moe.expert_tiles, fused_moe's old composition,
+the epilogue then fused_ops' add + norm), bit for bit, on any device.
 
 test_triton_interpreted.py runs them on CPU tensors under TRITON_INTERPRET=1;
 tests/gpu/test_moe_kernel_gpu.py calls them on CUDA at Qwen1.5-MoE-A2.7B's shapes. Fresh random
@@ -168,6 +168,45 @@ def check_epilogue(device: str, dtype: torch.dtype, num_rows: int = 9, hidden: i
                                  f"{int((got != want).any(1).sum())} rows differ")
 
 
+def check_epilogue_add_norm(device: str, dtype: torch.dtype, num_rows: int = 9,
+                            hidden: int = 700, top_k: int = 4, seed: int = 3) -> None:
+    """moe_glue.epilogue_add_norm against its two launches, epilogue then fused_ops'
+    add_rms_norm, with and without padding rows (their pairs NaN): the residual bit for bit;
+    the normed rows bit for bit under the interpreter, and on CUDA (where add_rms_norm's
+    compiler may fuse the sum of squares' multiply-adds, this launch's may not) within two
+    roundings of the model dtype; a row alone the same bits as in the batch."""
+    from lorad.workers.kernels.fused_ops import add_rms_norm
+    from lorad.workers.kernels.moe_glue import epilogue, epilogue_add_norm
+    gen = torch.Generator().manual_seed(seed)
+    pairs = torch.randn(num_rows, top_k, hidden, generator=gen).to(device)
+    gate = (torch.randn(num_rows, 1, generator=gen) * 30).to(dtype=dtype, device=device)
+    shared = torch.randn(num_rows, hidden, generator=gen).to(device)
+    residual = (torch.randn(num_rows, hidden, generator=gen) * 4).to(dtype=dtype, device=device)
+    weight = (1 + torch.rand(hidden, generator=gen)).to(dtype=dtype, device=device)
+    for real_rows in (None, _real_rows(device, num_rows, seed)):
+        where = f"epilogue + add + norm {dtype} padding {real_rows is not None}"
+        if real_rows is not None:
+            pairs[~real_rows] = POISON
+        got_res, got = epilogue_add_norm(pairs, gate, shared, real_rows, residual.clone(),
+                                         weight, 1e-6)
+        want_res, want = add_rms_norm(epilogue(pairs, gate, shared, real_rows),
+                                      residual.clone(), weight, 1e-6)
+        if not torch.equal(got_res.cpu(), want_res.cpu()):
+            raise AssertionError(f"{where}: {int((got_res != want_res).any(1).sum())} rows' "
+                                 "residual differ")
+        exact = device == "cpu"
+        if not (torch.equal(got.cpu(), want.cpu()) if exact else torch.allclose(
+                got.float(), want.float(), rtol=2 * torch.finfo(dtype).eps, atol=0)):
+            raise AssertionError(f"{where}: normed rows differ (max "
+                                 f"{(got.float() - want.float()).abs().max().item():.2e})")
+        last = num_rows - 1
+        _, alone = epilogue_add_norm(pairs[last:], gate[last:], shared[last:],
+                                     None if real_rows is None else real_rows[last:],
+                                     residual[last:].clone(), weight, 1e-6)
+        if not torch.equal(alone[0].cpu(), got[last].cpu()):
+            raise AssertionError(f"{where}: the last row alone gave other bits")
+
+
 def _block(device, dtype, hidden, num_experts, top_k, inter, shared_inter, norm, seed):
     from lorad.workers.moe import SparseMoeBlock
     from lorad.workers.parallel import TensorParallel
@@ -209,7 +248,7 @@ def check_block(device: str, dtype: torch.dtype, num_rows: int, norm: bool = Fal
     lora = LoraRows(slots=(), groups=[], pdl_rows=512 if pdl else 0)
     where = f"block {dtype} rows {num_rows} norm {norm} pdl {pdl}"
     with _kernel_path(device):
-        got, _ = block(x, lora, SimpleNamespace(real_rows=real_rows))
+        got = _sum(block(x, lora, SimpleNamespace(real_rows=real_rows))[0])
         weights, experts = moe_math.route(block.gate(x), top_k, norm)
         routed = fused_moe(x, block.experts.gate_up, block.experts.down, weights, experts,
                            block.experts.config, real_rows=real_rows)
@@ -219,12 +258,18 @@ def check_block(device: str, dtype: torch.dtype, num_rows: int, norm: bool = Fal
             raise AssertionError(f"{where}: {int((got != want).any(1).sum())} rows differ from "
                                  "the old composition")
         padding = torch.zeros(7, dtype=torch.bool, device=device)
-        alone, _ = block(torch.cat([x[:1], x[:7]]), lora,
-                         SimpleNamespace(real_rows=torch.cat([real_rows[:1], padding])))
+        alone = _sum(block(torch.cat([x[:1], x[:7]]), lora,
+                           SimpleNamespace(real_rows=torch.cat([real_rows[:1], padding])))[0])
     # Up to 16 rows only: past the decode GEMV's rows the shared expert's base matmul is
     # another kernel (MKL's on the CPU), whose bits are not this block's.
     if num_rows <= 16 and not torch.equal(alone[0].cpu(), got[0].cpu()):
         raise AssertionError(f"{where}: row 0 alone gave other bits")
+
+
+def _sum(out) -> torch.Tensor:
+    """The block's output as a tensor: a MoeSum (one rank, MoeConfig.fold_epilogue) through
+    its epilogue launch."""
+    return out if isinstance(out, torch.Tensor) else out.tensor()
 
 
 class _kernel_path:
@@ -262,6 +307,8 @@ CHECKS = {
     "tile_cover_few_experts": (check_tile_cover, dict(num_experts=8, top_k=2, block_m=4)),
     "epilogue_fp32": (check_epilogue, dict(dtype=torch.float32)),
     "epilogue_bf16": (check_epilogue, dict(dtype=torch.bfloat16)),
+    "epilogue_add_norm_fp32": (check_epilogue_add_norm, dict(dtype=torch.float32)),
+    "epilogue_add_norm_bf16": (check_epilogue_add_norm, dict(dtype=torch.bfloat16)),
     "block_fp32_8": (check_block, dict(dtype=torch.float32, num_rows=8)),
     "block_bf16_8_norm": (check_block, dict(dtype=torch.bfloat16, num_rows=8, norm=True)),
     "block_fp32_16": (check_block, dict(dtype=torch.float32, num_rows=16)),

@@ -227,6 +227,39 @@ def check_model_kernel_path(device: str, dtype: torch.dtype) -> None:
         raise AssertionError(f"{dtype}: a decode row's logits differ alone and in its batch")
 
 
+def check_fold_epilogue(device: str, dtype: torch.dtype) -> None:
+    """On the kernel path at one rank, the blocks' epilogue in the next residual add + norm's
+    launch (MoeConfig.fold_epilogue) gives every step (prompt chunks, a mixed step, a decode) the
+    logits of the epilogue's own launch, bit for bit (the interpreter fuses no multiply-add; on
+    CUDA the norm may round otherwise: moe_glue_checks.check_epilogue_add_norm); the blocks
+    return their sum unlaunched with it, a tensor without it."""
+    from lorad.workers.lora_rows import LoraRows
+    from lorad.workers.moe import MoeSum
+    from lorad.workers.tuning import Tuning, replaced
+    from tests.kernels.model_kernel_checks import (BLOCK_SIZE, MAX_LEN, NUM_BLOCKS, _forward,
+                                                   _kernel_path)
+    from tests.model_steps import make_streams, scenario_steps
+    assert device == "cpu"
+    folded, two = _tiny_moe_models(dtype, 2)
+    folded.tune(replaced(Tuning(), "moe.fold_epilogue=True"))
+    two.tune(replaced(Tuning(), "moe.fold_epilogue=False"))
+    for model, kind in ((folded, MoeSum), (two, torch.Tensor)):
+        block = model.model.layers[0].mlp
+        x = torch.zeros(8, block.router_gate.shape[1], dtype=dtype)
+        with _kernel_path():
+            out, _ = block(x, LoraRows(slots=(), groups=[], pdl_rows=0))
+        if not isinstance(out, kind):
+            raise AssertionError(f"fold_epilogue {model is folded}: the block returned "
+                                 f"{type(out).__name__}, not {kind.__name__}")
+    steps = [scenario_steps(make_streams([1, 0, 2, 1], [9, 6, 4, 7], MAX_LEN, BLOCK_SIZE,
+                                         NUM_BLOCKS, seed=8))[:4] for _ in range(2)]
+    for i, (chunks, twin) in enumerate(zip(*steps)):
+        got, want = _forward(folded, chunks, kernels=True), _forward(two, twin, kernels=True)
+        if not torch.equal(got, want):
+            raise AssertionError(f"step {i} ({dtype}): the folded epilogue gave other logits "
+                                 f"(max {(got - want).abs().max().item():.2e})")
+
+
 CHECKS = {
     "fused_moe_bf16": (check_fused_moe, dict(dtype=torch.bfloat16)),
     "fused_moe_fp32": (check_fused_moe, dict(dtype=torch.float32)),
@@ -240,6 +273,7 @@ CHECKS = {
     "moe_model_kernel_path_fp32": (check_model_kernel_path, dict(dtype=torch.float32)),
     "moe_model_kernel_path_bf16": (check_model_kernel_path, dict(dtype=torch.bfloat16)),
     "moe_decode_graph_inputs_fp32": (check_decode_graph_inputs, dict(dtype=torch.float32)),
+    "moe_fold_epilogue_bf16": (check_fold_epilogue, dict(dtype=torch.bfloat16)),
 }
 
 

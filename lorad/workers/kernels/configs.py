@@ -347,6 +347,12 @@ class MoeConfig:
     # 2.77 against 2.48 / 2.82, batch 32 10.91 / 11.36 against 10.88 / 11.13, so not there
     # (docs/performance-log.md: MoE router's GEMV on the side stream). 0: never.
     router_on_side_rows: int = 16
+    # On one rank (no all-reduce after the block): the epilogue's sum left to the next residual
+    # add + RMSNorm, one launch for both (moe_glue.epilogue_add_norm) instead of two. The
+    # residual's bits are the same; the normed row's may not be on CUDA (no fused multiply-add
+    # in that launch). To be timed (docs/performance-log.md: MoE epilogue in the next add +
+    # norm).
+    fold_epilogue: bool = False
 
     def __post_init__(self) -> None:
         _check_powers_of_two(self, ("block_m", "block_n", "block_k"), 16, " (tl.dot's sides)")

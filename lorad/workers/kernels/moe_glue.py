@@ -1,7 +1,9 @@
 """The MoE block's glue on the kernel path, one launch each per layer: route (softmax, top-k,
 renormalise, round, sort by expert, padding rows to no expert) and the epilogue (a row's experts
-added, padding rows zeroed, the shared expert scaled by its sigmoid gate and added). They replace
-~60 tiny torch kernels a layer that cost more than the experts' products at decode.
+added, padding rows zeroed, the shared expert scaled by its sigmoid gate and added; on one rank,
+where no all-reduce comes between, in the next residual add + RMSNorm's launch instead:
+epilogue_add_norm). They replace ~60 tiny torch kernels a layer that cost more than the experts'
+products at decode.
 
 Bits: kernels/moe_math.py's torch ops, op for op (its exp, its pairwise sum, IEEE division,
 no fused multiply-add), so they equal the CPU path's. Row invariance: a program per row (route)
@@ -16,8 +18,10 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels import moe_math
-from lorad.workers.kernels.launch_math import cdiv
-from lorad.workers.kernels.pdl import launch_options, wait_for_previous
+from lorad.workers.kernels.fused_ops import _norm_warps, _normed, _rms_scale
+from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
+from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch, wait_for_previous,
+                                       wait_for_previous_only)
 
 EXP_MIN = tl.constexpr(moe_math.EXP_MIN)
 EXP_MAX = tl.constexpr(moe_math.EXP_MAX)
@@ -127,14 +131,10 @@ def _sigmoid(g, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _epilogue_kernel(pairs_ptr, real_rows_ptr, gate_ptr, stride_gate, shared_ptr, out_ptr, H,
-                     TOP_K: tl.constexpr, HAS_PADDING: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
-    """out[row] = (its TOP_K pairs added in order, or 0 for padding) + sigmoid(gate) * shared."""
-    wait_for_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < H
+def _moe_row(pairs_ptr, real_rows_ptr, gate_ptr, stride_gate, shared_ptr, row, cols, mask, H,
+             TOP_K: tl.constexpr, HAS_PADDING: tl.constexpr):
+    """-> the block's output at `cols` of one row, fp32: its TOP_K pairs added in order (or 0
+    for a padding row) + sigmoid(gate) * shared."""
     read = mask
     if HAS_PADDING:  # a padding row's pairs were never written: it adds zeros, as torch's where
         read = cols < tl.where(tl.load(real_rows_ptr + row) != 0, H, 0)
@@ -144,7 +144,21 @@ def _epilogue_kernel(pairs_ptr, real_rows_ptr, gate_ptr, stride_gate, shared_ptr
     gate = tl.load(gate_ptr + row * stride_gate)
     scale = _sigmoid(gate.to(tl.float32), gate_ptr.dtype.element_ty)
     shared = tl.load(shared_ptr + row * H + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * H + cols, routed + scale * shared, mask=mask)
+    return routed + scale * shared
+
+
+@triton.jit
+def _epilogue_kernel(pairs_ptr, real_rows_ptr, gate_ptr, stride_gate, shared_ptr, out_ptr, H,
+                     TOP_K: tl.constexpr, HAS_PADDING: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    """out[row] = (its TOP_K pairs added in order, or 0 for padding) + sigmoid(gate) * shared."""
+    wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    out = _moe_row(pairs_ptr, real_rows_ptr, gate_ptr, stride_gate, shared_ptr, row, cols, mask,
+                   H, TOP_K, HAS_PADDING)
+    tl.store(out_ptr + row * H + cols, out, mask=mask)
 
 
 def epilogue(pairs: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor,
@@ -167,3 +181,55 @@ def epilogue(pairs: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor,
         num_warps=4, enable_fp_fusion=False,  # scale * shared rounds before the add
         **launch_options(shared.device, num_rows, pdl_rows))
     return out
+
+
+@triton.jit
+def _epilogue_add_norm_kernel(pairs_ptr, real_rows_ptr, gate_ptr, stride_gate, shared_ptr,
+                              res_ptr, stride_res, normed_ptr, stride_normed, weight_ptr, H,
+                              eps, TOP_K: tl.constexpr, HAS_PADDING: tl.constexpr,
+                              BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """A row's block output (_moe_row), then fused_ops' residual add + RMSNorm of it, op for
+    op: the residual updated in place, the normed row written."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    dtype = res_ptr.dtype.element_ty
+    let_dependents_launch(PDL)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # before the wait: a weight
+    wait_for_previous_only(PDL)
+    out = _moe_row(pairs_ptr, real_rows_ptr, gate_ptr, stride_gate, shared_ptr, row, cols, mask,
+                   H, TOP_K, HAS_PADDING)
+    r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+    h = (out.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
+    tl.store(res_ptr + row * stride_res + cols, h, mask=mask)
+    scale = _rms_scale(h, H, eps)
+    tl.store(normed_ptr + row * stride_normed + cols, _normed(h, w, scale, dtype), mask=mask)
+
+
+def epilogue_add_norm(pairs: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor,
+                      real_rows: torch.Tensor | None, residual: torch.Tensor,
+                      weight: torch.Tensor, eps: float,
+                      pdl_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_ops.add_rms_norm(epilogue(pairs, gate, shared, real_rows), residual, weight, eps)
+    in one launch, for one rank (the block's output needs no all-reduce first): -> (hidden,
+    normed), hidden being residual, updated in place. The same arithmetic; one program a row
+    holds the whole row, as add_rms_norm's. No fused multiply-add here (the epilogue's rule),
+    so RMSNorm's sum of squares may round otherwise than in add_rms_norm, whose compiler may
+    fuse it: the residual has the two launches' bits, the normed row may not on CUDA
+    (docs/performance-log.md: MoE epilogue in the next add + norm)."""
+    num_rows, top_k, hidden = pairs.shape
+    pairs, shared = pairs.contiguous(), shared.contiguous()  # no copy for the block's
+    dtype = weight.dtype
+    assert residual.shape == (num_rows, hidden) and residual.dtype == dtype
+    assert residual.stride(1) == 1 and weight.shape == (hidden,)
+    normed = torch.empty(num_rows, hidden, dtype=dtype, device=residual.device)
+    if num_rows == 0:
+        return residual, normed
+    block = next_power_of_2(hidden)
+    _epilogue_add_norm_kernel[(num_rows,)](
+        pairs, pairs if real_rows is None else real_rows, gate, gate.stride(0), shared,
+        residual, residual.stride(0), normed, normed.stride(0), weight, hidden, eps,
+        TOP_K=top_k, HAS_PADDING=real_rows is not None, BLOCK=block,
+        num_warps=_norm_warps(block), enable_fp_fusion=False,  # the epilogue's rule
+        **launch_options(residual.device, num_rows, pdl_rows))
+    return residual, normed
