@@ -142,6 +142,17 @@ def _check_tile_cover(tables, experts, num_experts, block_m, where) -> None:
                              f"{int((seen > want).sum())} in a tile too many")
 
 
+def _epilogue_inputs(device, dtype, num_rows, hidden, top_k, seed):
+    """-> (the generator, then pairs [num_rows, top_k, hidden] fp32, gate [num_rows, 1] of
+    dtype with logits past +-80 in its first rows, shared [num_rows, hidden] fp32)."""
+    gen = torch.Generator().manual_seed(seed)
+    pairs = torch.randn(num_rows, top_k, hidden, generator=gen).to(device)
+    gate = (torch.randn(num_rows, 1, generator=gen) * 30).to(dtype=dtype, device=device)
+    gate[:2, 0] = torch.tensor([95.0, -95.0])[:num_rows]  # exp_fp32's clamps
+    shared = torch.randn(num_rows, hidden, generator=gen).to(device)
+    return gen, pairs, gate, shared
+
+
 def check_epilogue(device: str, dtype: torch.dtype, num_rows: int = 9, hidden: int = 700,
                    top_k: int = 4, seed: int = 3) -> None:
     """moe_glue.epilogue against fused_moe's add_experts, torch's where, moe_math.sigmoid and
@@ -149,11 +160,7 @@ def check_epilogue(device: str, dtype: torch.dtype, num_rows: int = 9, hidden: i
     from lorad.workers.kernels.fused_moe import add_experts
     from lorad.workers.kernels.moe_glue import epilogue
     from lorad.workers.kernels.moe_math import sigmoid
-    gen = torch.Generator().manual_seed(seed)
-    pairs = torch.randn(num_rows, top_k, hidden, generator=gen).to(device)
-    gate = (torch.randn(num_rows, 1, generator=gen) * 30).to(dtype=dtype, device=device)
-    gate[:2, 0] = torch.tensor([95.0, -95.0])[:num_rows]  # exp_fp32's clamps
-    shared = torch.randn(num_rows, hidden, generator=gen).to(device)
+    _, pairs, gate, shared = _epilogue_inputs(device, dtype, num_rows, hidden, top_k, seed)
     for real_rows in (None, _real_rows(device, num_rows, seed)):
         if real_rows is not None:
             pairs[~real_rows] = POISON
@@ -171,16 +178,14 @@ def check_epilogue(device: str, dtype: torch.dtype, num_rows: int = 9, hidden: i
 def check_epilogue_add_norm(device: str, dtype: torch.dtype, num_rows: int = 9,
                             hidden: int = 700, top_k: int = 4, seed: int = 3) -> None:
     """moe_glue.epilogue_add_norm against its two launches, epilogue then fused_ops'
-    add_rms_norm, with and without padding rows (their pairs NaN): the residual bit for bit;
-    the normed rows bit for bit under the interpreter, and on CUDA (where add_rms_norm's
-    compiler may fuse the sum of squares' multiply-adds, this launch's may not) within two
-    roundings of the model dtype; a row alone the same bits as in the batch."""
+    add_rms_norm, with and without padding rows (their pairs NaN), gate logits past +-80 too:
+    the residual bit for bit; the normed rows bit for bit under the interpreter, and on CUDA
+    (where add_rms_norm's compiler may fuse the sum of squares' multiply-adds, this launch's
+    may not) within two roundings of the model dtype; a row alone the same bits as in the
+    batch."""
     from lorad.workers.kernels.fused_ops import add_rms_norm
     from lorad.workers.kernels.moe_glue import epilogue, epilogue_add_norm
-    gen = torch.Generator().manual_seed(seed)
-    pairs = torch.randn(num_rows, top_k, hidden, generator=gen).to(device)
-    gate = (torch.randn(num_rows, 1, generator=gen) * 30).to(dtype=dtype, device=device)
-    shared = torch.randn(num_rows, hidden, generator=gen).to(device)
+    gen, pairs, gate, shared = _epilogue_inputs(device, dtype, num_rows, hidden, top_k, seed)
     residual = (torch.randn(num_rows, hidden, generator=gen) * 4).to(dtype=dtype, device=device)
     weight = (1 + torch.rand(hidden, generator=gen)).to(dtype=dtype, device=device)
     for real_rows in (None, _real_rows(device, num_rows, seed)):

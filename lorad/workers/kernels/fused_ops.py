@@ -46,21 +46,6 @@ def _plus_lora(x, lora_row_ptr, offs, mask, rank):
 
 
 @triton.jit
-def _add_row(delta_ptr, res_ptr, cols, mask, dtype: tl.constexpr, HAS_RES: tl.constexpr,
-             lora_ptr, lora_rank, HAS_LORA: tl.constexpr):
-    """-> hidden at `cols` of one row, in the model dtype: the layer's output (an fp32 partial sum
-    after its all-reduce, or the embedding) rounded to the model dtype, its LoRA delta added
-    (HAS_LORA), then added to the residual in the model dtype, as `hidden + out.to(dtype)`."""
-    h = tl.load(delta_ptr + cols, mask=mask, other=0.0).to(dtype)
-    if HAS_LORA:
-        h = _plus_lora(h, lora_ptr, cols, mask, lora_rank)
-    if HAS_RES:
-        r = tl.load(res_ptr + cols, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
-    return h
-
-
-@triton.jit
 def _rms_scale(h, H, eps):
     """-> 1 / sqrt(mean(h^2) + eps) in fp32, over a whole row h (zeros past H)."""
     x = h.to(tl.float32)
@@ -74,6 +59,22 @@ def _normed(h, w, scale, dtype: tl.constexpr):
     row's _rms_scale: the normalised value rounded, then the product rounded, as RMSNorm does."""
     y = (h.to(tl.float32) * scale).to(dtype)
     return (w.to(tl.float32) * y.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _add_and_norm_row(h, res_ptr, res_out_ptr, normed_ptr, w, cols, mask, H, eps,
+                      dtype: tl.constexpr, HAS_RES: tl.constexpr):
+    """One row's residual add + RMSNorm, given the layer's output h at `cols` in the model dtype
+    (an fp32 sum after its all-reduce, or the embedding, rounded; its LoRA delta in): added to
+    the residual in fp32 and rounded once, as `hidden + out.to(dtype)` (h alone without
+    HAS_RES), stored to res_out_ptr, and weight w times its RMSNorm to normed_ptr (the row's
+    pointers). Every add + norm kernel ends here: fused_ops', oneshot_reduce's, moe_glue's."""
+    if HAS_RES:
+        r = tl.load(res_ptr + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    tl.store(res_out_ptr + cols, h, mask=mask)
+    scale = _rms_scale(h, H, eps)
+    tl.store(normed_ptr + cols, _normed(h, w, scale, dtype), mask=mask)
 
 
 @triton.jit(do_not_specialize_on_alignment=["row_slots_ptr"])
@@ -93,11 +94,11 @@ def _add_rms_norm_kernel(delta_ptr, stride_delta, res_ptr, stride_res, res_out_p
     if HAS_LORA:
         lora_rank = _lora_rank(lora_ranks_ptr, row_slots_ptr, row)
     wait_for_previous_only(PDL)
-    h = _add_row(delta_ptr + row * stride_delta, res_ptr + row * stride_res, cols, mask, dtype,
-                 HAS_RES, lora_ptr + row * stride_lora, lora_rank, HAS_LORA)
-    tl.store(res_out_ptr + row * stride_res_out + cols, h, mask=mask)
-    scale = _rms_scale(h, H, eps)
-    tl.store(normed_ptr + row * stride_normed + cols, _normed(h, w, scale, dtype), mask=mask)
+    h = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(dtype)
+    if HAS_LORA:
+        h = _plus_lora(h, lora_ptr + row * stride_lora, cols, mask, lora_rank)
+    _add_and_norm_row(h, res_ptr + row * stride_res, res_out_ptr + row * stride_res_out,
+                      normed_ptr + row * stride_normed, w, cols, mask, H, eps, dtype, HAS_RES)
 
 
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

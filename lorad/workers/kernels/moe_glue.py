@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from lorad.workers.kernels import moe_math
-from lorad.workers.kernels.fused_ops import _norm_warps, _normed, _rms_scale
+from lorad.workers.kernels.fused_ops import _add_and_norm_row, _norm_warps
 from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 from lorad.workers.kernels.pdl import (launch_options, let_dependents_launch, wait_for_previous,
                                        wait_for_previous_only)
@@ -188,8 +188,8 @@ def _epilogue_add_norm_kernel(pairs_ptr, real_rows_ptr, gate_ptr, stride_gate, s
                               res_ptr, stride_res, normed_ptr, stride_normed, weight_ptr, H,
                               eps, TOP_K: tl.constexpr, HAS_PADDING: tl.constexpr,
                               BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """A row's block output (_moe_row), then fused_ops' residual add + RMSNorm of it, op for
-    op: the residual updated in place, the normed row written."""
+    """A row's block output (_moe_row), then fused_ops' residual add + RMSNorm of it
+    (_add_and_norm_row): the residual updated in place, the normed row written."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -199,11 +199,8 @@ def _epilogue_add_norm_kernel(pairs_ptr, real_rows_ptr, gate_ptr, stride_gate, s
     wait_for_previous_only(PDL)
     out = _moe_row(pairs_ptr, real_rows_ptr, gate_ptr, stride_gate, shared_ptr, row, cols, mask,
                    H, TOP_K, HAS_PADDING)
-    r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-    h = (out.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
-    tl.store(res_ptr + row * stride_res + cols, h, mask=mask)
-    scale = _rms_scale(h, H, eps)
-    tl.store(normed_ptr + row * stride_normed + cols, _normed(h, w, scale, dtype), mask=mask)
+    _add_and_norm_row(out.to(dtype), res_ptr + row * stride_res, res_ptr + row * stride_res,
+                      normed_ptr + row * stride_normed, w, cols, mask, H, eps, dtype, True)
 
 
 def epilogue_add_norm(pairs: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorad.workers.kernels.fused_ops import _norm_warps, _normed, _rms_scale
+from lorad.workers.kernels.fused_ops import _add_and_norm_row, _norm_warps
 from lorad.workers.kernels.launch_math import cdiv, next_power_of_2
 
 SUM_BLOCK = 1024  # columns per tile of the plain sum; a row's bits do not depend on it
@@ -137,15 +137,10 @@ def _oneshot_add_rms_norm_kernel(x_ptr, stride_x, data_ptr, row_stride, half_str
     for i in range(pid, num_rows, num_programs):
         row = tl.cast(i, tl.int64)
         total = _rank_ordered_sum(data_ptr, half, row * row_stride + cols, mask, WORLD)
-        # As fused_ops._add_row: the sum rounded to the model dtype, added to the residual in
-        # fp32 and rounded once (the LoRA delta is already in the partials).
-        h = total.to(dtype)
-        if HAS_RES:
-            r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
-        tl.store(res_out_ptr + row * stride_res_out + cols, h, mask=mask)
-        scale = _rms_scale(h, H, eps)
-        tl.store(normed_ptr + row * stride_normed + cols, _normed(h, w, scale, dtype), mask=mask)
+        # The sum rounded to the model dtype (the LoRA delta is already in the partials).
+        _add_and_norm_row(total.to(dtype), res_ptr + row * stride_res,
+                          res_out_ptr + row * stride_res_out, normed_ptr + row * stride_normed,
+                          w, cols, mask, H, eps, dtype, HAS_RES)
 
 
 def _common_args(x: torch.Tensor, peers: PeerBuffers) -> tuple:
